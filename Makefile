@@ -1,0 +1,39 @@
+# The README's commands. Each target creates .venv itself on a fresh machine.
+VENV := .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch that lies on this machine's disk; any torch>=2.4 works for the package.
+TORCH := torch==2.13.0
+
+.PHONY: setup demo test test-all lint bench train-model eval
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup  ## generate with the bundled model, then a short accuracy/steps table
+	$(VENV)/bin/dilaserve generate --prompt "Tom has 12 apples. Tom buys 5 more. Then Tom gives away 3. How many apples does Tom have now?"
+	$(VENV)/bin/dilaserve eval --num 100 --thresholds 0.5,0.7,0.9
+
+test: setup
+	$(PY) -m pytest -q
+
+test-all: setup  ## includes tests marked slow
+	$(PY) -m pytest -q -m ""
+
+lint: setup
+	$(VENV)/bin/ruff check dilaserve tests benchmarks
+	$(VENV)/bin/ruff format --check dilaserve tests benchmarks
+
+bench: setup
+	$(PY) benchmarks/engine.py
+
+eval: setup
+	$(VENV)/bin/dilaserve eval
+
+train-model: setup  ## retrain the bundled model (about an hour on 2 cores)
+	$(VENV)/bin/dilaserve train-model --out dilaserve/assets/tiny-llada --minutes 60

@@ -1,0 +1,144 @@
+"""Engine throughput: generated tokens/s and ms per step by batch size, KV-cache mode and prompt.
+
+    python benchmarks/engine.py [--model PATH] [--batches 1,8,32,128] [--prompts 64,512]
+
+Each configuration starts `batch` requests at once (prompt of exactly P tokens, output window
+`--gen` tokens, threshold 0.9, early finish off so every request generates the whole window) and
+steps them together. A configuration stops after `--budget` seconds; tokens/s is committed output
+tokens over wall time, so a cut-short run still measures the steady mix of step kinds. Writes a
+run folder (config, records, summary, report) under `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import replace
+
+from dilaserve.config import EngineConfig
+from dilaserve.engine.engine import Engine
+from dilaserve.engine.llm import BUNDLED_MODEL
+from dilaserve.models.tokenizer import Tokenizer
+from dilaserve.protocol import StepBatch, StepItem
+from dilaserve.request import Request
+from dilaserve.runs import create_run_dir, environment, markdown_table, write_json, write_records
+from dilaserve.tasks import arith
+
+COLUMNS = [
+    "kv_cache",
+    "prompt_len",
+    "batch",
+    "steps",
+    "tokens",
+    "seconds",
+    "ms_per_step",
+    "tokens_per_s",
+    "request_s",
+]
+
+
+def make_prompt(tok: Tokenizer, length: int) -> tuple[int, ...]:
+    ids: list[int] = []
+    for p in arith.generate(200, seed=5):
+        ids += tok.encode(p.question + " " + p.target)
+        if len(ids) >= length:
+            return tuple(ids[:length])
+    raise ValueError(f"could not build a prompt of {length} tokens")
+
+
+def run_config(
+    engine: Engine, tok: Tokenizer, prompt: tuple[int, ...], batch: int, gen: int, budget: float
+) -> dict:
+    requests = [
+        Request(f"r{i}", prompt, gen, engine.config.block_len, tok.special.mask, 0.9)
+        for i in range(batch)
+    ]
+    for r in requests:
+        engine.release(r.request_id)
+    steps, tokens, start = 0, 0, time.perf_counter()
+    active = requests
+    while active and time.perf_counter() - start < budget:
+        items = tuple(
+            StepItem(
+                r.request_id,
+                r.threshold,
+                r.next_kind(engine.config.kv_cache, engine.has_request(r.request_id)),
+                None if engine.has_request(r.request_id) else r.spec(),
+            )
+            for r in active
+        )
+        out = engine.execute(StepBatch(items))
+        for r, res in zip(active, out.results):
+            r.apply(res)
+            tokens += len(res.positions)
+        steps += 1
+        active = [r for r in active if not r.is_finished]
+    seconds = time.perf_counter() - start
+    for r in active:
+        engine.release(r.request_id)
+    per_request_tokens_s = tokens / batch / seconds
+    return {
+        "kv_cache": engine.config.kv_cache.value,
+        "prompt_len": len(prompt),
+        "batch": batch,
+        "steps": steps,
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "ms_per_step": round(1000 * seconds / steps, 2),
+        "tokens_per_s": round(tokens / seconds, 1),
+        "request_s": round(gen / per_request_tokens_s, 3),
+        "complete": not active,
+    }
+
+
+def ratios(records: list[dict], gen: int) -> dict:
+    key = {(r["kv_cache"], r["prompt_len"], r["batch"]): r for r in records}
+    out = {}
+    for mode, prompt, _ in key:
+        if (mode, prompt, 1) in key and (mode, prompt, 32) in key:
+            out[f"batch32_over_batch1[{mode},P={prompt}]"] = round(
+                key[mode, prompt, 32]["tokens_per_s"] / key[mode, prompt, 1]["tokens_per_s"], 2
+            )
+    for prompt in {p for _, p, _ in key}:
+        if ("none", prompt, 1) in key and ("dual", prompt, 1) in key:
+            out[f"dual_speedup_per_request[P={prompt},gen={gen}]"] = round(
+                key["none", prompt, 1]["request_s"] / key["dual", prompt, 1]["request_s"], 2
+            )
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default=str(BUNDLED_MODEL))
+    ap.add_argument("--batches", default="1,8,32,128")
+    ap.add_argument("--prompts", default="64,512")
+    ap.add_argument("--modes", default="none,prefix,dual")
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--budget", type=float, default=20.0, help="seconds per configuration")
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    base = Engine.from_checkpoint(args.model, EngineConfig(early_finish=False))
+    tok = Tokenizer(args.model, base.model.config)
+    run = create_run_dir(args.out, "engine")
+    write_json(run / "config.json", {**vars(args), "environment": environment()})
+    records = []
+    for mode in args.modes.split(","):
+        engine = Engine(base.model, base.special, replace(base.config, kv_cache=mode))
+        for prompt_len in map(int, args.prompts.split(",")):
+            prompt = make_prompt(tok, prompt_len)
+            run_config(engine, tok, prompt, 1, args.gen, 2.0)  # warm-up
+            for batch in map(int, args.batches.split(",")):
+                records.append(run_config(engine, tok, prompt, batch, args.gen, args.budget))
+                print(records[-1], flush=True)
+    write_records(run / "records.csv", records)
+    summary = {"ratios": ratios(records, args.gen), "records": records}
+    write_json(run / "summary.json", summary)
+    report = markdown_table(records, COLUMNS)
+    (run / "report.md").write_text(f"# engine benchmark\n\n{report}\n\n{summary['ratios']}\n")
+    print(report)
+    print(summary["ratios"])
+    print(f"run folder: {run}")
+
+
+if __name__ == "__main__":
+    main()

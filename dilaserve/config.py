@@ -1,0 +1,55 @@
+"""Frozen, validated configuration for every knob; errors name the field that is wrong."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dilaserve.protocol import KVCacheMode
+
+DEFAULT_BLOCK_LEN = 32
+DEFAULT_THRESHOLD = 0.9
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """One model instance.
+
+    kv_cache: "none" (every step a full forward), "prefix" or "dual" (Fast-dLLM-style approximate
+    cache, refreshed at each block's first step). early_finish: a request ends once it has
+    committed an end-of-sequence token and everything before it.
+    """
+
+    kv_cache: KVCacheMode = KVCacheMode.DUAL
+    block_len: int = DEFAULT_BLOCK_LEN
+    dtype: str = "float32"
+    device: str = "cpu"
+    early_finish: bool = True
+    max_batch_tokens: int = 65_536
+
+    def __post_init__(self):
+        object.__setattr__(self, "kv_cache", KVCacheMode(self.kv_cache))
+        if self.block_len <= 0:
+            raise ValueError(f"{self.block_len=} must be positive")
+        if self.max_batch_tokens <= 0:
+            raise ValueError(f"{self.max_batch_tokens=} must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request generation settings.
+
+    threshold: commit every masked position whose confidence exceeds it (at least one per step).
+    max_tokens: the output window; rounded up to a whole number of blocks by the engine.
+    """
+
+    threshold: float = DEFAULT_THRESHOLD
+    max_tokens: int = 64
+
+    def __post_init__(self):
+        if not 0.0 < self.threshold <= 1.0:
+            raise ValueError(f"{self.threshold=} must be in (0, 1]")
+        if self.max_tokens <= 0:
+            raise ValueError(f"{self.max_tokens=} must be positive")
+
+    def gen_len(self, block_len: int) -> int:
+        return -(-self.max_tokens // block_len) * block_len

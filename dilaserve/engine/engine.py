@@ -1,0 +1,222 @@
+"""One model instance: executes a denoising step for a heterogeneous `StepBatch`.
+
+Requests in one batch may differ in prompt length, output window, current block, threshold and
+step kind. Rows are grouped into full-sequence forwards (FULL and RECOMPUTE steps) and
+current-block forwards against the cache (CACHE steps); each group runs as padded, batched
+forward passes. The engine owns its requests' token state and K/V caches; it knows nothing about
+SLOs, other instances or the wall clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dilaserve.config import EngineConfig
+from dilaserve.engine import kv_cache
+from dilaserve.engine.sequence import Sequence
+from dilaserve.engine.unmask import select_unmask
+from dilaserve.models.llada import LLaDAModelLM
+from dilaserve.models.tokenizer import SpecialIds
+from dilaserve.protocol import (
+    KVCacheMode,
+    RequestStepResult,
+    StepBatch,
+    StepItem,
+    StepKind,
+    StepOutput,
+)
+
+
+@dataclass
+class _Row:
+    seq: Sequence
+    item: StepItem
+    kind: StepKind
+    q_start: int  # absolute span run through the model
+    q_end: int
+
+    @property
+    def window_start(self) -> int:
+        """Output-window index of the first position whose logits this row reads."""
+        return max(self.q_start, self.seq.prompt_len) - self.seq.prompt_len
+
+    @property
+    def window_len(self) -> int:
+        return self.q_end - self.seq.prompt_len - self.window_start
+
+
+class Engine:
+    def __init__(self, model: LLaDAModelLM, special: SpecialIds, config: EngineConfig):
+        self.model = model
+        self.special = special
+        self.config = config
+        self.device = torch.device(config.device)
+        self._seqs: dict[str, Sequence] = {}
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, config: EngineConfig = EngineConfig()) -> Engine:
+        from dilaserve.models.checkpoint import load_model
+        from dilaserve.models.tokenizer import Tokenizer
+
+        model = load_model(path, config.dtype, device=config.device)
+        return cls(model, Tokenizer(Path(path), model.config).special, config)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._seqs)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._seqs
+
+    def release(self, request_id: str) -> None:
+        self._seqs.pop(request_id, None)
+
+    # -- one step ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, batch: StepBatch) -> StepOutput:
+        self._validate(batch)
+        rows = [self._plan_row(item) for item in batch.items]
+        results: dict[str, RequestStepResult] = {}
+        for cached in (False, True):
+            group = [r for r in rows if (r.kind is StepKind.CACHE) == cached]
+            for chunk in self._chunks(group):
+                results.update(self._run(chunk, cached))
+        num_tokens = sum(r.q_end - r.q_start for r in rows)
+        return StepOutput(tuple(results[i.request_id] for i in batch.items), num_tokens)
+
+    def _validate(self, batch: StepBatch) -> None:
+        seen: set[str] = set()
+        for item in batch.items:
+            if item.request_id in seen:
+                raise ValueError(f"request {item.request_id} appears twice in one step batch")
+            seen.add(item.request_id)
+            if not 0.0 < item.threshold <= 1.0:
+                raise ValueError(
+                    f"request {item.request_id}: threshold={item.threshold} must be in (0, 1]"
+                )
+            if item.spec is None and item.request_id not in self._seqs:
+                raise KeyError(
+                    f"request {item.request_id} is not on this instance and its step "
+                    "carries no sequence spec"
+                )
+
+    def _plan_row(self, item: StepItem) -> _Row:
+        if item.spec is not None:
+            self._seqs[item.request_id] = Sequence(
+                item.request_id,
+                item.spec.prompt_ids,
+                item.spec.output_ids,
+                item.spec.output_conf,
+                self.config.block_len,
+                self.special.mask,
+            )
+        seq = self._seqs[item.request_id]
+        kind = self._actual_kind(item.kind, seq)
+        if kind is StepKind.CACHE:
+            start, end = kv_cache.query_span(self.config.kv_cache, seq)
+            return _Row(seq, item, kind, start, end)
+        return _Row(seq, item, kind, 0, seq.total_len)
+
+    def _actual_kind(self, requested: StepKind, seq: Sequence) -> StepKind:
+        """Without a cache mode every step is FULL; a cache step with no valid cache recomputes."""
+        if self.config.kv_cache is KVCacheMode.NONE:
+            return StepKind.FULL
+        if requested is StepKind.CACHE and not seq.has_cache_for_current_block():
+            return StepKind.RECOMPUTE
+        return requested
+
+    def _chunks(self, rows: list[_Row]):
+        chunk, tokens = [], 0
+        for row in rows:
+            size = row.q_end - row.q_start
+            if chunk and tokens + size > self.config.max_batch_tokens:
+                yield chunk
+                chunk, tokens = [], 0
+            chunk.append(row)
+            tokens += size
+        if chunk:
+            yield chunk
+
+    def _run(self, rows: list[_Row], cached: bool) -> dict[str, RequestStepResult]:
+        ids, positions, valid = self._inputs(rows)
+        context = kv_cache.build_context([r.seq for r in rows]) if cached else None
+        keep_kv = any(r.kind is StepKind.RECOMPUTE for r in rows)
+        out = self.model(ids, positions, valid, context=context, keep_kv=keep_kv)
+        if keep_kv:
+            for i, row in enumerate(rows):
+                if row.kind is StepKind.RECOMPUTE:
+                    kv_cache.store(self.config.kv_cache, row.seq, out.keys, out.values, i)
+        conf, top = self._top1(rows, out.hidden)
+        return self._decide(rows, conf, top)
+
+    def _inputs(self, rows: list[_Row]):
+        longest = max(r.q_end - r.q_start for r in rows)
+        ids = torch.full((len(rows), longest), self.special.eos, dtype=torch.long)
+        positions = torch.zeros(len(rows), longest, dtype=torch.long)
+        valid = torch.zeros(len(rows), longest, dtype=torch.bool)
+        for i, r in enumerate(rows):
+            n = r.q_end - r.q_start
+            ids[i, :n] = r.seq.ids[r.q_start : r.q_end]
+            positions[i, :n] = torch.arange(r.q_start, r.q_end)
+            valid[i, :n] = True
+        return ids.to(self.device), positions.to(self.device), valid.to(self.device)
+
+    def _top1(self, rows: list[_Row], hidden: torch.Tensor):
+        """Top-1 token and probability for each row's logit window, [rows, longest window]."""
+        longest = max(r.window_len for r in rows)
+        index = torch.zeros(len(rows), longest, dtype=torch.long)
+        for i, r in enumerate(rows):
+            offset = r.seq.prompt_len + r.window_start - r.q_start
+            index[i, : r.window_len] = torch.arange(offset, offset + r.window_len)
+        index = index.to(hidden.device)
+        picked = hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[-1]))
+        logits = self.model.logits(picked).float()
+        logits[..., self.special.mask] = float("-inf")
+        conf, top = torch.softmax(logits, dim=-1).max(dim=-1)
+        return conf.cpu(), top.cpu()
+
+    def _decide(self, rows, conf, top) -> dict[str, RequestStepResult]:
+        candidates = torch.zeros(conf.shape, dtype=torch.bool)
+        blocks = []
+        for i, r in enumerate(rows):
+            block = r.seq.block
+            blocks.append(block)
+            b_start, b_end = r.seq.block_span(block)
+            w0 = r.window_start
+            lo, hi = max(b_start, w0), min(b_end, w0 + r.window_len)
+            candidates[i, lo - w0 : hi - w0] = torch.from_numpy(r.seq.is_masked[lo:hi])
+        thresholds = torch.tensor([r.item.threshold for r in rows], dtype=conf.dtype)
+        commit = select_unmask(conf, candidates, thresholds)
+        return {
+            r.item.request_id: self._apply(r, blocks[i], conf[i], top[i], commit[i])
+            for i, r in enumerate(rows)
+        }
+
+    def _apply(self, row: _Row, block: int, conf, top, commit) -> RequestStepResult:
+        seq, w0, n = row.seq, row.window_start, row.window_len
+        window_conf = conf[:n].numpy()
+        still_masked = seq.is_masked[w0 : w0 + n]
+        seq.conf[w0 : w0 + n][still_masked] = window_conf[still_masked]
+        picked = np.flatnonzero(commit[:n].numpy())
+        positions = (picked + w0).astype(np.int32)
+        tokens = top[:n].numpy()[picked].astype(np.int32)
+        seq.commit(positions, tokens, window_conf[picked])
+        finished = seq.is_finished(self.special.stop_ids, self.config.early_finish)
+        result = RequestStepResult(
+            request_id=seq.request_id,
+            kind=row.kind,
+            positions=positions,
+            tokens=tokens,
+            confidences=seq.conf.copy(),
+            block_index=block,
+            is_block_done=finished or seq.block != block,
+            is_finished=finished,
+        )
+        if finished:
+            self.release(seq.request_id)
+        return result

@@ -1,0 +1,86 @@
+"""Offline facade: `LLM(model_path).generate(prompts, SamplingParams(...))`.
+
+Runs the engine's step loop for a list of prompts with continuous batching (a finished request's
+slot is refilled at the next step). Useful for scripts, evaluation and benchmarks; serving goes
+through the control plane instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from dilaserve.config import EngineConfig, SamplingParams
+from dilaserve.engine.engine import Engine
+from dilaserve.models.tokenizer import Tokenizer
+from dilaserve.protocol import StepBatch, StepItem, StepKind
+from dilaserve.request import Request
+
+BUNDLED_MODEL = Path(__file__).resolve().parent.parent / "assets" / "tiny-llada"
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    prompt: str
+    text: str
+    token_ids: tuple[int, ...]
+    num_steps: int
+    steps_by_kind: dict[str, int]
+
+
+class LLM:
+    def __init__(self, model: str | Path = BUNDLED_MODEL, config: EngineConfig = EngineConfig()):
+        self.engine = Engine.from_checkpoint(model, config)
+        self.tokenizer = Tokenizer(Path(model), self.engine.model.config)
+        self.config = config
+
+    def encode_prompt(self, prompt: str, chat: bool) -> list[int]:
+        return self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode(prompt)
+
+    def generate(
+        self,
+        prompts: str | list[str],
+        params: SamplingParams = SamplingParams(),
+        chat: bool = True,
+        max_batch: int = 64,
+    ) -> list[Completion]:
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        gen_len = params.gen_len(self.config.block_len)
+        requests = [
+            Request(
+                str(i),
+                tuple(self.encode_prompt(p, chat)),
+                gen_len,
+                self.config.block_len,
+                self.tokenizer.special.mask,
+                params.threshold,
+            )
+            for i, p in enumerate(prompts)
+        ]
+        self.run(requests, max_batch)
+        return [self._completion(p, r) for p, r in zip(prompts, requests)]
+
+    def run(self, requests: list[Request], max_batch: int) -> None:
+        """Step every request to completion, at most `max_batch` in flight at once."""
+        waiting, active, on_engine = list(reversed(requests)), [], set()
+        while waiting or active:
+            while waiting and len(active) < max_batch:
+                active.append(waiting.pop())
+            items = tuple(self._item(r, on_engine) for r in active)
+            on_engine.update(r.request_id for r in active)
+            output = self.engine.execute(StepBatch(items))
+            for request, result in zip(active, output.results):
+                request.apply(result)
+            active = [r for r in active if not r.is_finished]
+
+    def _item(self, request: Request, on_engine: set[str]) -> StepItem:
+        present = request.request_id in on_engine
+        kind = request.next_kind(self.config.kv_cache, has_cache=present)
+        return StepItem(
+            request.request_id, request.threshold, kind, spec=None if present else request.spec()
+        )
+
+    def _completion(self, prompt: str, request: Request) -> Completion:
+        ids = request.generated_ids(self.tokenizer.special.stop_ids)
+        kinds = {StepKind(k).value: n for k, n in request.steps_by_kind.items()}
+        return Completion(prompt, self.tokenizer.decode(ids), tuple(ids), request.num_steps, kinds)

@@ -1,0 +1,83 @@
+"""One request's token state inside an engine instance, and its cached K/V.
+
+Positions are absolute (prompt first, then the output window). The output window is split into
+blocks of `block_len`; the current block is the first one with a masked position. This module
+does the bookkeeping of a step's outcome (commit, block progress, early finish); it runs no model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class CachedKV:
+    """K/V (after rotary) of the positions a recompute step stored, per layer [kv_heads, n, hd]."""
+
+    block: int  # the block whose recompute step stored them
+    positions: torch.Tensor
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+
+class Sequence:
+    def __init__(
+        self, request_id: str, prompt_ids, output_ids, output_conf, block_len: int, mask_id: int
+    ):
+        gen_len = len(output_ids)
+        if gen_len == 0 or gen_len % block_len:
+            raise ValueError(
+                f"request {request_id}: output window of {gen_len} tokens is not a "
+                f"positive multiple of block_len={block_len}"
+            )
+        if not prompt_ids:
+            raise ValueError(f"request {request_id}: prompt is empty")
+        self.request_id = request_id
+        self.prompt_len = len(prompt_ids)
+        self.gen_len = gen_len
+        self.block_len = block_len
+        self.ids = torch.tensor(list(prompt_ids) + list(output_ids), dtype=torch.long)
+        self.is_masked = np.asarray(output_ids) == mask_id
+        self.conf = (
+            np.zeros(gen_len, np.float32)
+            if output_conf is None
+            else np.asarray(output_conf, np.float32).copy()
+        )
+        self.kv: CachedKV | None = None
+
+    @property
+    def total_len(self) -> int:
+        return self.prompt_len + self.gen_len
+
+    @property
+    def block(self) -> int:
+        """Index of the current block (the first with a masked position)."""
+        masked = np.flatnonzero(self.is_masked)
+        return int(masked[0]) // self.block_len if masked.size else self.gen_len // self.block_len
+
+    def block_span(self, block: int) -> tuple[int, int]:
+        """Output-window [start, end) of a block."""
+        return block * self.block_len, (block + 1) * self.block_len
+
+    def has_cache_for_current_block(self) -> bool:
+        return self.kv is not None and self.kv.block == self.block
+
+    def output_ids(self) -> torch.Tensor:
+        return self.ids[self.prompt_len :]
+
+    def commit(self, positions: np.ndarray, tokens: np.ndarray, conf: np.ndarray) -> None:
+        self.ids[self.prompt_len + positions] = torch.from_numpy(tokens.astype(np.int64))
+        self.is_masked[positions] = False
+        self.conf[positions] = conf
+
+    def is_finished(self, stop_ids: frozenset[int], early_finish: bool) -> bool:
+        if not self.is_masked.any():
+            return True
+        if not early_finish:
+            return False
+        out = self.output_ids().numpy()
+        stops = np.flatnonzero(np.isin(out, list(stop_ids)) & ~self.is_masked)
+        return bool(stops.size) and not self.is_masked[: stops[0]].any()

@@ -1,0 +1,164 @@
+"""The LLaDA architecture: a bidirectional LLaMA-style transformer (no causal mask).
+
+Parameter names follow the Hugging Face layout in which LLaDA-8B-Base/-Instruct and LLaDA-1.5
+are published (`model.transformer.blocks.N.q_proj.weight`, ...), so their safetensors shards
+load without renaming. The forward pass optionally attends to cached keys/values of positions
+it does not recompute (`KVContext`), which is all the approximate KV cache needs from the model;
+which positions to cache is the engine's business, not the model's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dilaserve.models.config import LLaDAConfig
+from dilaserve.models.layers import (
+    ColumnParallelLinear,
+    Embedding,
+    RMSNorm,
+    Rotary,
+    RowParallelLinear,
+    TPGroup,
+)
+
+
+@dataclass
+class KVContext:
+    """Cached keys/values (after rotary) the queried tokens also attend to.
+
+    keys[layer], values[layer]: [batch, kv_heads, ctx_len, head_dim]; valid: [batch, ctx_len].
+    """
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    valid: torch.Tensor
+
+
+@dataclass
+class ForwardResult:
+    hidden: torch.Tensor  # [batch, seq, d_model], after the final norm
+    keys: list[torch.Tensor] | None  # per layer [batch, kv_heads, seq, head_dim], if requested
+    values: list[torch.Tensor] | None
+
+
+class LLaDABlock(nn.Module):
+    def __init__(self, cfg: LLaDAConfig, tp: TPGroup):
+        super().__init__()
+        d, hd = cfg.d_model, cfg.head_dim
+        self.num_heads = tp.shard_len(cfg.n_heads, "n_heads")
+        self.num_kv_heads = tp.shard_len(cfg.num_kv_heads, "n_kv_heads")
+        self.head_dim = hd
+        self.attn_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.q_proj = ColumnParallelLinear(d, cfg.n_heads * hd, tp)
+        self.k_proj = ColumnParallelLinear(d, cfg.num_kv_heads * hd, tp)
+        self.v_proj = ColumnParallelLinear(d, cfg.num_kv_heads * hd, tp)
+        self.attn_out = RowParallelLinear(cfg.n_heads * hd, d, tp)
+        self.ff_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.ff_proj = ColumnParallelLinear(d, cfg.mlp_hidden_size, tp)  # gate (SiLU)
+        self.up_proj = ColumnParallelLinear(d, cfg.mlp_hidden_size, tp)
+        self.ff_out = RowParallelLinear(cfg.mlp_hidden_size, d, tp)
+
+    def _split(self, x: torch.Tensor, heads: int) -> torch.Tensor:
+        b, s, _ = x.shape
+        return x.view(b, s, heads, self.head_dim).transpose(1, 2)
+
+    def attention(self, x, positions, key_valid, rotary, ctx_k, ctx_v):
+        q = rotary(self._split(self.q_proj(x), self.num_heads), positions)
+        k = rotary(self._split(self.k_proj(x), self.num_kv_heads), positions)
+        v = self._split(self.v_proj(x), self.num_kv_heads)
+        new_k, new_v = k, v
+        if ctx_k is not None:
+            k, v = torch.cat((ctx_k, k), dim=2), torch.cat((ctx_v, v), dim=2)
+        repeat = self.num_heads // self.num_kv_heads
+        if repeat > 1:
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        mask = key_valid[:, None, None, :]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        b, _, s, _ = out.shape
+        return self.attn_out(out.transpose(1, 2).reshape(b, s, -1)), new_k, new_v
+
+    def forward(self, x, positions, key_valid, rotary, ctx_k=None, ctx_v=None):
+        h, k, v = self.attention(self.attn_norm(x), positions, key_valid, rotary, ctx_k, ctx_v)
+        x = x + h
+        y = self.ff_norm(x)
+        x = x + self.ff_out(F.silu(self.ff_proj(y)) * self.up_proj(y))
+        return x, k, v
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: LLaDAConfig, tp: TPGroup):
+        super().__init__()
+        self.wte = Embedding(cfg.padded_vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(LLaDABlock(cfg, tp) for _ in range(cfg.n_layers))
+        self.ln_f = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
+        if not cfg.weight_tying:
+            # The LM head is replicated on every rank (logits are needed whole for top-1).
+            self.ff_out = ColumnParallelLinear(cfg.d_model, cfg.padded_vocab_size)
+
+
+class LLaDAModel(nn.Module):
+    """LLaDA mask predictor. Outer name `model` mirrors the checkpoint's `model.transformer.*`."""
+
+    def __init__(self, cfg: LLaDAConfig, tp: TPGroup = TPGroup()):
+        super().__init__()
+        self.config = cfg
+        self.transformer = Transformer(cfg, tp)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        valid: torch.Tensor,
+        context: KVContext | None = None,
+        keep_kv: bool = False,
+    ) -> ForwardResult:
+        """input_ids, positions, valid: [batch, seq]; `valid` marks real (non-padding) tokens."""
+        t = self.transformer
+        x = t.wte(input_ids)
+        key_valid = valid if context is None else torch.cat((context.valid, valid), dim=1)
+        keys, values = ([], []) if keep_kv else (None, None)
+        for i, block in enumerate(t.blocks):
+            ctx_k = context.keys[i] if context is not None else None
+            ctx_v = context.values[i] if context is not None else None
+            x, k, v = block(x, positions, key_valid, self.rotary, ctx_k, ctx_v)
+            if keep_kv:
+                keys.append(k)
+                values.append(v)
+        return ForwardResult(t.ln_f(x), keys, values)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        t = self.transformer
+        head = t.wte.weight if self.config.weight_tying else t.ff_out.weight
+        return F.linear(hidden, head)[..., : self.config.vocab_size]
+
+
+class LLaDAModelLM(nn.Module):
+    """Top-level module; its state-dict keys are the checkpoint's (`model.transformer...`)."""
+
+    def __init__(self, cfg: LLaDAConfig, tp: TPGroup = TPGroup()):
+        super().__init__()
+        self.model = LLaDAModel(cfg, tp)
+
+    @property
+    def config(self) -> LLaDAConfig:
+        return self.model.config
+
+    def forward(self, *args, **kwargs) -> ForwardResult:
+        return self.model(*args, **kwargs)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(hidden)
+
+    def init_weights(self, seed: int = 0, std: float = 0.02) -> None:
+        """Random initialisation (for training from scratch and for tests)."""
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("ln_f.weight"):
+                p.data.fill_(1.0)
+            else:
+                p.data.normal_(0.0, std, generator=gen)

@@ -1,0 +1,89 @@
+"""A checkpoint's tokenizer and chat template, from its own files (no network, no remote code).
+
+Reads `tokenizer.json` (the `tokenizers` library's format) and `tokenizer_config.json` (special
+tokens and the Jinja chat template), the files LLaDA checkpoints ship. Special ids (mask, EOS,
+end-of-turn) are resolved here, from the model config first and the tokenizer second.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+
+MASK_TOKEN = "<|mdm_mask|>"
+EOT_TOKEN = "<|eot_id|>"
+
+
+@dataclass(frozen=True, slots=True)
+class SpecialIds:
+    mask: int
+    eos: int
+    eot: int | None
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        return frozenset(i for i in (self.eos, self.eot) if i is not None)
+
+
+class Tokenizer:
+    def __init__(self, folder: Path, model_config=None):
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
+        if not path.exists():
+            raise FileNotFoundError(f"no tokenizer.json in checkpoint folder {folder}")
+        self._tok = HFTokenizer.from_file(str(path))
+        cfg_path = folder / "tokenizer_config.json"
+        self.config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        self.special = self._resolve_special(model_config)
+
+    def _token_id(self, token: str | dict | None) -> int | None:
+        if isinstance(token, dict):
+            token = token.get("content")
+        return None if token is None else self._tok.token_to_id(token)
+
+    def _resolve_special(self, model_config) -> SpecialIds:
+        mask = getattr(model_config, "mask_token_id", None) or self._token_id(MASK_TOKEN)
+        eos = getattr(model_config, "eos_token_id", None)
+        if eos is None:
+            eos = self._token_id(self.config.get("eos_token"))
+        if mask is None:
+            raise ValueError(
+                f"cannot find the mask token: set mask_token_id in config.json or "
+                f"add {MASK_TOKEN} to the tokenizer"
+            )
+        if eos is None:
+            raise ValueError(
+                "cannot find the EOS token: set eos_token_id in config.json or "
+                "eos_token in tokenizer_config.json"
+            )
+        return SpecialIds(mask=mask, eos=eos, eot=self._token_id(EOT_TOKEN))
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        template = self.config.get("chat_template")
+        if not template:
+            raise ValueError("this checkpoint's tokenizer_config.json has no chat_template")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        bos = self.config.get("bos_token") or ""
+        if isinstance(bos, dict):
+            bos = bos.get("content", "")
+        return env.from_string(template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos
+        )
+
+    def encode_chat(self, user_text: str) -> list[int]:
+        return self.encode(self.apply_chat_template([{"role": "user", "content": user_text}]))

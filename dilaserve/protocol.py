@@ -1,0 +1,108 @@
+"""The seams between the control plane and model instances.
+
+The scheduler hands an executor a `StepBatch` and gets a `StepOutput` back (DESIGN section 3).
+An executor keeps its own copy of each request's tokens: a request's full sequence travels once,
+when it first runs on an instance (`SequenceSpec`); after that a step names only the request,
+its threshold and the step kind. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+
+class StepKind(str, enum.Enum):
+    """What one denoising step computes (DESIGN section 1)."""
+
+    FULL = "full"  # no KV cache: the whole sequence, nothing stored
+    RECOMPUTE = "recompute"  # the whole sequence, K/V stored (a block's first step)
+    CACHE = "cache"  # the current block (dual) or block + suffix (prefix), against stored K/V
+
+
+class KVCacheMode(str, enum.Enum):
+    NONE = "none"
+    PREFIX = "prefix"
+    DUAL = "dual"
+
+
+def next_step_kind(mode: KVCacheMode, starts_block: bool, has_cache: bool) -> StepKind:
+    """The kind of a request's next step: recompute at a block's first step or without a cache."""
+    if mode is KVCacheMode.NONE:
+        return StepKind.FULL
+    return StepKind.RECOMPUTE if starts_block or not has_cache else StepKind.CACHE
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceSpec:
+    """A request's whole token state, sent when it first runs on an instance.
+
+    `output_ids` has `gen_len` entries; uncommitted positions hold the mask id.
+    `output_conf` carries the confidences the request already has (commit-time for committed
+    positions), so that a migrated request keeps them.
+    """
+
+    prompt_ids: tuple[int, ...]
+    output_ids: tuple[int, ...]
+    output_conf: tuple[float, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepItem:
+    request_id: str
+    threshold: float
+    kind: StepKind
+    spec: SequenceSpec | None = None  # required the first time a request runs on an instance
+
+
+@dataclass(frozen=True, slots=True)
+class StepBatch:
+    items: tuple[StepItem, ...]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestStepResult:
+    """What one step did to one request.
+
+    positions: output-window indices committed this step; tokens: their ids.
+    confidences: float32 [gen_len], the latest top-1 probability of every masked position and
+    the commit-time probability of every committed one.
+    """
+
+    request_id: str
+    kind: StepKind
+    positions: np.ndarray
+    tokens: np.ndarray
+    confidences: np.ndarray
+    block_index: int  # the block this step worked on
+    is_block_done: bool  # that block is now fully committed
+    is_finished: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    results: tuple[RequestStepResult, ...]
+    num_tokens: int  # tokens the forward passes processed (the batch size the profile indexes)
+
+    def by_id(self) -> dict[str, RequestStepResult]:
+        return {r.request_id: r for r in self.results}
+
+
+class Executor(Protocol):
+    """A model instance: the real engine, a worker process, or the simulator's stand-in."""
+
+    def execute(self, batch: StepBatch) -> StepOutput: ...
+
+    def release(self, request_id: str) -> None:
+        """Forget a request (finished, cancelled or migrated away) and free its cache."""
+        ...

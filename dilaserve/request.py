@@ -1,0 +1,114 @@
+"""A request's state as the control plane sees it: tokens, block progress, counters, timing.
+
+The engine keeps its own copy of the tokens; this copy is updated from each `RequestStepResult`
+so that the request can resume on any instance (`spec()`). Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dilaserve.protocol import (
+    KVCacheMode,
+    RequestStepResult,
+    SequenceSpec,
+    StepKind,
+    next_step_kind,
+)
+
+
+class RequestStatus(str, enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    gen_len: int
+    block_len: int
+    mask_id: int
+    threshold: float
+    arrival_time: float = 0.0
+    deadline: float | None = None
+    priority: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    output_ids: np.ndarray = field(init=False)
+    confidences: np.ndarray = field(init=False)
+    starts_block: bool = True  # the next step is the first step of a block
+    num_steps: int = 0
+    steps_by_kind: dict[StepKind, int] = field(default_factory=dict)
+    threshold_steps: list[float] = field(default_factory=list)
+    finish_time: float | None = None
+
+    def __post_init__(self):
+        if self.gen_len <= 0 or self.gen_len % self.block_len:
+            raise ValueError(
+                f"request {self.request_id}: {self.gen_len=} must be a positive "
+                f"multiple of {self.block_len=}"
+            )
+        self.output_ids = np.full(self.gen_len, self.mask_id, dtype=np.int32)
+        self.confidences = np.zeros(self.gen_len, dtype=np.float32)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output window: the tokens a full-sequence step processes."""
+        return self.prompt_len + self.gen_len
+
+    @property
+    def num_committed(self) -> int:
+        return int((self.output_ids != self.mask_id).sum())
+
+    @property
+    def num_blocks(self) -> int:
+        return self.gen_len // self.block_len
+
+    @property
+    def current_block(self) -> int:
+        masked = np.flatnonzero(self.output_ids == self.mask_id)
+        return int(masked[0]) // self.block_len if masked.size else self.num_blocks
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def spec(self) -> SequenceSpec:
+        return SequenceSpec(
+            tuple(self.prompt_ids),
+            tuple(int(t) for t in self.output_ids),
+            tuple(float(c) for c in self.confidences),
+        )
+
+    def next_kind(self, mode: KVCacheMode, has_cache: bool) -> StepKind:
+        return next_step_kind(mode, self.starts_block, has_cache)
+
+    def apply(self, result: RequestStepResult, now: float = 0.0) -> None:
+        """Record one step's outcome."""
+        self.output_ids[result.positions] = result.tokens
+        self.confidences = result.confidences
+        self.num_steps += 1
+        self.steps_by_kind[result.kind] = self.steps_by_kind.get(result.kind, 0) + 1
+        self.threshold_steps.append(self.threshold)
+        self.starts_block = result.is_block_done
+        if result.is_finished:
+            self.status = RequestStatus.FINISHED
+            self.finish_time = now
+
+    def generated_ids(self, stop_ids: frozenset[int]) -> list[int]:
+        """Committed output tokens before the first stop token."""
+        out = []
+        for token in self.output_ids.tolist():
+            if token in stop_ids or token == self.mask_id:
+                break
+            out.append(token)
+        return out

@@ -1,0 +1,58 @@
+"""Run folders: every eval, benchmark, profile and training run writes one (DESIGN section 6).
+
+A run folder holds the resolved config (`config.json`), raw per-item records (`records.csv`),
+a summary (`summary.json`) and, where there is one, a markdown report.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+
+def create_run_dir(root: str | Path, kind: str) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    folder = Path(root) / f"{kind}-{stamp}"
+    suffix = 1
+    while folder.exists():
+        suffix += 1
+        folder = Path(root) / f"{kind}-{stamp}-{suffix}"
+    folder.mkdir(parents=True)
+    return folder
+
+
+def environment() -> dict:
+    import torch
+
+    return {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "command": " ".join(sys.argv),
+    }
+
+
+def write_json(path: Path, data) -> None:
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def write_records(path: Path, records: list[dict]) -> None:
+    if not records:
+        path.write_text("")
+        return
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(records[0]))
+        writer.writeheader()
+        writer.writerows(records)
+
+
+def markdown_table(rows: list[dict], columns: list[str]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(str(row[c]) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)

@@ -1,0 +1,127 @@
+"""Quality and speed of a model across confidence thresholds: `dilaserve eval`.
+
+For each threshold, every problem is generated to completion and scored by exact match of the
+number after `####`. Reports accuracy and mean denoising steps per request; writes a run folder.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from dilaserve.config import EngineConfig, SamplingParams
+from dilaserve.engine.llm import LLM
+from dilaserve.runs import (
+    create_run_dir,
+    environment,
+    markdown_table,
+    write_json,
+    write_records,
+)
+from dilaserve.tasks import arith
+
+TASKS = ("bundled", "gsm8k")
+DEFAULT_THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+TABLE_COLUMNS = ["threshold", "accuracy", "mean_steps", "mean_tokens", "tokens_per_step", "seconds"]
+
+
+@dataclass(frozen=True, slots=True)
+class EvalConfig:
+    model: str
+    task: str = "bundled"
+    thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS
+    num_problems: int = 500
+    max_tokens: int = 64
+    kv_cache: str = "dual"
+    max_batch: int = 128
+    data: str | None = None  # GSM8K jsonl
+    out: str = "runs"
+    seed: int = 2024
+
+    def __post_init__(self):
+        if self.task not in TASKS:
+            raise ValueError(f"{self.task=} must be one of {TASKS}")
+        if self.num_problems <= 0:
+            raise ValueError(f"{self.num_problems=} must be positive")
+        for t in self.thresholds:
+            SamplingParams(threshold=t)
+
+
+def load_problems(cfg: EvalConfig) -> list[tuple[str, int]]:
+    """(question, gold answer) pairs."""
+    if cfg.task == "bundled":
+        return [
+            (p.question, p.answer)
+            for p in arith.generate(cfg.num_problems, seed=cfg.seed, split="test")
+        ]
+    path = Path(cfg.data) if cfg.data else None
+    if path is None or not path.exists():
+        raise FileNotFoundError(f"--data must point to GSM8K's test.jsonl (got {cfg.data})")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [(r["question"], arith.extract_answer(r["answer"])) for r in rows[: cfg.num_problems]]
+
+
+def evaluate(cfg: EvalConfig, log=print) -> Path:
+    llm = LLM(cfg.model, EngineConfig(kv_cache=cfg.kv_cache))
+    problems = load_problems(cfg)
+    run = create_run_dir(cfg.out, f"eval-{cfg.task}")
+    write_json(run / "config.json", {**asdict(cfg), "environment": environment()})
+    records, table = [], []
+    for threshold in cfg.thresholds:
+        start = time.perf_counter()
+        outs = llm.generate(
+            [q for q, _ in problems],
+            SamplingParams(threshold=threshold, max_tokens=cfg.max_tokens),
+            max_batch=cfg.max_batch,
+        )
+        seconds = time.perf_counter() - start
+        rows = [
+            _record(threshold, i, gold, out)
+            for i, ((_, gold), out) in enumerate(zip(problems, outs))
+        ]
+        records += rows
+        table.append(_summarise(threshold, rows, seconds))
+        log(
+            f"threshold {threshold}: accuracy {table[-1]['accuracy']:.3f}, "
+            f"mean steps {table[-1]['mean_steps']:.2f} ({seconds:.0f}s)"
+        )
+    write_records(run / "records.csv", records)
+    write_json(
+        run / "summary.json", {"task": cfg.task, "num_problems": len(problems), "table": table}
+    )
+    report = markdown_table(table, TABLE_COLUMNS)
+    (run / "report.md").write_text(f"# eval {cfg.task}\n\n{report}\n")
+    log(report)
+    log(f"run folder: {run}")
+    return run
+
+
+def _record(threshold: float, index: int, gold, out) -> dict:
+    predicted = arith.extract_answer(out.text)
+    return {
+        "threshold": threshold,
+        "index": index,
+        "gold": gold,
+        "predicted": predicted,
+        "correct": int(predicted is not None and predicted == gold),
+        "steps": out.num_steps,
+        "tokens": len(out.token_ids),
+        "recompute_steps": out.steps_by_kind.get("recompute", 0),
+        "text": out.text,
+    }
+
+
+def _summarise(threshold: float, rows: list[dict], seconds: float) -> dict:
+    n = len(rows)
+    steps = sum(r["steps"] for r in rows)
+    tokens = sum(r["tokens"] for r in rows)
+    return {
+        "threshold": threshold,
+        "accuracy": round(sum(r["correct"] for r in rows) / n, 4),
+        "mean_steps": round(steps / n, 2),
+        "mean_tokens": round(tokens / n, 2),
+        "tokens_per_step": round(tokens / steps, 2),
+        "seconds": round(seconds, 1),
+    }

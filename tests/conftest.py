@@ -1,0 +1,128 @@
+"""Shared fakes and factories.
+
+- `tiny_checkpoint`: a randomly initialised LLaDA checkpoint in the exact Hugging Face layout
+  (config.json, two safetensors shards + index, tokenizer files), small enough to run in tests.
+- `FakeModel`: a deterministic stand-in for the model with known confidences per position, so a
+  test knows exactly which positions clear a threshold.
+- `make_request`: a Request factory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dilaserve.config import EngineConfig
+from dilaserve.engine.engine import Engine
+from dilaserve.models.checkpoint import save_checkpoint
+from dilaserve.models.config import LLaDAConfig
+from dilaserve.models.llada import ForwardResult, LLaDAModelLM
+from dilaserve.models.tokenizer import SpecialIds, Tokenizer
+from dilaserve.request import Request
+from dilaserve.tasks import arith
+from dilaserve.training.tokenizer import train_tokenizer
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+BLOCK_LEN = 8
+
+
+def write_tiny_checkpoint(folder: Path, num_shards: int = 2, seed: int = 0) -> Path:
+    problems = arith.generate(300, seed=1)
+    train_tokenizer([p.question for p in problems] + [p.target for p in problems], folder, 200)
+    tok = Tokenizer(folder)
+    cfg = LLaDAConfig(
+        d_model=32,
+        n_heads=4,
+        n_kv_heads=2,
+        n_layers=2,
+        mlp_hidden_size=64,
+        vocab_size=tok.vocab_size,
+        embedding_size=tok.vocab_size + 8,
+        mask_token_id=tok.special.mask,
+        eos_token_id=tok.special.eos,
+    )
+    model = LLaDAModelLM(cfg)
+    model.init_weights(seed, std=0.5)
+    save_checkpoint(model, folder, num_shards=num_shards)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llada"))
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_checkpoint) -> Tokenizer:
+    return Tokenizer(tiny_checkpoint)
+
+
+def tiny_engine(path: Path, kv_cache: str = "none", **kwargs) -> Engine:
+    return Engine.from_checkpoint(
+        path, EngineConfig(kv_cache=kv_cache, block_len=BLOCK_LEN, **kwargs)
+    )
+
+
+class FakeModel(torch.nn.Module):
+    """Position p of the output gets token `token_of(p)` with probability `conf_of(p)`.
+
+    Confidences depend only on absolute position, so the engine's choices are predictable:
+    with threshold g, exactly the masked positions of the current block with conf > g commit.
+    """
+
+    VOCAB = 16
+    MASK, EOS = 15, 1
+
+    def __init__(self, conf_of, token_of=lambda p: 2 + p % 10):
+        super().__init__()
+        self.conf_of, self.token_of = conf_of, token_of
+        self.config = LLaDAConfig(
+            d_model=1,
+            n_heads=1,
+            n_layers=1,
+            mlp_hidden_size=1,
+            vocab_size=self.VOCAB,
+            mask_token_id=self.MASK,
+            eos_token_id=self.EOS,
+        )
+        self.calls: list[tuple[int, int, bool]] = []  # (rows, seq_len, with_context)
+
+    def forward(self, ids, positions, valid, context=None, keep_kv=False):
+        self.calls.append((ids.shape[0], ids.shape[1], context is not None))
+        hidden = positions.float()[..., None]
+        kv = [torch.zeros(ids.shape[0], 1, ids.shape[1], 1)] if keep_kv else None
+        return ForwardResult(hidden, kv, kv)
+
+    def logits(self, hidden):
+        pos = hidden[..., 0].long()
+        conf = torch.tensor([[self.conf_of(int(p)) for p in row] for row in pos])
+        tokens = torch.tensor([[self.token_of(int(p)) for p in row] for row in pos])
+        rest = ((1 - conf) / (self.VOCAB - 2)).clamp_min(1e-12).log()
+        out = rest[..., None].expand(*pos.shape, self.VOCAB).clone()
+        out.scatter_(-1, tokens[..., None], conf.log()[..., None])
+        out[..., self.MASK] = -1e9  # the mask token carries no probability mass
+        return out
+
+
+def fake_engine(
+    conf_of, token_of=None, kv_cache: str = "none", **kwargs
+) -> tuple[Engine, FakeModel]:
+    model = FakeModel(conf_of) if token_of is None else FakeModel(conf_of, token_of)
+    special = SpecialIds(mask=FakeModel.MASK, eos=FakeModel.EOS, eot=None)
+    config = EngineConfig(kv_cache=kv_cache, block_len=BLOCK_LEN, **kwargs)
+    return Engine(model, special, config), model
+
+
+def make_request(
+    request_id: str = "r0",
+    prompt_len: int = 5,
+    gen_len: int = 2 * BLOCK_LEN,
+    threshold: float = 0.9,
+    mask_id: int = FakeModel.MASK,
+    **kwargs,
+) -> Request:
+    prompt = tuple(2 + i % 10 for i in range(prompt_len))
+    return Request(request_id, prompt, gen_len, BLOCK_LEN, mask_id, threshold, **kwargs)
