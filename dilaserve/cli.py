@@ -74,9 +74,15 @@ def cmd_eval(args) -> None:
 def cmd_train_model(args) -> None:
     from dilaserve.training.train_model import TrainConfig, train
 
-    path = train(
-        TrainConfig(out=args.out, minutes=args.minutes, max_steps=args.max_steps, seed=args.seed)
+    cfg = TrainConfig(
+        out=args.out,
+        minutes=args.minutes,
+        max_steps=args.max_steps,
+        seed=args.seed,
+        init_from=args.init_from,
+        lr=args.lr,
     )
+    path = train(cfg)
     print(f"checkpoint written to {path}")
 
 
@@ -112,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--minutes", type=float, default=60.0, help="wall-clock training budget")
     tr.add_argument("--max-steps", type=int, default=100_000)
     tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--init-from", default=None, help="continue training this checkpoint")
+    tr.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     tr.set_defaults(func=cmd_train_model)
     return parser
 

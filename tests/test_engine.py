@@ -1,8 +1,9 @@
 import numpy as np
 import pytest
-from conftest import BLOCK_LEN, FakeModel, fake_engine, make_request, tiny_engine
 
 from dilaserve.protocol import StepBatch, StepItem, StepKind
+
+from conftest import BLOCK_LEN, FakeModel, fake_engine, make_request, tiny_engine
 
 
 def step(engine, *requests, kinds=None):

@@ -104,7 +104,7 @@ def make_problem(rng: random.Random, num_ops: int) -> Problem:
     return Problem(" ".join(sentences), " ".join(steps), value)
 
 
-def _is_held_out(question: str) -> bool:
+def is_held_out(question: str) -> bool:
     return hashlib.blake2b(question.encode(), digest_size=2).digest()[0] < 26  # ~10%
 
 
@@ -116,7 +116,7 @@ def generate(num: int, seed: int, split: str = "train", max_ops: int = 3) -> lis
     want_held_out = split == "test"
     while len(out) < num:
         problem = make_problem(rng, rng.randint(1, max_ops))
-        if _is_held_out(problem.question) == want_held_out:
+        if is_held_out(problem.question) == want_held_out:
             out.append(problem)
     return out
 

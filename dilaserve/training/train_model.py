@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from dilaserve.models.checkpoint import save_checkpoint
+from dilaserve.models.checkpoint import load_model, save_checkpoint
 from dilaserve.models.config import LLaDAConfig
 from dilaserve.models.llada import LLaDAModelLM
 from dilaserve.models.tokenizer import Tokenizer
@@ -31,6 +32,8 @@ from dilaserve.tasks import arith
 from dilaserve.training.tokenizer import train_tokenizer
 
 MIN_MASK_RATIO = 1e-3
+CHECKPOINT_EVERY = 500
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +55,7 @@ class TrainConfig:
     seed: int = 0
     threads: int = 2
     num_shards: int = 2
+    init_from: str | None = None  # continue training this checkpoint
 
     def __post_init__(self):
         if self.gen_len % self.block_len:
@@ -109,18 +113,13 @@ def _lr(cfg: TrainConfig, step: int, progress: float) -> float:
     return cfg.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
-def build_tokenizer(cfg: TrainConfig, folder: Path) -> Tokenizer:
+def _fresh_model(cfg: TrainConfig, out: Path) -> LLaDAModelLM:
+    """A randomly initialised model and a newly trained tokenizer, written to `out`."""
     problems = arith.generate(20_000, seed=cfg.seed + 12345)
-    texts = [p.question for p in problems] + [p.target for p in problems]
-    train_tokenizer(texts, folder, cfg.vocab_size)
-    return Tokenizer(folder)
-
-
-def train(cfg: TrainConfig) -> Path:
-    torch.set_num_threads(cfg.threads)
-    torch.manual_seed(cfg.seed)
-    out = Path(cfg.out)
-    tok = build_tokenizer(cfg, out)
+    train_tokenizer(
+        [p.question for p in problems] + [p.target for p in problems], out, cfg.vocab_size
+    )
+    tok = Tokenizer(out)
     model_cfg = LLaDAConfig(
         d_model=cfg.d_model,
         n_heads=cfg.n_heads,
@@ -135,31 +134,48 @@ def train(cfg: TrainConfig) -> Path:
     )
     model = LLaDAModelLM(model_cfg)
     model.init_weights(cfg.seed)
+    return model
+
+
+def _resume(cfg: TrainConfig, out: Path) -> LLaDAModelLM:
+    """Continue from a checkpoint: its weights and tokenizer (the optimizer starts anew)."""
+    src = Path(cfg.init_from)
+    out.mkdir(parents=True, exist_ok=True)
+    if src.resolve() != out.resolve():
+        for name in TOKENIZER_FILES:
+            shutil.copy(src / name, out / name)
+    return load_model(src).train()
+
+
+def _training_batch(cfg: TrainConfig, py_rng: random.Random) -> list[arith.Problem]:
+    problems = (arith.make_problem(py_rng, py_rng.randint(1, 3)) for _ in range(cfg.batch_size))
+    return [p for p in problems if not arith.is_held_out(p.question)]
+
+
+def train(cfg: TrainConfig) -> Path:
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    out = Path(cfg.out)
+    model = _resume(cfg, out) if cfg.init_from else _fresh_model(cfg, out)
+    tok = Tokenizer(out, model.config)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.98))
     rng, py_rng = torch.Generator().manual_seed(cfg.seed), random.Random(cfg.seed)
     log, start, step = [], time.monotonic(), 0
     budget = cfg.minutes * 60
     while step < cfg.max_steps and time.monotonic() - start < budget:
-        progress = (time.monotonic() - start) / budget
         for group in opt.param_groups:
-            group["lr"] = _lr(cfg, step, progress)
-        problems = [arith.make_problem(py_rng, py_rng.randint(1, 3)) for _ in range(cfg.batch_size)]
-        problems = [p for p in problems if not arith._is_held_out(p.question)]
-        loss = diffusion_loss(model, make_batch(tok, problems, cfg, rng))
+            group["lr"] = _lr(cfg, step, (time.monotonic() - start) / budget)
+        loss = diffusion_loss(model, make_batch(tok, _training_batch(cfg, py_rng), cfg, rng))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
         if step % 25 == 0:
-            entry = {
-                "step": step,
-                "loss": round(loss.item(), 4),
-                "minutes": round((time.monotonic() - start) / 60, 2),
-            }
-            log.append(entry)
-            print(json.dumps(entry), flush=True)
-        if step % 500 == 0:
+            minutes = round((time.monotonic() - start) / 60, 2)
+            log.append({"step": step, "loss": round(loss.item(), 4), "minutes": minutes})
+            print(json.dumps(log[-1]), flush=True)
+        if step % CHECKPOINT_EVERY == 0:
             save_checkpoint(model, out, num_shards=cfg.num_shards)
     save_checkpoint(model, out, num_shards=cfg.num_shards)
     summary = {

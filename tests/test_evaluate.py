@@ -1,0 +1,89 @@
+import csv
+import json
+
+import pytest
+
+from dilaserve.cli import main
+from dilaserve.tasks.evaluate import EvalConfig, evaluate
+
+from conftest import SHARED_DATA
+
+
+def test_eval_bundled_task_writes_a_run_folder(tiny_checkpoint, tmp_path):
+    cfg = EvalConfig(
+        model=str(tiny_checkpoint),
+        thresholds=(0.5, 1.0),
+        num_problems=6,
+        max_tokens=32,
+        out=str(tmp_path),
+    )
+    run = evaluate(cfg, log=lambda *_: None)
+    summary = json.loads((run / "summary.json").read_text())
+    assert [row["threshold"] for row in summary["table"]] == [0.5, 1.0]
+    assert json.loads((run / "config.json").read_text())["num_problems"] == 6
+    records = list(csv.DictReader((run / "records.csv").open()))
+    assert len(records) == 12
+    at_one = [int(r["steps"]) for r in records if r["threshold"] == "1.0"]
+    at_half = [int(r["steps"]) for r in records if r["threshold"] == "0.5"]
+    assert all(s >= 1 for s in at_one) and sum(at_half) <= sum(at_one)
+    assert "| threshold | accuracy |" in (run / "report.md").read_text()
+
+
+def test_eval_gsm8k_format_path(tiny_checkpoint, tmp_path):
+    data = SHARED_DATA / "eval" / "gsm8k_test.jsonl"
+    if not data.exists():
+        pytest.skip("shared GSM8K data not present")
+    cfg = EvalConfig(
+        model=str(tiny_checkpoint),
+        task="gsm8k",
+        thresholds=(0.9,),
+        num_problems=3,
+        max_tokens=32,
+        data=str(data),
+        out=str(tmp_path),
+    )
+    run = evaluate(cfg, log=lambda *_: None)
+    records = list(csv.DictReader((run / "records.csv").open()))
+    assert [int(r["gold"]) for r in records] == [18, 3, 70000]  # first three GSM8K answers
+
+
+def test_eval_config_errors_name_the_field(tiny_checkpoint):
+    with pytest.raises(ValueError, match="task"):
+        EvalConfig(model=str(tiny_checkpoint), task="mmlu")
+    with pytest.raises(ValueError, match="threshold"):
+        EvalConfig(model=str(tiny_checkpoint), thresholds=(0.0,))
+    with pytest.raises(FileNotFoundError, match="--data"):
+        evaluate(
+            EvalConfig(
+                model=str(tiny_checkpoint), task="gsm8k", data="/no/such.jsonl", num_problems=1
+            ),
+            log=lambda *_: None,
+        )
+
+
+def test_cli_generate_and_clear_errors(tiny_checkpoint, capsys):
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(tiny_checkpoint),
+                "--prompt",
+                "Tom has 3 apples.",
+                "--max-tokens",
+                "16",
+                "--threshold",
+                "0.5",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert out.startswith("### Tom has 3 apples.") and "steps" in out
+    assert (
+        main(["generate", "--model", str(tiny_checkpoint), "--prompt", "x", "--threshold", "1.5"])
+        == 2
+    )
+    assert "threshold" in capsys.readouterr().err
+    assert main(["generate", "--model", "/no/such/model", "--prompt", "x"]) == 2
+    assert "does not exist" in capsys.readouterr().err
