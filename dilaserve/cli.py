@@ -21,6 +21,7 @@ def _model_arg(p: argparse.ArgumentParser) -> None:
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache", choices=["none", "prefix", "dual"], default="dual")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument(
         "--max-tokens",
         type=int,
@@ -44,7 +45,7 @@ def cmd_generate(args) -> None:
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
         raise ValueError("give --prompt TEXT (repeatable) or prompts on standard input")
-    llm = LLM(args.model, EngineConfig(kv_cache=args.kv_cache))
+    llm = LLM(args.model, EngineConfig(kv_cache=args.kv_cache, dtype=args.dtype))
     params = SamplingParams(threshold=args.threshold, max_tokens=args.max_tokens)
     for out in llm.generate(prompts, params, chat=not args.raw):
         print(
@@ -64,6 +65,7 @@ def cmd_eval(args) -> None:
             num_problems=args.num,
             max_tokens=args.max_tokens,
             kv_cache=args.kv_cache,
+            dtype=args.dtype,
             max_batch=args.max_batch,
             data=args.data,
             out=args.out,

@@ -8,6 +8,7 @@ from dilaserve.protocol import KVCacheMode
 
 DEFAULT_BLOCK_LEN = 32
 DEFAULT_THRESHOLD = 0.9
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +29,8 @@ class EngineConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "kv_cache", KVCacheMode(self.kv_cache))
+        if self.dtype not in DTYPES:
+            raise ValueError(f"{self.dtype=} must be one of {DTYPES}")
         if self.block_len <= 0:
             raise ValueError(f"{self.block_len=} must be positive")
         if self.max_batch_tokens <= 0:

@@ -87,3 +87,9 @@ def test_cli_generate_and_clear_errors(tiny_checkpoint, capsys):
     assert "threshold" in capsys.readouterr().err
     assert main(["generate", "--model", "/no/such/model", "--prompt", "x"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_cli_generate_in_bfloat16(tiny_checkpoint, capsys):
+    args = ["generate", "--model", str(tiny_checkpoint), "--prompt", "Tom has 3 apples."]
+    assert main([*args, "--max-tokens", "8", "--dtype", "bfloat16"]) == 0
+    assert "steps" in capsys.readouterr().out

@@ -35,6 +35,7 @@ class EvalConfig:
     num_problems: int = 500
     max_tokens: int = 64
     kv_cache: str = "dual"
+    dtype: str = "float32"
     max_batch: int = 128
     data: str | None = None  # GSM8K jsonl
     out: str = "runs"
@@ -64,7 +65,7 @@ def load_problems(cfg: EvalConfig) -> list[tuple[str, int]]:
 
 
 def evaluate(cfg: EvalConfig, log=print) -> Path:
-    llm = LLM(cfg.model, EngineConfig(kv_cache=cfg.kv_cache))
+    llm = LLM(cfg.model, EngineConfig(kv_cache=cfg.kv_cache, dtype=cfg.dtype))
     problems = load_problems(cfg)
     run = create_run_dir(cfg.out, f"eval-{cfg.task}")
     write_json(run / "config.json", {**asdict(cfg), "environment": environment()})
