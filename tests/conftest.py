@@ -24,6 +24,9 @@ from dilaserve.request import Request
 from dilaserve.tasks import arith
 from dilaserve.training.tokenizer import train_tokenizer
 
+# Test tensors are tiny: one thread is as fast and never oversubscribes a busy machine.
+torch.set_num_threads(1)
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 BLOCK_LEN = 8

@@ -11,6 +11,7 @@ The stored K/V are approximations (Fast-dLLM): they are refreshed at each block'
 from __future__ import annotations
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from dilaserve.engine.sequence import CachedKV, Sequence
 from dilaserve.models.llada import KVContext
@@ -41,28 +42,21 @@ def store(mode: KVCacheMode, seq: Sequence, keys, values, row: int) -> None:
     seq.kv = CachedKV(
         block=seq.block,
         positions=pos,
-        keys=[k[row].index_select(1, idx).contiguous() for k in keys],
-        values=[v[row].index_select(1, idx).contiguous() for v in values],
+        keys=[k[row].index_select(1, idx).transpose(0, 1).contiguous() for k in keys],
+        values=[v[row].index_select(1, idx).transpose(0, 1).contiguous() for v in values],
     )
 
 
 def build_context(seqs: list[Sequence]) -> KVContext:
     """Stack the sequences' cached K/V, right-padded to a common length, with a validity mask."""
-    lengths = [s.kv.positions.numel() for s in seqs]
-    longest = max(lengths)
-    first = seqs[0].kv.keys[0]
-    heads, head_dim = first.shape[0], first.shape[2]
     num_layers = len(seqs[0].kv.keys)
-    keys, values = [], []
-    for layer in range(num_layers):
-        k = first.new_zeros(len(seqs), heads, longest, head_dim)
-        v = first.new_zeros(len(seqs), heads, longest, head_dim)
-        for row, (s, n) in enumerate(zip(seqs, lengths)):
-            k[row, :, :n] = s.kv.keys[layer]
-            v[row, :, :n] = s.kv.values[layer]
-        keys.append(k)
-        values.append(v)
-    valid = torch.zeros(len(seqs), longest, dtype=torch.bool, device=first.device)
-    for row, n in enumerate(lengths):
-        valid[row, :n] = True
-    return KVContext(keys, values, valid)
+    keys = [_stack([s.kv.keys[layer] for s in seqs]) for layer in range(num_layers)]
+    values = [_stack([s.kv.values[layer] for s in seqs]) for layer in range(num_layers)]
+    lengths = torch.tensor([s.kv.positions.numel() for s in seqs])
+    valid = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
+    return KVContext(keys, values, valid.to(keys[0].device))
+
+
+def _stack(per_seq: list[torch.Tensor]) -> torch.Tensor:
+    """[n_i, kv_heads, hd] each -> [batch, kv_heads, max n_i, hd], zero-padded."""
+    return pad_sequence(per_seq, batch_first=True).transpose(1, 2)

@@ -15,7 +15,7 @@ import torch
 
 @dataclass
 class CachedKV:
-    """K/V (after rotary) of the positions a recompute step stored, per layer [kv_heads, n, hd]."""
+    """K/V (after rotary) of the positions a recompute step stored, per layer [n, kv_heads, hd]."""
 
     block: int  # the block whose recompute step stored them
     positions: torch.Tensor
