@@ -4,9 +4,10 @@
 
 Each configuration starts `batch` requests at once (prompt of exactly P tokens, output window
 `--gen` tokens, threshold 0.9, early finish off so every request generates the whole window) and
-steps them together. A configuration stops after `--budget` seconds; tokens/s is committed output
-tokens over wall time, so a cut-short run still measures the steady mix of step kinds. Writes a
-run folder (config, records, summary, report) under `--out`.
+steps them together. A configuration stops once `--budget` seconds have passed and every request
+has finished at least one whole block (so the mix of recompute and cache steps is the steady
+one), or when all are done; tokens/s is committed output tokens over wall time. Writes a run
+folder (config, records, summary, report) under `--out`.
 """
 
 from __future__ import annotations
@@ -57,7 +58,9 @@ def run_config(
         engine.release(r.request_id)
     steps, tokens, start = 0, 0, time.perf_counter()
     active = requests
-    while active and time.perf_counter() - start < budget:
+    while active and (
+        time.perf_counter() - start < budget or any(r.current_block == 0 for r in active)
+    ):
         items = tuple(
             StepItem(
                 r.request_id,
