@@ -4,6 +4,10 @@ from dilaserve.models.checkpoint import load_model
 from dilaserve.models.tokenizer import Tokenizer
 from dilaserve.training.train_model import TrainConfig, _mask_response, train
 
+SMALL = dict(
+    max_steps=2, batch_size=4, d_model=32, n_heads=2, n_layers=1, mlp_hidden_size=64, vocab_size=200
+)
+
 
 def test_block_structured_masks_keep_earlier_blocks_and_hide_later_ones():
     cfg = TrainConfig(out="unused", gen_len=64, block_len=32, block_mask_fraction=1.0)
@@ -14,18 +18,7 @@ def test_block_structured_masks_keep_earlier_blocks_and_hide_later_ones():
 
 
 def test_a_short_training_run_writes_a_loadable_checkpoint(tmp_path):
-    cfg = TrainConfig(
-        out=str(tmp_path / "m"),
-        max_steps=2,
-        batch_size=4,
-        d_model=32,
-        n_heads=2,
-        n_layers=1,
-        mlp_hidden_size=64,
-        vocab_size=200,
-        num_shards=2,
-    )
-    folder = train(cfg)
+    folder = train(TrainConfig(out=str(tmp_path / "m"), num_shards=2, **SMALL))
     model = load_model(folder)
     tok = Tokenizer(folder, model.config)
     assert model.config.vocab_size == tok.vocab_size
@@ -35,17 +28,8 @@ def test_a_short_training_run_writes_a_loadable_checkpoint(tmp_path):
 
 
 def test_training_can_continue_from_a_checkpoint(tmp_path):
-    small = dict(
-        max_steps=1,
-        batch_size=4,
-        d_model=32,
-        n_heads=2,
-        n_layers=1,
-        mlp_hidden_size=64,
-        vocab_size=200,
-    )
-    first = train(TrainConfig(out=str(tmp_path / "a"), **small))
-    second = train(TrainConfig(out=str(tmp_path / "b"), init_from=str(first), **small))
+    first = train(TrainConfig(out=str(tmp_path / "a"), **SMALL))
+    second = train(TrainConfig(out=str(tmp_path / "b"), init_from=str(first), **SMALL))
     a, b = load_model(first), load_model(second)
     assert (second / "tokenizer.json").read_text() == (first / "tokenizer.json").read_text()
     wte = "model.transformer.wte.weight"
