@@ -35,5 +35,7 @@ bench: setup
 eval: setup
 	$(VENV)/bin/dilaserve eval
 
-train-model: setup  ## retrain the bundled model (about an hour on 2 cores)
-	$(VENV)/bin/dilaserve train-model --out dilaserve/assets/tiny-llada --minutes 60
+train-model: setup  ## retrain the bundled model: two stages, about two hours on 2 cores
+	$(VENV)/bin/dilaserve train-model --out runs/tiny-llada-stage1 --minutes 60 --max-steps 1500
+	$(VENV)/bin/dilaserve train-model --init-from runs/tiny-llada-stage1 \
+		--out dilaserve/assets/tiny-llada --minutes 80

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from dilaserve.control.profile import SCHEMA
 from dilaserve.models.config import LLaDAConfig
 from dilaserve.models.llada import KVContext, LLaDAModelLM
 
@@ -132,6 +133,7 @@ def main() -> None:
         },
     }
     profile = {
+        "schema": SCHEMA,
         "model": args.shape,
         "dtype": str(dtype).removeprefix("torch."),
         "block_len": BLOCK,

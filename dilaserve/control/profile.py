@@ -1,0 +1,108 @@
+"""Latency profiles: the time of one denoising step by TP degree, batch tokens and step kind.
+
+A profile is a JSON file of measured points, written by `dilaserve profile` (this machine's
+engine) or `benchmarks/gpu_profile.py` (an LLaDA-8B-shaped model on a GPU):
+
+    {"schema": 1, "model": ..., "hardware": ..., "dtype": ..., "versions": {...},
+     "block_len": 32,
+     "entries": [{"tp": 1, "kind": "recompute", "batch_tokens": 256, "ms": 12.5}, ...]}
+
+`batch_tokens` is the number of tokens the step's forward passes process: the whole sequences
+for full and recompute steps, `block_len` per request for dual-cache steps. Latency between
+measured points is interpolated linearly; below the smallest point it is that point's latency
+(small batches are overhead-bound); above the largest it is extrapolated from the last two.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dilaserve.protocol import StepKind
+
+SCHEMA = 1
+FALLBACK_KIND = {StepKind.FULL: StepKind.RECOMPUTE, StepKind.RECOMPUTE: StepKind.FULL}
+
+
+@dataclass(frozen=True, slots=True)
+class Curve:
+    """Measured (batch_tokens, seconds) points of one (tp, kind), sorted by batch tokens."""
+
+    tokens: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    def __post_init__(self):
+        if not self.tokens:
+            raise ValueError("a latency curve needs at least one point")
+        if list(self.tokens) != sorted(set(self.tokens)):
+            raise ValueError(f"batch_tokens must be distinct and sorted: {self.tokens}")
+
+    def at(self, batch_tokens: float) -> float:
+        xs, ys = self.tokens, self.seconds
+        if batch_tokens <= xs[0] or len(xs) == 1:
+            return ys[0] if batch_tokens <= xs[0] else ys[0] * batch_tokens / xs[0]
+        i = min(bisect.bisect_left(xs, batch_tokens), len(xs) - 1)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return max(y0 + (y1 - y0) * (batch_tokens - x0) / (x1 - x0), 0.0)
+
+    def best_throughput(self) -> tuple[int, float]:
+        """(batch tokens, tokens/s) of the measured point with the highest token throughput."""
+        return max(((x, x / y) for x, y in zip(self.tokens, self.seconds)), key=lambda p: p[1])
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyProfile:
+    curves: dict[tuple[int, StepKind], Curve]
+    block_len: int = 32
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def tp_degrees(self) -> tuple[int, ...]:
+        return tuple(sorted({tp for tp, _ in self.curves}))
+
+    def curve(self, tp: int, kind: StepKind) -> Curve:
+        kind = StepKind(kind)
+        if (tp, kind) in self.curves:
+            return self.curves[tp, kind]
+        fallback = FALLBACK_KIND.get(kind)
+        if fallback is not None and (tp, fallback) in self.curves:
+            return self.curves[tp, fallback]
+        raise KeyError(f"latency profile has no points for tp={tp}, kind={kind.value}")
+
+    def step_latency(self, tp: int, batch_tokens: float, kind: StepKind) -> float:
+        """Seconds for one step processing `batch_tokens` tokens on a TP-`tp` instance."""
+        return self.curve(tp, kind).at(batch_tokens)
+
+    def max_batch_tokens(self, tp: int, kind: StepKind) -> int:
+        return self.curve(tp, kind).tokens[-1]
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> LatencyProfile:
+        if raw.get("schema", SCHEMA) != SCHEMA:
+            raise ValueError(f"latency profile schema {raw.get('schema')} is not {SCHEMA}")
+        points: dict[tuple[int, StepKind], list[tuple[int, float]]] = {}
+        for i, e in enumerate(raw.get("entries", ())):
+            try:
+                key = (int(e["tp"]), StepKind(e["kind"]))
+                points.setdefault(key, []).append((int(e["batch_tokens"]), float(e["ms"]) / 1e3))
+            except (KeyError, ValueError) as err:
+                raise ValueError(f"latency profile entry {i} is malformed: {err}") from None
+        if not points:
+            raise ValueError("latency profile has no entries")
+        curves = {k: Curve(*map(tuple, zip(*sorted(v)))) for k, v in points.items()}
+        meta = {k: v for k, v in raw.items() if k not in ("entries", "block_len")}
+        return cls(curves, int(raw.get("block_len", 32)), meta)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> LatencyProfile:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def to_dict(self) -> dict:
+        entries = [
+            {"tp": tp, "kind": kind.value, "batch_tokens": x, "ms": round(y * 1e3, 4)}
+            for (tp, kind), c in sorted(self.curves.items())
+            for x, y in zip(c.tokens, c.seconds)
+        ]
+        return {"schema": SCHEMA, **self.meta, "block_len": self.block_len, "entries": entries}
