@@ -88,6 +88,24 @@ def cmd_train_model(args) -> None:
     print(f"checkpoint written to {path}")
 
 
+def cmd_profile(args) -> None:
+    from dilaserve.engine.profiling import ProfileConfig, profile
+
+    requests = tuple(int(n) for n in args.requests.split(","))
+    profile(
+        ProfileConfig(
+            model=args.model,
+            seq_len=args.seq_len,
+            gen_len=args.gen_len,
+            requests=requests,
+            repeats=args.repeats,
+            dtype=args.dtype,
+            out=args.out,
+            profile_out=args.profile_out,
+        )
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dilaserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -114,6 +132,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ev.add_argument("--out", default="runs", help="folder for run folders")
     ev.set_defaults(func=cmd_eval)
+
+    pr = sub.add_parser("profile", help="measure step latencies on this machine's engine")
+    _model_arg(pr)
+    pr.add_argument("--seq-len", type=int, default=128, help="prompt + output tokens per request")
+    pr.add_argument("--gen-len", type=int, default=64)
+    pr.add_argument("--requests", default="1,2,4,8,16,32,64,128", help="batch sizes to measure")
+    pr.add_argument("--repeats", type=int, default=3)
+    pr.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    pr.add_argument("--out", default="runs", help="folder for run folders")
+    pr.add_argument("--profile-out", default=None, help="where to write the profile JSON")
+    pr.set_defaults(func=cmd_profile)
 
     tr = sub.add_parser("train-model", help="train the bundled dLLM from scratch")
     tr.add_argument("--out", required=True, help="checkpoint folder to write")
