@@ -1,0 +1,134 @@
+"""SLO-aware threshold selection (Algorithms 1 and 5) and adaptive load control (2 and 4).
+
+papers.md 1.4, 1.5 and 1.9. A request's work is its predicted remaining steps times the tokens
+each step processes; with an approximate KV cache, cache steps process one block and only the
+remaining recompute steps (one per unfinished block) process the whole sequence. Load control
+gives requests, in arrival order (higher priority first), the widest threshold range whose
+worst-case total load still fits the cluster's capacity over one SLO window; threshold selection
+then picks, within that range, the highest threshold whose predicted remaining time fits the
+request's remaining SLO budget. Pure functions over small views: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from dilaserve.control.profile import LatencyProfile
+from dilaserve.protocol import StepKind
+
+
+@dataclass(frozen=True, slots=True)
+class LoadView:
+    """What load control and threshold selection read of a request."""
+
+    request_id: str
+    arrival_time: float
+    num_tokens: int  # prompt + output window
+    steps_left: Mapping[float, float]  # predicted remaining steps per candidate threshold
+    recompute_steps_left: int = 0  # remaining blocks (with a KV cache)
+    priority: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceLoad:
+    """An instance's batch as the request would find it (the request itself included)."""
+
+    tp: int
+    num_tokens: int  # tokens of a full-sequence step over every request on the instance
+    num_requests: int
+
+
+def request_load(req: LoadView, threshold: float, block_len: int | None) -> float:
+    """Token-steps left (Algorithm 2; Algorithm 4 when `block_len` is given, i.e. with a cache)."""
+    steps = req.steps_left[threshold]
+    if block_len is None:
+        return steps * req.num_tokens
+    recompute = min(req.recompute_steps_left, steps)
+    return (steps - recompute) * block_len + recompute * req.num_tokens
+
+
+def instance_capacity(
+    profile: LatencyProfile,
+    tp: int,
+    slo: float,
+    block_len: int | None,
+    tokens_per_request: float = 0.0,
+    max_requests: int = 0,
+) -> float:
+    """Token-steps one instance can process within one SLO window.
+
+    Without a cache: its best measured token throughput times the SLO. With a cache
+    (Algorithm 4): the throughput of the steady block pattern, (block_len - 1) cache steps over
+    `max_requests` requests plus one recompute step of an average request.
+    """
+    if block_len is None:
+        return profile.curve(tp, StepKind.FULL).best_throughput()[1] * slo
+    cache_tokens = block_len * max_requests
+    cache_s = profile.step_latency(tp, cache_tokens, StepKind.CACHE)
+    recompute_s = profile.step_latency(tp, tokens_per_request, StepKind.RECOMPUTE)
+    tokens = cache_tokens * (block_len - 1) + tokens_per_request
+    return tokens / (cache_s * (block_len - 1) + recompute_s) * slo
+
+
+def allowed_thresholds(
+    requests: Sequence[LoadView],
+    candidates: Sequence[float],
+    capacity: float,
+    block_len: int | None,
+) -> dict[str, tuple[float, ...]]:
+    """Algorithm 2/4: each request's allowed thresholds (descending), earliest arrivals first.
+
+    Walking requests in (priority desc, arrival) order, a request keeps the highest threshold at
+    which the load already granted, its own load, and every later request's load at the lowest
+    threshold still fit `capacity`; the lowest threshold is always allowed.
+    """
+    ladder = sorted(candidates, reverse=True)
+    lowest = ladder[-1]
+    order = sorted(requests, key=lambda r: (-r.priority, r.arrival_time, r.request_id))
+    floor_after = [0.0] * len(order)
+    for i in range(len(order) - 2, -1, -1):
+        floor_after[i] = floor_after[i + 1] + request_load(order[i + 1], lowest, block_len)
+    used, allowed = 0.0, {}
+    for i, req in enumerate(order):
+        for rank, threshold in enumerate(ladder):
+            load = request_load(req, threshold, block_len)
+            if used + load + floor_after[i] <= capacity or threshold == lowest:
+                used += load
+                allowed[req.request_id] = tuple(ladder[rank:])
+                break
+    return allowed
+
+
+def predicted_time_left(
+    req: LoadView,
+    threshold: float,
+    instance: InstanceLoad,
+    profile: LatencyProfile,
+    block_len: int | None,
+) -> float:
+    """Algorithm 1 (no cache) / Algorithm 5 (cache): seconds of remaining steps at `threshold`."""
+    steps = req.steps_left[threshold]
+    if block_len is None:
+        return steps * profile.step_latency(instance.tp, instance.num_tokens, StepKind.FULL)
+    recompute = min(req.recompute_steps_left, steps)
+    cache_s = profile.step_latency(instance.tp, block_len * instance.num_requests, StepKind.CACHE)
+    recompute_s = profile.step_latency(instance.tp, instance.num_tokens, StepKind.RECOMPUTE)
+    return (steps - recompute) * cache_s + recompute * recompute_s
+
+
+def select_threshold(
+    req: LoadView,
+    allowed: Sequence[float],
+    slo_left: float,
+    instance: InstanceLoad,
+    profile: LatencyProfile,
+    block_len: int | None,
+) -> float:
+    """Algorithm 1/5: the highest allowed threshold whose predicted time fits `slo_left`;
+    the lowest allowed one if none does."""
+    ladder = sorted(allowed, reverse=True)
+    for threshold in ladder:
+        if predicted_time_left(req, threshold, instance, profile, block_len) <= slo_left:
+            return threshold
+    return ladder[-1]
