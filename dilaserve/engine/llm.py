@@ -37,6 +37,23 @@ class LLM:
     def encode_prompt(self, prompt: str, chat: bool) -> list[int]:
         return self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode(prompt)
 
+    def make_requests(
+        self, prompts: list[str], params: SamplingParams, chat: bool = True
+    ) -> list[Request]:
+        gen_len = params.gen_len(self.config.block_len)
+        mask = self.tokenizer.special.mask
+        return [
+            Request(
+                str(i),
+                tuple(self.encode_prompt(p, chat)),
+                gen_len,
+                self.config.block_len,
+                mask,
+                params.threshold,
+            )
+            for i, p in enumerate(prompts)
+        ]
+
     def generate(
         self,
         prompts: str | list[str],
@@ -45,23 +62,15 @@ class LLM:
         max_batch: int = 64,
     ) -> list[Completion]:
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        gen_len = params.gen_len(self.config.block_len)
-        requests = [
-            Request(
-                str(i),
-                tuple(self.encode_prompt(p, chat)),
-                gen_len,
-                self.config.block_len,
-                self.tokenizer.special.mask,
-                params.threshold,
-            )
-            for i, p in enumerate(prompts)
-        ]
+        requests = self.make_requests(prompts, params, chat)
         self.run(requests, max_batch)
         return [self._completion(p, r) for p, r in zip(prompts, requests)]
 
-    def run(self, requests: list[Request], max_batch: int) -> None:
-        """Step every request to completion, at most `max_batch` in flight at once."""
+    def run(self, requests: list[Request], max_batch: int, on_step=None) -> None:
+        """Step every request to completion, at most `max_batch` in flight at once.
+
+        `on_step(request, result)` is called after each request's step, if given.
+        """
         waiting, active, on_engine = list(reversed(requests)), [], set()
         while waiting or active:
             while waiting and len(active) < max_batch:
@@ -71,6 +80,8 @@ class LLM:
             output = self.engine.execute(StepBatch(items))
             for request, result in zip(active, output.results):
                 request.apply(result)
+                if on_step is not None:
+                    on_step(request, result)
             active = [r for r in active if not r.is_finished]
 
     def _item(self, request: Request, on_engine: set[str]) -> StepItem:
