@@ -106,6 +106,20 @@ def cmd_profile(args) -> None:
     )
 
 
+def cmd_train_predictor(args) -> None:
+    from dilaserve.training.train_predictor import PredictorConfig, train_predictor
+
+    train_predictor(
+        PredictorConfig(
+            model=args.model,
+            out=args.out,
+            num_prompts=args.num,
+            thresholds=args.thresholds,
+            runs=args.runs,
+        )
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dilaserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -143,6 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--out", default="runs", help="folder for run folders")
     pr.add_argument("--profile-out", default=None, help="where to write the profile JSON")
     pr.set_defaults(func=cmd_profile)
+
+    tp = sub.add_parser("train-predictor", help="collect trajectories and train step predictors")
+    _model_arg(tp)
+    tp.add_argument("--out", required=True, help="folder for the trained predictor")
+    tp.add_argument("--num", type=int, default=120, help="prompts, each run at every threshold")
+    tp.add_argument("--thresholds", type=_thresholds, default=(0.5, 0.6, 0.7, 0.8, 0.9))
+    tp.add_argument("--runs", default="runs", help="folder for run folders")
+    tp.set_defaults(func=cmd_train_predictor)
 
     tr = sub.add_parser("train-model", help="train the bundled dLLM from scratch")
     tr.add_argument("--out", required=True, help="checkpoint folder to write")

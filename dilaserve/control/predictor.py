@@ -1,0 +1,106 @@
+"""The step predictor: remaining denoising steps of a request under each candidate threshold.
+
+Variants behind one interface, `predict(request_ids, states) -> [n, len(thresholds)]`:
+- `OneShotPredictor`: output length times the historical mean steps per output token at each
+  threshold, minus the steps already done (the paper's one-shot baseline);
+- `GBMPredictor`: LightGBM on the progress features only, or on all 11 features;
+- `OraclePredictor`: the true remaining steps (simulation, from recorded trajectories).
+`states` rows are `features.state_features` vectors. All predictions are at least one step.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from dilaserve.control.features import FEATURE_NAMES, feature_matrix
+
+MIN_STEPS = 1.0
+
+
+class OneShotPredictor:
+    name = "one-shot"
+
+    def __init__(self, thresholds: Sequence[float], steps_per_token: dict[float, float]):
+        self.thresholds = tuple(thresholds)
+        self.steps_per_token = steps_per_token
+
+    def predict(self, request_ids: Sequence[str], states: np.ndarray) -> np.ndarray:
+        states = np.atleast_2d(states)
+        gen_len, done = states[:, 0], states[:, 0] * states[:, 1]
+        rates = np.array([self.steps_per_token[t] for t in self.thresholds])
+        return np.maximum(gen_len[:, None] * rates[None, :] - done[:, None], MIN_STEPS)
+
+
+class GBMPredictor:
+    def __init__(self, thresholds: Sequence[float], booster, features: Sequence[str]):
+        self.thresholds = tuple(thresholds)
+        self.booster = booster
+        self.features = tuple(features)
+        self.name = "full" if len(self.features) == len(FEATURE_NAMES) else "progress"
+        self._columns = [FEATURE_NAMES.index(f) for f in self.features]
+
+    def predict(self, request_ids: Sequence[str], states: np.ndarray) -> np.ndarray:
+        rows = feature_matrix(states, self.thresholds)[:, self._columns]
+        pred = self.booster.predict(rows).reshape(-1, len(self.thresholds))
+        return np.maximum(pred, MIN_STEPS)
+
+
+class OraclePredictor:
+    name = "oracle"
+
+    def __init__(self, thresholds: Sequence[float], truth: Callable[[str, float], float]):
+        self.thresholds = tuple(thresholds)
+        self.truth = truth
+
+    def predict(self, request_ids: Sequence[str], states: np.ndarray) -> np.ndarray:
+        return np.array(
+            [[max(self.truth(r, t), MIN_STEPS) for t in self.thresholds] for r in request_ids],
+            dtype=np.float64,
+        )
+
+
+def fit_gbm(
+    rows: np.ndarray,
+    labels: np.ndarray,
+    thresholds: Sequence[float],
+    features: Sequence[str] = FEATURE_NAMES,
+    seed: int = 0,
+) -> GBMPredictor:
+    """Train LightGBM on (11-feature rows, remaining steps)."""
+    import lightgbm
+
+    columns = [FEATURE_NAMES.index(f) for f in features]
+    params = {
+        "objective": "regression_l1",
+        "learning_rate": 0.05,
+        "num_leaves": 31,
+        "min_data_in_leaf": 20,
+        "verbose": -1,
+        "seed": seed,
+        "num_threads": 1,
+    }
+    data = lightgbm.Dataset(rows[:, columns], labels, feature_name=list(features))
+    return GBMPredictor(thresholds, lightgbm.train(params, data, num_boost_round=300), features)
+
+
+def save_gbm(predictor: GBMPredictor, folder: Path, extra: dict | None = None) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    predictor.booster.save_model(str(folder / f"gbm-{predictor.name}.txt"))
+    meta = {"thresholds": predictor.thresholds, "features": predictor.features, **(extra or {})}
+    (folder / f"gbm-{predictor.name}.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def load_gbm(folder: Path, name: str = "full") -> GBMPredictor:
+    import lightgbm
+
+    folder = Path(folder)
+    meta_path = folder / f"gbm-{name}.json"
+    if not meta_path.exists():
+        raise FileNotFoundError(f"no step predictor '{name}' in {folder} ({meta_path.name})")
+    meta = json.loads(meta_path.read_text())
+    booster = lightgbm.Booster(model_file=str(folder / f"gbm-{name}.txt"))
+    return GBMPredictor(meta["thresholds"], booster, meta["features"])

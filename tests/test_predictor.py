@@ -1,0 +1,69 @@
+import numpy as np
+import pytest
+
+from dilaserve.control.features import state_features
+from dilaserve.control.predictor import OneShotPredictor, OraclePredictor, load_gbm
+from dilaserve.training.train_predictor import (
+    PredictorConfig,
+    choose_k,
+    fit_and_report,
+    one_shot_rates,
+    refresh_curve,
+)
+from dilaserve.trajectory import Trajectory
+
+GEN, BLOCK = 32, 8
+
+
+def synthetic(prompt: int, threshold: float) -> Trajectory:
+    """Prompt difficulty sets tokens per step; masked confidences reveal it."""
+    per_step = (1 + prompt % 4) * (2 if threshold < 0.7 else 1)
+    order = list(range(GEN))
+    commits, confs = [], []
+    conf = np.full(GEN, 0.2 + 0.15 * (prompt % 4), dtype=np.float32)
+    while order:
+        block_end = (order[0] // BLOCK + 1) * BLOCK
+        take = [p for p in order if p < block_end][:per_step]
+        order = [p for p in order if p not in take]
+        conf[take] = 0.99
+        commits.append(np.array(take))
+        confs.append(conf.copy())
+    return Trajectory(
+        prompt, threshold, 10, GEN, BLOCK, ("full",) * len(commits), tuple(commits), np.stack(confs)
+    )
+
+
+def test_full_model_beats_one_shot_and_is_saved(tmp_path):
+    trajs = [synthetic(p, t) for t in (0.5, 0.9) for p in range(40)]
+    cfg = PredictorConfig(model="unused", out=str(tmp_path / "pred"), thresholds=(0.5, 0.9))
+    summary = fit_and_report(trajs, cfg, tmp_path, log=lambda *_: None)
+    errors = summary["errors"]
+    assert errors["full"] < errors["one-shot"]
+    assert errors["full"] < 0.2 and errors["oracle"] == 0.0
+    model = load_gbm(tmp_path / "pred", "full")
+    state = state_features(np.zeros(GEN, bool), np.full(GEN, 0.2, np.float32), 0, BLOCK)
+    pred = model.predict(["x"], state[None])
+    assert pred.shape == (1, 2) and pred[0, 0] < pred[0, 1]  # lower threshold, fewer steps
+    assert (tmp_path / "report.md").exists()
+
+
+def test_one_shot_counts_down_from_length_times_rate():
+    p = OneShotPredictor((0.5, 0.9), {0.5: 0.25, 0.9: 0.5})
+    state = state_features(np.zeros(GEN, bool), np.zeros(GEN, np.float32), 4, BLOCK)
+    assert p.predict(["r"], state[None]).tolist() == [[8 - 4, 16 - 4]]
+    assert one_shot_rates([synthetic(0, 0.9), synthetic(1, 0.9)]) == {0.9: (32 + 16) / 2 / GEN}
+
+
+def test_oracle_reads_the_truth():
+    p = OraclePredictor((0.5, 0.9), lambda rid, t: {"a": 3.0}[rid] * (2 if t == 0.9 else 1))
+    assert p.predict(["a"], np.zeros((1, 10))).tolist() == [[3.0, 6.0]]
+
+
+def test_refresh_curve_counts_down_between_refreshes():
+    # one request: true remaining 4,3,2,1; committed 0,1,2,3; model says 5 at every state
+    pred, labels = np.full(4, 5.0), np.array([4.0, 3, 2, 1])
+    committed, owner = np.array([0, 1, 2, 3]), np.zeros(4, int)
+    curve = refresh_curve(pred, labels, committed, owner, ks=(1, 4))
+    assert curve[1] == pytest.approx(np.mean([1 / 4, 2 / 3, 3 / 2, 4 / 1]))
+    assert curve[4] == pytest.approx(np.mean([1 / 4, 1 / 3, 1 / 2, 1 / 1]))  # 5,4,3,2
+    assert choose_k({1: 0.20, 2: 0.205, 4: 0.211, 8: 0.3}) == 2
