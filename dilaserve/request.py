@@ -79,6 +79,15 @@ class Request:
         return int(masked[0]) // self.block_len if masked.size else self.num_blocks
 
     @property
+    def committed(self) -> np.ndarray:
+        return self.output_ids != self.mask_id
+
+    @property
+    def num_blocks_to_recompute(self) -> int:
+        """Recompute steps left with a KV cache: one per block not yet started."""
+        return self.num_blocks - self.current_block - (0 if self.starts_block else 1)
+
+    @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 

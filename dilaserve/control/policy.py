@@ -1,0 +1,91 @@
+"""Scheduling policies: DiLaServe, its ablations and the baselines, picked by name.
+
+A policy is a small frozen value; the one `Scheduler` reads it. DESIGN section 3 lists them:
+- `dilaserve`: dynamic thresholds (Alg. 1/5), load control (Alg. 2/4), step-level placement
+  (Alg. 3) with migration only where the KV cache allows it (before a recompute step);
+- ablations: `no-load-control`, `no-dynamic-threshold` (fixed default threshold),
+  `no-migration`, `oracle-predictor`;
+- baselines with a fixed threshold: `fcfs` (arrival order, a request stays where it started),
+  `infaas` (dispatch on arrival to the least-loaded instance by tokens, no migration) and
+  `llumnix` (step-level load balancing, migration only at recompute steps).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, replace
+
+DEFAULT_CANDIDATES = (0.5, 0.6, 0.7, 0.8, 0.9)
+DEFAULT_FIXED = 0.9
+
+
+class Migration(str, enum.Enum):
+    ANY = "any"  # between any two steps (a cache step then recomputes on the new instance)
+    RECOMPUTE = "recompute"  # only before a recompute (or full) step
+    NONE = "none"  # a request stays on its first instance
+
+
+class Placement(str, enum.Enum):
+    FASTEST_STEP = "fastest-step"  # Alg. 3: lowest predicted step latency with this request
+    LEAST_TOKENS = "least-tokens"  # fewest batch tokens (load balancing)
+    ON_ARRIVAL = "on-arrival"  # bound at arrival to the instance with fewest tokens (INFaaS)
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    name: str
+    candidates: tuple[float, ...] = DEFAULT_CANDIDATES
+    fixed_threshold: float | None = None  # None: SLO-aware selection within the allowed range
+    load_control: bool = True
+    migration: Migration = Migration.RECOMPUTE
+    placement: Placement = Placement.FASTEST_STEP
+    predictor: str = "full"  # which step predictor: full | progress | one-shot | oracle
+
+    def __post_init__(self):
+        if self.fixed_threshold is not None and not 0 < self.fixed_threshold <= 1:
+            raise ValueError(f"{self.fixed_threshold=} must be in (0, 1]")
+        if not self.candidates or not all(0 < c <= 1 for c in self.candidates):
+            raise ValueError(f"{self.candidates=} must be thresholds in (0, 1]")
+
+    @property
+    def is_dynamic(self) -> bool:
+        return self.fixed_threshold is None
+
+
+_DILASERVE = Policy("dilaserve")
+POLICIES = {
+    "dilaserve": _DILASERVE,
+    "no-load-control": replace(_DILASERVE, name="no-load-control", load_control=False),
+    "no-dynamic-threshold": replace(
+        _DILASERVE, name="no-dynamic-threshold", fixed_threshold=DEFAULT_FIXED, load_control=False
+    ),
+    "no-migration": replace(_DILASERVE, name="no-migration", migration=Migration.NONE),
+    "oracle-predictor": replace(_DILASERVE, name="oracle-predictor", predictor="oracle"),
+    "fcfs": Policy(
+        "fcfs",
+        fixed_threshold=DEFAULT_FIXED,
+        load_control=False,
+        migration=Migration.NONE,
+        placement=Placement.LEAST_TOKENS,
+    ),
+    "infaas": Policy(
+        "infaas",
+        fixed_threshold=DEFAULT_FIXED,
+        load_control=False,
+        migration=Migration.NONE,
+        placement=Placement.ON_ARRIVAL,
+    ),
+    "llumnix": Policy(
+        "llumnix",
+        fixed_threshold=DEFAULT_FIXED,
+        load_control=False,
+        migration=Migration.RECOMPUTE,
+        placement=Placement.LEAST_TOKENS,
+    ),
+}
+
+
+def get_policy(name: str, **overrides) -> Policy:
+    if name not in POLICIES:
+        raise ValueError(f"policy={name!r} is not one of {sorted(POLICIES)}")
+    return replace(POLICIES[name], **overrides)

@@ -1,0 +1,366 @@
+"""The cluster scheduler: a state machine over events, returning decisions (DESIGN section 3).
+
+Events: `on_arrival(request, now)`, `on_step_done(instance_id, output, now)`, `on_tick(now)`.
+Each returns `Decisions`: which requests run their next step on which instance at which
+threshold (`StepLaunch`), which instances must drop a request's state (it moved away), and
+which requests finished. It never reads a clock and never does I/O; the simulator and the
+cluster runtime drive it alike.
+
+On every event the requests that are ready (new, or whose step just finished) are placed
+(Algorithm 3): each goes to the instance where its next step is predicted to finish soonest,
+given that instance's TP degree and the batch already gathered for it. With a KV cache a request
+whose next step is a cache step stays where its cache is; it may move only before a recompute
+step. Step predictions refresh every `refresh_every_tokens` newly committed tokens (batched), load
+control (Alg. 2/4) re-runs when arrivals or refreshes change the load picture, and the threshold
+is re-selected (Alg. 1/5) whenever a request moves or its predictions refresh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dilaserve.control.features import state_features
+from dilaserve.control.policy import Migration, Placement, Policy
+from dilaserve.control.profile import LatencyProfile
+from dilaserve.control.thresholds import (
+    InstanceLoad,
+    LoadView,
+    allowed_thresholds,
+    instance_capacity,
+    select_threshold,
+)
+from dilaserve.protocol import KVCacheMode, StepBatch, StepItem, StepKind, StepOutput
+from dilaserve.request import Request, RequestStatus
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    kv_cache: KVCacheMode = KVCacheMode.DUAL
+    block_len: int = 32
+    slo: float = 10.0  # seconds, for requests that carry no deadline
+    refresh_every_tokens: int = 8
+    max_requests_per_instance: int = 64
+
+    def __post_init__(self):
+        object.__setattr__(self, "kv_cache", KVCacheMode(self.kv_cache))
+        if self.slo <= 0:
+            raise ValueError(f"{self.slo=} must be positive")
+        if self.refresh_every_tokens <= 0:
+            raise ValueError(f"{self.refresh_every_tokens=} must be positive")
+
+    @property
+    def cache_block(self) -> int | None:
+        """The block length Alg. 4/5 need, or None without a KV cache."""
+        return None if self.kv_cache is KVCacheMode.NONE else self.block_len
+
+
+@dataclass(frozen=True, slots=True)
+class StepLaunch:
+    instance_id: str
+    batch: StepBatch
+
+
+@dataclass(frozen=True, slots=True)
+class Decisions:
+    launches: tuple[StepLaunch, ...] = ()
+    releases: tuple[tuple[str, str], ...] = ()  # (instance, request) whose state must go
+    finished: tuple[str, ...] = ()
+
+
+@dataclass
+class _Instance:
+    instance_id: str
+    tp: int
+    max_batch_tokens: int
+    busy: bool = False
+    busy_until: float = 0.0  # predicted end of the running step
+    pending: list[str] = field(default_factory=list)
+    pending_kinds: list[StepKind] = field(default_factory=list)
+    holds: set[str] = field(default_factory=set)  # requests whose state lives here
+
+
+@dataclass
+class _Tracked:
+    request: Request
+    steps_left: dict[float, float] = field(default_factory=dict)
+    refreshed_at: int = -1  # committed tokens at the last prediction refresh
+    allowed: tuple[float, ...] = ()
+    instance: str | None = None  # where its state lives
+    bound: str | None = None  # the only instance it may use (no migration / on-arrival)
+    needs_threshold: bool = True
+
+
+class Scheduler:
+    def __init__(
+        self,
+        policy: Policy,
+        profile: LatencyProfile,
+        predictor,
+        config: SchedulerConfig = SchedulerConfig(),
+    ):
+        self.policy = policy
+        self.profile = profile
+        self.predictor = predictor
+        self.config = config
+        self.instances: dict[str, _Instance] = {}
+        self.requests: dict[str, _Tracked] = {}
+        self._ready: list[str] = []
+
+    # -- instances ---------------------------------------------------------------------------
+
+    def add_instance(self, instance_id: str, tp: int, max_batch_tokens: int) -> None:
+        if instance_id in self.instances:
+            raise ValueError(f"instance {instance_id} already exists")
+        self.instances[instance_id] = _Instance(instance_id, tp, max_batch_tokens)
+
+    def remove_instance(self, instance_id: str, now: float) -> Decisions:
+        """Forget an instance (stopped or failed); its requests resume elsewhere."""
+        inst = self.instances.pop(instance_id)
+        for rid in inst.holds | set(inst.pending):
+            t = self.requests[rid]
+            t.instance = t.bound = None
+            t.needs_threshold = True
+            if rid not in self._ready:
+                self._ready.append(rid)
+        return self._schedule(now, load_changed=True)
+
+    # -- events ------------------------------------------------------------------------------
+
+    def on_arrival(self, request: Request, now: float) -> Decisions:
+        if request.request_id in self.requests:
+            raise ValueError(f"request {request.request_id} is already scheduled")
+        if request.deadline is None:
+            request.deadline = request.arrival_time + self.config.slo
+        request.status = RequestStatus.WAITING
+        tracked = _Tracked(request, allowed=self.policy.candidates)
+        if self.policy.placement is Placement.ON_ARRIVAL and self.instances:
+            tracked.bound = min(self.instances.values(), key=self._bound_tokens).instance_id
+        self.requests[request.request_id] = tracked
+        self._ready.append(request.request_id)
+        return self._schedule(now, load_changed=True)
+
+    def on_step_done(self, instance_id: str, output: StepOutput, now: float) -> Decisions:
+        inst = self.instances[instance_id]
+        inst.busy = False
+        finished = []
+        for result in output.results:
+            t = self.requests[result.request_id]
+            t.request.apply(result, now)
+            t.steps_left = {g: max(s - 1, 1.0) for g, s in t.steps_left.items()}
+            if t.request.is_finished:
+                finished.append(result.request_id)
+                inst.holds.discard(result.request_id)
+                del self.requests[result.request_id]
+            else:
+                self._ready.append(result.request_id)
+        decisions = self._schedule(now, load_changed=bool(finished))
+        return Decisions(decisions.launches, decisions.releases, tuple(finished))
+
+    def on_tick(self, now: float) -> Decisions:
+        return self._schedule(now, load_changed=False)
+
+    # -- one scheduling round ----------------------------------------------------------------
+
+    def _schedule(self, now: float, load_changed: bool) -> Decisions:
+        ready = sorted(self._ready, key=self._order)
+        refreshed = self._refresh_predictions(ready)
+        if self.policy.is_dynamic and self.policy.load_control and (load_changed or refreshed):
+            self._update_allowed()
+        releases, waiting = [], []
+        for rid in ready:
+            inst = self._place(self.requests[rid], now)
+            if inst is None:
+                waiting.append(rid)
+                continue
+            releases += self._assign(self.requests[rid], inst, now)
+        self._ready = waiting
+        return Decisions(tuple(self._launch(now)), tuple(releases))
+
+    def _order(self, rid: str):
+        r = self.requests[rid].request
+        return (-r.priority, r.arrival_time, rid)
+
+    def _refresh_predictions(self, ready: list[str]) -> bool:
+        k = self.config.refresh_every_tokens
+        due = [
+            self.requests[rid]
+            for rid in ready
+            if self.requests[rid].refreshed_at < 0
+            or self.requests[rid].request.num_committed - self.requests[rid].refreshed_at >= k
+        ]
+        if not due or not self.policy.is_dynamic:
+            return False
+        states = np.stack([self._state(t.request) for t in due])
+        predictions = self.predictor.predict([t.request.request_id for t in due], states)
+        for t, row in zip(due, predictions):
+            t.steps_left = dict(zip(self.predictor.thresholds, map(float, row)))
+            t.refreshed_at = t.request.num_committed
+            t.needs_threshold = True
+        return True
+
+    def _state(self, r: Request) -> np.ndarray:
+        return state_features(r.committed, r.confidences, r.num_steps, r.block_len)
+
+    def _update_allowed(self) -> None:
+        views = [self._view(t) for t in self.requests.values() if t.steps_left]
+        capacity = sum(self._capacity(inst) for inst in self.instances.values())
+        allowed = allowed_thresholds(
+            views, self.policy.candidates, capacity, self.config.cache_block
+        )
+        for rid, thresholds in allowed.items():
+            if thresholds != self.requests[rid].allowed:
+                self.requests[rid].allowed = thresholds
+                self.requests[rid].needs_threshold = True
+
+    def _capacity(self, inst: _Instance) -> float:
+        active = [t.request.num_tokens for t in self.requests.values()]
+        per_request = float(np.mean(active)) if active else 0.0
+        return instance_capacity(
+            self.profile,
+            inst.tp,
+            self.config.slo,
+            self.config.cache_block,
+            per_request,
+            self.config.max_requests_per_instance,
+        )
+
+    def _view(self, t: _Tracked) -> LoadView:
+        r = t.request
+        return LoadView(
+            r.request_id,
+            r.arrival_time,
+            r.num_tokens,
+            t.steps_left,
+            r.num_blocks_to_recompute,
+            r.priority,
+        )
+
+    # -- placement (Algorithm 3) -------------------------------------------------------------
+
+    def _kind_on(self, t: _Tracked, inst: _Instance) -> StepKind:
+        return t.request.next_kind(self.config.kv_cache, t.request.request_id in inst.holds)
+
+    def _candidates(self, t: _Tracked) -> list[_Instance]:
+        if t.bound is not None:
+            return [self.instances[t.bound]] if t.bound in self.instances else []
+        home = self.instances.get(t.instance) if t.instance else None
+        if home is not None and self.policy.migration is Migration.NONE:
+            return [home]
+        if (
+            home is not None
+            and self.policy.migration is Migration.RECOMPUTE
+            and self._kind_on(t, home) is StepKind.CACHE
+        ):
+            return [home]
+        return list(self.instances.values())
+
+    def _tokens(self, t: _Tracked, kind: StepKind) -> int:
+        return self.config.block_len if kind is StepKind.CACHE else t.request.num_tokens
+
+    def _pending_tokens(self, inst: _Instance) -> tuple[int, int]:
+        """(full-sequence tokens, cache-step tokens) of the batch gathered for `inst`."""
+        full = cache = 0
+        for rid, kind in zip(inst.pending, inst.pending_kinds):
+            if kind is StepKind.CACHE:
+                cache += self.config.block_len
+            else:
+                full += self.requests[rid].request.num_tokens
+        return full, cache
+
+    def _batch_latency(self, inst: _Instance, full: int, cache: int) -> float:
+        full_kind = (
+            StepKind.FULL if self.config.kv_cache is KVCacheMode.NONE else StepKind.RECOMPUTE
+        )
+        seconds = self.profile.step_latency(inst.tp, full, full_kind) if full else 0.0
+        if cache:
+            seconds += self.profile.step_latency(inst.tp, cache, StepKind.CACHE)
+        return seconds
+
+    def _place(self, t: _Tracked, now: float) -> _Instance | None:
+        """Algorithm 3: the candidate where this request's next step would finish first.
+
+        A busy instance starts the gathered batch when its running step ends (predicted);
+        ties go to an idle instance. Least-tokens placement compares batch tokens instead.
+        """
+        best, best_key = None, None
+        for inst in self._candidates(t):
+            kind = self._kind_on(t, inst)
+            full, cache = self._pending_tokens(inst)
+            n = self._tokens(t, kind)
+            if full + cache + n > inst.max_batch_tokens and inst.pending:
+                continue
+            if kind is StepKind.CACHE:
+                cache += n
+            else:
+                full += n
+            if self.policy.placement is Placement.FASTEST_STEP:
+                start = max(inst.busy_until, now) if inst.busy else now
+                cost = start + self._batch_latency(inst, full, cache)
+            else:
+                cost = full + cache + self._running_tokens(inst)
+            key = (cost, inst.busy, inst.instance_id)
+            if best_key is None or key < best_key:
+                best, best_key = inst, key
+        return best
+
+    def _assign(self, t: _Tracked, inst: _Instance, now: float) -> list[tuple[str, str]]:
+        rid, releases = t.request.request_id, []
+        if t.instance != inst.instance_id:
+            if t.instance is not None and t.instance in self.instances:
+                self.instances[t.instance].holds.discard(rid)
+                releases.append((t.instance, rid))
+            t.needs_threshold = True
+            if self.policy.migration is Migration.NONE and t.bound is None:
+                t.bound = inst.instance_id
+        t.instance = inst.instance_id
+        inst.pending.append(rid)
+        inst.pending_kinds.append(self._kind_on(t, inst))
+        t.request.threshold = self._threshold(t, inst, now)
+        t.request.status = RequestStatus.RUNNING
+        return releases
+
+    def _threshold(self, t: _Tracked, inst: _Instance, now: float) -> float:
+        if not self.policy.is_dynamic:
+            return self.policy.fixed_threshold
+        if not t.needs_threshold:
+            return t.request.threshold
+        t.needs_threshold = False
+        full, _ = self._pending_tokens(inst)
+        load = InstanceLoad(inst.tp, full, len(inst.pending))
+        slo_left = t.request.deadline - now
+        return select_threshold(
+            self._view(t), t.allowed, slo_left, load, self.profile, self.config.cache_block
+        )
+
+    def _running_tokens(self, inst: _Instance) -> int:
+        return (
+            sum(self.requests[rid].request.num_tokens for rid in inst.holds if rid in self.requests)
+            if inst.busy
+            else 0
+        )
+
+    def _launch(self, now: float) -> list[StepLaunch]:
+        launches = []
+        for inst in self.instances.values():
+            if inst.busy or not inst.pending:
+                continue
+            items = []
+            for rid, kind in zip(inst.pending, inst.pending_kinds):
+                r = self.requests[rid].request
+                spec = None if rid in inst.holds else r.spec()
+                items.append(StepItem(rid, r.threshold, kind, spec))
+            full, cache = self._pending_tokens(inst)
+            inst.busy_until = now + self._batch_latency(inst, full, cache)
+            inst.holds.update(inst.pending)
+            inst.pending, inst.pending_kinds = [], []
+            inst.busy = True
+            launches.append(StepLaunch(inst.instance_id, StepBatch(tuple(items))))
+        return launches
+
+    def _bound_tokens(self, inst: _Instance) -> tuple[int, str]:
+        tokens = sum(
+            t.request.num_tokens for t in self.requests.values() if t.bound == inst.instance_id
+        )
+        return tokens, inst.instance_id

@@ -1,0 +1,202 @@
+"""Scheduler tests: hand-made StepOutputs in, decisions out."""
+
+import numpy as np
+import pytest
+
+from dilaserve.control.policy import get_policy
+from dilaserve.control.profile import LatencyProfile
+from dilaserve.control.scheduler import Scheduler, SchedulerConfig
+from dilaserve.protocol import RequestStepResult, StepKind, StepOutput
+
+from conftest import make_request
+
+BLOCK = 8
+# TP-2 steps take 60% of TP-1's; latency grows with batch tokens
+PROFILE = LatencyProfile.from_dict(
+    {
+        "entries": [
+            {"tp": tp, "kind": kind, "batch_tokens": n, "ms": ms * (0.6 if tp == 2 else 1.0)}
+            for tp in (1, 2)
+            for kind, pts in (
+                ("recompute", ((8, 10), (1000, 200))),
+                ("cache", ((8, 5), (800, 100))),
+            )
+            for n, ms in pts
+        ]
+    }
+)
+
+
+class FakePredictor:
+    thresholds = (0.5, 0.9)
+
+    def __init__(self, steps=None):
+        self.steps = steps or {0.5: 4.0, 0.9: 8.0}
+        self.calls = 0
+
+    def predict(self, request_ids, states):
+        self.calls += 1
+        return np.array([[self.steps[t] for t in self.thresholds] for _ in request_ids])
+
+
+def scheduler(
+    policy="dilaserve", instances=(("a", 1), ("b", 2)), max_tokens=10_000, predictor=None, **config
+):
+    cfg = SchedulerConfig(block_len=BLOCK, **{"slo": 100.0, **config})
+    pol = get_policy(policy, candidates=(0.5, 0.9))
+    s = Scheduler(pol, PROFILE, predictor or FakePredictor(), cfg)
+    for name, tp in instances:
+        s.add_instance(name, tp, max_tokens)
+    return s
+
+
+def result(req, positions, block_done=False, finished=False, kind=StepKind.RECOMPUTE):
+    positions = np.array(positions, dtype=np.int32)
+    return RequestStepResult(
+        req.request_id,
+        kind,
+        positions,
+        np.full(len(positions), 3, np.int32),
+        np.full(req.gen_len, 0.5, np.float32),
+        req.current_block,
+        block_done,
+        finished,
+    )
+
+
+def done(s, instance, *results, now=1.0):
+    return s.on_step_done(instance, StepOutput(tuple(results), 0), now=now)
+
+
+def only_launch(decisions):
+    [launch] = decisions.launches
+    return launch
+
+
+def test_arrival_goes_to_the_fastest_instance_with_its_sequence():
+    s = scheduler()
+    req = make_request("r", gen_len=2 * BLOCK)
+    launch = only_launch(s.on_arrival(req, now=0.0))
+    assert launch.instance_id == "b"  # TP-2
+    [item] = launch.batch.items
+    assert item.kind is StepKind.RECOMPUTE and item.spec is not None
+    assert item.spec.prompt_ids == req.prompt_ids
+
+
+def test_cache_steps_stay_with_the_cache_even_when_another_instance_is_faster():
+    s = scheduler(instances=(("a", 1), ("b", 2)))
+    req = make_request("r", gen_len=2 * BLOCK)
+    s.on_arrival(req, 0.0)  # on b
+    s.on_arrival(make_request("x", gen_len=2 * BLOCK, arrival_time=0.0), 0.0)  # on a
+    # give b a big pending batch so a looks faster, then finish r's step without a block end
+    launch = only_launch(done(s, "b", result(req, [0])))
+    assert launch.instance_id == "b"
+    [item] = launch.batch.items
+    assert item.kind is StepKind.CACHE and item.spec is None
+
+
+def test_request_migrates_only_before_a_recompute_step():
+    s = scheduler(instances=(("a", 1), ("b", 1)))
+    first = make_request("r1", gen_len=2 * BLOCK)
+    second = make_request("r2", gen_len=2 * BLOCK, arrival_time=0.5)
+    assert only_launch(s.on_arrival(first, 0.0)).instance_id == "a"
+    assert only_launch(s.on_arrival(second, 0.5)).instance_id == "b"
+    # r2's step on b ends its block; a is idle again too -> both are candidates; r1 pending on a
+    d = done(s, "a", result(first, list(range(BLOCK)), block_done=True))
+    assert only_launch(d).instance_id == "a"  # a is idle and empty: r1 recomputes there
+    d = done(s, "b", result(second, list(range(BLOCK)), block_done=True))
+    # b is idle, a is busy with r1; r2's next step is a recompute, b (its home) is cheapest
+    assert only_launch(d).instance_id == "b"
+
+
+def test_migration_sends_the_sequence_and_releases_the_old_copy():
+    s = scheduler(instances=(("a", 1), ("b", 1)))
+    r1, r2, r3 = (make_request(f"r{i}", gen_len=2 * BLOCK, arrival_time=i) for i in (1, 2, 3))
+    assert only_launch(s.on_arrival(r1, 1.0)).instance_id == "a"
+    assert only_launch(s.on_arrival(r2, 2.0)).instance_id == "b"
+    assert s.on_arrival(r3, 3.0).launches == ()  # both busy: r3 waits in a's next batch
+    d = done(s, "a", result(r1, list(range(BLOCK)), block_done=True), now=4.0)
+    # r1 ends its block; joining r3 on a costs more than b's empty next batch -> r1 moves
+    assert d.releases == (("a", "r1"),)
+    assert [i.request_id for i in only_launch(d).batch.items] == ["r3"]
+    launch = only_launch(done(s, "b", result(r2, [0]), now=4.1))
+    moved = {i.request_id: i for i in launch.batch.items}
+    assert launch.instance_id == "b" and moved["r1"].spec is not None
+    assert moved["r1"].kind is StepKind.RECOMPUTE and moved["r2"].spec is None
+
+
+def test_no_migration_keeps_a_request_on_its_first_instance():
+    s = scheduler("no-migration", instances=(("a", 1), ("b", 1)))
+    req = make_request("r", gen_len=2 * BLOCK)
+    home = only_launch(s.on_arrival(req, 0.0)).instance_id
+    other = make_request("x", gen_len=2 * BLOCK)
+    s.on_arrival(other, 0.0)
+    launch = only_launch(done(s, home, result(req, list(range(BLOCK)), block_done=True)))
+    assert launch.instance_id == home
+
+
+@pytest.mark.parametrize("slo, expected", [(0.05, 0.9), (0.025, 0.5)])
+def test_threshold_is_the_highest_that_fits_the_budget(slo, expected):
+    # TP-2, 21 tokens: recompute ~7.5 ms, cache 3 ms; two blocks -> two recompute steps.
+    # 0.9: 8 steps = 2 x 7.5 + 6 x 3 = 33 ms; 0.5: 4 steps = 2 x 7.5 + 2 x 3 = 21 ms
+    s = scheduler(instances=(("b", 2),), slo=slo)
+    launch = only_launch(s.on_arrival(make_request("r", gen_len=2 * BLOCK), 0.0))
+    assert launch.batch.items[0].threshold == expected
+
+
+def test_nothing_fits_falls_through_to_the_lowest_threshold():
+    s = scheduler(instances=(("b", 2),), slo=1e-6)
+    launch = only_launch(s.on_arrival(make_request("r", gen_len=2 * BLOCK), 0.0))
+    assert launch.batch.items[0].threshold == 0.5
+
+
+def test_fixed_threshold_policies_never_consult_the_predictor():
+    predictor = FakePredictor()
+    s = scheduler("fcfs", predictor=predictor, slo=1e-6)
+    launch = only_launch(s.on_arrival(make_request("r"), 0.0))
+    assert launch.batch.items[0].threshold == 0.9 and predictor.calls == 0
+
+
+def test_full_instance_defers_the_request_until_its_step_ends():
+    s = scheduler(instances=(("a", 1),), max_tokens=30)
+    r1, r2 = make_request("r1", prompt_len=8), make_request("r2", prompt_len=8)  # 24 each
+    s.on_arrival(r1, 0.0)
+    assert s.on_arrival(r2, 0.1).launches == ()  # a is busy; r2 waits in a's next batch
+    launch = only_launch(done(s, "a", result(r1, [0])))
+    # r2 (24 tokens) fills a's next batch; r1's cache step (8 more) would exceed 30: it waits
+    assert [i.request_id for i in launch.batch.items] == ["r2"]
+    assert "r1" in s._ready
+
+
+def test_finished_requests_are_reported_and_forgotten():
+    s = scheduler(instances=(("a", 1),))
+    req = make_request("r")
+    s.on_arrival(req, 0.0)
+    d = done(s, "a", result(req, list(range(req.gen_len)), block_done=True, finished=True))
+    assert d.finished == ("r",) and d.launches == () and "r" not in s.requests
+
+
+def test_load_control_caps_late_arrivals_when_capacity_is_short():
+    # tiny SLO window -> capacity covers about one request at 0.9
+    s = scheduler(instances=(("a", 1),), slo=0.02, kv_cache="none")
+    early, late = make_request("early", arrival_time=0.0), make_request("late", arrival_time=1.0)
+    s.on_arrival(early, 0.0)
+    s.on_arrival(late, 1.0)
+    assert s.requests["early"].allowed[0] >= s.requests["late"].allowed[0]
+    assert s.requests["late"].allowed == (0.5,)
+
+
+def test_infaas_binds_each_request_at_arrival_to_the_least_loaded_instance():
+    s = scheduler("infaas", instances=(("a", 1), ("b", 1)))
+    s.on_arrival(make_request("r1"), 0.0)
+    s.on_arrival(make_request("r2"), 0.0)
+    assert {s.requests["r1"].bound, s.requests["r2"].bound} == {"a", "b"}
+
+
+def test_removed_instance_hands_its_requests_to_the_others():
+    s = scheduler(instances=(("a", 1), ("b", 1)))
+    req = make_request("r")
+    home = only_launch(s.on_arrival(req, 0.0)).instance_id
+    other = "b" if home == "a" else "a"
+    launch = only_launch(s.remove_instance(home, 1.0))
+    assert launch.instance_id == other and launch.batch.items[0].spec is not None
