@@ -9,6 +9,7 @@ its threshold and the step kind. Nothing here imports torch.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -42,12 +43,12 @@ class SequenceSpec:
 
     `output_ids` has `gen_len` entries; uncommitted positions hold the mask id.
     `output_conf` carries the confidences the request already has (commit-time for committed
-    positions), so that a migrated request keeps them.
+    positions), so that a migrated request keeps them. Sequences or numpy arrays.
     """
 
-    prompt_ids: tuple[int, ...]
-    output_ids: tuple[int, ...]
-    output_conf: tuple[float, ...] | None = None
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int] | np.ndarray
+    output_conf: Sequence[float] | np.ndarray | None = None
 
 
 @dataclass(frozen=True, slots=True)

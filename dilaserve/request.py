@@ -41,6 +41,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_ids: np.ndarray = field(init=False)
     confidences: np.ndarray = field(init=False)
+    num_committed: int = field(init=False, default=0)
+    current_block: int = field(init=False, default=0)  # the first block with a masked position
     starts_block: bool = True  # the next step is the first step of a block
     num_steps: int = 0
     steps_by_kind: dict[StepKind, int] = field(default_factory=dict)
@@ -55,10 +57,11 @@ class Request:
             )
         self.output_ids = np.full(self.gen_len, self.mask_id, dtype=np.int32)
         self.confidences = np.zeros(self.gen_len, dtype=np.float32)
+        self._prompt_len = len(self.prompt_ids)
 
     @property
     def prompt_len(self) -> int:
-        return len(self.prompt_ids)
+        return self._prompt_len
 
     @property
     def num_tokens(self) -> int:
@@ -66,17 +69,8 @@ class Request:
         return self.prompt_len + self.gen_len
 
     @property
-    def num_committed(self) -> int:
-        return int((self.output_ids != self.mask_id).sum())
-
-    @property
     def num_blocks(self) -> int:
         return self.gen_len // self.block_len
-
-    @property
-    def current_block(self) -> int:
-        masked = np.flatnonzero(self.output_ids == self.mask_id)
-        return int(masked[0]) // self.block_len if masked.size else self.num_blocks
 
     @property
     def committed(self) -> np.ndarray:
@@ -105,6 +99,9 @@ class Request:
         """Record one step's outcome."""
         self.output_ids[result.positions] = result.tokens
         self.confidences = result.confidences
+        masked = np.flatnonzero(self.output_ids == self.mask_id)
+        self.num_committed = self.gen_len - masked.size
+        self.current_block = int(masked[0]) // self.block_len if masked.size else self.num_blocks
         self.num_steps += 1
         self.steps_by_kind[result.kind] = self.steps_by_kind.get(result.kind, 0) + 1
         self.threshold_steps.append(self.threshold)

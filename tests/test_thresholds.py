@@ -1,9 +1,11 @@
+import numpy as np
 import pytest
 
 from dilaserve.control.profile import LatencyProfile
 from dilaserve.control.thresholds import (
     InstanceLoad,
     LoadView,
+    allowed_ranks,
     allowed_thresholds,
     instance_capacity,
     predicted_time_left,
@@ -87,3 +89,28 @@ def test_capacity_without_and_with_cache():
     per_s = (320 * 31 + 100) / (0.05 * 31 + 0.1)
     got = instance_capacity(PROFILE, 1, 3.0, 32, tokens_per_request=100, max_requests=10)
     assert got == pytest.approx(per_s * 3.0)
+
+
+def reference_ranks(loads, capacity):
+    """The paper's Algorithm 2 loop, written plainly."""
+    n, width = loads.shape
+    floor_after = [loads[i + 1 :, -1].sum() for i in range(n)]
+    used, ranks = 0.0, []
+    for i in range(n):
+        for col in range(width):
+            if used + loads[i, col] + floor_after[i] <= capacity or col == width - 1:
+                used += loads[i, col]
+                ranks.append(col)
+                break
+    return ranks
+
+
+def test_vectorised_load_control_matches_the_papers_loop():
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        n, width = int(rng.integers(1, 40)), int(rng.integers(1, 6))
+        loads = np.sort(rng.integers(1, 50, (n, width)).astype(float), axis=1)[:, ::-1]
+        if trial % 3 == 0:  # predictors are not always monotone
+            loads = rng.integers(1, 50, (n, width)).astype(float)
+        capacity = float(rng.uniform(0, 1.5) * loads[:, 0].sum())
+        assert allowed_ranks(loads, capacity).tolist() == reference_ranks(loads, capacity)

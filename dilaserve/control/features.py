@@ -35,7 +35,7 @@ def state_features(
     num_blocks = gen_len // block_len
     block = int(masked[0]) // block_len if masked.size else num_blocks
     in_block = committed[block * block_len : (block + 1) * block_len]
-    q25, median, q75 = np.quantile(confidences, (0.25, 0.5, 0.75))
+    q25, median, q75 = _quartiles(np.sort(confidences))
     return np.array(
         [
             gen_len,
@@ -51,6 +51,18 @@ def state_features(
         ],
         dtype=np.float64,
     )
+
+
+def _quartiles(ordered: np.ndarray) -> tuple[float, float, float]:
+    """25th, 50th and 75th percentiles of a sorted array (linear interpolation, as numpy's)."""
+    last = ordered.shape[0] - 1
+    out = []
+    for q in (0.25, 0.5, 0.75):
+        pos = q * last
+        lo = int(pos)
+        hi = min(lo + 1, last)
+        out.append(float(ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)))
+    return out[0], out[1], out[2]
 
 
 def feature_matrix(states: np.ndarray, thresholds) -> np.ndarray:

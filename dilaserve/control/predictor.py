@@ -19,6 +19,7 @@ import numpy as np
 from dilaserve.control.features import FEATURE_NAMES, feature_matrix
 
 MIN_STEPS = 1.0
+NUM_TREES = 120  # predictions run on every scheduling event: keep the ensemble small
 
 
 class OneShotPredictor:
@@ -76,15 +77,17 @@ def fit_gbm(
     columns = [FEATURE_NAMES.index(f) for f in features]
     params = {
         "objective": "regression_l1",
-        "learning_rate": 0.05,
-        "num_leaves": 31,
+        "learning_rate": 0.1,
+        "num_leaves": 15,
         "min_data_in_leaf": 20,
         "verbose": -1,
         "seed": seed,
         "num_threads": 1,
     }
     data = lightgbm.Dataset(rows[:, columns], labels, feature_name=list(features))
-    return GBMPredictor(thresholds, lightgbm.train(params, data, num_boost_round=300), features)
+    return GBMPredictor(
+        thresholds, lightgbm.train(params, data, num_boost_round=NUM_TREES), features
+    )
 
 
 def save_gbm(predictor: GBMPredictor, folder: Path, extra: dict | None = None) -> None:

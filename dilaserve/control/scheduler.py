@@ -27,8 +27,9 @@ from dilaserve.control.profile import LatencyProfile
 from dilaserve.control.thresholds import (
     InstanceLoad,
     LoadView,
-    allowed_thresholds,
+    allowed_ranks,
     instance_capacity,
+    load_matrix,
     select_threshold,
 )
 from dilaserve.protocol import KVCacheMode, StepBatch, StepItem, StepKind, StepOutput
@@ -42,6 +43,7 @@ class SchedulerConfig:
     slo: float = 10.0  # seconds, for requests that carry no deadline
     refresh_every_tokens: int = 8
     max_requests_per_instance: int = 64
+    load_control_interval: float = 0.05  # seconds between re-runs triggered by refreshes only
 
     def __post_init__(self):
         object.__setattr__(self, "kv_cache", KVCacheMode(self.kv_cache))
@@ -78,13 +80,15 @@ class _Instance:
     busy_until: float = 0.0  # predicted end of the running step
     pending: list[str] = field(default_factory=list)
     pending_kinds: list[StepKind] = field(default_factory=list)
+    pending_full: int = 0  # full-sequence tokens of the gathered batch
+    pending_cache: int = 0  # cache-step tokens of the gathered batch
     holds: set[str] = field(default_factory=set)  # requests whose state lives here
 
 
 @dataclass
 class _Tracked:
     request: Request
-    steps_left: dict[float, float] = field(default_factory=dict)
+    steps: np.ndarray | None = None  # predicted steps left, per threshold of the ladder
     refreshed_at: int = -1  # committed tokens at the last prediction refresh
     allowed: tuple[float, ...] = ()
     instance: str | None = None  # where its state lives
@@ -107,6 +111,16 @@ class Scheduler:
         self.instances: dict[str, _Instance] = {}
         self.requests: dict[str, _Tracked] = {}
         self._ready: list[str] = []
+        self._ladder = tuple(sorted(policy.candidates, reverse=True))
+        self._last_load_control = float("-inf")
+        if policy.is_dynamic:
+            missing = set(self._ladder) - set(predictor.thresholds)
+            if missing:
+                raise ValueError(
+                    f"the step predictor has no predictions for thresholds "
+                    f"{sorted(missing)} (it covers {predictor.thresholds})"
+                )
+            self._ladder_columns = [list(predictor.thresholds).index(g) for g in self._ladder]
 
     # -- instances ---------------------------------------------------------------------------
 
@@ -134,7 +148,7 @@ class Scheduler:
         if request.deadline is None:
             request.deadline = request.arrival_time + self.config.slo
         request.status = RequestStatus.WAITING
-        tracked = _Tracked(request, allowed=self.policy.candidates)
+        tracked = _Tracked(request, allowed=self._ladder)
         if self.policy.placement is Placement.ON_ARRIVAL and self.instances:
             tracked.bound = min(self.instances.values(), key=self._bound_tokens).instance_id
         self.requests[request.request_id] = tracked
@@ -148,7 +162,8 @@ class Scheduler:
         for result in output.results:
             t = self.requests[result.request_id]
             t.request.apply(result, now)
-            t.steps_left = {g: max(s - 1, 1.0) for g, s in t.steps_left.items()}
+            if t.steps is not None:
+                t.steps = np.maximum(t.steps - 1.0, 1.0)
             if t.request.is_finished:
                 finished.append(result.request_id)
                 inst.holds.discard(result.request_id)
@@ -166,8 +181,8 @@ class Scheduler:
     def _schedule(self, now: float, load_changed: bool) -> Decisions:
         ready = sorted(self._ready, key=self._order)
         refreshed = self._refresh_predictions(ready)
-        if self.policy.is_dynamic and self.policy.load_control and (load_changed or refreshed):
-            self._update_allowed()
+        if self._load_control_due(now, load_changed, refreshed):
+            self._update_allowed(now)
         releases, waiting = [], []
         for rid in ready:
             inst = self._place(self.requests[rid], now)
@@ -177,6 +192,12 @@ class Scheduler:
             releases += self._assign(self.requests[rid], inst, now)
         self._ready = waiting
         return Decisions(tuple(self._launch(now)), tuple(releases))
+
+    def _load_control_due(self, now: float, load_changed: bool, refreshed: bool) -> bool:
+        if not (self.policy.is_dynamic and self.policy.load_control) or not self.requests:
+            return False
+        stale = now - self._last_load_control >= self.config.load_control_interval
+        return load_changed or (refreshed and stale)
 
     def _order(self, rid: str):
         r = self.requests[rid].request
@@ -195,7 +216,7 @@ class Scheduler:
         states = np.stack([self._state(t.request) for t in due])
         predictions = self.predictor.predict([t.request.request_id for t in due], states)
         for t, row in zip(due, predictions):
-            t.steps_left = dict(zip(self.predictor.thresholds, map(float, row)))
+            t.steps = row[self._ladder_columns]
             t.refreshed_at = t.request.num_committed
             t.needs_threshold = True
         return True
@@ -203,28 +224,42 @@ class Scheduler:
     def _state(self, r: Request) -> np.ndarray:
         return state_features(r.committed, r.confidences, r.num_steps, r.block_len)
 
-    def _update_allowed(self) -> None:
-        views = [self._view(t) for t in self.requests.values() if t.steps_left]
-        capacity = sum(self._capacity(inst) for inst in self.instances.values())
-        allowed = allowed_thresholds(
-            views, self.policy.candidates, capacity, self.config.cache_block
+    def _update_allowed(self, now: float) -> None:
+        self._last_load_control = now
+        tracked = sorted(
+            (t for t in self.requests.values() if t.steps is not None),
+            key=lambda t: self._order(t.request.request_id),
         )
-        for rid, thresholds in allowed.items():
-            if thresholds != self.requests[rid].allowed:
-                self.requests[rid].allowed = thresholds
-                self.requests[rid].needs_threshold = True
-
-    def _capacity(self, inst: _Instance) -> float:
-        active = [t.request.num_tokens for t in self.requests.values()]
-        per_request = float(np.mean(active)) if active else 0.0
-        return instance_capacity(
-            self.profile,
-            inst.tp,
-            self.config.slo,
+        if not tracked:
+            return
+        steps = np.stack([t.steps for t in tracked])
+        loads = load_matrix(
+            steps,
+            [t.request.num_tokens for t in tracked],
+            [t.request.num_blocks_to_recompute for t in tracked],
             self.config.cache_block,
-            per_request,
-            self.config.max_requests_per_instance,
         )
+        ranks = allowed_ranks(loads, self._cluster_capacity())
+        for t, rank in zip(tracked, ranks.tolist()):
+            allowed = self._ladder[rank:]
+            if allowed != t.allowed:
+                t.allowed = allowed
+                t.needs_threshold = True
+
+    def _cluster_capacity(self) -> float:
+        per_request = float(np.mean([t.request.num_tokens for t in self.requests.values()]))
+        per_tp = {
+            tp: instance_capacity(
+                self.profile,
+                tp,
+                self.config.slo,
+                self.config.cache_block,
+                per_request,
+                self.config.max_requests_per_instance,
+            )
+            for tp in {inst.tp for inst in self.instances.values()}
+        }
+        return sum(per_tp[inst.tp] for inst in self.instances.values())
 
     def _view(self, t: _Tracked) -> LoadView:
         r = t.request
@@ -232,7 +267,7 @@ class Scheduler:
             r.request_id,
             r.arrival_time,
             r.num_tokens,
-            t.steps_left,
+            dict(zip(self._ladder, t.steps.tolist())),
             r.num_blocks_to_recompute,
             r.priority,
         )
@@ -261,13 +296,7 @@ class Scheduler:
 
     def _pending_tokens(self, inst: _Instance) -> tuple[int, int]:
         """(full-sequence tokens, cache-step tokens) of the batch gathered for `inst`."""
-        full = cache = 0
-        for rid, kind in zip(inst.pending, inst.pending_kinds):
-            if kind is StepKind.CACHE:
-                cache += self.config.block_len
-            else:
-                full += self.requests[rid].request.num_tokens
-        return full, cache
+        return inst.pending_full, inst.pending_cache
 
     def _batch_latency(self, inst: _Instance, full: int, cache: int) -> float:
         full_kind = (
@@ -315,8 +344,13 @@ class Scheduler:
             if self.policy.migration is Migration.NONE and t.bound is None:
                 t.bound = inst.instance_id
         t.instance = inst.instance_id
+        kind = self._kind_on(t, inst)
         inst.pending.append(rid)
-        inst.pending_kinds.append(self._kind_on(t, inst))
+        inst.pending_kinds.append(kind)
+        if kind is StepKind.CACHE:
+            inst.pending_cache += self.config.block_len
+        else:
+            inst.pending_full += t.request.num_tokens
         t.request.threshold = self._threshold(t, inst, now)
         t.request.status = RequestStatus.RUNNING
         return releases
@@ -355,6 +389,7 @@ class Scheduler:
             inst.busy_until = now + self._batch_latency(inst, full, cache)
             inst.holds.update(inst.pending)
             inst.pending, inst.pending_kinds = [], []
+            inst.pending_full = inst.pending_cache = 0
             inst.busy = True
             launches.append(StepLaunch(inst.instance_id, StepBatch(tuple(items))))
         return launches

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from dilaserve.control.profile import LatencyProfile
 from dilaserve.protocol import StepKind
 
@@ -71,6 +73,54 @@ def instance_capacity(
     return tokens / (cache_s * (block_len - 1) + recompute_s) * slo
 
 
+def load_matrix(
+    steps: np.ndarray, num_tokens: np.ndarray, recompute_left: np.ndarray, block_len: int | None
+) -> np.ndarray:
+    """`request_load` for many requests and thresholds at once: steps [n, T] -> loads [n, T]."""
+    tokens = np.asarray(num_tokens, dtype=np.float64)[:, None]
+    if block_len is None:
+        return steps * tokens
+    recompute = np.minimum(np.asarray(recompute_left, dtype=np.float64)[:, None], steps)
+    return (steps - recompute) * block_len + recompute * tokens
+
+
+def allowed_ranks(loads: np.ndarray, capacity: float) -> np.ndarray:
+    """Algorithm 2/4 on a load matrix: rows in service order, columns thresholds descending.
+
+    Returns, per row, the column of its highest allowed threshold (all lower ones are allowed
+    too; the last column always is). Equivalent to the paper's loop: a row keeps column c when
+    the load granted so far, its load at c and every later row's load at the last column fit
+    `capacity`. Rows that all fit at the first column are granted it in one vectorised pass;
+    once the remaining budget is below every later row's smallest step up, the rest get the
+    last column without looping.
+    """
+    n, width = loads.shape
+    ranks = np.full(n, width - 1)
+    if n == 0 or width == 1:
+        return ranks
+    lowest = loads[:, -1]
+    extra = loads - lowest[:, None]  # cost of each column over the last one
+    budget = capacity - lowest.sum()
+    fits_top = np.cumsum(extra[:, 0]) <= budget
+    prefix = n if fits_top.all() else int(np.argmin(fits_top))
+    ranks[:prefix] = 0
+    budget -= extra[:prefix, 0].sum()
+    upgrades = extra[:, :-1]
+    smallest_after = np.minimum.accumulate(
+        np.where(upgrades > 0, upgrades, np.inf).min(axis=1)[::-1]
+    )[::-1]
+    free_after = np.logical_or.accumulate((upgrades <= 0).any(axis=1)[::-1])[::-1]
+    for i in range(prefix, n):
+        if budget < smallest_after[i] and not free_after[i]:
+            break  # no later row can afford any step up
+        for col, cost in enumerate(extra[i].tolist()):
+            if cost <= budget:
+                ranks[i] = col
+                budget -= cost
+                break
+    return ranks
+
+
 def allowed_thresholds(
     requests: Sequence[LoadView],
     candidates: Sequence[float],
@@ -84,20 +134,16 @@ def allowed_thresholds(
     threshold still fit `capacity`; the lowest threshold is always allowed.
     """
     ladder = sorted(candidates, reverse=True)
-    lowest = ladder[-1]
     order = sorted(requests, key=lambda r: (-r.priority, r.arrival_time, r.request_id))
-    floor_after = [0.0] * len(order)
-    for i in range(len(order) - 2, -1, -1):
-        floor_after[i] = floor_after[i + 1] + request_load(order[i + 1], lowest, block_len)
-    used, allowed = 0.0, {}
-    for i, req in enumerate(order):
-        for rank, threshold in enumerate(ladder):
-            load = request_load(req, threshold, block_len)
-            if used + load + floor_after[i] <= capacity or threshold == lowest:
-                used += load
-                allowed[req.request_id] = tuple(ladder[rank:])
-                break
-    return allowed
+    steps = np.array([[r.steps_left[g] for g in ladder] for r in order], dtype=np.float64)
+    loads = load_matrix(
+        steps.reshape(len(order), len(ladder)),
+        [r.num_tokens for r in order],
+        [r.recompute_steps_left for r in order],
+        block_len,
+    )
+    ranks = allowed_ranks(loads, capacity)
+    return {r.request_id: tuple(ladder[rank:]) for r, rank in zip(order, ranks.tolist())}
 
 
 def predicted_time_left(

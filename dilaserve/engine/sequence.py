@@ -33,13 +33,17 @@ class Sequence:
                 f"request {request_id}: output window of {gen_len} tokens is not a "
                 f"positive multiple of block_len={block_len}"
             )
-        if not prompt_ids:
+        if len(prompt_ids) == 0:
             raise ValueError(f"request {request_id}: prompt is empty")
         self.request_id = request_id
         self.prompt_len = len(prompt_ids)
         self.gen_len = gen_len
         self.block_len = block_len
-        self.ids = torch.tensor(list(prompt_ids) + list(output_ids), dtype=torch.long)
+        self.ids = torch.from_numpy(
+            np.concatenate(
+                (np.asarray(prompt_ids, dtype=np.int64), np.asarray(output_ids, dtype=np.int64))
+            )
+        )
         self.is_masked = np.asarray(output_ids) == mask_id
         self.conf = (
             np.zeros(gen_len, np.float32)
