@@ -67,3 +67,20 @@ def test_refresh_curve_counts_down_between_refreshes():
     assert curve[1] == pytest.approx(np.mean([1 / 4, 2 / 3, 3 / 2, 4 / 1]))
     assert curve[4] == pytest.approx(np.mean([1 / 4, 1 / 3, 1 / 2, 1 / 1]))  # 5,4,3,2
     assert choose_k({1: 0.20, 2: 0.205, 4: 0.211, 8: 0.3}) == 2
+
+
+def test_create_predictor_by_name(tmp_path):
+    from dilaserve.control.predictor import create_predictor
+
+    trajs = [synthetic(p, t) for t in (0.5, 0.9) for p in range(20)]
+    cfg = PredictorConfig(model="unused", out=str(tmp_path / "pred"), thresholds=(0.5, 0.9))
+    fit_and_report(trajs, cfg, tmp_path, log=lambda *_: None)
+    folder = tmp_path / "pred"
+    assert create_predictor("full", folder).name == "full"
+    assert create_predictor("progress", folder).name == "progress"
+    assert create_predictor("one-shot", folder).thresholds == (0.5, 0.9)
+    assert create_predictor("oracle", folder, truth=lambda r, t: 2.0).name == "oracle"
+    with pytest.raises(ValueError, match="oracle"):
+        create_predictor("oracle", folder)
+    with pytest.raises(ValueError, match="not one of"):
+        create_predictor("magic", folder)

@@ -107,3 +107,21 @@ def load_gbm(folder: Path, name: str = "full") -> GBMPredictor:
     meta = json.loads(meta_path.read_text())
     booster = lightgbm.Booster(model_file=str(folder / f"gbm-{name}.txt"))
     return GBMPredictor(meta["thresholds"], booster, meta["features"])
+
+
+def create_predictor(name: str, folder: Path | None = None, truth=None):
+    """A step predictor by policy name: full | progress (trained), one-shot, oracle."""
+    if name == "oracle":
+        if truth is None:
+            raise ValueError("the oracle predictor needs the true remaining steps (simulation)")
+        meta = json.loads((Path(folder) / "gbm-full.json").read_text()) if folder else {}
+        return OraclePredictor(meta.get("thresholds", (0.5, 0.6, 0.7, 0.8, 0.9)), truth)
+    if folder is None:
+        raise ValueError(f"step predictor {name!r} needs a trained predictor folder")
+    if name == "one-shot":
+        meta = json.loads((Path(folder) / "gbm-full.json").read_text())
+        rates = {float(k): v for k, v in meta["one_shot_steps_per_token"].items()}
+        return OneShotPredictor(meta["thresholds"], rates)
+    if name in ("full", "progress"):
+        return load_gbm(Path(folder), name)
+    raise ValueError(f"step predictor {name!r} is not one of full, progress, one-shot, oracle")
