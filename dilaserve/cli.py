@@ -83,6 +83,7 @@ def cmd_train_model(args) -> None:
         seed=args.seed,
         init_from=args.init_from,
         lr=args.lr,
+        difficulty=args.difficulty,
     )
     path = train(cfg)
     print(f"checkpoint written to {path}")
@@ -173,6 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--init-from", default=None, help="continue training this checkpoint")
     tr.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    tr.add_argument(
+        "--difficulty",
+        choices=["narrow", "wide"],
+        default="narrow",
+        help="number ranges of the generated problems",
+    )
     tr.set_defaults(func=cmd_train_model)
     return parser
 

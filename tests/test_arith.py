@@ -26,3 +26,18 @@ def test_extract_answer():
     assert arith.extract_answer("so 3 + 4 = 7.\n#### 7") == 7
     assert arith.extract_answer("#### 1,234") == 1234
     assert arith.extract_answer("no answer here") is None
+
+
+def test_narrow_problems_keep_every_value_small():
+    for p in arith.generate(500, seed=2):
+        values = [int(x) for x in p.solution.replace(".", " ").split() if x.isdigit()]
+        assert max(values) <= arith.DIFFICULTIES["narrow"].max_value
+    wide = arith.generate(500, seed=2, difficulty="wide")
+    assert max(p.answer for p in wide) > arith.DIFFICULTIES["narrow"].max_value
+
+
+def test_unknown_difficulty_is_named():
+    import pytest
+
+    with pytest.raises(ValueError, match="difficulty"):
+        arith.generate(1, seed=0, difficulty="extreme")

@@ -55,6 +55,7 @@ class TrainConfig:
     seed: int = 0
     threads: int = 2
     num_shards: int = 2
+    difficulty: str = arith.DEFAULT_DIFFICULTY
     init_from: str | None = None  # continue training this checkpoint
 
     def __post_init__(self):
@@ -148,7 +149,10 @@ def _resume(cfg: TrainConfig, out: Path) -> LLaDAModelLM:
 
 
 def _training_batch(cfg: TrainConfig, py_rng: random.Random) -> list[arith.Problem]:
-    problems = (arith.make_problem(py_rng, py_rng.randint(1, 3)) for _ in range(cfg.batch_size))
+    problems = (
+        arith.make_problem(py_rng, py_rng.randint(1, 3), cfg.difficulty)
+        for _ in range(cfg.batch_size)
+    )
     return [p for p in problems if not arith.is_held_out(p.question)]
 
 
