@@ -35,7 +35,10 @@ bench: setup
 eval: setup
 	$(VENV)/bin/dilaserve eval
 
-train-model: setup  ## retrain the bundled model: two stages, about two hours on 2 cores
-	$(VENV)/bin/dilaserve train-model --out runs/tiny-llada-stage1 --minutes 60 --max-steps 1500
-	$(VENV)/bin/dilaserve train-model --init-from runs/tiny-llada-stage1 \
-		--out dilaserve/assets/tiny-llada --minutes 80
+train-model: setup  ## retrain the bundled model: three stages, about two hours on 2 cores
+	$(VENV)/bin/dilaserve train-model --out runs/tiny-llada-s1 --difficulty wide \
+		--minutes 60 --max-steps 1500
+	$(VENV)/bin/dilaserve train-model --init-from runs/tiny-llada-s1 --out runs/tiny-llada-s2 \
+		--difficulty wide --minutes 80 --max-steps 1500
+	$(VENV)/bin/dilaserve train-model --init-from runs/tiny-llada-s2 \
+		--out dilaserve/assets/tiny-llada --difficulty narrow --minutes 33
