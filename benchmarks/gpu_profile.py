@@ -81,6 +81,54 @@ def cache_ms(model, rows: int, context: int, device, repeats: int) -> float:
     return timed(lambda: model.logits(model(ids, pos, valid, context=ctx).hidden), device, repeats)
 
 
+def build_model(shape: str, device: torch.device, dtype: torch.dtype) -> LLaDAModelLM:
+    with torch.device(device):
+        model = LLaDAModelLM(LLaDAConfig(**SHAPES[shape])).to(dtype)
+    model.init_weights(0)
+    model.model.rotary.reset()
+    return model.eval()
+
+
+def measure_grid(model, device, repeats: int, context: int) -> list[dict]:
+    entries = []
+    for tokens in (256, 512, 1024, 2048, 4096, 8192, 16384):
+        seq = min(tokens, 1024)
+        ms = recompute_ms(model, tokens // seq, seq, device, repeats)
+        entries.append({"tp": 1, "kind": "recompute", "batch_tokens": tokens, "ms": ms})
+        print(entries[-1], flush=True)
+    for rows in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+        ms = cache_ms(model, rows, context, device, repeats)
+        entries.append(
+            {
+                "tp": 1,
+                "kind": "cache",
+                "batch_tokens": rows * BLOCK,
+                "num_requests": rows,
+                "context_len": context,
+                "ms": ms,
+            }
+        )
+        print(entries[-1], flush=True)
+    return entries
+
+
+def single_request(model, device, repeats: int, prompt_len: int, gen: int) -> dict:
+    recompute = recompute_ms(model, 1, prompt_len + gen, device, repeats)
+    cache = cache_ms(model, 1, prompt_len + gen - BLOCK, device, repeats)
+    blocks = gen // BLOCK
+    per_s = {
+        k: round(gen / (blocks * (recompute + (k - 1) * cache) / 1e3), 1)
+        for k in (4, 8, 12, 16, 32)
+    }
+    return {
+        "prompt_len": prompt_len,
+        "gen": gen,
+        "recompute_ms": recompute,
+        "cache_ms": cache,
+        "tokens_per_s_by_steps_per_block": per_s,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llada-8b")
@@ -92,52 +140,17 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    cfg = LLaDAConfig(**SHAPES[args.shape])
-    with torch.device(device):
-        model = LLaDAModelLM(cfg).to(dtype)
-    model.init_weights(0)
-    model.model.rotary.reset()
-    model.eval()
-    entries = []
+    model = build_model(args.shape, device, dtype)
     with torch.inference_mode():
-        for tokens in (256, 512, 1024, 2048, 4096, 8192, 16384):
-            seq = min(tokens, 1024)
-            ms = recompute_ms(model, tokens // seq, seq, device, args.repeats)
-            entries.append({"tp": 1, "kind": "recompute", "batch_tokens": tokens, "ms": ms})
-            print(entries[-1], flush=True)
-        context = args.prompt_len + args.gen - BLOCK
-        for rows in (1, 2, 4, 8, 16, 32, 64, 128, 256):
-            ms = cache_ms(model, rows, context, device, args.repeats)
-            entries.append(
-                {
-                    "tp": 1,
-                    "kind": "cache",
-                    "batch_tokens": rows * BLOCK,
-                    "num_requests": rows,
-                    "context_len": context,
-                    "ms": ms,
-                }
-            )
-            print(entries[-1], flush=True)
-        single_recompute = recompute_ms(model, 1, args.prompt_len + args.gen, device, args.repeats)
-        single_cache = cache_ms(model, 1, context, device, args.repeats)
-    blocks = args.gen // BLOCK
-    single = {
-        "prompt_len": args.prompt_len,
-        "gen": args.gen,
-        "recompute_ms": single_recompute,
-        "cache_ms": single_cache,
-        "tokens_per_s_by_steps_per_block": {
-            k: round(args.gen / (blocks * (single_recompute + (k - 1) * single_cache) / 1e3), 1)
-            for k in (4, 8, 12, 16, 32)
-        },
-    }
+        entries = measure_grid(model, device, args.repeats, args.prompt_len + args.gen - BLOCK)
+        single = single_request(model, device, args.repeats, args.prompt_len, args.gen)
+    hardware = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor()
     profile = {
         "schema": SCHEMA,
         "model": args.shape,
         "dtype": str(dtype).removeprefix("torch."),
         "block_len": BLOCK,
-        "hardware": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
+        "hardware": hardware,
         "versions": {"torch": torch.__version__, "cuda": torch.version.cuda},
         "entries": entries,
         "single_request": single,

@@ -121,33 +121,8 @@ def cmd_train_predictor(args) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dilaserve", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    gen = sub.add_parser("generate", help="generate text for prompts with the offline engine")
-    _model_arg(gen)
-    _engine_args(gen)
-    gen.add_argument("--prompt", action="append", help="a prompt (repeatable); else stdin")
-    gen.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD)
-    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    gen.set_defaults(func=cmd_generate)
-
-    ev = sub.add_parser("eval", help="accuracy and steps per request across thresholds")
-    _model_arg(ev)
-    _engine_args(ev)
-    ev.add_argument("--task", choices=["bundled", "gsm8k"], default="bundled")
-    ev.add_argument("--thresholds", type=_thresholds, default=(0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0))
-    ev.add_argument("--num", type=int, default=500, help="number of problems")
-    ev.add_argument("--max-batch", type=int, default=128)
-    ev.add_argument(
-        "--data",
-        default="../shared/data/eval/gsm8k_test.jsonl",
-        help="GSM8K test.jsonl (for --task gsm8k)",
-    )
-    ev.add_argument("--out", default="runs", help="folder for run folders")
-    ev.set_defaults(func=cmd_eval)
-
+def _add_measurement_commands(sub) -> None:
+    """profile, train-predictor and train-model."""
     pr = sub.add_parser("profile", help="measure step latencies on this machine's engine")
     _model_arg(pr)
     pr.add_argument("--seq-len", type=int, default=128, help="prompt + output tokens per request")
@@ -181,6 +156,36 @@ def build_parser() -> argparse.ArgumentParser:
         help="number ranges of the generated problems",
     )
     tr.set_defaults(func=cmd_train_model)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dilaserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for prompts with the offline engine")
+    _model_arg(gen)
+    _engine_args(gen)
+    gen.add_argument("--prompt", action="append", help="a prompt (repeatable); else stdin")
+    gen.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD)
+    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    gen.set_defaults(func=cmd_generate)
+
+    ev = sub.add_parser("eval", help="accuracy and steps per request across thresholds")
+    _model_arg(ev)
+    _engine_args(ev)
+    ev.add_argument("--task", choices=["bundled", "gsm8k"], default="bundled")
+    ev.add_argument("--thresholds", type=_thresholds, default=(0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0))
+    ev.add_argument("--num", type=int, default=500, help="number of problems")
+    ev.add_argument("--max-batch", type=int, default=128)
+    ev.add_argument(
+        "--data",
+        default="../shared/data/eval/gsm8k_test.jsonl",
+        help="GSM8K test.jsonl (for --task gsm8k)",
+    )
+    ev.add_argument("--out", default="runs", help="folder for run folders")
+    ev.set_defaults(func=cmd_eval)
+
+    _add_measurement_commands(sub)
     return parser
 
 
