@@ -20,7 +20,7 @@ from dilaserve.config import EngineConfig
 from dilaserve.engine.engine import Engine
 from dilaserve.engine.llm import BUNDLED_MODEL
 from dilaserve.models.tokenizer import Tokenizer
-from dilaserve.protocol import StepBatch, StepItem
+from dilaserve.protocol import StepBatch
 from dilaserve.request import Request
 from dilaserve.runs import create_run_dir, environment, markdown_table, write_json, write_records
 from dilaserve.tasks import arith
@@ -61,15 +61,8 @@ def run_config(
     while active and (
         time.perf_counter() - start < budget or any(r.current_block == 0 for r in active)
     ):
-        items = tuple(
-            StepItem(
-                r.request_id,
-                r.threshold,
-                r.next_kind(engine.config.kv_cache, engine.has_request(r.request_id)),
-                None if engine.has_request(r.request_id) else r.spec(),
-            )
-            for r in active
-        )
+        mode = engine.config.kv_cache
+        items = tuple(r.step_item(mode, engine.has_request(r.request_id)) for r in active)
         out = engine.execute(StepBatch(items))
         for r, res in zip(active, out.results):
             r.apply(res)

@@ -15,6 +15,7 @@ from dilaserve.protocol import (
     KVCacheMode,
     RequestStepResult,
     SequenceSpec,
+    StepItem,
     StepKind,
     next_step_kind,
 )
@@ -94,6 +95,13 @@ class Request:
 
     def next_kind(self, mode: KVCacheMode, has_cache: bool) -> StepKind:
         return next_step_kind(mode, self.starts_block, has_cache)
+
+    def step_item(self, mode: KVCacheMode, on_instance: bool) -> StepItem:
+        """This request's next step on an instance; the sequence travels only if it is new there."""
+        kind = self.next_kind(mode, has_cache=on_instance)
+        return StepItem(
+            self.request_id, self.threshold, kind, spec=None if on_instance else self.spec()
+        )
 
     def apply(self, result: RequestStepResult, now: float = 0.0) -> None:
         """Record one step's outcome."""

@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -8,15 +10,10 @@ from conftest import BLOCK_LEN, FakeModel, fake_engine, make_request, tiny_engin
 
 def step(engine, *requests, kinds=None):
     """Run one step for `requests` (first time on this engine: send the spec)."""
-    items = []
-    for i, r in enumerate(requests):
-        kind = (
-            kinds[i]
-            if kinds
-            else r.next_kind(engine.config.kv_cache, engine.has_request(r.request_id))
-        )
-        spec = None if engine.has_request(r.request_id) else r.spec()
-        items.append(StepItem(r.request_id, r.threshold, kind, spec))
+    mode = engine.config.kv_cache
+    items = [r.step_item(mode, engine.has_request(r.request_id)) for r in requests]
+    if kinds:
+        items = [replace(item, kind=kind) for item, kind in zip(items, kinds)]
     out = engine.execute(StepBatch(tuple(items)))
     for r, res in zip(requests, out.results):
         r.apply(res)

@@ -53,6 +53,14 @@ class Policy:
 
 
 _DILASERVE = Policy("dilaserve")
+# the baselines: a fixed threshold, no load control, a request stays where it started
+_FCFS = Policy(
+    "fcfs",
+    fixed_threshold=DEFAULT_FIXED,
+    load_control=False,
+    migration=Migration.NONE,
+    placement=Placement.LEAST_TOKENS,
+)
 POLICIES = {
     "dilaserve": _DILASERVE,
     "no-load-control": replace(_DILASERVE, name="no-load-control", load_control=False),
@@ -61,27 +69,9 @@ POLICIES = {
     ),
     "no-migration": replace(_DILASERVE, name="no-migration", migration=Migration.NONE),
     "oracle-predictor": replace(_DILASERVE, name="oracle-predictor", predictor="oracle"),
-    "fcfs": Policy(
-        "fcfs",
-        fixed_threshold=DEFAULT_FIXED,
-        load_control=False,
-        migration=Migration.NONE,
-        placement=Placement.LEAST_TOKENS,
-    ),
-    "infaas": Policy(
-        "infaas",
-        fixed_threshold=DEFAULT_FIXED,
-        load_control=False,
-        migration=Migration.NONE,
-        placement=Placement.ON_ARRIVAL,
-    ),
-    "llumnix": Policy(
-        "llumnix",
-        fixed_threshold=DEFAULT_FIXED,
-        load_control=False,
-        migration=Migration.RECOMPUTE,
-        placement=Placement.LEAST_TOKENS,
-    ),
+    "fcfs": _FCFS,
+    "infaas": replace(_FCFS, name="infaas", placement=Placement.ON_ARRIVAL),
+    "llumnix": replace(_FCFS, name="llumnix", migration=Migration.RECOMPUTE),
 }
 
 

@@ -171,11 +171,11 @@ class Scheduler:
 
     def _refresh_predictions(self, ready: list[str]) -> bool:
         k = self.config.refresh_every_tokens
+        tracked = (self.requests[rid] for rid in ready)
         due = [
-            self.requests[rid]
-            for rid in ready
-            if self.requests[rid].refreshed_at < 0
-            or self.requests[rid].request.num_committed - self.requests[rid].refreshed_at >= k
+            t
+            for t in tracked
+            if t.refreshed_at < 0 or t.request.num_committed - t.refreshed_at >= k
         ]
         if not due or not self.policy.is_dynamic:
             return False

@@ -13,7 +13,7 @@ from pathlib import Path
 from dilaserve.config import EngineConfig, SamplingParams
 from dilaserve.engine.engine import Engine
 from dilaserve.models.tokenizer import Tokenizer
-from dilaserve.protocol import StepBatch, StepItem, StepKind
+from dilaserve.protocol import StepBatch, StepKind
 from dilaserve.request import Request
 
 BUNDLED_MODEL = Path(__file__).resolve().parent.parent / "assets" / "tiny-llada"
@@ -75,7 +75,9 @@ class LLM:
         while waiting or active:
             while waiting and len(active) < max_batch:
                 active.append(waiting.pop())
-            items = tuple(self._item(r, on_engine) for r in active)
+            items = tuple(
+                r.step_item(self.config.kv_cache, r.request_id in on_engine) for r in active
+            )
             on_engine.update(r.request_id for r in active)
             output = self.engine.execute(StepBatch(items))
             for request, result in zip(active, output.results):
@@ -83,13 +85,6 @@ class LLM:
                 if on_step is not None:
                     on_step(request, result)
             active = [r for r in active if not r.is_finished]
-
-    def _item(self, request: Request, on_engine: set[str]) -> StepItem:
-        present = request.request_id in on_engine
-        kind = request.next_kind(self.config.kv_cache, has_cache=present)
-        return StepItem(
-            request.request_id, request.threshold, kind, spec=None if present else request.spec()
-        )
 
     def _completion(self, prompt: str, request: Request) -> Completion:
         ids = request.generated_ids(self.tokenizer.special.stop_ids)
