@@ -49,6 +49,8 @@ class Request:
     steps_by_kind: dict[StepKind, int] = field(default_factory=dict)
     threshold_steps: list[float] = field(default_factory=list)
     finish_time: float | None = None
+    prompt_len: int = field(init=False)
+    num_tokens: int = field(init=False)  # prompt + output window: what a full-sequence step reads
 
     def __post_init__(self):
         if self.gen_len <= 0 or self.gen_len % self.block_len:
@@ -58,16 +60,8 @@ class Request:
             )
         self.output_ids = np.full(self.gen_len, self.mask_id, dtype=np.int32)
         self.confidences = np.zeros(self.gen_len, dtype=np.float32)
-        self._prompt_len = len(self.prompt_ids)
-
-    @property
-    def prompt_len(self) -> int:
-        return self._prompt_len
-
-    @property
-    def num_tokens(self) -> int:
-        """Prompt plus output window: the tokens a full-sequence step processes."""
-        return self.prompt_len + self.gen_len
+        self.prompt_len = len(self.prompt_ids)
+        self.num_tokens = self.prompt_len + self.gen_len
 
     @property
     def num_blocks(self) -> int:
@@ -89,8 +83,8 @@ class Request:
     def spec(self) -> SequenceSpec:
         return SequenceSpec(
             tuple(self.prompt_ids),
-            tuple(int(t) for t in self.output_ids),
-            tuple(float(c) for c in self.confidences),
+            tuple(self.output_ids.tolist()),
+            tuple(self.confidences.tolist()),
         )
 
     def next_kind(self, mode: KVCacheMode, has_cache: bool) -> StepKind:
@@ -104,12 +98,12 @@ class Request:
         )
 
     def apply(self, result: RequestStepResult, now: float = 0.0) -> None:
-        """Record one step's outcome."""
+        """Record one step's outcome (blocks complete in order, as the engine decodes them)."""
+        newly = np.count_nonzero(self.output_ids[result.positions] == self.mask_id)
         self.output_ids[result.positions] = result.tokens
         self.confidences = result.confidences
-        masked = np.flatnonzero(self.output_ids == self.mask_id)
-        self.num_committed = self.gen_len - masked.size
-        self.current_block = int(masked[0]) // self.block_len if masked.size else self.num_blocks
+        self.num_committed += int(newly)
+        self.current_block = result.block_index + int(result.is_block_done)
         self.num_steps += 1
         self.steps_by_kind[result.kind] = self.steps_by_kind.get(result.kind, 0) + 1
         self.threshold_steps.append(self.threshold)

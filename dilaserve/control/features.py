@@ -30,39 +30,39 @@ def state_features(
     committed: np.ndarray, confidences: np.ndarray, steps_done: int, block_len: int
 ) -> np.ndarray:
     """The 10 threshold-independent features (everything but the threshold), float64."""
-    gen_len = committed.shape[0]
-    masked = np.flatnonzero(~committed)
+    return state_matrix(committed[None], confidences[None], np.array([steps_done]), block_len)[0]
+
+
+def state_matrix(
+    committed: np.ndarray, confidences: np.ndarray, steps_done: np.ndarray, block_len: int
+) -> np.ndarray:
+    """`state_features` of n requests with one output length: [n, gen_len] -> [n, 10]."""
+    n, gen_len = committed.shape
     num_blocks = gen_len // block_len
-    block = int(masked[0]) // block_len if masked.size else num_blocks
-    in_block = committed[block * block_len : (block + 1) * block_len]
-    q25, median, q75 = _quartiles(np.sort(confidences))
-    return np.array(
-        [
-            gen_len,
-            steps_done / gen_len,
-            committed.sum() / gen_len,
+    first_masked = np.where(committed.all(axis=1), gen_len, np.argmin(committed, axis=1))
+    block = first_masked // block_len
+    per_block = committed.reshape(n, num_blocks, block_len).sum(axis=2)
+    in_block = np.where(
+        block < num_blocks,
+        per_block[np.arange(n), np.minimum(block, num_blocks - 1)] / block_len,
+        1.0,
+    )
+    conf = confidences.astype(np.float64)
+    q25, median, q75 = np.quantile(conf, (0.25, 0.5, 0.75), axis=1)
+    return np.column_stack(
+        (
+            np.full(n, gen_len, dtype=np.float64),
+            np.asarray(steps_done, dtype=np.float64) / gen_len,
+            committed.sum(axis=1) / gen_len,
             block / num_blocks,
-            in_block.sum() / block_len if in_block.size else 1.0,
-            confidences.min(),
+            in_block,
+            conf.min(axis=1),
             q25,
             median,
-            confidences.mean(),
+            conf.mean(axis=1),
             q75,
-        ],
-        dtype=np.float64,
+        )
     )
-
-
-def _quartiles(ordered: np.ndarray) -> tuple[float, float, float]:
-    """25th, 50th and 75th percentiles of a sorted array (linear interpolation, as numpy's)."""
-    last = ordered.shape[0] - 1
-    out = []
-    for q in (0.25, 0.5, 0.75):
-        pos = q * last
-        lo = int(pos)
-        hi = min(lo + 1, last)
-        out.append(float(ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)))
-    return out[0], out[1], out[2]
 
 
 def feature_matrix(states: np.ndarray, thresholds) -> np.ndarray:

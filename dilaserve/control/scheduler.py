@@ -22,15 +22,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dilaserve.control.decisions import Decisions, SchedulerConfig, StepLaunch
-from dilaserve.control.features import state_features
+from dilaserve.control.features import state_matrix
+from dilaserve.control.load_table import LoadTable
 from dilaserve.control.policy import Migration, Placement, Policy
 from dilaserve.control.profile import LatencyProfile
 from dilaserve.control.thresholds import (
     InstanceLoad,
     LoadView,
-    allowed_ranks,
     instance_capacity,
-    load_matrix,
     select_threshold,
 )
 from dilaserve.protocol import KVCacheMode, StepBatch, StepItem, StepKind, StepOutput
@@ -54,7 +53,7 @@ class _Instance:
 @dataclass
 class _Tracked:
     request: Request
-    steps: np.ndarray | None = None  # predicted steps left, per threshold of the ladder
+    seq: int  # admission order, the last tie-break of service order
     refreshed_at: int = -1  # committed tokens at the last prediction refresh
     allowed: tuple[float, ...] = ()
     instance: str | None = None  # where its state lives
@@ -78,6 +77,8 @@ class Scheduler:
         self.requests: dict[str, _Tracked] = {}
         self._ready: list[str] = []
         self._ladder = tuple(sorted(policy.candidates, reverse=True))
+        self._load = LoadTable(len(self._ladder))
+        self._admitted = 0
         self._last_load_control = float("-inf")
         if policy.is_dynamic:
             missing = set(self._ladder) - set(predictor.thresholds)
@@ -114,7 +115,8 @@ class Scheduler:
         if request.deadline is None:
             request.deadline = request.arrival_time + self.config.slo
         request.status = RequestStatus.WAITING
-        tracked = _Tracked(request, allowed=self._ladder)
+        tracked = _Tracked(request, self._admitted, allowed=self._ladder)
+        self._admitted += 1
         if self.policy.placement is Placement.ON_ARRIVAL and self.instances:
             tracked.bound = min(self.instances.values(), key=self._bound_tokens).instance_id
         self.requests[request.request_id] = tracked
@@ -124,18 +126,20 @@ class Scheduler:
     def on_step_done(self, instance_id: str, output: StepOutput, now: float) -> Decisions:
         inst = self.instances[instance_id]
         inst.busy = False
-        finished = []
+        finished, predicted = [], []
         for result in output.results:
             t = self.requests[result.request_id]
             t.request.apply(result, now)
-            if t.steps is not None:
-                t.steps = np.maximum(t.steps - 1.0, 1.0)
             if t.request.is_finished:
                 finished.append(result.request_id)
                 inst.holds.discard(result.request_id)
                 del self.requests[result.request_id]
-            else:
-                self._ready.append(result.request_id)
+                self._load.remove(result.request_id)
+                continue
+            self._ready.append(result.request_id)
+            if result.request_id in self._load:
+                predicted.append(t.request)
+        self._load.count_step(predicted)
         decisions = self._schedule(now, load_changed=bool(finished))
         return Decisions(decisions.launches, decisions.releases, tuple(finished))
 
@@ -151,11 +155,11 @@ class Scheduler:
             self._update_allowed(now)
         releases, waiting = [], []
         for rid in ready:
-            inst = self._place(self.requests[rid], now)
-            if inst is None:
+            placed = self._place(self.requests[rid], now)
+            if placed is None:
                 waiting.append(rid)
                 continue
-            releases += self._assign(self.requests[rid], inst, now)
+            releases += self._assign(self.requests[rid], *placed, now)
         self._ready = waiting
         return Decisions(tuple(self._launch(now)), tuple(releases))
 
@@ -165,9 +169,9 @@ class Scheduler:
         stale = now - self._last_load_control >= self.config.load_control_interval
         return load_changed or (refreshed and stale)
 
-    def _order(self, rid: str):
-        r = self.requests[rid].request
-        return (-r.priority, r.arrival_time, rid)
+    def _order(self, rid: str) -> tuple[float, float, int]:
+        t = self.requests[rid]
+        return (-t.request.priority, t.request.arrival_time, t.seq)
 
     def _refresh_predictions(self, ready: list[str]) -> bool:
         k = self.config.refresh_every_tokens
@@ -179,41 +183,40 @@ class Scheduler:
         ]
         if not due or not self.policy.is_dynamic:
             return False
-        states = np.stack([self._state(t.request) for t in due])
-        predictions = self.predictor.predict([t.request.request_id for t in due], states)
-        for t, row in zip(due, predictions):
-            t.steps = row[self._ladder_columns]
-            t.refreshed_at = t.request.num_committed
-            t.needs_threshold = True
+        by_shape: dict[tuple[int, int], list[_Tracked]] = {}
+        for t in due:
+            by_shape.setdefault((t.request.gen_len, t.request.block_len), []).append(t)
+        for group in by_shape.values():
+            self._refresh_group(group)
         return True
 
-    def _state(self, r: Request) -> np.ndarray:
-        return state_features(r.committed, r.confidences, r.num_steps, r.block_len)
+    def _refresh_group(self, group: list[_Tracked]) -> None:
+        """One batched prediction for requests with the same output and block length."""
+        requests = [t.request for t in group]
+        states = state_matrix(
+            np.stack([r.committed for r in requests]),
+            np.stack([r.confidences for r in requests]),
+            np.array([r.num_steps for r in requests]),
+            requests[0].block_len,
+        )
+        predictions = self.predictor.predict([r.request_id for r in requests], states)
+        for t, row in zip(group, predictions[:, self._ladder_columns]):
+            r = t.request
+            t.refreshed_at = r.num_committed
+            t.needs_threshold = True
+            if r.request_id not in self._load:
+                self._load.add(r.request_id, self._order(r.request_id), r.num_tokens)
+            self._load.set_row(r.request_id, row, r.num_blocks_to_recompute)
 
     def _update_allowed(self, now: float) -> None:
         self._last_load_control = now
-        tracked = sorted(
-            (t for t in self.requests.values() if t.steps is not None),
-            key=lambda t: self._order(t.request.request_id),
-        )
-        if not tracked:
-            return
-        steps = np.stack([t.steps for t in tracked])
-        loads = load_matrix(
-            steps,
-            [t.request.num_tokens for t in tracked],
-            [t.request.num_blocks_to_recompute for t in tracked],
-            self.config.cache_block,
-        )
-        ranks = allowed_ranks(loads, self._cluster_capacity())
-        for t, rank in zip(tracked, ranks.tolist()):
-            allowed = self._ladder[rank:]
-            if allowed != t.allowed:
-                t.allowed = allowed
-                t.needs_threshold = True
+        for rid, rank in self._load.run(self._cluster_capacity(), self.config.cache_block):
+            t = self.requests[rid]
+            t.allowed = self._ladder[rank:]
+            t.needs_threshold = True
 
     def _cluster_capacity(self) -> float:
-        per_request = float(np.mean([t.request.num_tokens for t in self.requests.values()]))
+        per_request = self._load.mean_tokens()
         per_tp = {
             tp: instance_capacity(
                 self.profile,
@@ -233,36 +236,28 @@ class Scheduler:
             r.request_id,
             r.arrival_time,
             r.num_tokens,
-            dict(zip(self._ladder, t.steps.tolist())),
+            dict(zip(self._ladder, self._load.steps_of(r.request_id).tolist())),
             r.num_blocks_to_recompute,
             r.priority,
         )
 
     # -- placement (Algorithm 3) -------------------------------------------------------------
 
-    def _kind_on(self, t: _Tracked, inst: _Instance) -> StepKind:
-        return t.request.next_kind(self.config.kv_cache, t.request.request_id in inst.holds)
-
-    def _candidates(self, t: _Tracked) -> list[_Instance]:
+    def _candidates(self, t: _Tracked, home: _Instance | None, home_kind) -> list[_Instance]:
         if t.bound is not None:
             return [self.instances[t.bound]] if t.bound in self.instances else []
-        home = self.instances.get(t.instance) if t.instance else None
         if home is not None and self.policy.migration is Migration.NONE:
             return [home]
         if (
             home is not None
             and self.policy.migration is Migration.RECOMPUTE
-            and self._kind_on(t, home) is StepKind.CACHE
+            and home_kind is StepKind.CACHE
         ):
             return [home]
         return list(self.instances.values())
 
     def _tokens(self, t: _Tracked, kind: StepKind) -> int:
         return self.config.block_len if kind is StepKind.CACHE else t.request.num_tokens
-
-    def _pending_tokens(self, inst: _Instance) -> tuple[int, int]:
-        """(full-sequence tokens, cache-step tokens) of the batch gathered for `inst`."""
-        return inst.pending_full, inst.pending_cache
 
     def _batch_latency(self, inst: _Instance, full: int, cache: int) -> float:
         full_kind = (
@@ -273,19 +268,28 @@ class Scheduler:
             seconds += self.profile.step_latency(inst.tp, cache, StepKind.CACHE)
         return seconds
 
-    def _place(self, t: _Tracked, now: float) -> _Instance | None:
+    def _place(self, t: _Tracked, now: float) -> tuple[_Instance, StepKind] | None:
         """Algorithm 3: the candidate where this request's next step would finish first.
 
         A busy instance starts the gathered batch when its running step ends (predicted);
         ties go to an idle instance. Least-tokens placement compares batch tokens instead.
         """
+        r, mode = t.request, self.config.kv_cache
+        home = self.instances.get(t.instance) if t.instance is not None else None
+        home_kind = r.next_kind(mode, r.request_id in home.holds) if home is not None else None
+        candidates = self._candidates(t, home, home_kind)
+        away = r.next_kind(mode, has_cache=False)
+        if len(candidates) == 1:  # no choice (cache step at home, bound request): room only
+            inst = candidates[0]
+            kind = home_kind if inst is home else away
+            return (inst, kind) if self._has_room(inst, self._tokens(t, kind)) else None
         best, best_key = None, None
-        for inst in self._candidates(t):
-            kind = self._kind_on(t, inst)
-            full, cache = self._pending_tokens(inst)
+        for inst in candidates:
+            kind = home_kind if inst is home else away
             n = self._tokens(t, kind)
-            if full + cache + n > inst.max_batch_tokens and inst.pending:
+            if not self._has_room(inst, n):
                 continue
+            full, cache = inst.pending_full, inst.pending_cache
             if kind is StepKind.CACHE:
                 cache += n
             else:
@@ -297,10 +301,19 @@ class Scheduler:
                 cost = full + cache + self._running_tokens(inst)
             key = (cost, inst.busy, inst.instance_id)
             if best_key is None or key < best_key:
-                best, best_key = inst, key
+                best, best_key = (inst, kind), key
         return best
 
-    def _assign(self, t: _Tracked, inst: _Instance, now: float) -> list[tuple[str, str]]:
+    @staticmethod
+    def _has_room(inst: _Instance, tokens: int) -> bool:
+        """A batch takes a request while within max batch tokens; an empty one takes any."""
+        return not inst.pending or inst.pending_full + inst.pending_cache + tokens <= (
+            inst.max_batch_tokens
+        )
+
+    def _assign(
+        self, t: _Tracked, inst: _Instance, kind: StepKind, now: float
+    ) -> list[tuple[str, str]]:
         rid, releases = t.request.request_id, []
         if t.instance != inst.instance_id:
             if t.instance is not None and t.instance in self.instances:
@@ -310,7 +323,6 @@ class Scheduler:
             if self.policy.migration is Migration.NONE and t.bound is None:
                 t.bound = inst.instance_id
         t.instance = inst.instance_id
-        kind = self._kind_on(t, inst)
         inst.pending.append(rid)
         inst.pending_kinds.append(kind)
         if kind is StepKind.CACHE:
@@ -327,8 +339,7 @@ class Scheduler:
         if not t.needs_threshold:
             return t.request.threshold
         t.needs_threshold = False
-        full, _ = self._pending_tokens(inst)
-        load = InstanceLoad(inst.tp, full, len(inst.pending))
+        load = InstanceLoad(inst.tp, inst.pending_full, len(inst.pending))
         slo_left = t.request.deadline - now
         return select_threshold(
             self._view(t), t.allowed, slo_left, load, self.profile, self.config.cache_block
@@ -351,8 +362,8 @@ class Scheduler:
                 r = self.requests[rid].request
                 spec = None if rid in inst.holds else r.spec()
                 items.append(StepItem(rid, r.threshold, kind, spec))
-            full, cache = self._pending_tokens(inst)
-            inst.busy_until = now + self._batch_latency(inst, full, cache)
+            latency = self._batch_latency(inst, inst.pending_full, inst.pending_cache)
+            inst.busy_until = now + latency
             inst.holds.update(inst.pending)
             inst.pending, inst.pending_kinds = [], []
             inst.pending_full = inst.pending_cache = 0

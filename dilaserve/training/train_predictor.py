@@ -21,6 +21,7 @@ from dilaserve.trajectory import Trajectory, save_trajectories
 
 PAPER_ERRORS = {"one-shot": 0.750, "progress": 0.351, "full": 0.193, "oracle": 0.0}
 REFRESH_KS = (1, 2, 4, 8, 16, 32)
+TREE_SHAPES = ((15, 20), (31, 50), (63, 100))  # (leaves, min rows per leaf), picked on validation
 K_TOLERANCE = 0.05
 
 
@@ -111,15 +112,37 @@ def split(trajs: list[Trajectory], fraction: float, seed: int):
     )
 
 
+def rows_and_labels(trajs: list[Trajectory]) -> tuple[np.ndarray, np.ndarray]:
+    """11-feature rows (threshold first) and remaining-step labels."""
+    states, thresholds, labels, _, _ = trajectory_rows(trajs)
+    return np.hstack((thresholds[:, None], states)), labels
+
+
+def choose_tree_shape(train: list[Trajectory], features, cfg: PredictorConfig, log=print):
+    """The tree shape with the lowest error on validation prompts split off the training ones."""
+    fit, val = split(train, cfg.held_out_fraction, cfg.seed + 1)
+    (fit_rows, fit_labels), (val_rows, val_labels) = rows_and_labels(fit), rows_and_labels(val)
+    errors = {}
+    for shape in TREE_SHAPES:
+        p = fit_gbm(fit_rows, fit_labels, cfg.thresholds, features, cfg.seed, shape)
+        pred = own_threshold_predictions(p, val_rows[:, 1:], val_rows[:, 0])
+        errors[shape] = relative_error(pred, val_labels)
+    best = min(errors, key=errors.get)
+    log(f"validation error by tree shape (leaves, min rows per leaf): {errors}; chose {best}")
+    return best
+
+
 def fit_and_report(trajs: list[Trajectory], cfg: PredictorConfig, run: Path, log=print) -> dict:
     train, test = split(trajs, cfg.held_out_fraction, cfg.seed)
-    tr_states, tr_thr, tr_labels, _, _ = trajectory_rows(train)
+    tr_rows, tr_labels = rows_and_labels(train)
     te_states, te_thr, te_labels, te_committed, te_owner = trajectory_rows(test)
-    tr_rows = np.hstack((tr_thr[:, None], tr_states))
+    shapes = {f: choose_tree_shape(train, f, cfg, log) for f in (PROGRESS_FEATURES, FEATURE_NAMES)}
     predictors = {
         "one-shot": OneShotPredictor(cfg.thresholds, one_shot_rates(train)),
-        "progress": fit_gbm(tr_rows, tr_labels, cfg.thresholds, PROGRESS_FEATURES, cfg.seed),
-        "full": fit_gbm(tr_rows, tr_labels, cfg.thresholds, FEATURE_NAMES, cfg.seed),
+        **{
+            name: fit_gbm(tr_rows, tr_labels, cfg.thresholds, f, cfg.seed, shapes[f])
+            for name, f in (("progress", PROGRESS_FEATURES), ("full", FEATURE_NAMES))
+        },
     }
     errors = {
         name: relative_error(own_threshold_predictions(p, te_states, te_thr), te_labels)
@@ -147,6 +170,7 @@ def fit_and_report(trajs: list[Trajectory], cfg: PredictorConfig, run: Path, log
         "num_train_states": len(tr_labels),
         "num_test_states": len(te_labels),
         "num_trajectories": len(trajs),
+        "tree_shapes": {"progress": shapes[PROGRESS_FEATURES], "full": shapes[FEATURE_NAMES]},
     }
     columns = ["variant", "mean_relative_error", "paper"]
     report = (

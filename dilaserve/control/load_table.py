@@ -1,0 +1,111 @@
+"""Load control's inputs for every request in flight, kept as arrays between events.
+
+Algorithm 2/4 walks all requests in service order on every run. Rebuilding that view from the
+request objects costs O(n) Python work per event; this table keeps each request's row (predicted
+steps per threshold, tokens, recompute steps left) in a slot, updates rows as steps complete and
+predictions refresh, and re-sorts slots only when requests come or go.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from dilaserve.control.thresholds import allowed_ranks, load_matrix
+
+
+class LoadTable:
+    def __init__(self, num_thresholds: int, capacity: int = 64):
+        self._slots: dict[str, int] = {}
+        self._ids: list[str | None] = []
+        self._free: list[int] = []
+        self.steps = np.zeros((0, num_thresholds))
+        self.tokens = np.zeros(0)
+        self.recompute = np.zeros(0)
+        self.ranks = np.zeros(0, dtype=np.int64)
+        self._keys = np.zeros((0, 3))  # (-priority, arrival, admission sequence)
+        self._grow(capacity)
+        self._order: np.ndarray | None = None  # active slots in service order
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._slots
+
+    def _grow(self, size: int) -> None:
+        old = len(self._ids)
+
+        def extend(a: np.ndarray, fill) -> np.ndarray:
+            out = np.full((size, *a.shape[1:]), fill, dtype=a.dtype)
+            out[:old] = a[:old]
+            return out
+
+        self.steps, self.tokens = extend(self.steps, 0.0), extend(self.tokens, 0.0)
+        self.recompute, self.ranks = extend(self.recompute, 0.0), extend(self.ranks, 0)
+        self._keys = extend(self._keys, 0.0)
+        self._ids += [None] * (size - old)
+        self._free += range(size - 1, old - 1, -1)
+
+    def add(self, request_id: str, order_key: tuple[float, float, float], num_tokens: int) -> None:
+        """A new row; `order_key` sorts service order ascending (higher priority first)."""
+        if request_id in self._slots:
+            raise ValueError(f"request {request_id} is already in the load table")
+        if not self._free:
+            self._grow(2 * len(self._ids))
+        slot = self._free.pop()
+        self._slots[request_id] = slot
+        self._ids[slot] = request_id
+        self._keys[slot] = order_key
+        self.tokens[slot] = num_tokens
+        self.ranks[slot] = -1  # not yet decided
+        self._order = None
+
+    def remove(self, request_id: str) -> None:
+        slot = self._slots.pop(request_id, None)
+        if slot is not None:
+            self._ids[slot] = None
+            self._free.append(slot)
+            self._order = None
+
+    def set_row(self, request_id: str, steps: np.ndarray, recompute_left: int) -> None:
+        slot = self._slots[request_id]
+        self.steps[slot] = steps
+        self.recompute[slot] = recompute_left
+
+    def steps_of(self, request_id: str) -> np.ndarray:
+        return self.steps[self._slots[request_id]]
+
+    def count_step(self, requests: Sequence) -> None:
+        """One step done for each of `requests` (in the table): the estimates count down one
+        step (never below one) until the next refresh; recompute steps left are re-read."""
+        if not requests:
+            return
+        slots = [self._slots[r.request_id] for r in requests]
+        self.steps[slots] = np.maximum(self.steps[slots] - 1.0, 1.0)
+        self.recompute[slots] = [r.num_blocks_to_recompute for r in requests]
+
+    def mean_tokens(self) -> float:
+        return float(self.tokens[self._service_order()].mean()) if self._slots else 0.0
+
+    def _service_order(self) -> np.ndarray:
+        if self._order is None:
+            slots = np.fromiter(self._slots.values(), dtype=np.int64, count=len(self._slots))
+            keys = self._keys[slots]
+            self._order = slots[np.lexsort((keys[:, 2], keys[:, 1], keys[:, 0]))]
+        return self._order
+
+    def run(self, capacity: float, block_len: int | None) -> list[tuple[str, int]]:
+        """Algorithm 2/4 over every row; returns (request, rank) for rows whose rank changed.
+
+        A rank is the index, in the descending threshold ladder, of the highest allowed one.
+        """
+        order = self._service_order()
+        if order.size == 0:
+            return []
+        loads = load_matrix(self.steps[order], self.tokens[order], self.recompute[order], block_len)
+        ranks = allowed_ranks(loads, capacity)
+        changed = np.flatnonzero(ranks != self.ranks[order])
+        self.ranks[order] = ranks
+        return [(self._ids[order[i]], int(ranks[i])) for i in changed]
