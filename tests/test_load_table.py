@@ -1,0 +1,49 @@
+"""LoadTable: load control's arrays kept across events."""
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from dilaserve.control.load_table import LoadTable
+
+
+def filled(rows):
+    """rows: (id, (priority, arrival), tokens, steps[0.9, 0.5], recompute)."""
+    table = LoadTable(2, capacity=2)  # small, so that adding rows grows it
+    for seq, (rid, (priority, arrival), tokens, steps, recompute) in enumerate(rows):
+        table.add(rid, (-priority, arrival, seq), tokens)
+        table.set_row(rid, np.array(steps, float), recompute)
+    return table
+
+
+ROWS = [
+    ("a", (0, 0.0), 100, (8, 4), 0),
+    ("b", (0, 1.0), 100, (8, 4), 0),
+    ("c", (1, 2.0), 100, (8, 4), 0),  # arrives last, served first
+]
+
+
+def test_load_control_runs_in_service_order_and_reports_only_changes():
+    table = filled(ROWS)
+    # lowest loads 3 x 400 = 1200; a step up to 0.9 costs 400; 500 to spare: one request gets it
+    assert dict(table.run(1700.0, None)) == {"c": 0, "a": 1, "b": 1}
+    assert table.run(1700.0, None) == []  # nothing changed since
+    assert dict(table.run(2100.0, None)) == {"a": 0}
+
+
+def test_removed_rows_free_their_slot_and_leave_the_order():
+    table = filled(ROWS)
+    table.run(1e9, None)
+    table.remove("c")
+    table.add("d", (0, 3.0, 9), 50)
+    table.set_row("d", np.array([2.0, 1.0]), 0)
+    assert len(table) == 3 and "c" not in table
+    assert table.mean_tokens() == (100 + 100 + 50) / 3
+    assert dict(table.run(1e9, None)) == {"d": 0}
+
+
+def test_estimates_count_down_one_per_step_but_not_below_one():
+    table = filled([("a", (0, 0.0), 100, (2, 1), 3)])
+    table.count_step([SimpleNamespace(request_id="a", num_blocks_to_recompute=2)])
+    assert table.steps_of("a").tolist() == [1.0, 1.0]
+    assert table.recompute[0] == 2
