@@ -176,13 +176,17 @@ def test_finished_requests_are_reported_and_forgotten():
     assert d.finished == ("r",) and d.launches == () and "r" not in s.requests
 
 
+# 21-token requests without a cache: load 8 x 21 = 168 token-steps at 0.9, 84 at 0.5. TP-1's best
+# throughput is 5,000 tokens/s, so a 60 ms window holds 300: one request at 0.9 plus one at 0.5.
+SHORT_SLO = 0.06
+
+
 def test_load_control_caps_late_arrivals_when_capacity_is_short():
-    # tiny SLO window -> capacity covers about one request at 0.9
-    s = scheduler(instances=(("a", 1),), slo=0.02, kv_cache="none")
+    s = scheduler(instances=(("a", 1),), slo=SHORT_SLO, kv_cache="none")
     early, late = make_request("early", arrival_time=0.0), make_request("late", arrival_time=1.0)
     s.on_arrival(early, 0.0)
     s.on_arrival(late, 1.0)
-    assert s.requests["early"].allowed[0] >= s.requests["late"].allowed[0]
+    assert s.requests["early"].allowed == (0.9, 0.5)
     assert s.requests["late"].allowed == (0.5,)
 
 
@@ -200,3 +204,35 @@ def test_removed_instance_hands_its_requests_to_the_others():
     other = "b" if home == "a" else "a"
     launch = only_launch(s.remove_instance(home, 1.0))
     assert launch.instance_id == other and launch.batch.items[0].spec is not None
+
+
+def test_load_control_serves_a_later_high_priority_request_first():
+    s = scheduler(instances=(("a", 1),), slo=SHORT_SLO, kv_cache="none")
+    s.on_arrival(make_request("early", arrival_time=0.0), 0.0)
+    s.on_arrival(make_request("urgent", arrival_time=1.0, priority=1), 1.0)
+    assert s.requests["urgent"].allowed == (0.9, 0.5)
+    assert s.requests["early"].allowed == (0.5,)
+
+
+def test_when_room_is_short_the_higher_priority_request_is_placed_first():
+    s = scheduler(instances=(("a", 1),), max_tokens=40)  # recompute step 24 tokens, cache 8
+    low, high = make_request("low", prompt_len=8), make_request("high", prompt_len=8, priority=2)
+    s.on_arrival(low, 0.0)
+    s.on_arrival(high, 0.1)  # waits for a's next batch
+    launch = only_launch(done(s, "a", result(low, [0])))
+    assert [i.request_id for i in launch.batch.items] == ["high", "low"]  # 24 + 8 tokens
+    both_blocks_done = (
+        result(high, list(range(BLOCK)), block_done=True),
+        result(low, list(range(1, BLOCK)), block_done=True, kind=StepKind.CACHE),
+    )
+    # both now need a 24-token recompute step; only one fits in 40 tokens
+    launch = only_launch(done(s, "a", *both_blocks_done, now=2.0))
+    assert [i.request_id for i in launch.batch.items] == ["high"]
+
+
+@pytest.mark.parametrize("deadline, expected", [(0.025, 0.5), (0.05, 0.9)])
+def test_each_request_is_held_to_its_own_deadline(deadline, expected):
+    # the same work as above, under the request's own deadline instead of the default SLO
+    s = scheduler(instances=(("b", 2),), slo=100.0)
+    req = make_request("r", gen_len=2 * BLOCK, deadline=deadline)
+    assert only_launch(s.on_arrival(req, 0.0)).batch.items[0].threshold == expected
