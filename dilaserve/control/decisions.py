@@ -36,7 +36,35 @@ class StepLaunch:
 
 
 @dataclass(frozen=True, slots=True)
+class InstanceSpec:
+    """An instance the planner wants started: where, with which GPUs, and its batch limit."""
+
+    instance_id: str
+    node: int
+    tp: int
+    gpus: tuple[int, ...]
+    max_batch_tokens: int | None = None  # the planned batch size; None: the driver's default
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchStep:
+    stop: tuple[str, ...]  # running instances to stop first (their GPUs are needed)
+    start: InstanceSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Reconfiguration:
+    """A plan to carry out in order: each step stops what is in its way, then starts one
+    instance (waiting until it is up before the next step); `stop_after` go last."""
+
+    steps: tuple[LaunchStep, ...]
+    stop_after: tuple[str, ...]
+    target: dict[int, int]  # instances per TP degree once done
+
+
+@dataclass(frozen=True, slots=True)
 class Decisions:
     launches: tuple[StepLaunch, ...] = ()
     releases: tuple[tuple[str, str], ...] = ()  # (instance, request) whose state must go
     finished: tuple[str, ...] = ()
+    reconfiguration: Reconfiguration | None = None

@@ -2,12 +2,14 @@
 
 A policy is a small frozen value; the one `Scheduler` reads it. DESIGN section 3 lists them:
 - `dilaserve`: dynamic thresholds (Alg. 1/5), load control (Alg. 2/4), step-level placement
-  (Alg. 3) with migration only where the KV cache allows it (before a recompute step);
+  (Alg. 3) with migration only where the KV cache allows it (before a recompute step), and
+  ILP reconfiguration of the cluster every planning period;
 - ablations: `no-load-control`, `no-dynamic-threshold` (fixed default threshold),
-  `no-migration`, `oracle-predictor`;
-- baselines with a fixed threshold: `fcfs` (arrival order, a request stays where it started),
-  `infaas` (dispatch on arrival to the least-loaded instance by tokens, no migration) and
-  `llumnix` (step-level load balancing, migration only at recompute steps).
+  `no-migration`, `oracle-predictor`, `no-reconfig` (the cluster keeps its instances);
+- baselines with a fixed threshold and a fixed cluster: `fcfs` (arrival order, a request
+  stays where it started), `infaas` (dispatch on arrival to the least-loaded instance by
+  tokens, no migration) and `llumnix` (step-level load balancing, migration only at recompute
+  steps).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class Policy:
     migration: Migration = Migration.RECOMPUTE
     placement: Placement = Placement.FASTEST_STEP
     predictor: str = "full"  # which step predictor: full | progress | one-shot | oracle
+    reconfigure: bool = True  # run the ILP planner every period (when one is configured)
 
     def __post_init__(self):
         if self.fixed_threshold is not None and not 0 < self.fixed_threshold <= 1:
@@ -60,6 +63,7 @@ _FCFS = Policy(
     load_control=False,
     migration=Migration.NONE,
     placement=Placement.LEAST_TOKENS,
+    reconfigure=False,
 )
 POLICIES = {
     "dilaserve": _DILASERVE,
@@ -69,6 +73,7 @@ POLICIES = {
     ),
     "no-migration": replace(_DILASERVE, name="no-migration", migration=Migration.NONE),
     "oracle-predictor": replace(_DILASERVE, name="oracle-predictor", predictor="oracle"),
+    "no-reconfig": replace(_DILASERVE, name="no-reconfig", reconfigure=False),
     "fcfs": _FCFS,
     "infaas": replace(_FCFS, name="infaas", placement=Placement.ON_ARRIVAL),
     "llumnix": replace(_FCFS, name="llumnix", migration=Migration.RECOMPUTE),

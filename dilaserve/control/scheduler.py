@@ -2,9 +2,9 @@
 
 Events: `on_arrival(request, now)`, `on_step_done(instance_id, output, now)`, `on_tick(now)`.
 Each returns `Decisions`: which requests run their next step on which instance at which
-threshold (`StepLaunch`), which instances must drop a request's state (it moved away), and
-which requests finished. It never reads a clock and never does I/O; the simulator and the
-cluster runtime drive it alike.
+threshold (`StepLaunch`), which instances must drop a request's state (it moved away), which
+requests finished, and (from `on_tick`, every planning period) a cluster `Reconfiguration`.
+It never reads a clock and never does I/O; the simulator and the cluster runtime drive it alike.
 
 On every event the requests that are ready (new, or whose step just finished) are placed
 (Algorithm 3): each goes to the instance where its next step is predicted to finish soonest,
@@ -17,15 +17,17 @@ is re-selected (Alg. 1/5) whenever a request moves or its predictions refresh.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from dilaserve.control.decisions import Decisions, SchedulerConfig, StepLaunch
 from dilaserve.control.features import state_matrix
 from dilaserve.control.load_table import LoadTable
+from dilaserve.control.planner import InstanceSlot
 from dilaserve.control.policy import Migration, Placement, Policy
 from dilaserve.control.profile import LatencyProfile
+from dilaserve.control.reconfigure import Reconfigurer
 from dilaserve.control.thresholds import (
     InstanceLoad,
     LoadView,
@@ -41,6 +43,8 @@ class _Instance:
     instance_id: str
     tp: int
     max_batch_tokens: int
+    node: int = 0
+    gpus: tuple[int, ...] = ()
     busy: bool = False
     busy_until: float = 0.0  # predicted end of the running step
     pending: list[str] = field(default_factory=list)
@@ -68,11 +72,13 @@ class Scheduler:
         profile: LatencyProfile,
         predictor,
         config: SchedulerConfig = SchedulerConfig(),
+        reconfigurer: Reconfigurer | None = None,
     ):
         self.policy = policy
         self.profile = profile
         self.predictor = predictor
         self.config = config
+        self.reconfigurer = reconfigurer if policy.reconfigure else None
         self.instances: dict[str, _Instance] = {}
         self.requests: dict[str, _Tracked] = {}
         self._ready: list[str] = []
@@ -91,10 +97,18 @@ class Scheduler:
 
     # -- instances ---------------------------------------------------------------------------
 
-    def add_instance(self, instance_id: str, tp: int, max_batch_tokens: int) -> None:
+    def add_instance(
+        self,
+        instance_id: str,
+        tp: int,
+        max_batch_tokens: int,
+        node: int = 0,
+        gpus: tuple[int, ...] = (),
+    ) -> None:
+        """An instance is up and takes work. `node` and `gpus` tell the planner where it is."""
         if instance_id in self.instances:
             raise ValueError(f"instance {instance_id} already exists")
-        self.instances[instance_id] = _Instance(instance_id, tp, max_batch_tokens)
+        self.instances[instance_id] = _Instance(instance_id, tp, max_batch_tokens, node, gpus)
 
     def remove_instance(self, instance_id: str, now: float) -> Decisions:
         """Forget an instance (stopped or failed); its requests resume elsewhere."""
@@ -115,6 +129,8 @@ class Scheduler:
         if request.deadline is None:
             request.deadline = request.arrival_time + self.config.slo
         request.status = RequestStatus.WAITING
+        if self.reconfigurer is not None:
+            self.reconfigurer.record(request, now)
         tracked = _Tracked(request, self._admitted, allowed=self._ladder)
         self._admitted += 1
         if self.policy.placement is Placement.ON_ARRIVAL and self.instances:
@@ -144,7 +160,14 @@ class Scheduler:
         return Decisions(decisions.launches, decisions.releases, tuple(finished))
 
     def on_tick(self, now: float) -> Decisions:
-        return self._schedule(now, load_changed=False)
+        """Periodic: retry deferred requests; every planning period, maybe reconfigure."""
+        decisions = self._schedule(now, load_changed=False)
+        if self.reconfigurer is None:
+            return decisions
+        running = [
+            InstanceSlot(i.instance_id, i.node, i.tp, i.gpus) for i in self.instances.values()
+        ]
+        return replace(decisions, reconfiguration=self.reconfigurer.on_tick(now, running))
 
     # -- one scheduling round ----------------------------------------------------------------
 

@@ -1,0 +1,91 @@
+"""The workload monitor: arrivals grouped into classes by input and output size (papers.md 1.8).
+
+Each arrival falls into a class keyed by (input-size bucket, output-size bucket, SLO). Over a
+sliding window the monitor reports each class's arrival rate, times a safety buffer above the
+observed rate, with the class's mean prompt and output lengths: the `WorkloadClass`es the Stage-1
+planner sizes the cluster for. Pure bookkeeping: the caller passes the time.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass
+
+DEFAULT_INPUT_EDGES = (128, 256, 512, 1024, 2048)  # tokens; a bucket is [edge_i, edge_i+1)
+DEFAULT_OUTPUT_EDGES = (64, 128, 256, 512)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadClass:
+    prompt_len: float  # P_k, mean prompt tokens
+    output_len: float  # O_k, mean output window tokens
+    rate: float  # RPS_k, requests per second (safety buffer included)
+    slo: float  # seconds
+
+    def __post_init__(self):
+        if self.output_len <= 0 or self.prompt_len < 0:
+            raise ValueError(f"{self}: lengths must be positive")
+        if self.rate < 0 or self.slo <= 0:
+            raise ValueError(f"{self}: rate must be >= 0 and slo > 0")
+
+    @property
+    def num_tokens(self) -> float:
+        return self.prompt_len + self.output_len
+
+
+@dataclass(frozen=True, slots=True)
+class _Arrival:
+    time: float
+    key: tuple[int, int, float]
+    prompt_len: int
+    output_len: int
+
+
+class WorkloadMonitor:
+    def __init__(
+        self,
+        window: float = 300.0,
+        safety: float = 1.1,
+        input_edges: tuple[int, ...] = DEFAULT_INPUT_EDGES,
+        output_edges: tuple[int, ...] = DEFAULT_OUTPUT_EDGES,
+    ):
+        if window <= 0:
+            raise ValueError(f"{window=} must be positive")
+        if safety < 1:
+            raise ValueError(f"{safety=} must be at least 1 (a buffer above the observed rate)")
+        self.window, self.safety = window, safety
+        self.input_edges, self.output_edges = tuple(input_edges), tuple(output_edges)
+        self._arrivals: deque[_Arrival] = deque()
+        self._first: float | None = None
+
+    def record(self, now: float, prompt_len: int, output_len: int, slo: float) -> None:
+        key = (
+            bisect.bisect_right(self.input_edges, prompt_len),
+            bisect.bisect_right(self.output_edges, output_len),
+            round(slo, 3),
+        )
+        self._arrivals.append(_Arrival(now, key, prompt_len, output_len))
+        if self._first is None:
+            self._first = now
+
+    def classes(self, now: float) -> list[WorkloadClass]:
+        """The classes seen in the last window, rates over the window (or the time observed so
+        far, when shorter), ordered by bucket."""
+        while self._arrivals and self._arrivals[0].time < now - self.window:
+            self._arrivals.popleft()
+        if not self._arrivals:
+            return []
+        span = max(min(self.window, now - self._first), 1.0)
+        groups: dict[tuple[int, int, float], list[_Arrival]] = {}
+        for a in self._arrivals:
+            groups.setdefault(a.key, []).append(a)
+        return [
+            WorkloadClass(
+                prompt_len=sum(a.prompt_len for a in group) / len(group),
+                output_len=sum(a.output_len for a in group) / len(group),
+                rate=self.safety * len(group) / span,
+                slo=key[2],
+            )
+            for key, group in sorted(groups.items())
+        ]

@@ -1,0 +1,431 @@
+"""Cluster reconfiguration: the two-stage ILP planner (papers.md 1.8; DiLaServe §3.3, App. B).
+
+**Stage 1, capacity planning** (`plan_capacity`). For workload classes k (prompt P_k, output O_k,
+rate RPS_k, SLO_k), thresholds c (T_c tokens committed per step), TP degrees d and candidate
+batch sizes b (L_db: step latency from the profile), choose how many TP-d instances run on each
+node (x_nd), one batch size per TP degree (z_db), and how each class spreads its steps over
+thresholds (s_kc) and TP degrees (s_kd), maximising lexicographically
+
+1. the average threshold per output token, sum_k RPS_k * sum_c c T_c s_kc / O_k, then
+2. the SLO slack, sum_k RPS_k (SLO_k - t_k),
+
+(then, as our own last tie-break, the GPUs in use: an idle GPU serves nobody), subject to
+token completeness (sum_c T_c s_kc = O_k), step consistency (sum_c s_kc = sum_d s_kd), the SLO
+(t_k = sum_d sum_b z_db L_db s_kd <= SLO_k), one batch size per TP degree (sum_b z_db = 1),
+GPUs per node (sum_d d x_nd <= G_n) and queueing stability (the token-steps per second the
+classes send to TP-d instances fit their throughput: sum_k RPS_k s_kd (P_k + O_k) <=
+sum_b z_db (b / L_db) sum_n x_nd). Each objective is solved, then held within `tolerance` of
+its optimum while the next one is solved.
+
+*Linearisation.* As printed, the SLO and stability constraints multiply variables: z_db * s_kd
+(binary times continuous) and z_db * sum_n x_nd (binary times integer). Both go away exactly
+with one family of variables w_kdb >= 0, "the steps of class k on TP d at batch size b":
+
+    sum_b w_kdb = s_kd,        w_kdb <= M_k z_db,        M_k = O_k / min_c T_c,
+
+where M_k bounds s_kd (a class never takes more steps than at its slowest threshold). Because
+exactly one z_db is 1, w_kdb equals s_kd at the chosen b and 0 elsewhere, so z_db L_db s_kd =
+sum_b L_db w_kdb (the SLO is linear). Stability is divided through by the chosen b / L_db, which
+is positive, giving the equivalent sum_k RPS_k (P_k + O_k) sum_b (L_db / b) w_kdb <= sum_n x_nd:
+"GPU-seconds per second demanded <= instances", linear again, with no product of z and x.
+
+*With an approximate KV cache* (`cache_block` B set; papers.md 1.9): a class's steps are
+recompute steps r_kd (one per block: sum_d r_kd = O_k / B) over the whole sequence and cache steps
+q_kd over one block, each with its own batch-size choice (z_db from the recompute curve, z'_db
+from the cache curve), so that sum_c s_kc = sum_d (r_kd + q_kd), t_k = sum (z L r + z' L' q),
+and stability is sum_k RPS_k [(P_k + O_k) r_kd alpha_d + B q_kd beta_d] <= sum_n x_nd with
+alpha_d = sum_b z_db L_db / b and beta_d = sum_b z'_db L'_db / b; both linearise as above.
+
+If no configuration can meet the SLOs, the plan falls back to TP-1 instances on every GPU.
+
+**Stage 2, reconfiguration plan** (`plan_layout`): given R_d instances of each TP degree, place
+them in per-node slots (slot l of TP d on node n, GPUs assigned per slot) so that as many existing
+instances as possible keep their exact GPUs (Appendix B, Table 5). `launch_order` then starts the
+new instances one at a time, before each launch stopping only the old instances whose GPUs it
+needs, and stops the remaining retired ones last.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from dilaserve.control.decisions import InstanceSpec, LaunchStep, Reconfiguration
+from dilaserve.control.monitor import WorkloadClass
+from dilaserve.control.profile import LatencyProfile
+from dilaserve.protocol import StepKind
+
+DEFAULT_THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerConfig:
+    gpus_per_node: tuple[int, ...]  # G_n for each node
+    tokens_per_step: Mapping[float, float]  # T_c: mean tokens committed per step at threshold c
+    tp_degrees: tuple[int, ...] = (1, 2, 4, 8)
+    cache_block: int | None = 32  # B; None without an approximate KV cache
+    batch_sizes: tuple[int, ...] | None = None  # batch tokens; None: the profile's points
+    cache_batch_sizes: tuple[int, ...] | None = None
+    tolerance: float = 1e-3  # relative slack when an objective is held at its optimum
+    time_limit: float = 30.0  # seconds per solve
+    period: float = 300.0  # seconds between planning rounds
+    improvement: float = 0.10  # apply a plan only if an objective improves this much
+
+    def __post_init__(self):
+        if not self.gpus_per_node or min(self.gpus_per_node) <= 0:
+            raise ValueError(f"{self.gpus_per_node=} must list a positive GPU count per node")
+        if not self.tokens_per_step or min(self.tokens_per_step.values()) <= 0:
+            raise ValueError(f"{self.tokens_per_step=} must give positive tokens per step")
+        if self.period <= 0:
+            raise ValueError(f"{self.period=} must be positive")
+
+    @property
+    def thresholds(self) -> tuple[float, ...]:
+        return tuple(sorted(self.tokens_per_step))
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    """Stage 1's answer: instances per (node, TP degree) and the operating point it assumes."""
+
+    instances: dict[tuple[int, int], int]  # (node, tp) -> instances
+    batch_tokens: dict[int, int]  # tp -> batch size of full / recompute steps
+    cache_batch_tokens: dict[int, int]  # tp -> batch size of cache steps (with a KV cache)
+    mean_threshold: float  # objective 1 over the total rate: threshold per output token
+    slack: float  # objective 2: sum_k RPS_k (SLO_k - t_k)
+    latency: tuple[float, ...]  # t_k per class
+    threshold_mix: tuple[dict[float, float], ...]  # per class: share of its tokens at each c
+    utilisation: dict[int, float]  # tp -> demanded / available instance-seconds per second
+    feasible: bool = True  # False: no configuration meets the SLOs (fallback plan)
+
+    def counts(self) -> dict[int, int]:
+        """Instances per TP degree over all nodes."""
+        out: dict[int, int] = {}
+        for (_, tp), n in self.instances.items():
+            if n:
+                out[tp] = out.get(tp, 0) + n
+        return dict(sorted(out.items()))
+
+    @property
+    def gpus(self) -> int:
+        return sum(tp * n for (_, tp), n in self.instances.items())
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceSlot:
+    """A running instance as the planner sees it: where it is and which GPUs it holds."""
+
+    instance_id: str
+    node: int
+    tp: int
+    gpus: tuple[int, ...]
+
+
+# -- Stage 1 ---------------------------------------------------------------------------------
+
+
+@dataclass
+class _Stage1:
+    """The Stage-1 model in HiGHS, with handles on its variables."""
+
+    h: object
+    x: dict[tuple[int, int], object]
+    z: dict[tuple[str, int, int], object]  # (step family, tp, batch) -> binary
+    thr_steps: dict[tuple[int, float], object]  # s_kc
+    w: dict[tuple[str, int, int, int], object] = field(default_factory=dict)  # (fam, k, d, b)
+    latency: dict[tuple[str, int, int], float] = field(default_factory=dict)  # (fam, d, b) -> s
+
+
+def _families(profile: LatencyProfile, cfg: PlannerConfig, tp: int):
+    """Step families with their batch-size candidates: (name, kind, batch sizes)."""
+    full_kind = StepKind.FULL if cfg.cache_block is None else StepKind.RECOMPUTE
+    out = [("full", full_kind, cfg.batch_sizes or profile.curve(tp, full_kind).tokens)]
+    if cfg.cache_block is not None:
+        sizes = cfg.cache_batch_sizes or profile.curve(tp, StepKind.CACHE).tokens
+        out.append(("cache", StepKind.CACHE, sizes))
+    return out
+
+
+def _build_stage1(
+    classes: Sequence[WorkloadClass],
+    profile: LatencyProfile,
+    cfg: PlannerConfig,
+    degrees: Sequence[int],
+    fixed: Mapping[tuple[int, int], int] | None,
+):
+    import highspy
+
+    h = highspy.Highs()
+    h.silent()
+    h.setOptionValue("time_limit", cfg.time_limit)
+    thresholds, tps = cfg.thresholds, cfg.tokens_per_step
+    nodes = range(len(cfg.gpus_per_node))
+    x = {}
+    for n in nodes:
+        for d in degrees:
+            most = cfg.gpus_per_node[n] // d
+            if fixed is not None:
+                most = fixed.get((n, d), 0)
+                x[n, d] = h.addIntegral(lb=most, ub=most)
+            else:
+                x[n, d] = h.addIntegral(lb=0, ub=most)
+        h.addConstr(highspy.qsum(d * x[n, d] for d in degrees) <= cfg.gpus_per_node[n])
+    m = _Stage1(h, x, {}, {})
+    families = {d: _families(profile, cfg, d) for d in degrees}
+    for d in degrees:
+        for fam, kind, sizes in families[d]:
+            zs = []
+            for b in sizes:
+                m.z[fam, d, b] = h.addBinary()
+                m.latency[fam, d, b] = profile.step_latency(d, b, kind)
+                zs.append(m.z[fam, d, b])
+            h.addConstr(highspy.qsum(zs) == 1)
+    demand = {d: [] for d in degrees}  # instance-seconds per second sent to TP d
+    slo_terms = []
+    for k, cls in enumerate(classes):
+        most_steps = cls.output_len / min(tps.values())
+        for c in thresholds:
+            m.thr_steps[k, c] = h.addVariable(lb=0, ub=most_steps)
+        h.addConstr(highspy.qsum(tps[c] * m.thr_steps[k, c] for c in thresholds) == cls.output_len)
+        by_family: dict[str, list] = {}
+        t_k = []
+        for d in degrees:
+            for fam, _, sizes in families[d]:
+                ws = []
+                for b in sizes:
+                    w = h.addVariable(lb=0, ub=most_steps)
+                    m.w[fam, k, d, b] = w
+                    h.addConstr(w <= most_steps * m.z[fam, d, b])
+                    ws.append(w)
+                    lat = m.latency[fam, d, b]
+                    t_k.append(lat * w)
+                    tokens = cls.num_tokens if fam == "full" else cfg.cache_block
+                    demand[d].append((cls.rate * tokens * lat / b) * w)
+                by_family.setdefault(fam, []).extend(ws)
+        all_steps = [w for ws in by_family.values() for w in ws]
+        h.addConstr(highspy.qsum(m.thr_steps[k, c] for c in thresholds) == highspy.qsum(all_steps))
+        if cfg.cache_block is not None:  # one recompute step per block
+            h.addConstr(highspy.qsum(by_family["full"]) == cls.output_len / cfg.cache_block)
+        t_expr = highspy.qsum(t_k)
+        h.addConstr(t_expr <= cls.slo)
+        slo_terms.append((cls, t_expr))
+    for d in degrees:
+        if demand[d]:
+            h.addConstr(highspy.qsum(demand[d]) <= highspy.qsum(x[n, d] for n in nodes))
+    objective1 = highspy.qsum(
+        (cls.rate * c * tps[c] / cls.output_len) * m.thr_steps[k, c]
+        for k, cls in enumerate(classes)
+        for c in thresholds
+    )
+    objective2 = highspy.qsum(cls.rate * (cls.slo - t) for cls, t in slo_terms)
+    gpus_used = highspy.qsum(d * x[n, d] for n in nodes for d in degrees)
+    return m, (objective1, objective2, gpus_used), [t for _, t in slo_terms], demand
+
+
+def _solved(h) -> bool:
+    import highspy
+
+    status = h.getModelStatus()
+    if status == highspy.HighsModelStatus.kOptimal:
+        return True
+    # a time limit with a feasible incumbent still gives a usable plan
+    return h.getInfo().primal_solution_status == 2
+
+
+def _maximise_in_order(h, objectives, tolerance: float) -> list[float] | None:
+    """Lexicographic: maximise each objective, then hold it near its optimum for the next."""
+    values = []
+    for i, objective in enumerate(objectives):
+        h.maximize(objective)
+        if not _solved(h):
+            return None
+        value = h.val(objective)
+        values.append(value)
+        if i < len(objectives) - 1:
+            h.addConstr(objective >= value - tolerance * max(abs(value), 1.0))
+    return values
+
+
+def usable_degrees(profile: LatencyProfile, cfg: PlannerConfig) -> tuple[int, ...]:
+    return tuple(
+        d for d in cfg.tp_degrees if d in profile.tp_degrees and d <= max(cfg.gpus_per_node)
+    )
+
+
+def plan_capacity(
+    classes: Sequence[WorkloadClass],
+    profile: LatencyProfile,
+    cfg: PlannerConfig,
+    fixed: Mapping[tuple[int, int], int] | None = None,
+) -> CapacityPlan:
+    """Stage 1. `fixed` pins the instance counts (node, tp) -> n to evaluate a configuration."""
+    if not classes:
+        raise ValueError("capacity planning needs at least one workload class")
+    degrees = usable_degrees(profile, cfg)
+    if not degrees:
+        raise ValueError(
+            f"no TP degree of {cfg.tp_degrees} is both in the profile "
+            f"({profile.tp_degrees}) and fits a node ({cfg.gpus_per_node} GPUs)"
+        )
+    m, objectives, t_exprs, demand = _build_stage1(classes, profile, cfg, degrees, fixed)
+    values = _maximise_in_order(m.h, objectives, cfg.tolerance)
+    if values is None:
+        return _infeasible(classes, cfg, fixed)
+    h = m.h
+    instances = {key: round(h.val(v)) for key, v in m.x.items()}
+    chosen = {key for key, v in m.z.items() if h.val(v) > 0.5}
+    mix = []
+    for k, cls in enumerate(classes):
+        tokens = {c: cfg.tokens_per_step[c] * h.val(m.thr_steps[k, c]) for c in cfg.thresholds}
+        mix.append({c: t / cls.output_len for c, t in tokens.items() if t > 1e-9})
+    total_rate = sum(cls.rate for cls in classes)
+    utilisation = {}
+    for d in degrees:
+        available = sum(n for (_, tp), n in instances.items() if tp == d)
+        used = sum(h.val(term) for term in demand[d])
+        if available:
+            utilisation[d] = used / available
+    return CapacityPlan(
+        instances=instances,
+        batch_tokens={d: b for fam, d, b in chosen if fam == "full"},
+        cache_batch_tokens={d: b for fam, d, b in chosen if fam == "cache"},
+        mean_threshold=values[0] / total_rate if total_rate else 0.0,
+        slack=values[1],
+        latency=tuple(h.val(t) for t in t_exprs),
+        threshold_mix=tuple(mix),
+        utilisation=utilisation,
+    )
+
+
+def _infeasible(classes, cfg: PlannerConfig, fixed) -> CapacityPlan:
+    """No configuration meets the SLOs: TP-1 instances on every GPU (or the pinned ones)."""
+    instances = dict(fixed) if fixed is not None else dict(enumerate_tp1(cfg.gpus_per_node))
+    return CapacityPlan(
+        instances=instances,
+        batch_tokens={},
+        cache_batch_tokens={},
+        mean_threshold=0.0,
+        slack=0.0,
+        latency=tuple(float("inf") for _ in classes),
+        threshold_mix=tuple({} for _ in classes),
+        utilisation={},
+        feasible=False,
+    )
+
+
+def enumerate_tp1(gpus_per_node: Sequence[int]):
+    return (((n, 1), g) for n, g in enumerate(gpus_per_node))
+
+
+# -- Stage 2 ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SlotPlacement:
+    node: int
+    tp: int
+    gpus: tuple[int, ...]
+    keep: str | None = None  # the existing instance that stays in this slot, if any
+
+
+def plan_layout(
+    counts: Mapping[int, int],
+    gpus_per_node: Sequence[int],
+    existing: Sequence[InstanceSlot],
+    time_limit: float = 30.0,
+) -> list[SlotPlacement]:
+    """Stage 2: place R_d = counts[d] instances in node slots keeping most existing ones."""
+    import highspy
+
+    h = highspy.Highs()
+    h.silent()
+    h.setOptionValue("time_limit", time_limit)
+    nodes = range(len(gpus_per_node))
+    degrees = sorted(d for d, r in counts.items() if r > 0)
+    u, a = {}, {}
+    for n in nodes:
+        for d in degrees:
+            for slot in range(gpus_per_node[n] // d):
+                u[n, d, slot] = h.addBinary()
+                gpus = [h.addBinary() for _ in range(gpus_per_node[n])]
+                for g, var in enumerate(gpus):
+                    a[n, d, slot, g] = var
+                h.addConstr(highspy.qsum(gpus) == d * u[n, d, slot])
+                if slot:  # symmetry: slots of one (node, tp) fill in order
+                    h.addConstr(u[n, d, slot] <= u[n, d, slot - 1])
+        for g in range(gpus_per_node[n]):
+            on_gpu = [a[n, d, s, g] for d in degrees for s in range(gpus_per_node[n] // d)]
+            if on_gpu:
+                h.addConstr(highspy.qsum(on_gpu) <= 1)
+    for d in degrees:
+        h.addConstr(
+            highspy.qsum(u[n, d, s] for n in nodes for s in range(gpus_per_node[n] // d))
+            == counts[d]
+        )
+    keep = {}  # (instance, node, tp, slot) -> binary: the instance stays in that slot
+    for inst in existing:
+        if inst.tp not in degrees or inst.node not in nodes or len(inst.gpus) != inst.tp:
+            continue
+        choices = []
+        for slot in range(gpus_per_node[inst.node] // inst.tp):
+            var = h.addBinary()
+            keep[inst.instance_id, inst.node, inst.tp, slot] = var
+            choices.append(var)
+            h.addConstr(var <= u[inst.node, inst.tp, slot])
+            for g in inst.gpus:
+                h.addConstr(var <= a[inst.node, inst.tp, slot, g])
+        h.addConstr(highspy.qsum(choices) <= 1)
+    if keep:
+        h.maximize(highspy.qsum(keep.values()))
+    else:
+        h.run()
+    if not _solved(h):
+        raise ValueError(f"no placement of {dict(counts)} fits nodes with {gpus_per_node} GPUs")
+    kept = {(n, d, slot): rid for (rid, n, d, slot), var in keep.items() if h.val(var) > 0.5}
+    out = []
+    for (n, d, slot), var in u.items():
+        if h.val(var) > 0.5:
+            gpus = tuple(g for g in range(gpus_per_node[n]) if h.val(a[n, d, slot, g]) > 0.5)
+            out.append(SlotPlacement(n, d, gpus, kept.get((n, d, slot))))
+    return out
+
+
+def launch_order(
+    layout: Sequence[SlotPlacement],
+    existing: Sequence[InstanceSlot],
+    plan: CapacityPlan,
+    name_prefix: str,
+) -> Reconfiguration:
+    """Start new instances one at a time; before each, stop only the old ones in its way.
+
+    The next launch is always the one that needs the fewest running instances stopped, so
+    capacity is added before it is taken away; retired instances nobody's GPUs need stop last.
+    """
+    kept = {p.keep for p in layout if p.keep}
+    retiring = {i.instance_id: i for i in existing if i.instance_id not in kept}
+    owner = {(i.node, g): i.instance_id for i in retiring.values() for g in i.gpus}
+    pending = [p for p in layout if p.keep is None]
+    steps = []
+    while pending:
+
+        def blockers(p: SlotPlacement) -> set[str]:
+            return {owner[p.node, g] for g in p.gpus if (p.node, g) in owner}
+
+        nxt = min(pending, key=lambda p: (len(blockers(p)), p.node, p.gpus))
+        pending.remove(nxt)
+        stop = tuple(sorted(blockers(nxt)))
+        for rid in stop:
+            inst = retiring.pop(rid)
+            for g in inst.gpus:
+                del owner[inst.node, g]
+        batch = plan.batch_tokens.get(nxt.tp, 0)
+        batch = max(batch, plan.cache_batch_tokens.get(nxt.tp, 0))
+        spec = InstanceSpec(
+            f"{name_prefix}-n{nxt.node}-tp{nxt.tp}-g{nxt.gpus[0]}",
+            nxt.node,
+            nxt.tp,
+            nxt.gpus,
+            batch or None,
+        )
+        steps.append(LaunchStep(stop, spec))
+    return Reconfiguration(tuple(steps), tuple(sorted(retiring)), plan.counts())

@@ -1,0 +1,177 @@
+"""The two-stage ILP planner, its trigger and the workload monitor, on cases solved by hand.
+
+One class: 64-token prompts, 64-token outputs (128 tokens per full step). Threshold 0.9 commits
+2 tokens a step (32 steps), 0.5 commits 4 (16 steps). A full step of a 128-token batch takes
+0.1 s on TP-1 and 0.06 s on TP-2.
+"""
+
+import pytest
+
+from dilaserve.control.decisions import LaunchStep
+from dilaserve.control.monitor import WorkloadClass, WorkloadMonitor
+from dilaserve.control.planner import (
+    CapacityPlan,
+    InstanceSlot,
+    PlannerConfig,
+    launch_order,
+    plan_capacity,
+    plan_layout,
+)
+from dilaserve.control.policy import get_policy
+from dilaserve.control.profile import LatencyProfile
+from dilaserve.control.reconfigure import Reconfigurer, worth_applying
+from dilaserve.control.scheduler import Scheduler, SchedulerConfig
+from dilaserve.request import Request
+
+PROFILE = LatencyProfile.from_dict(
+    {
+        "entries": [
+            {"tp": 1, "kind": "full", "batch_tokens": 128, "ms": 100.0},
+            {"tp": 2, "kind": "full", "batch_tokens": 128, "ms": 60.0},
+            {"tp": 1, "kind": "recompute", "batch_tokens": 128, "ms": 100.0},
+            {"tp": 1, "kind": "cache", "batch_tokens": 32, "ms": 20.0},
+        ]
+    }
+)
+TOKENS_PER_STEP = {0.5: 4.0, 0.9: 2.0}
+
+
+def config(gpus_per_node=(2,), **kw) -> PlannerConfig:
+    kw.setdefault("cache_block", None)
+    kw.setdefault("tolerance", 1e-7)  # hold objective 1 exactly, so hand numbers hold
+    return PlannerConfig(gpus_per_node, TOKENS_PER_STEP, tp_degrees=(1, 2), **kw)
+
+
+def one_class(rate=0.4, slo=2.5) -> list[WorkloadClass]:
+    return [WorkloadClass(prompt_len=64, output_len=64, rate=rate, slo=slo)]
+
+
+def test_one_class_two_tp_degrees_picks_tp2_at_the_top_threshold():
+    # TP-2: 32 steps x 0.06 s = 1.92 s fits 2.5 s at 0.9; demand 0.4 x 1.92 = 0.77 instance.
+    # Two TP-1 instances cannot take all 32 steps (3.2 s): the best mix commits 36 of the 64
+    # tokens at 0.9 (18 steps) and 28 at 0.5 (7 steps): mean threshold 0.725 < 0.9.
+    plan = plan_capacity(one_class(), PROFILE, config())
+    assert plan.feasible and plan.counts() == {2: 1}
+    assert plan.mean_threshold == pytest.approx(0.9, abs=1e-3)
+    assert plan.latency[0] == pytest.approx(1.92, abs=1e-3)
+    assert plan.threshold_mix[0][0.9] == pytest.approx(1.0, abs=1e-3)
+    assert plan.utilisation[2] == pytest.approx(0.768, abs=1e-3)
+
+
+def test_node_capacity_rules_out_a_tp2_instance_across_two_one_gpu_nodes():
+    plan = plan_capacity(one_class(), PROFILE, config(gpus_per_node=(1, 1)))
+    assert plan.counts() == {1: 2}
+    assert plan.mean_threshold == pytest.approx(0.725, abs=1e-3)
+    assert plan.latency[0] == pytest.approx(2.5, abs=1e-3)  # SLO binding
+
+
+def test_pinned_counts_evaluate_the_current_configuration():
+    plan = plan_capacity(one_class(), PROFILE, config(), fixed={(0, 1): 2})
+    assert plan.counts() == {1: 2} and plan.mean_threshold == pytest.approx(0.725, abs=1e-3)
+
+
+def test_no_configuration_meets_the_slo_so_every_gpu_runs_tp1():
+    # even TP-2 at 0.5 needs 16 x 0.06 = 0.96 s
+    plan = plan_capacity(one_class(slo=0.5), PROFILE, config(gpus_per_node=(2, 2)))
+    assert not plan.feasible
+    assert plan.counts() == {1: 4}
+
+
+def test_overload_is_infeasible_too():
+    plan = plan_capacity(one_class(rate=100.0), PROFILE, config())
+    assert not plan.feasible and plan.counts() == {1: 2}
+
+
+def test_cache_aware_variant_counts_one_recompute_step_per_block():
+    # 2 blocks of 32: 2 recompute steps (0.1 s) + 30 cache steps (0.02 s) = 0.8 s at 0.9;
+    # demand 0.5 x (2 x 0.1 + 30 x 32 x 0.02 / 32) = 0.4 instance
+    cfg = config(gpus_per_node=(1,), cache_block=32)
+    plan = plan_capacity(one_class(rate=0.5, slo=1.0), PROFILE, cfg)
+    assert plan.counts() == {1: 1} and plan.mean_threshold == pytest.approx(0.9, abs=1e-3)
+    assert plan.latency[0] == pytest.approx(0.8, abs=1e-3)
+    assert plan.utilisation[1] == pytest.approx(0.4, abs=1e-3)
+
+
+# -- Stage 2 and the launch order ----------------------------------------------------------
+
+RUNNING = [
+    InstanceSlot("a", 0, 1, (0,)),
+    InstanceSlot("b", 0, 1, (1,)),
+    InstanceSlot("c", 1, 2, (0, 1)),
+]
+
+
+def test_stage2_keeps_every_instance_the_target_has_room_for():
+    layout = plan_layout({1: 2, 2: 1}, (2, 2), RUNNING)
+    assert sorted(p.keep for p in layout) == ["a", "b", "c"]
+    layout = plan_layout({1: 3}, (2, 2), RUNNING)
+    assert sorted(p.keep for p in layout if p.keep) == ["a", "b"]
+    assert all(len(set(p.gpus)) == p.tp for p in layout)
+
+
+def plan_of(counts) -> CapacityPlan:
+    return CapacityPlan({(0, tp): n for tp, n in counts.items()}, {}, {}, 0.9, 1.0, (), (), {})
+
+
+def test_launches_go_one_at_a_time_stopping_only_what_is_in_the_way():
+    layout = plan_layout({1: 4}, (2, 2), RUNNING)
+    move = launch_order(layout, RUNNING, plan_of({1: 4}), "r1")
+    assert [s.stop for s in move.steps] == [("c",), ()]  # c's GPUs host both new instances
+    assert all(isinstance(s, LaunchStep) and s.start.tp == 1 for s in move.steps)
+    assert {s.start.node for s in move.steps} == {1} and move.stop_after == ()
+
+
+def test_retired_instances_no_launch_needs_are_stopped_last():
+    move = launch_order(plan_layout({2: 1}, (2, 2), RUNNING), RUNNING, plan_of({2: 1}), "r1")
+    assert move.steps == () and move.stop_after == ("a", "b")
+
+
+# -- trigger and monitor ----------------------------------------------------------------------
+
+
+def test_a_plan_is_applied_only_when_an_objective_improves_by_ten_percent():
+    current = CapacityPlan({(0, 1): 2}, {}, {}, 0.80, 10.0, (), (), {})
+    for threshold, slack, expected in [(0.85, 10.5, False), (0.89, 10.0, True), (0.8, 11.5, True)]:
+        proposal = CapacityPlan({(0, 2): 1}, {}, {}, threshold, slack, (), (), {})
+        assert worth_applying(proposal, current, 0.10) is expected
+
+
+def test_monitor_rates_carry_the_safety_buffer_and_forget_old_arrivals():
+    m = WorkloadMonitor(window=10.0, safety=1.5, input_edges=(100,), output_edges=(100,))
+    for t in range(10):
+        m.record(float(t), 50, 64, 5.0)  # small class: 1 per second
+    m.record(9.5, 500, 256, 5.0)
+    small, large = m.classes(10.0)
+    assert small.rate == pytest.approx(1.5) and small.prompt_len == 50
+    assert large.rate == pytest.approx(0.15) and large.output_len == 256
+    assert [c.output_len for c in m.classes(19.4)] == [256]  # the small ones left the window
+
+
+def scheduler_with_planner(policy: str) -> Scheduler:
+    cfg = config(period=10.0)
+    s = Scheduler(
+        get_policy(policy, fixed_threshold=0.9, candidates=(0.5, 0.9)),
+        PROFILE,
+        None,
+        SchedulerConfig(kv_cache="none", block_len=32, slo=2.5),
+        Reconfigurer(PROFILE, cfg, WorkloadMonitor(window=10.0, safety=1.0)),
+    )
+    s.add_instance("a", 1, 4096, node=0, gpus=(0,))
+    s.add_instance("b", 1, 4096, node=0, gpus=(1,))
+    return s
+
+
+@pytest.mark.parametrize("policy, replans", [("dilaserve", True), ("no-reconfig", False)])
+def test_on_tick_returns_the_reconfiguration_each_period(policy, replans):
+    s = scheduler_with_planner(policy)
+    for i in range(4):  # 0.4 requests per second over the 10 s window
+        s.on_arrival(Request(f"r{i}", tuple(range(3, 67)), 64, 32, 1, 0.9, i * 2.5), i * 2.5)
+    assert s.on_tick(5.0).reconfiguration is None  # not yet a period
+    move = s.on_tick(10.0).reconfiguration
+    if not replans:
+        assert move is None
+        return
+    assert move.target == {2: 1}
+    [step] = move.steps
+    assert step.stop == ("a", "b") and step.start.tp == 2 and step.start.gpus == (0, 1)
+    assert s.on_tick(15.0).reconfiguration is None  # next round at 20 s
