@@ -16,9 +16,8 @@ import argparse
 import time
 from dataclasses import replace
 
-from dilaserve.config import EngineConfig
+from dilaserve.config import BUNDLED_MODEL, EngineConfig
 from dilaserve.engine.engine import Engine
-from dilaserve.engine.llm import BUNDLED_MODEL
 from dilaserve.models.tokenizer import Tokenizer
 from dilaserve.protocol import StepBatch
 from dilaserve.request import Request

@@ -9,7 +9,7 @@ from dilaserve.config import DEFAULT_THRESHOLD
 
 
 def _model_arg(p: argparse.ArgumentParser) -> None:
-    from dilaserve.engine.llm import BUNDLED_MODEL
+    from dilaserve.config import BUNDLED_MODEL
 
     p.add_argument(
         "--model",
@@ -121,6 +121,89 @@ def cmd_train_predictor(args) -> None:
     )
 
 
+def cmd_plan(args) -> None:
+    from dilaserve.control.planner import PlannerConfig
+    from dilaserve.control.profile import LatencyProfile
+    from dilaserve.runs import create_run_dir, write_json, write_records
+    from dilaserve.sim import capacity
+    from dilaserve.sim.traces import load_trace
+
+    profile = LatencyProfile.from_file(args.profile)
+    trace = load_trace(args.trace)
+    tokens_per_step = args.tokens_per_step or capacity.tokens_per_step_from_predictor(
+        args.predictor
+    )
+    cfg = PlannerConfig(
+        capacity.nodes_for(args.gpus, args.gpus_per_node),
+        tokens_per_step,
+        tp_degrees=args.tp,
+        cache_block=None if args.kv_cache == "none" else args.block,
+        period=args.window,
+    )
+    classes = capacity.workload_classes(trace, args.slo, args.block, args.window, args.safety)
+    ans = capacity.answer(classes, profile, cfg, args.gpus_per_node)
+    source = f"busiest {args.window:g} s of {trace.source}"
+    text = capacity.report(ans, cfg, args.slo, source)
+    folder = create_run_dir(args.out, "plan")
+    write_json(folder / "config.json", {**vars(args), "func": None})
+    write_records(folder / "records.csv", capacity.class_rows(ans))
+    summary = {
+        "instances": ans.plan.counts(),
+        "feasible": ans.plan.feasible,
+        "mean_threshold": ans.plan.mean_threshold,
+        "capacity_multiple": ans.multiple,
+        "smallest_gpus": ans.smallest_gpus,
+    }
+    write_json(folder / "summary.json", summary)
+    (folder / "report.md").write_text(text)
+    print(text + f"run folder: {folder}")
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from None
+
+
+def _tokens_per_step(text: str) -> dict[float, float]:
+    try:
+        pairs = (item.split(":") for item in text.replace(" ", "").split(","))
+        return {float(c): float(t) for c, t in pairs}
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--tokens-per-step: expected THRESHOLD:TOKENS,... (e.g. 0.5:4,0.9:2), got {text!r}"
+        ) from None
+
+
+def _add_plan_command(sub) -> None:
+    from dilaserve.config import BUNDLED_PREDICTOR
+
+    pl = sub.add_parser("plan", help="which cluster configuration serves a trace at an SLO")
+    pl.add_argument("--profile", required=True, help="latency profile JSON")
+    pl.add_argument("--trace", required=True, help="trace CSV (see dilaserve/sim/traces.py)")
+    pl.add_argument("--gpus", type=int, required=True)
+    pl.add_argument("--gpus-per-node", type=int, default=8)
+    pl.add_argument("--slo", type=float, required=True, help="seconds per request")
+    pl.add_argument(
+        "--tp", type=lambda t: tuple(int(x) for x in t.split(",")), default=(1, 2, 4, 8)
+    )
+    pl.add_argument("--kv-cache", choices=["none", "dual"], default="dual")
+    pl.add_argument("--block", type=int, default=32)
+    pl.add_argument("--window", type=float, default=300.0, help="seconds of the busiest window")
+    pl.add_argument("--safety", type=float, default=1.1, help="rate buffer above the observed")
+    pl.add_argument(
+        "--tokens-per-step",
+        type=_tokens_per_step,
+        default=None,
+        help="mean tokens committed per step at each threshold, e.g. 0.5:4,0.9:2; "
+        "default: from --predictor",
+    )
+    pl.add_argument("--predictor", default=str(BUNDLED_PREDICTOR), help="step predictor folder")
+    pl.add_argument("--out", default="runs", help="folder for run folders")
+    pl.set_defaults(func=cmd_plan)
+
+
 def _add_measurement_commands(sub) -> None:
     """profile, train-predictor and train-model."""
     pr = sub.add_parser("profile", help="measure step latencies on this machine's engine")
@@ -186,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=cmd_eval)
 
     _add_measurement_commands(sub)
+    _add_plan_command(sub)
     return parser
 
 

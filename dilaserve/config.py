@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from dilaserve.protocol import KVCacheMode
 
+ASSETS = Path(__file__).resolve().parent / "assets"
+BUNDLED_MODEL = ASSETS / "tiny-llada"  # the small dLLM this project trains and ships
+BUNDLED_PREDICTOR = ASSETS / "tiny-llada-predictor"  # its step predictor
 DEFAULT_BLOCK_LEN = 32
 DEFAULT_THRESHOLD = 0.9
 DTYPES = ("float32", "bfloat16", "float16")

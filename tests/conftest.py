@@ -5,6 +5,7 @@
 - `FakeModel`: a deterministic stand-in for the model with known confidences per position, so a
   test knows exactly which positions clear a threshold.
 - `make_request`: a Request factory.
+- `PLANNER_PROFILE`, `planner_config`: a planning problem small enough to solve by hand.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import pytest
 import torch
 
 from dilaserve.config import EngineConfig
+from dilaserve.control.planner import PlannerConfig
+from dilaserve.control.profile import LatencyProfile
 from dilaserve.engine.engine import Engine
 from dilaserve.models.checkpoint import save_checkpoint
 from dilaserve.models.config import LLaDAConfig
@@ -129,3 +132,24 @@ def make_request(
 ) -> Request:
     prompt = tuple(2 + i % 10 for i in range(prompt_len))
     return Request(request_id, prompt, gen_len, BLOCK_LEN, mask_id, threshold, **kwargs)
+
+
+# -- the planner's hand-solvable case (tests/test_planner.py explains the numbers) ----------
+
+PLANNER_PROFILE = LatencyProfile.from_dict(
+    {
+        "entries": [
+            {"tp": 1, "kind": "full", "batch_tokens": 128, "ms": 100.0},
+            {"tp": 2, "kind": "full", "batch_tokens": 128, "ms": 60.0},
+            {"tp": 1, "kind": "recompute", "batch_tokens": 128, "ms": 100.0},
+            {"tp": 1, "kind": "cache", "batch_tokens": 32, "ms": 20.0},
+        ]
+    }
+)
+TOKENS_PER_STEP = {0.5: 4.0, 0.9: 2.0}
+
+
+def planner_config(gpus_per_node=(2,), **kw) -> PlannerConfig:
+    kw.setdefault("cache_block", None)
+    kw.setdefault("tolerance", 1e-7)  # hold objective 1 exactly, so hand numbers hold
+    return PlannerConfig(gpus_per_node, TOKENS_PER_STEP, tp_degrees=(1, 2), **kw)

@@ -1,7 +1,7 @@
 """The model that ships inside the package: present, small, and able to do its task."""
 
-from dilaserve.config import EngineConfig, SamplingParams
-from dilaserve.engine.llm import BUNDLED_MODEL, LLM
+from dilaserve.config import BUNDLED_MODEL, EngineConfig, SamplingParams
+from dilaserve.engine.llm import LLM
 from dilaserve.tasks import arith
 
 MAX_WEIGHT_BYTES = 20 * 1024 * 1024

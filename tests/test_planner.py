@@ -12,34 +12,17 @@ from dilaserve.control.monitor import WorkloadClass, WorkloadMonitor
 from dilaserve.control.planner import (
     CapacityPlan,
     InstanceSlot,
-    PlannerConfig,
     launch_order,
     plan_capacity,
     plan_layout,
 )
 from dilaserve.control.policy import get_policy
-from dilaserve.control.profile import LatencyProfile
 from dilaserve.control.reconfigure import Reconfigurer, worth_applying
 from dilaserve.control.scheduler import Scheduler, SchedulerConfig
 from dilaserve.request import Request
 
-PROFILE = LatencyProfile.from_dict(
-    {
-        "entries": [
-            {"tp": 1, "kind": "full", "batch_tokens": 128, "ms": 100.0},
-            {"tp": 2, "kind": "full", "batch_tokens": 128, "ms": 60.0},
-            {"tp": 1, "kind": "recompute", "batch_tokens": 128, "ms": 100.0},
-            {"tp": 1, "kind": "cache", "batch_tokens": 32, "ms": 20.0},
-        ]
-    }
-)
-TOKENS_PER_STEP = {0.5: 4.0, 0.9: 2.0}
-
-
-def config(gpus_per_node=(2,), **kw) -> PlannerConfig:
-    kw.setdefault("cache_block", None)
-    kw.setdefault("tolerance", 1e-7)  # hold objective 1 exactly, so hand numbers hold
-    return PlannerConfig(gpus_per_node, TOKENS_PER_STEP, tp_degrees=(1, 2), **kw)
+from conftest import PLANNER_PROFILE as PROFILE
+from conftest import planner_config as config
 
 
 def one_class(rate=0.4, slo=2.5) -> list[WorkloadClass]:

@@ -55,7 +55,9 @@ from dilaserve.control.monitor import WorkloadClass
 from dilaserve.control.profile import LatencyProfile
 from dilaserve.protocol import StepKind
 
-DEFAULT_THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9)
+# stability terms below HiGHS's matrix tolerance (instance-seconds per second per step) are
+# dropped, as HiGHS would drop them; a request class that small adds no measurable load
+NEGLIGIBLE = 1e-9
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,7 +202,9 @@ def _build_stage1(
                     lat = m.latency[fam, d, b]
                     t_k.append(lat * w)
                     tokens = cls.num_tokens if fam == "full" else cfg.cache_block
-                    demand[d].append((cls.rate * tokens * lat / b) * w)
+                    coefficient = cls.rate * tokens * lat / b
+                    if coefficient > NEGLIGIBLE:
+                        demand[d].append(coefficient * w)
                 by_family.setdefault(fam, []).extend(ws)
         all_steps = [w for ws in by_family.values() for w in ws]
         h.addConstr(highspy.qsum(m.thr_steps[k, c] for c in thresholds) == highspy.qsum(all_steps))
@@ -212,12 +216,15 @@ def _build_stage1(
     for d in degrees:
         if demand[d]:
             h.addConstr(highspy.qsum(demand[d]) <= highspy.qsum(x[n, d] for n in nodes))
+    # both objectives over the total rate (same optimum; keeps coefficients well scaled)
+    total_rate = sum(c.rate for c in classes) or 1.0
+    share = [cls.rate / total_rate for cls in classes]
     objective1 = highspy.qsum(
-        (cls.rate * c * tps[c] / cls.output_len) * m.thr_steps[k, c]
+        (share[k] * c * tps[c] / cls.output_len) * m.thr_steps[k, c]
         for k, cls in enumerate(classes)
         for c in thresholds
     )
-    objective2 = highspy.qsum(cls.rate * (cls.slo - t) for cls, t in slo_terms)
+    objective2 = highspy.qsum(share[k] * (cls.slo - t) for k, (cls, t) in enumerate(slo_terms))
     gpus_used = highspy.qsum(d * x[n, d] for n in nodes for d in degrees)
     return m, (objective1, objective2, gpus_used), [t for _, t in slo_terms], demand
 
@@ -250,6 +257,15 @@ def usable_degrees(profile: LatencyProfile, cfg: PlannerConfig) -> tuple[int, ..
     return tuple(
         d for d in cfg.tp_degrees if d in profile.tp_degrees and d <= max(cfg.gpus_per_node)
     )
+
+
+def is_feasible(
+    classes: Sequence[WorkloadClass], profile: LatencyProfile, cfg: PlannerConfig
+) -> bool:
+    """Whether any configuration meets every class's SLO (Stage 1's constraints, no objective)."""
+    m, *_ = _build_stage1(classes, profile, cfg, usable_degrees(profile, cfg), None)
+    m.h.run()
+    return _solved(m.h)
 
 
 def plan_capacity(
@@ -289,8 +305,8 @@ def plan_capacity(
         instances=instances,
         batch_tokens={d: b for fam, d, b in chosen if fam == "full"},
         cache_batch_tokens={d: b for fam, d, b in chosen if fam == "cache"},
-        mean_threshold=values[0] / total_rate if total_rate else 0.0,
-        slack=values[1],
+        mean_threshold=values[0],
+        slack=values[1] * total_rate,
         latency=tuple(h.val(t) for t in t_exprs),
         threshold_mix=tuple(mix),
         utilisation=utilisation,

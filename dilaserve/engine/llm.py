@@ -10,13 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from dilaserve.config import EngineConfig, SamplingParams
+from dilaserve.config import BUNDLED_MODEL, EngineConfig, SamplingParams
 from dilaserve.engine.engine import Engine
 from dilaserve.models.tokenizer import Tokenizer
 from dilaserve.protocol import StepBatch, StepKind
 from dilaserve.request import Request
-
-BUNDLED_MODEL = Path(__file__).resolve().parent.parent / "assets" / "tiny-llada"
 
 
 @dataclass(frozen=True, slots=True)
