@@ -3,11 +3,13 @@
     python benchmarks/control.py [--requests 100,1000,5000] [--instances 16,64]
 
 Builds a scheduler (policy `dilaserve`, dual cache, block 32) over N TP-1 instances with a
-synthetic latency profile and a real LightGBM step predictor (trained on synthetic rows), admits
-R requests, then replays step completions round-robin over instances: each completion commits
-two tokens per request of that instance's batch, and the scheduler re-places them (refreshing
-predictions every k tokens, re-running load control when they refresh). Prints and writes the
-mean and p99 milliseconds per event to a run folder.
+synthetic latency profile and the bundled model's LightGBM step predictor (120 trees of up to
+63 leaves), admits R requests (200-token prompts, 256-token outputs), then replays step
+completions round-robin over instances: each completion commits two tokens per request of that
+instance's batch, and the scheduler re-places them (refreshing predictions every 8 committed
+tokens, re-running load control when they refresh or a request finishes). Prints and writes the
+mean and p99 milliseconds per event, and the mean microseconds per request in the finished
+batch, to a run folder.
 """
 
 from __future__ import annotations
@@ -18,16 +20,15 @@ import time
 
 import numpy as np
 
-from dilaserve.control.features import FEATURE_NAMES
+from dilaserve.config import BUNDLED_PREDICTOR
 from dilaserve.control.policy import get_policy
-from dilaserve.control.predictor import fit_gbm
+from dilaserve.control.predictor import load_gbm
 from dilaserve.control.profile import LatencyProfile
 from dilaserve.control.scheduler import Scheduler, SchedulerConfig
 from dilaserve.protocol import RequestStepResult, StepOutput
 from dilaserve.request import Request
-from dilaserve.runs import create_run_dir, environment, markdown_table, write_json, write_records
+from dilaserve.runs import write_table_run
 
-THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9)
 GEN, BLOCK, PROMPT = 256, 32, 200
 
 
@@ -38,13 +39,6 @@ def synthetic_profile() -> LatencyProfile:
         for n in (32, 256, 2048, 16384, 131072)
     ]
     return LatencyProfile.from_dict({"entries": entries, "block_len": BLOCK})
-
-
-def synthetic_predictor():
-    rng = np.random.default_rng(0)
-    rows = rng.random((5000, len(FEATURE_NAMES)))
-    labels = 1 + 100 * rows[:, 0] * (1 - rows[:, 3])
-    return fit_gbm(rows, labels, THRESHOLDS)
 
 
 def step_results(s: Scheduler, batch) -> StepOutput:
@@ -84,7 +78,7 @@ def run(num_requests: int, num_instances: int, events: int, predictor, profile) 
         )
         for launch in s.on_arrival(req, req.arrival_time).launches:
             running[launch.instance_id] = launch.batch
-    now, samples = num_requests * 1e-3, []
+    now, samples, batch_sizes = num_requests * 1e-3, [], []
     for e in range(events):
         instance = sorted(running)[e % len(running)]
         output = step_results(s, running.pop(instance))
@@ -92,14 +86,17 @@ def run(num_requests: int, num_instances: int, events: int, predictor, profile) 
         start = time.perf_counter()
         decisions = s.on_step_done(instance, output, now)
         samples.append(1e3 * (time.perf_counter() - start))
+        batch_sizes.append(len(output.results))
         running.update({launch.instance_id: launch.batch for launch in decisions.launches})
     samples.sort()
     return {
         "requests": num_requests,
         "instances": num_instances,
         "events": events,
+        "mean_batch": round(statistics.mean(batch_sizes), 1),
         "mean_ms": round(statistics.mean(samples), 3),
         "p99_ms": round(samples[int(0.99 * (len(samples) - 1))], 3),
+        "us_per_request": round(1e3 * sum(samples) / sum(batch_sizes), 1),
     }
 
 
@@ -110,20 +107,13 @@ def main() -> None:
     ap.add_argument("--events", type=int, default=300)
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
-    predictor, profile = synthetic_predictor(), synthetic_profile()
+    predictor, profile = load_gbm(BUNDLED_PREDICTOR), synthetic_profile()
     records = []
     for n in map(int, args.requests.split(",")):
         for m in map(int, args.instances.split(",")):
             records.append(run(n, m, args.events, predictor, profile))
             print(records[-1], flush=True)
-    folder = create_run_dir(args.out, "control")
-    write_json(folder / "config.json", {**vars(args), "environment": environment()})
-    write_records(folder / "records.csv", records)
-    write_json(folder / "summary.json", {"records": records})
-    table = markdown_table(records, list(records[0]))
-    (folder / "report.md").write_text(f"# control-plane decision time\n\n{table}\n")
-    print(table)
-    print(f"run folder: {folder}")
+    write_table_run(args.out, "control", vars(args), records, "control-plane decision time")
 
 
 if __name__ == "__main__":

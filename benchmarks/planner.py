@@ -29,7 +29,7 @@ from dilaserve.control.planner import (
     plan_layout,
 )
 from dilaserve.control.profile import LatencyProfile
-from dilaserve.runs import create_run_dir, environment, markdown_table, write_json, write_records
+from dilaserve.runs import write_json, write_table_run
 
 TP_FACTOR = {1: 1.0, 2: 0.75, 4: 0.45, 8: 0.35}
 BATCH_TOKENS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -100,15 +100,8 @@ def main() -> None:
     for gpus in map(int, args.gpus.split(",")):
         records.append(run(gpus, args.repeats, profile))
         print(records[-1], flush=True)
-    folder = create_run_dir(args.out, "planner")
-    write_json(folder / "config.json", {**vars(args), "environment": environment()})
+    folder = write_table_run(args.out, "planner", vars(args), records, "planner solve time")
     write_json(folder / "profile.json", profile.to_dict())
-    write_records(folder / "records.csv", records)
-    write_json(folder / "summary.json", {"records": records})
-    table = markdown_table(records, list(records[0]))
-    (folder / "report.md").write_text(f"# planner solve time\n\n{table}\n")
-    print(table)
-    print(f"run folder: {folder}")
 
 
 if __name__ == "__main__":

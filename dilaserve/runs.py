@@ -56,3 +56,19 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(str(row[c]) for c in columns) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def write_table_run(
+    root: str | Path, kind: str, config: dict, records: list[dict], title: str
+) -> Path:
+    """A run folder for a benchmark that produces one table: config (with the environment),
+    records.csv, summary.json and report.md. Prints the table and the folder."""
+    folder = create_run_dir(root, kind)
+    write_json(folder / "config.json", {**config, "environment": environment()})
+    write_records(folder / "records.csv", records)
+    write_json(folder / "summary.json", {"records": records})
+    table = markdown_table(records, list(records[0]))
+    (folder / "report.md").write_text(f"# {title}\n\n{table}\n")
+    print(table)
+    print(f"run folder: {folder}")
+    return folder

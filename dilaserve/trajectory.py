@@ -50,7 +50,7 @@ def save_trajectories(path: str | Path, trajectories: list[Trajectory]) -> None:
     counts = np.array([len(c) for t in trajectories for c in t.commits], dtype=np.int32)
     positions = np.concatenate([c for t in trajectories for c in t.commits] or [np.zeros(0)])
     width = max(t.gen_len for t in trajectories)
-    conf = np.zeros((int(meta[:, 5].sum()), width), dtype=np.float16)
+    conf = np.zeros((int(meta[:, 5].sum()), width), dtype=np.float32)  # exact: refits reproduce
     row = 0
     for t in trajectories:
         conf[row : row + t.num_steps, : t.gen_len] = t.confidences
@@ -86,7 +86,7 @@ def load_trajectories(path: str | Path) -> list[Trajectory]:
                 int(block_len),
                 tuple(str(k) for k in kinds[step : step + n]),
                 tuple(commits),
-                conf[step : step + n, :gen_len].astype(np.float32),
+                conf[step : step + n, :gen_len],
             )
         )
         step += n

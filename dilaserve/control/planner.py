@@ -303,8 +303,8 @@ def plan_capacity(
             utilisation[d] = used / available
     return CapacityPlan(
         instances=instances,
-        batch_tokens={d: b for fam, d, b in chosen if fam == "full"},
-        cache_batch_tokens={d: b for fam, d, b in chosen if fam == "cache"},
+        batch_tokens={d: b for fam, d, b in sorted(chosen) if fam == "full"},
+        cache_batch_tokens={d: b for fam, d, b in sorted(chosen) if fam == "cache"},
         mean_threshold=values[0],
         slack=values[1] * total_rate,
         latency=tuple(h.val(t) for t in t_exprs),
