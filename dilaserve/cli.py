@@ -204,6 +204,61 @@ def _add_plan_command(sub) -> None:
     pl.set_defaults(func=cmd_plan)
 
 
+def cmd_simulate(args) -> None:
+    from dataclasses import fields
+
+    from dilaserve.sim.run import SimulationSpec, simulate, write_run
+
+    names = {f.name for f in fields(SimulationSpec)}
+    spec = SimulationSpec(**{k: v for k, v in vars(args).items() if k in names})
+    run = simulate(spec, progress=None if args.quiet else _progress_bar())
+    folder = write_run(run, args.out)
+    print(file=sys.stderr)
+    for key, value in run.summary.items():
+        print(f"{key}: {value}")
+    print(f"run folder: {folder}")
+
+
+def _progress_bar():
+    """Simulated time and requests done, redrawn on one stderr line every 30 simulated s."""
+    last = [-30.0]
+
+    def show(now: float, done: int, total: int) -> None:
+        if now - last[0] >= 30.0:
+            last[0] = now
+            print(
+                f"\rsimulated {now:8.0f} s  {done}/{total} requests done",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    return show
+
+
+def _add_simulate_command(sub) -> None:
+    si = sub.add_parser("simulate", help="trace-driven cluster simulation (same control plane)")
+    si.add_argument("--policy", default="dilaserve")
+    si.add_argument("--profile", default="llada-8b-h100", help="preset name or profile JSON")
+    si.add_argument("--trace", default="paper", help="paper | poisson:RPS:SECONDS | CSV path")
+    si.add_argument("--peak-rps", type=float, default=20.0, help="peak of the paper trace")
+    si.add_argument("--duration", type=float, default=None, help="first N seconds only")
+    si.add_argument("--gpus", type=int, default=16)
+    si.add_argument("--gpus-per-node", type=int, default=4)
+    si.add_argument("--initial-tp", type=int, default=1)
+    si.add_argument("--slo", type=float, default=None, help="seconds (default: a multiple)")
+    si.add_argument("--slo-multiple", type=float, default=5.0)
+    si.add_argument("--kv-cache", choices=["none", "dual"], default="dual")
+    si.add_argument("--planner-period", type=float, default=300.0)
+    si.add_argument("--startup-delay", type=float, default=30.0)
+    si.add_argument("--latency-noise", type=float, default=0.0)
+    si.add_argument("--interval", type=float, default=300.0, help="seconds per metrics row")
+    si.add_argument("--seed", type=int, default=0)
+    si.add_argument("--out", default="runs", help="folder for run folders")
+    si.add_argument("--quiet", action="store_true", help="no progress line")
+    si.set_defaults(func=cmd_simulate)
+
+
 def _add_measurement_commands(sub) -> None:
     """profile, train-predictor and train-model."""
     pr = sub.add_parser("profile", help="measure step latencies on this machine's engine")
@@ -270,6 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_measurement_commands(sub)
     _add_plan_command(sub)
+    _add_simulate_command(sub)
     return parser
 
 

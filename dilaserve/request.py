@@ -47,7 +47,9 @@ class Request:
     starts_block: bool = True  # the next step is the first step of a block
     num_steps: int = 0
     steps_by_kind: dict[StepKind, int] = field(default_factory=dict)
-    threshold_steps: list[float] = field(default_factory=list)
+    threshold_steps: list[float] = field(default_factory=list)  # the threshold of each step
+    step_tokens: list[int] = field(default_factory=list)  # tokens each step committed
+    first_block_time: float | None = None  # when the first block was fully committed
     finish_time: float | None = None
     prompt_len: int = field(init=False)
     num_tokens: int = field(init=False)  # prompt + output window: what a full-sequence step reads
@@ -107,10 +109,21 @@ class Request:
         self.num_steps += 1
         self.steps_by_kind[result.kind] = self.steps_by_kind.get(result.kind, 0) + 1
         self.threshold_steps.append(self.threshold)
+        self.step_tokens.append(int(newly))
+        if self.first_block_time is None and (self.current_block > 0 or result.is_finished):
+            self.first_block_time = now
         self.starts_block = result.is_block_done
         if result.is_finished:
             self.status = RequestStatus.FINISHED
             self.finish_time = now
+
+    @property
+    def mean_threshold(self) -> float:
+        """Token-weighted mean threshold: each committed token counts at its step's threshold."""
+        tokens = sum(self.step_tokens)
+        if not tokens:
+            return self.threshold
+        return sum(g * n for g, n in zip(self.threshold_steps, self.step_tokens)) / tokens
 
     def generated_ids(self, stop_ids: frozenset[int]) -> list[int]:
         """Committed output tokens before the first stop token."""

@@ -236,3 +236,23 @@ def test_each_request_is_held_to_its_own_deadline(deadline, expected):
     s = scheduler(instances=(("b", 2),), slo=100.0)
     req = make_request("r", gen_len=2 * BLOCK, deadline=deadline)
     assert only_launch(s.on_arrival(req, 0.0)).batch.items[0].threshold == expected
+
+
+def test_a_draining_instance_finishes_its_step_then_hands_its_requests_on():
+    s = scheduler(instances=(("a", 1),))
+    running, waiting = make_request("running"), make_request("waiting")
+    s.on_arrival(running, 0.0)
+    s.on_arrival(waiting, 0.1)  # waits for a's next batch
+    s.add_instance("b", 1, 10_000)
+    d = s.drain_instance("a", 0.2)
+    assert [(launch.instance_id, launch.batch.items[0].request_id) for launch in d.launches] == [
+        ("b", "waiting")
+    ]
+    assert not s.is_idle("a")
+    # a cache step would have stayed with the cache; a draining home sends it away anyway
+    d = done(s, "a", result(running, [0]), now=0.3)
+    assert s.is_idle("a") and d.launches == ()  # b is busy: running waits for b's next batch
+    assert s.requests["running"].instance == "b"
+    launch = only_launch(done(s, "b", result(waiting, [0]), now=0.4))
+    item = {i.request_id: i for i in launch.batch.items}["running"]
+    assert item.kind is StepKind.RECOMPUTE and item.spec is not None

@@ -48,7 +48,7 @@ def state_matrix(
         1.0,
     )
     conf = confidences.astype(np.float64)
-    q25, median, q75 = np.quantile(conf, (0.25, 0.5, 0.75), axis=1)
+    q25, median, q75 = _quartiles(np.sort(conf, axis=1))
     return np.column_stack(
         (
             np.full(n, gen_len, dtype=np.float64),
@@ -63,6 +63,19 @@ def state_matrix(
             q75,
         )
     )
+
+
+def _quartiles(ordered: np.ndarray) -> list[np.ndarray]:
+    """25th, 50th and 75th percentiles of each sorted row, interpolated linearly as numpy's
+    default (a few times faster than np.quantile on small rows)."""
+    last = ordered.shape[1] - 1
+    out = []
+    for q in (0.25, 0.5, 0.75):
+        pos = q * last
+        lo = int(pos)
+        hi = min(lo + 1, last)
+        out.append(ordered[:, lo] + (ordered[:, hi] - ordered[:, lo]) * (pos - lo))
+    return out
 
 
 def feature_matrix(states: np.ndarray, thresholds) -> np.ndarray:

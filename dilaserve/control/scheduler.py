@@ -45,6 +45,7 @@ class _Instance:
     max_batch_tokens: int
     node: int = 0
     gpus: tuple[int, ...] = ()
+    draining: bool = False  # being stopped: finishes its running step, takes no new work
     busy: bool = False
     busy_until: float = 0.0  # predicted end of the running step
     pending: list[str] = field(default_factory=list)
@@ -80,6 +81,7 @@ class Scheduler:
         self.config = config
         self.reconfigurer = reconfigurer if policy.reconfigure else None
         self.instances: dict[str, _Instance] = {}
+        self._open: list[_Instance] = []  # instances that take new work (not draining)
         self.requests: dict[str, _Tracked] = {}
         self._ready: list[str] = []
         self._ladder = tuple(sorted(policy.candidates, reverse=True))
@@ -109,17 +111,42 @@ class Scheduler:
         if instance_id in self.instances:
             raise ValueError(f"instance {instance_id} already exists")
         self.instances[instance_id] = _Instance(instance_id, tp, max_batch_tokens, node, gpus)
+        self._open = self._open_instances()
 
     def remove_instance(self, instance_id: str, now: float) -> Decisions:
-        """Forget an instance (stopped or failed); its requests resume elsewhere."""
+        """Forget an instance (stopped, or failed: its running step is lost); its requests
+        resume elsewhere from their last committed tokens."""
         inst = self.instances.pop(instance_id)
+        self._open = self._open_instances()
         for rid in inst.holds | set(inst.pending):
-            t = self.requests[rid]
-            t.instance = t.bound = None
-            t.needs_threshold = True
-            if rid not in self._ready:
-                self._ready.append(rid)
+            self._orphan(rid)
         return self._schedule(now, load_changed=True)
+
+    def drain_instance(self, instance_id: str, now: float) -> Decisions:
+        """Stop giving an instance work: its waiting batch goes elsewhere, its running step
+        finishes, and its requests move at their next step. Remove it once `is_idle`."""
+        inst = self.instances[instance_id]
+        inst.draining = True
+        self._open = self._open_instances()
+        for rid in inst.pending:
+            self._orphan(rid)
+            inst.holds.discard(rid)
+        inst.pending, inst.pending_kinds = [], []
+        inst.pending_full = inst.pending_cache = 0
+        return self._schedule(now, load_changed=True)
+
+    def is_idle(self, instance_id: str) -> bool:
+        return not self.instances[instance_id].busy
+
+    def _orphan(self, rid: str) -> None:
+        t = self.requests[rid]
+        t.instance = t.bound = None
+        t.needs_threshold = True
+        if rid not in self._ready:
+            self._ready.append(rid)
+
+    def _open_instances(self) -> list[_Instance]:
+        return [i for i in self.instances.values() if not i.draining]
 
     # -- events ------------------------------------------------------------------------------
 
@@ -133,8 +160,8 @@ class Scheduler:
             self.reconfigurer.record(request, now)
         tracked = _Tracked(request, self._admitted, allowed=self._ladder)
         self._admitted += 1
-        if self.policy.placement is Placement.ON_ARRIVAL and self.instances:
-            tracked.bound = min(self.instances.values(), key=self._bound_tokens).instance_id
+        if self.policy.placement is Placement.ON_ARRIVAL and self._open:
+            tracked.bound = min(self._open, key=self._bound_tokens).instance_id
         self.requests[request.request_id] = tracked
         self._ready.append(request.request_id)
         return self._schedule(now, load_changed=True)
@@ -268,7 +295,10 @@ class Scheduler:
 
     def _candidates(self, t: _Tracked, home: _Instance | None, home_kind) -> list[_Instance]:
         if t.bound is not None:
-            return [self.instances[t.bound]] if t.bound in self.instances else []
+            bound = self.instances.get(t.bound)
+            if bound is not None and not bound.draining:
+                return [bound]
+            t.bound = None  # its instance went away: bind again where it lands
         if home is not None and self.policy.migration is Migration.NONE:
             return [home]
         if (
@@ -277,7 +307,7 @@ class Scheduler:
             and home_kind is StepKind.CACHE
         ):
             return [home]
-        return list(self.instances.values())
+        return self._open
 
     def _tokens(self, t: _Tracked, kind: StepKind) -> int:
         return self.config.block_len if kind is StepKind.CACHE else t.request.num_tokens
@@ -299,6 +329,8 @@ class Scheduler:
         """
         r, mode = t.request, self.config.kv_cache
         home = self.instances.get(t.instance) if t.instance is not None else None
+        if home is not None and home.draining:
+            home = None
         home_kind = r.next_kind(mode, r.request_id in home.holds) if home is not None else None
         candidates = self._candidates(t, home, home_kind)
         away = r.next_kind(mode, has_cache=False)

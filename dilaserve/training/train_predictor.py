@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dilaserve.control.features import FEATURE_NAMES, PROGRESS_FEATURES, state_features
+from dilaserve.control.features import FEATURE_NAMES, PROGRESS_FEATURES, state_matrix
 from dilaserve.control.predictor import OneShotPredictor, fit_gbm, save_gbm
 from dilaserve.runs import create_run_dir, environment, markdown_table, write_json
 from dilaserve.trajectory import Trajectory, save_trajectories
@@ -47,19 +47,15 @@ def trajectory_rows(trajs: list[Trajectory]):
     """(states [n, 10], thresholds [n], remaining steps [n], committed counts [n], traj index)."""
     states, thresholds, labels, committed, owner = [], [], [], [], []
     for i, t in enumerate(trajs):
-        for step, mask, conf in t.states():
-            states.append(state_features(mask, conf, step, t.block_len))
-            thresholds.append(t.threshold)
-            labels.append(t.num_steps - step)
-            committed.append(int(mask.sum()))
-            owner.append(i)
-    return (
-        np.array(states),
-        np.array(thresholds),
-        np.array(labels, dtype=np.float64),
-        np.array(committed),
-        np.array(owner),
-    )
+        steps, masks, confs = zip(*((s, m, c) for s, m, c in t.states()))
+        masks = np.stack(masks)
+        states.append(state_matrix(masks, np.stack(confs), np.array(steps), t.block_len))
+        n = len(steps)
+        thresholds.append(np.full(n, t.threshold))
+        labels.append(t.num_steps - np.array(steps, dtype=np.float64))
+        committed.append(masks.sum(axis=1))
+        owner.append(np.full(n, i))
+    return tuple(np.concatenate(x) for x in (states, thresholds, labels, committed, owner))
 
 
 def own_threshold_predictions(predictor, states: np.ndarray, thresholds: np.ndarray):

@@ -1,0 +1,167 @@
+"""What a simulated denoising step does to a request: which positions commit, with what
+confidences (the inputs of the step predictor's features), and when the request finishes.
+
+- `ParametricBehaviour`: a model of LLaDA-8B-like unmasking. Each request has a difficulty
+  drawn once (log-normal); a step at threshold g commits, inside the current block, about
+  T(g) / difficulty tokens (at least one, the top-1 fallback), with T(0.9) = `TOKENS_PER_STEP_09`
+  and T falling 38% in steps from 0.9 to 0.7 (papers.md 1.1, Fig. 3a), geometrically between.
+  Masked positions report confidences that are lower for harder requests, so the predictor's
+  confidence features carry the signal they carry on a real model.
+- `ReplayBehaviour`: recorded trajectories of the real engine (`dilaserve train-predictor` writes
+  them), replayed per (prompt, threshold); when the threshold changes mid-request the replay
+  continues from the step of the new threshold's trajectory that had committed as many tokens.
+- `QualityModel`: accuracy as a function of a request's token-weighted mean threshold,
+  interpolated from an evaluation table (the bundled model's `dilaserve eval`, or LLaDA-8B's
+  GSM8K figures from the paper).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import zlib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from dilaserve.protocol import RequestStepResult, StepKind
+from dilaserve.request import Request
+from dilaserve.trajectory import Trajectory
+
+TOKENS_PER_STEP_09 = 3.0  # LLaDA-8B, threshold 0.9, dual cache; shared with sim.latency
+STEP_CUT_09_TO_07 = 0.38  # papers.md 1.1: 0.9 -> 0.7 cuts denoising steps by 38%
+
+
+def llada_tokens_per_step(threshold: float) -> float:
+    """T(g): mean tokens committed per step at threshold g (geometric in g, anchored at 0.9)."""
+    g = min(max(threshold, 0.0), 0.9)
+    return TOKENS_PER_STEP_09 * (1.0 - STEP_CUT_09_TO_07) ** ((g - 0.9) / 0.2)
+
+
+class ParametricBehaviour:
+    def __init__(self, seed: int = 0, difficulty_sigma: float = 0.35, tokens_per_step=None):
+        self.seed = seed
+        self.rng = np.random.default_rng(seed)
+        self.sigma = difficulty_sigma
+        self.tokens_per_step = tokens_per_step or llada_tokens_per_step
+        self._state: dict[str, tuple[float, np.ndarray, np.ndarray]] = {}
+
+    def forget(self, request_id: str) -> None:
+        self._state.pop(request_id, None)
+
+    def _request(self, r: Request) -> tuple[float, np.ndarray, np.ndarray]:
+        """Difficulty, commit order within each block, and the confidences masked positions
+        report: drawn from the request id, so a prompt id run at several thresholds (predictor
+        training) is the same prompt each time. Harder requests report lower confidences."""
+        state = self._state.get(r.request_id)
+        if state is None:
+            rng = np.random.default_rng([self.seed, zlib.crc32(r.request_id.encode())])
+            difficulty = float(rng.lognormal(0.0, self.sigma))
+            blocks = r.gen_len // r.block_len
+            order = np.argsort(rng.random((blocks, r.block_len)), axis=1)
+            order += (np.arange(blocks) * r.block_len)[:, None]
+            confidences = rng.beta(2.0, 2.0 * difficulty, r.gen_len).astype(np.float32)
+            state = self._state[r.request_id] = (difficulty, order, confidences)
+        return state
+
+    def step(self, r: Request, threshold: float, kind: StepKind) -> RequestStepResult:
+        difficulty, order, confidences = self._request(r)
+        block = r.current_block
+        in_block = order[block]
+        masked = in_block[r.output_ids[in_block] == r.mask_id]
+        mean = self.tokens_per_step(threshold) / difficulty
+        n = min(masked.size, 1 + int(self.rng.poisson(max(mean - 1.0, 0.0))))
+        positions = masked[:n].astype(np.int32)
+        # committed positions keep a commit-time confidence at or above the threshold
+        confidences[positions] = threshold + (1.0 - threshold) * self.rng.random(n)
+        block_done = n == masked.size
+        return RequestStepResult(
+            r.request_id,
+            kind,
+            positions,
+            np.full(n, 7, np.int32),  # token ids do not matter to the control plane
+            confidences.copy(),
+            block,
+            block_done,
+            block_done and block == r.gen_len // r.block_len - 1,
+        )
+
+
+class ReplayBehaviour:
+    """Steps taken from recorded trajectories: `assign(request_id, prompt_index)` first."""
+
+    def __init__(self, trajectories: Sequence[Trajectory]):
+        self._by_key = {(t.prompt_index, t.threshold): t for t in trajectories}
+        self.prompts = sorted({t.prompt_index for t in trajectories})
+        self.thresholds = sorted({t.threshold for t in trajectories})
+        self._prompt: dict[str, int] = {}
+
+    def assign(self, request_id: str, prompt_index: int) -> Trajectory:
+        """Tie a request to a recorded prompt; returns its first-threshold trajectory."""
+        self._prompt[request_id] = prompt_index
+        return self._by_key[prompt_index, self.thresholds[-1]]
+
+    def forget(self, request_id: str) -> None:
+        self._prompt.pop(request_id, None)
+
+    def _trajectory(self, request_id: str, threshold: float) -> Trajectory:
+        prompt = self._prompt[request_id]
+        i = min(bisect.bisect_left(self.thresholds, threshold), len(self.thresholds) - 1)
+        return self._by_key[prompt, self.thresholds[i]]
+
+    def step(self, r: Request, threshold: float, kind: StepKind) -> RequestStepResult:
+        t = self._trajectory(r.request_id, threshold)
+        done = np.cumsum([0] + [len(c) for c in t.commits])
+        # the step of this trajectory that starts with as many tokens committed as we have
+        s = min(int(np.searchsorted(done, r.num_committed, side="right")) - 1, t.num_steps - 1)
+        masked = r.output_ids == r.mask_id
+        wanted = t.commits[s]
+        positions = wanted[masked[wanted]]
+        block = r.current_block
+        if positions.size == 0:  # our state left this trajectory: commit its count in order
+            free = np.flatnonzero(masked[block * r.block_len : (block + 1) * r.block_len])
+            positions = (free[: max(1, len(wanted))] + block * r.block_len).astype(np.int32)
+        after = masked.copy()
+        after[positions] = False
+        lo, hi = block * r.block_len, (block + 1) * r.block_len
+        block_done = not after[lo:hi].any()
+        finished = s == t.num_steps - 1 or not after.any()
+        return RequestStepResult(
+            r.request_id,
+            kind,
+            positions.astype(np.int32),
+            np.full(positions.size, 7, np.int32),
+            t.confidences[s].copy(),
+            block,
+            block_done or finished,
+            finished,
+        )
+
+
+class QualityModel:
+    """Accuracy at a token-weighted mean threshold, linear between measured thresholds."""
+
+    def __init__(self, accuracy: Mapping[float, float], name: str = ""):
+        if not accuracy:
+            raise ValueError("a quality model needs at least one (threshold, accuracy) point")
+        self.points = sorted(accuracy.items())
+        self.name = name
+
+    def __call__(self, threshold: float) -> float:
+        xs = [x for x, _ in self.points]
+        ys = [y for _, y in self.points]
+        return float(np.interp(threshold, xs, ys))
+
+    @classmethod
+    def from_eval(cls, summary_path: str | Path) -> QualityModel:
+        """From a `dilaserve eval` run folder's summary.json (accuracy per threshold)."""
+        rows = json.loads(Path(summary_path).read_text())["table"]
+        return cls({r["threshold"]: r["accuracy"] for r in rows}, str(summary_path))
+
+
+# LLaDA-8B on GSM8K as the paper reports it (papers.md 1.1): about 78.5% at 0.9 (Fast-dLLM's
+# cache+parallel figure), 1.5 points lower at 0.7; the rest extrapolated linearly [INFER].
+LLADA_GSM8K = QualityModel(
+    {0.5: 0.755, 0.6: 0.7625, 0.7: 0.770, 0.8: 0.7775, 0.9: 0.785}, "LLaDA-8B GSM8K (paper)"
+)

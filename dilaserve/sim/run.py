@@ -1,0 +1,257 @@
+"""One simulation run from a spec: trace, latency model, behaviour, predictor, policy, cluster.
+
+`simulate(spec)` builds every part, drives the control plane through the simulator and returns
+the records and summary; `write_run` writes the run folder (config, per-request records,
+per-interval metrics, summary, report, plots). `dilaserve simulate` is a thin wrapper.
+
+The SLO, unless given in seconds, is `slo_multiple` times the mean latency of the trace's
+requests each running alone on a TP-1 instance at threshold 0.9 (papers.md 1.3): one recompute
+step per block at the whole sequence, cache steps of one block for the rest.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dilaserve.control.decisions import InstanceSpec
+from dilaserve.control.planner import PlannerConfig
+from dilaserve.control.policy import get_policy
+from dilaserve.control.profile import LatencyProfile
+from dilaserve.control.reconfigure import Reconfigurer
+from dilaserve.control.scheduler import Scheduler, SchedulerConfig
+from dilaserve.protocol import StepKind
+from dilaserve.request import Request
+from dilaserve.sim import metrics, traces
+from dilaserve.sim.behaviour import LLADA_GSM8K, ParametricBehaviour
+from dilaserve.sim.simulator import SimConfig, Simulator
+
+DEFAULT_THRESHOLD = 0.9
+THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+@dataclass(frozen=True)
+class SimulationSpec:
+    policy: str = "dilaserve"
+    profile: str = "llada-8b-h100"  # a preset name or a profile JSON path
+    trace: str = "paper"  # "paper", "poisson:RPS:SECONDS", or a trace CSV path
+    peak_rps: float = 20.0  # the paper trace's peak
+    duration: float | None = None  # keep only the first N seconds of the trace
+    gpus: int = 16
+    gpus_per_node: int = 4
+    initial_tp: int = 1  # the cluster starts as gpus / initial_tp instances of this degree
+    slo: float | None = None  # seconds; None: slo_multiple x isolated TP-1 latency
+    slo_multiple: float = 5.0
+    kv_cache: str = "dual"
+    block_len: int = 32
+    max_batch_tokens: int = 65536
+    max_requests_per_instance: int = 64
+    refresh_every_tokens: int = 8
+    planner_period: float = 300.0
+    startup_delay: float = 30.0
+    latency_noise: float = 0.0
+    interval: float = 300.0  # seconds per row of the per-interval metrics
+    predictor_prompts: int = 100  # sample requests the simulated predictor trains on
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.gpus <= 0 or self.gpus % self.initial_tp:
+            raise ValueError(f"{self.gpus=} must be a positive multiple of {self.initial_tp=}")
+        if self.slo is not None and self.slo <= 0:
+            raise ValueError(f"{self.slo=} must be positive")
+
+
+def load_profile(spec: str) -> LatencyProfile:
+    from dilaserve.sim.latency import load_profile as load
+
+    return load(spec)
+
+
+def make_trace(spec: SimulationSpec) -> traces.Trace:
+    rng = np.random.default_rng(spec.seed)
+    if spec.trace == "paper":
+        trace = traces.paper_trace(seed=spec.seed, peak_rps=spec.peak_rps, block_len=spec.block_len)
+    elif spec.trace.startswith("poisson:"):
+        _, rate, seconds = spec.trace.split(":")
+        prompt, output = traces.filter_lengths(*traces.load_lengths(), block_len=spec.block_len)
+        arrivals = traces.poisson_arrivals(float(rate), float(seconds), rng)
+        trace = traces.synthesize_trace(arrivals, prompt, output, rng, source=spec.trace)
+    else:
+        trace = traces.load_trace(spec.trace)
+    if spec.duration is not None:
+        trace = trace.window(0.0, spec.duration)
+    if len(trace) == 0:
+        raise ValueError(f"trace {spec.trace!r} has no requests in the first {spec.duration} s")
+    return trace
+
+
+def isolated_latency(
+    profile: LatencyProfile, prompt: int, output: int, block: int, tokens_per_step: float
+) -> float:
+    blocks = -(-output // block)
+    steps = max(output / tokens_per_step, blocks)
+    recompute = profile.step_latency(1, prompt + blocks * block, StepKind.RECOMPUTE)
+    cache = profile.step_latency(1, block, StepKind.CACHE)
+    return blocks * recompute + (steps - blocks) * cache
+
+
+def requests_from(trace: traces.Trace, block: int, slo: float | None) -> list[Request]:
+    out = []
+    for i in range(len(trace)):
+        output = -(-max(int(trace.output_tokens[i]), 1) // block) * block
+        arrival = float(trace.arrival[i])
+        own = float(trace.slo[i]) if trace.slo is not None else slo
+        out.append(
+            Request(
+                f"r{i}",
+                (3,) * int(trace.prompt_tokens[i]),
+                output,
+                block,
+                1,
+                DEFAULT_THRESHOLD,
+                arrival,
+                deadline=None if own is None else arrival + own,
+            )
+        )
+    return out
+
+
+@dataclass
+class SimulationRun:
+    spec: SimulationSpec
+    slo: float
+    rows: list[dict]
+    summary: dict
+    intervals: list[dict]
+    result: object
+    wall_seconds: float
+
+
+def simulate(spec: SimulationSpec, progress=None) -> SimulationRun:
+    profile = load_profile(spec.profile)
+    trace = make_trace(spec)
+    behaviour = ParametricBehaviour(seed=spec.seed + 1)
+    t09 = behaviour.tokens_per_step(DEFAULT_THRESHOLD)
+    slo = spec.slo or spec.slo_multiple * float(
+        np.mean(
+            [
+                isolated_latency(profile, int(p), int(o), spec.block_len, t09)
+                for p, o in zip(trace.prompt_tokens, trace.output_tokens)
+            ]
+        )
+    )
+    policy = get_policy(spec.policy)
+    predictor = make_predictor(spec, policy.predictor, trace, behaviour)
+    config = SchedulerConfig(
+        kv_cache=spec.kv_cache,
+        block_len=spec.block_len,
+        slo=slo,
+        refresh_every_tokens=spec.refresh_every_tokens,
+        max_requests_per_instance=spec.max_requests_per_instance,
+    )
+    reconfigurer = None
+    if policy.reconfigure:
+        from dilaserve.sim.capacity import nodes_for
+
+        planner = PlannerConfig(
+            nodes_for(spec.gpus, spec.gpus_per_node),
+            {c: behaviour.tokens_per_step(c) for c in policy.candidates},
+            tp_degrees=tuple(d for d in (1, 2, 4, 8) if d in profile.tp_degrees),
+            cache_block=None if spec.kv_cache == "none" else spec.block_len,
+            period=spec.planner_period,
+        )
+        reconfigurer = Reconfigurer(profile, planner)
+    scheduler = Scheduler(policy, profile, predictor, config, reconfigurer)
+    simulator = Simulator(
+        scheduler,
+        profile,
+        ParametricBehaviour(seed=spec.seed + 2),
+        initial_instances(spec),
+        SimConfig(
+            startup_delay=spec.startup_delay,
+            latency_noise=spec.latency_noise,
+            max_batch_tokens=spec.max_batch_tokens,
+            seed=spec.seed,
+        ),
+    )
+    requests = requests_from(trace, spec.block_len, None)
+    start = time.perf_counter()
+    result = simulator.run(requests, progress=progress)
+    wall = time.perf_counter() - start
+    rows = metrics.request_records(result.requests, result.unfinished, LLADA_GSM8K)
+    summary = {
+        **metrics.summarize(rows),
+        "slo_s": round(slo, 4),
+        "events": result.events,
+        "events_per_second": round(result.events / wall, 1) if wall else None,
+        "wall_seconds": round(wall, 2),
+        "simulated_seconds": round(result.end_time, 2),
+        "reconfigurations": len(result.reconfigurations),
+        "decision_digest": result.decision_digest,
+    }
+    return SimulationRun(
+        spec, slo, rows, summary, metrics.by_interval(rows, spec.interval), result, wall
+    )
+
+
+def make_predictor(spec: SimulationSpec, name: str, trace: traces.Trace, behaviour):
+    """The policy's step predictor for this behaviour: trained on simulated runs of sample
+    requests of the trace (full or progress features), or the one-shot rates, or the oracle."""
+    from dilaserve.sim.predictor import simulated_trajectories, train_sim_predictor
+
+    rng = np.random.default_rng(spec.seed + 3)
+    picks = rng.integers(0, len(trace), min(spec.predictor_prompts, len(trace)))
+    shapes = [
+        (
+            int(trace.prompt_tokens[i]),
+            -(-int(trace.output_tokens[i]) // spec.block_len) * spec.block_len,
+        )
+        for i in picks
+    ]
+    if name in ("full", "progress", "oracle"):  # the oracle falls back to the full GBM here
+        return train_sim_predictor(ParametricBehaviour(seed=spec.seed + 4), shapes, THRESHOLDS)
+    if name == "one-shot":
+        from dilaserve.control.predictor import OneShotPredictor
+        from dilaserve.training.train_predictor import one_shot_rates
+
+        trajs = simulated_trajectories(ParametricBehaviour(seed=spec.seed + 4), shapes, THRESHOLDS)
+        return OneShotPredictor(THRESHOLDS, one_shot_rates(trajs))
+    raise ValueError(f"no simulated step predictor {name!r}")
+
+
+def initial_instances(spec: SimulationSpec) -> list[InstanceSpec]:
+    out = []
+    for k in range(spec.gpus // spec.initial_tp):
+        first = k * spec.initial_tp
+        node, gpu = divmod(first, spec.gpus_per_node)
+        gpus = tuple(range(gpu, gpu + spec.initial_tp))
+        out.append(InstanceSpec(f"i{k}", node, spec.initial_tp, gpus, spec.max_batch_tokens))
+    return out
+
+
+def write_run(run: SimulationRun, root: str | Path, name: str = "simulate") -> Path:
+    from dilaserve.runs import create_run_dir, markdown_table, write_json, write_records
+
+    folder = create_run_dir(root, name)
+    write_json(folder / "config.json", {**asdict(run.spec), "slo_s": run.slo})
+    write_records(folder / "records.csv", run.rows)
+    write_records(folder / "intervals.csv", run.intervals)
+    times = [row["start"] for row in run.intervals]
+    instances = metrics.instances_at(run.result.instance_log, times)
+    write_json(
+        folder / "summary.json",
+        {**run.summary, "reconfiguration_log": run.result.reconfigurations},
+    )
+    columns = ["start", "requests", "slo_attainment", "latency_mean", "mean_threshold"]
+    table = [
+        {**{c: row.get(c) for c in columns}, "instances": inst}
+        for row, inst in zip(run.intervals, instances)
+    ]
+    lines = [f"# simulation: {run.spec.policy}", ""]
+    lines += [f"- {k}: {v}" for k, v in run.summary.items()]
+    lines += ["", markdown_table(table, columns + ["instances"]) if table else ""]
+    (folder / "report.md").write_text("\n".join(lines) + "\n")
+    return folder

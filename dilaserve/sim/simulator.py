@@ -1,0 +1,251 @@
+"""The discrete-event simulator: a virtual clock driving the unchanged control plane.
+
+Events, in time order (ties in the order they were scheduled): request arrivals, step
+completions on each instance, scheduler ticks, and instances coming up after their start-up
+delay. Each goes to the `Scheduler`'s event API; its decisions come back as step launches, whose
+duration comes from the latency profile (the same table the scheduler predicts with, optionally
+with noise) and whose outcome comes from a behaviour model (`sim.behaviour`), and as cluster
+reconfigurations, carried out as the planner ordered: before each launch the instances in the
+way are drained (their running step finishes, their requests move on) and removed, then the new
+instance loads for `startup_delay` seconds before it takes work.
+
+Nothing here reads a clock or draws a random number outside the seeded generators, so the same
+inputs give the same decisions; `SimResult.decision_digest` fingerprints every decision.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dilaserve.control.decisions import Decisions, InstanceSpec, Reconfiguration
+from dilaserve.control.profile import LatencyProfile
+from dilaserve.control.scheduler import Scheduler
+from dilaserve.protocol import KVCacheMode, StepBatch, StepKind, StepOutput
+from dilaserve.request import Request
+
+ARRIVAL, STEP_DONE, TICK, INSTANCE_UP = range(4)
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    tick: float = 1.0  # seconds between scheduler ticks (deferred retries, planner rounds)
+    startup_delay: float = 30.0  # seconds a new instance loads before it takes work
+    latency_noise: float = 0.0  # sigma of a log-normal factor on each step's duration
+    max_batch_tokens: int = 65536  # for instances the planner starts without a batch size
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.tick <= 0 or self.startup_delay < 0 or self.latency_noise < 0:
+            raise ValueError(f"{self}: tick must be positive, delays and noise non-negative")
+
+
+@dataclass
+class SimResult:
+    requests: list[Request]  # finished ones, with their timing and thresholds
+    unfinished: list[Request]
+    instance_log: list[tuple[float, dict[int, int]]]  # (time, instances per TP degree)
+    queue_log: list[tuple[float, int]]  # (time, requests waiting to be placed)
+    decision_digest: str
+    events: int
+    end_time: float
+    reconfigurations: list[dict] = field(default_factory=list)
+
+
+class Simulator:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        profile: LatencyProfile,
+        behaviour,
+        instances: list[InstanceSpec],
+        config: SimConfig = SimConfig(),
+    ):
+        self.scheduler = scheduler
+        self.profile = profile
+        self.behaviour = behaviour
+        self.config = config
+        self.rng = np.random.default_rng(config.seed)
+        self._heap: list = []
+        self._seq = 0
+        self._running: dict[str, StepBatch] = {}  # instance -> batch in flight
+        self._plan: deque = deque()  # launch steps of the reconfiguration in progress
+        self._stop_after: tuple[str, ...] = ()
+        self._blocked: set[str] = set()  # instances to remove before the next launch
+        self._next_start: InstanceSpec | None = None
+        self._starting: InstanceSpec | None = None
+        self._hash = hashlib.sha256()
+        self._done: list[Request] = []
+        self.instance_log: list[tuple[float, dict[int, int]]] = []
+        self.queue_log: list[tuple[float, int]] = []
+        self.reconfigurations: list[dict] = []
+        for spec in instances:
+            self._add(spec, 0.0)
+
+    # -- the event loop ----------------------------------------------------------------------
+
+    def _push(self, time: float, kind: int, payload) -> None:
+        heapq.heappush(self._heap, (time, self._seq, kind, payload))
+        self._seq += 1
+
+    def run(self, requests: list[Request], until: float | None = None, progress=None) -> SimResult:
+        self._unfinished = {r.request_id: r for r in requests}
+        arrivals = iter(sorted(requests, key=lambda r: (r.arrival_time, r.request_id)))
+        pending = next(arrivals, None)
+        if pending is not None:
+            self._push(pending.arrival_time, ARRIVAL, pending)
+        self._push(self.config.tick, TICK, None)
+        events, now = 0, 0.0
+        total = len(requests)
+        while self._heap:
+            now, _, kind, payload = heapq.heappop(self._heap)
+            if until is not None and now > until:
+                break
+            events += 1
+            if kind == ARRIVAL:
+                self._apply(self.scheduler.on_arrival(payload, now), now, f"a{payload.request_id}")
+                pending = next(arrivals, None)
+                if pending is not None:
+                    self._push(pending.arrival_time, ARRIVAL, pending)
+            elif kind == STEP_DONE:
+                self._step_done(payload, now)
+            elif kind == TICK:
+                self.queue_log.append((now, len(self.scheduler._ready)))
+                self._apply(self.scheduler.on_tick(now), now, "t")
+                if progress is not None:
+                    progress(now, len(self._done), total)
+                if pending is not None or self.scheduler.requests or self._plan:
+                    self._push(now + self.config.tick, TICK, None)
+            else:  # INSTANCE_UP
+                self._starting = None
+                self._add(payload, now)
+                self._apply(self.scheduler.on_tick(now), now, f"u{payload.instance_id}")
+                self._advance_plan(now)
+        return SimResult(
+            self._done,
+            list(self._unfinished.values()),
+            self.instance_log,
+            self.queue_log,
+            self._hash.hexdigest(),
+            events,
+            now,
+            self.reconfigurations,
+        )
+
+    def _step_done(self, instance_id: str, now: float) -> None:
+        batch = self._running.pop(instance_id)
+        requests = self.scheduler.requests
+        results = tuple(
+            self.behaviour.step(requests[i.request_id].request, i.threshold, i.kind)
+            for i in batch.items
+        )
+        output = StepOutput(results, 0)
+        self._apply(self.scheduler.on_step_done(instance_id, output, now), now, f"d{instance_id}")
+        if instance_id in self._blocked and self.scheduler.is_idle(instance_id):
+            self._remove(instance_id, now)
+
+    # -- decisions ---------------------------------------------------------------------------
+
+    def _apply(self, d: Decisions, now: float, event: str) -> None:
+        h = self._hash
+        h.update(f"{now:.6f}{event}".encode())
+        for launch in d.launches:
+            h.update(launch.instance_id.encode())
+            for item in launch.batch.items:
+                h.update(f"{item.request_id}:{item.threshold}:{item.kind.value}".encode())
+            self._running[launch.instance_id] = launch.batch
+            self._push(
+                now + self._duration(launch.instance_id, launch.batch),
+                STEP_DONE,
+                launch.instance_id,
+            )
+        for rid in d.finished:
+            self._finish(rid)
+        if d.reconfiguration is not None:
+            self._begin(d.reconfiguration, now)
+
+    def _finish(self, rid: str) -> None:
+        self._hash.update(f"f{rid}".encode())
+        forget = getattr(self.behaviour, "forget", None)
+        if forget is not None:
+            forget(rid)
+        self._done.append(self._unfinished.pop(rid))  # the request object carries the record
+
+    def _duration(self, instance_id: str, batch: StepBatch) -> float:
+        inst = self.scheduler.instances[instance_id]
+        full_kind = (
+            StepKind.FULL
+            if self.scheduler.config.kv_cache is KVCacheMode.NONE
+            else StepKind.RECOMPUTE
+        )
+        full = cache = 0
+        requests = self.scheduler.requests
+        for item in batch.items:
+            if item.kind is StepKind.CACHE:
+                cache += self.scheduler.config.block_len
+            else:
+                full += requests[item.request_id].request.num_tokens
+        seconds = self.profile.step_latency(inst.tp, full, full_kind) if full else 0.0
+        if cache:
+            seconds += self.profile.step_latency(inst.tp, cache, StepKind.CACHE)
+        if self.config.latency_noise:
+            seconds *= float(self.rng.lognormal(0.0, self.config.latency_noise))
+        return seconds
+
+    # -- instances and reconfiguration ---------------------------------------------------------
+
+    def _add(self, spec: InstanceSpec, now: float) -> None:
+        limit = spec.max_batch_tokens or self.config.max_batch_tokens
+        self.scheduler.add_instance(spec.instance_id, spec.tp, limit, spec.node, spec.gpus)
+        self._log_instances(now)
+
+    def _remove(self, instance_id: str, now: float) -> None:
+        self._blocked.discard(instance_id)
+        self._apply(self.scheduler.remove_instance(instance_id, now), now, f"r{instance_id}")
+        self._log_instances(now)
+        self._advance_plan(now)
+
+    def _log_instances(self, now: float) -> None:
+        counts: dict[int, int] = {}
+        for inst in self.scheduler.instances.values():
+            counts[inst.tp] = counts.get(inst.tp, 0) + 1
+        self.instance_log.append((now, dict(sorted(counts.items()))))
+
+    def _begin(self, plan: Reconfiguration, now: float) -> None:
+        if self._plan or self._starting or self._blocked:
+            return  # one reconfiguration at a time; the planner will ask again next round
+        self.reconfigurations.append({"time": now, "target": plan.target})
+        self._plan = deque(plan.steps)
+        self._stop_after = plan.stop_after
+        self._advance_plan(now)
+
+    def _stop_all(self, instance_ids, now: float) -> None:
+        """Drain the instances, removing each once its running step is done."""
+        live = [i for i in instance_ids if i in self.scheduler.instances]
+        self._blocked.update(live)
+        for instance_id in live:
+            self._apply(self.scheduler.drain_instance(instance_id, now), now, f"s{instance_id}")
+        for instance_id in live:
+            if instance_id in self._blocked and self.scheduler.is_idle(instance_id):
+                self._remove(instance_id, now)
+
+    def _advance_plan(self, now: float) -> None:
+        """Start the next planned instance once nothing is loading and its GPUs are free."""
+        if self._starting is not None or self._blocked:
+            return
+        if self._next_start is None:
+            if not self._plan:
+                stops, self._stop_after = self._stop_after, ()
+                self._stop_all(stops, now)
+                return
+            step = self._plan.popleft()
+            self._next_start = step.start
+            self._stop_all(step.stop, now)  # the last removal comes back here and launches
+            if self._blocked or self._starting is not None:
+                return
+        self._starting, self._next_start = self._next_start, None
+        self._push(now + self.config.startup_delay, INSTANCE_UP, self._starting)

@@ -1,0 +1,119 @@
+"""The simulator drives the real control plane: deterministic, complete, and reconfiguring."""
+
+import numpy as np
+import pytest
+
+from dilaserve.protocol import StepKind
+from dilaserve.request import Request
+from dilaserve.sim import metrics
+from dilaserve.sim.behaviour import ParametricBehaviour, ReplayBehaviour, llada_tokens_per_step
+from dilaserve.sim.run import SimulationSpec, simulate, write_run
+from dilaserve.sim.traces import Trace, save_trace
+from dilaserve.trajectory import Trajectory
+
+
+def small_trace(tmp_path, rate=1.0, seconds=20.0, seed=0):
+    rng = np.random.default_rng(seed)
+    arrival = np.sort(rng.uniform(0, seconds, int(rate * seconds)))
+    arrival -= arrival[0]
+    n = len(arrival)
+    trace = Trace(arrival, rng.integers(50, 300, n), rng.choice([64, 128, 256], n))
+    return str(save_trace(tmp_path / "trace.csv", trace))
+
+
+def spec(tmp_path, **kw) -> SimulationSpec:
+    kw.setdefault("trace", small_trace(tmp_path))
+    return SimulationSpec(gpus=4, gpus_per_node=4, predictor_prompts=12, **kw)
+
+
+def test_same_inputs_same_decisions_and_summary(tmp_path):
+    a, b = simulate(spec(tmp_path)), simulate(spec(tmp_path))
+    assert a.summary["decision_digest"] == b.summary["decision_digest"]
+    assert a.rows == b.rows
+    c = simulate(spec(tmp_path, seed=1))
+    assert c.summary["decision_digest"] != a.summary["decision_digest"]
+
+
+@pytest.mark.parametrize("policy", ["dilaserve", "infaas", "llumnix", "no-load-control"])
+def test_every_request_finishes_with_consistent_records(tmp_path, policy):
+    run = simulate(spec(tmp_path, policy=policy, planner_period=1e9))
+    assert run.summary["finished"] == run.summary["requests"] == 20
+    for row in run.rows:
+        assert row["latency"] > 0 and row["steps"] >= row["output_tokens"] // 32
+        assert 0.5 <= row["mean_threshold"] <= 0.9
+    if policy != "dilaserve":
+        assert all(row["mean_threshold"] == 0.9 for row in run.rows)
+
+
+def test_the_planner_reconfigures_the_cluster_while_requests_run(tmp_path):
+    # light load on four TP-1 instances: fewer, faster high-TP instances give more slack
+    run = simulate(spec(tmp_path, planner_period=5.0, startup_delay=2.0))
+    assert run.summary["reconfigurations"] >= 1
+    shapes = {tuple(sorted(counts.items())) for _, counts in run.result.instance_log}
+    assert len(shapes) > 1  # the instance mix changed during the run
+    assert run.summary["finished"] == run.summary["requests"]
+
+
+def test_run_folder_has_config_records_intervals_summary_report(tmp_path):
+    run = simulate(spec(tmp_path, interval=5.0))
+    folder = write_run(run, tmp_path / "runs")
+    names = {p.name for p in folder.iterdir()}
+    assert {"config.json", "records.csv", "intervals.csv", "summary.json", "report.md"} <= names
+    assert len(run.intervals) >= 3
+
+
+def test_parametric_behaviour_commits_fewer_steps_at_lower_thresholds():
+    steps = {}
+    for g in (0.9, 0.7):
+        b = ParametricBehaviour(seed=0)
+        r = Request("p0", (3,) * 10, 256, 32, 1, g)
+        while not r.is_finished:
+            r.apply(b.step(r, g, StepKind.CACHE))
+        steps[g] = r.num_steps
+    assert steps[0.7] < steps[0.9]
+    assert llada_tokens_per_step(0.7) / llada_tokens_per_step(0.9) == pytest.approx(1 / 0.62)
+
+
+def test_replay_switches_trajectories_when_the_threshold_changes():
+    conf = np.zeros((2, 8), np.float32)
+    slow = Trajectory(
+        0, 0.9, 4, 8, 8, ("recompute", "cache"), (np.arange(4), np.arange(4, 8)), conf
+    )
+    fast = Trajectory(0, 0.5, 4, 8, 8, ("recompute",), (np.arange(8),), conf[:1])
+    b = ReplayBehaviour([slow, fast])
+    b.assign("r", 0)
+    r = Request("r", (3,) * 4, 8, 8, 1, 0.9)
+    first = b.step(r, 0.9, StepKind.RECOMPUTE)
+    assert first.positions.tolist() == [0, 1, 2, 3] and not first.is_finished
+    r.apply(first)
+    second = b.step(r, 0.5, StepKind.CACHE)  # the fast trajectory has no step at 4 tokens
+    assert second.is_finished and sorted(second.positions.tolist()) == [4, 5, 6, 7]
+
+
+def test_summary_and_intervals_by_hand():
+    rows = [
+        {
+            "arrival": 0.0,
+            "finished": True,
+            "latency": 1.0,
+            "met_slo": True,
+            "first_block": 0.5,
+            "output_tokens": 32,
+            "mean_threshold": 0.9,
+            "quality": 0.8,
+        },
+        {
+            "arrival": 7.0,
+            "finished": True,
+            "latency": 3.0,
+            "met_slo": False,
+            "first_block": 1.0,
+            "output_tokens": 96,
+            "mean_threshold": 0.5,
+            "quality": 0.7,
+        },
+    ]
+    s = metrics.summarize(rows)
+    assert s["slo_attainment"] == 0.5 and s["latency_mean"] == 2.0
+    assert s["mean_threshold"] == pytest.approx(0.6)  # token-weighted
+    assert [r["requests"] for r in metrics.by_interval(rows, 5.0)] == [1, 1]
