@@ -7,6 +7,7 @@ import pytest
 
 from dilaserve.sim.traces import (
     DEFAULT_HOURLY_PROFILE,
+    SHAREGPT_FIRST_TURNS,
     SHAREGPT_LENGTHS,
     Trace,
     diurnal_arrivals,
@@ -297,17 +298,25 @@ def test_paper_trace_on_a_small_table_is_deterministic_and_filtered(tmp_path):
     assert np.array_equal(trace.output_tokens, same.output_tokens)
 
 
-def test_paper_trace_from_the_sharegpt_table():
-    if not SHAREGPT_LENGTHS.exists():
-        pytest.skip(f"{SHAREGPT_LENGTHS} absent (CI clone without ../shared)")
+def test_paper_trace_from_sharegpt_first_turns():
+    if not SHAREGPT_FIRST_TURNS.exists():
+        pytest.skip(f"{SHAREGPT_FIRST_TURNS} absent (CI clone without ../shared)")
     trace = paper_trace(seed=0)
     # seed 0 gives 64,122 requests over 7,200 s (the paper: 63,736), and lengths
-    #   prompt mean 1281 / p50 1055 / p90 2931 / p99 3708 (paper: 140 / 28 / 344 / 1698)
-    #   output mean  440 / p50  416 / p90  832 / p99 1024 (paper: 264 / 224 / 544 / 928);
-    # paper_trace's docstring explains why the lengths differ (a different ShareGPT table).
+    #   prompt mean 233 / p50  36 / p90 688 / p99 2855 (paper: 140 / 28 / 344 / 1698)
+    #   output mean 334 / p50 288 / p90 672 / p99  992 (paper: 264 / 224 / 544 / 928)
     assert 62_000 < len(trace) < 66_500 and trace.duration < 7_200
     assert np.all(trace.output_tokens % 32 == 0) and trace.output_tokens.min() >= 32
     assert np.all(trace.prompt_tokens + trace.output_tokens <= 4096)
+    assert 20 < length_stats(trace.prompt_tokens)["p50"] < 60
+    assert 250 < length_stats(trace.output_tokens)["p50"] < 320
+
+
+def test_paper_trace_can_draw_from_the_sharegpt_length_table():
+    if not SHAREGPT_LENGTHS.exists():
+        pytest.skip(f"{SHAREGPT_LENGTHS} absent (CI clone without ../shared)")
+    trace = paper_trace(seed=0, lengths_path=SHAREGPT_LENGTHS)
+    # prompt mean 1281 / p50 1055 / p90 2931 / p99 3708; output mean 440 / p50 416 / p99 1024
     stats = length_stats(trace.output_tokens)
     assert stats["p99"] == 1024.0 and 400 < stats["mean"] < 480
     assert 1000 < length_stats(trace.prompt_tokens)["p50"] < 1120

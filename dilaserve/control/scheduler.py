@@ -53,6 +53,8 @@ class _Instance:
     pending_full: int = 0  # full-sequence tokens of the gathered batch
     pending_cache: int = 0  # cache-step tokens of the gathered batch
     holds: set[str] = field(default_factory=set)  # requests whose state lives here
+    residents: int = 0  # requests assigned here (running, waiting or held)
+    resident_tokens: int = 0  # their tokens: what a full-sequence step over them reads
 
 
 @dataclass
@@ -138,9 +140,21 @@ class Scheduler:
     def is_idle(self, instance_id: str) -> bool:
         return not self.instances[instance_id].busy
 
+    def _move(self, t: _Tracked, to: _Instance | None) -> None:
+        """Re-home a request, keeping each instance's resident counts."""
+        old = self.instances.get(t.instance) if t.instance is not None else None
+        if old is not None:
+            old.residents -= 1
+            old.resident_tokens -= t.request.num_tokens
+        if to is not None:
+            to.residents += 1
+            to.resident_tokens += t.request.num_tokens
+        t.instance = None if to is None else to.instance_id
+
     def _orphan(self, rid: str) -> None:
         t = self.requests[rid]
-        t.instance = t.bound = None
+        self._move(t, None)
+        t.bound = None
         t.needs_threshold = True
         if rid not in self._ready:
             self._ready.append(rid)
@@ -176,6 +190,7 @@ class Scheduler:
             if t.request.is_finished:
                 finished.append(result.request_id)
                 inst.holds.discard(result.request_id)
+                self._move(t, None)
                 del self.requests[result.request_id]
                 self._load.remove(result.request_id)
                 continue
@@ -236,27 +251,29 @@ class Scheduler:
         by_shape: dict[tuple[int, int], list[_Tracked]] = {}
         for t in due:
             by_shape.setdefault((t.request.gen_len, t.request.block_len), []).append(t)
-        for group in by_shape.values():
-            self._refresh_group(group)
-        return True
-
-    def _refresh_group(self, group: list[_Tracked]) -> None:
-        """One batched prediction for requests with the same output and block length."""
-        requests = [t.request for t in group]
-        states = state_matrix(
-            np.stack([r.committed for r in requests]),
-            np.stack([r.confidences for r in requests]),
-            np.array([r.num_steps for r in requests]),
-            requests[0].block_len,
-        )
-        predictions = self.predictor.predict([r.request_id for r in requests], states)
-        for t, row in zip(group, predictions[:, self._ladder_columns]):
+        groups = list(by_shape.values())
+        states = np.concatenate([self._states(group) for group in groups])
+        tracked = [t for group in groups for t in group]
+        predictions = self.predictor.predict([t.request.request_id for t in tracked], states)
+        for t, row in zip(tracked, predictions[:, self._ladder_columns]):
             r = t.request
             t.refreshed_at = r.num_committed
             t.needs_threshold = True
             if r.request_id not in self._load:
                 self._load.add(r.request_id, self._order(r.request_id), r.num_tokens)
             self._load.set_row(r.request_id, row, r.num_blocks_to_recompute)
+        return True
+
+    @staticmethod
+    def _states(group: list[_Tracked]) -> np.ndarray:
+        """Feature states of requests with the same output and block length, in one pass."""
+        requests = [t.request for t in group]
+        return state_matrix(
+            np.stack([r.committed for r in requests]),
+            np.stack([r.confidences for r in requests]),
+            np.array([r.num_steps for r in requests]),
+            requests[0].block_len,
+        )
 
     def _update_allowed(self, now: float) -> None:
         self._last_load_control = now
@@ -377,7 +394,7 @@ class Scheduler:
             t.needs_threshold = True
             if self.policy.migration is Migration.NONE and t.bound is None:
                 t.bound = inst.instance_id
-        t.instance = inst.instance_id
+            self._move(t, inst)
         inst.pending.append(rid)
         inst.pending_kinds.append(kind)
         if kind is StepKind.CACHE:
@@ -394,7 +411,8 @@ class Scheduler:
         if not t.needs_threshold:
             return t.request.threshold
         t.needs_threshold = False
-        load = InstanceLoad(inst.tp, inst.pending_full, len(inst.pending))
+        # the instance as the request's later steps will find it: everything assigned there
+        load = InstanceLoad(inst.tp, inst.resident_tokens, inst.residents)
         slo_left = t.request.deadline - now
         return select_threshold(
             self._view(t), t.allowed, slo_left, load, self.profile, self.config.cache_block

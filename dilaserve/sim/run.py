@@ -76,7 +76,9 @@ def make_trace(spec: SimulationSpec) -> traces.Trace:
         trace = traces.paper_trace(seed=spec.seed, peak_rps=spec.peak_rps, block_len=spec.block_len)
     elif spec.trace.startswith("poisson:"):
         _, rate, seconds = spec.trace.split(":")
-        prompt, output = traces.filter_lengths(*traces.load_lengths(), block_len=spec.block_len)
+        prompt, output = traces.filter_lengths(
+            *traces.load_first_turn_lengths(), block_len=spec.block_len
+        )
         arrivals = traces.poisson_arrivals(float(rate), float(seconds), rng)
         trace = traces.synthesize_trace(arrivals, prompt, output, rng, source=spec.trace)
     else:
