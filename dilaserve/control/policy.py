@@ -5,7 +5,8 @@ A policy is a small frozen value; the one `Scheduler` reads it. DESIGN section 3
   (Alg. 3) with migration only where the KV cache allows it (before a recompute step), and
   ILP reconfiguration of the cluster every planning period;
 - ablations: `no-load-control`, `no-dynamic-threshold` (fixed default threshold),
-  `no-migration`, `oracle-predictor`, `no-reconfig` (the cluster keeps its instances);
+  `no-migration`, `oracle-predictor`, `no-reconfig` (the cluster keeps its instances),
+  `migrate-any-step` (migration between any two steps, losing the cache: papers.md Table 6);
 - baselines with a fixed threshold and a fixed cluster: `fcfs` (arrival order, a request
   stays where it started), `infaas` (dispatch on arrival to the least-loaded instance by
   tokens, no migration) and `llumnix` (step-level load balancing, migration only at recompute
@@ -74,6 +75,7 @@ POLICIES = {
     "no-migration": replace(_DILASERVE, name="no-migration", migration=Migration.NONE),
     "oracle-predictor": replace(_DILASERVE, name="oracle-predictor", predictor="oracle"),
     "no-reconfig": replace(_DILASERVE, name="no-reconfig", reconfigure=False),
+    "migrate-any-step": replace(_DILASERVE, name="migrate-any-step", migration=Migration.ANY),
     "fcfs": _FCFS,
     "infaas": replace(_FCFS, name="infaas", placement=Placement.ON_ARRIVAL),
     "llumnix": replace(_FCFS, name="llumnix", migration=Migration.RECOMPUTE),

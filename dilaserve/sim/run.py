@@ -39,6 +39,7 @@ class SimulationSpec:
     profile: str = "llada-8b-h100"  # a preset name or a profile JSON path
     trace: str = "paper"  # "paper", "poisson:RPS:SECONDS", or a trace CSV path
     peak_rps: float = 20.0  # the paper trace's peak
+    minutes_per_hour: float = 5.0  # the paper trace: each hour of the day becomes this long
     duration: float | None = None  # keep only the first N seconds of the trace
     gpus: int = 16
     gpus_per_node: int = 4
@@ -73,7 +74,12 @@ def load_profile(spec: str) -> LatencyProfile:
 def make_trace(spec: SimulationSpec) -> traces.Trace:
     rng = np.random.default_rng(spec.seed)
     if spec.trace == "paper":
-        trace = traces.paper_trace(seed=spec.seed, peak_rps=spec.peak_rps, block_len=spec.block_len)
+        trace = traces.paper_trace(
+            seed=spec.seed,
+            peak_rps=spec.peak_rps,
+            minutes_per_hour=spec.minutes_per_hour,
+            block_len=spec.block_len,
+        )
     elif spec.trace.startswith("poisson:"):
         _, rate, seconds = spec.trace.split(":")
         prompt, output = traces.filter_lengths(
@@ -98,6 +104,18 @@ def isolated_latency(
     recompute = profile.step_latency(1, prompt + blocks * block, StepKind.RECOMPUTE)
     cache = profile.step_latency(1, block, StepKind.CACHE)
     return blocks * recompute + (steps - blocks) * cache
+
+
+def slo_for(spec: SimulationSpec, profile: LatencyProfile, trace: traces.Trace) -> float:
+    """The spec's SLO in seconds, or its multiple of the mean isolated TP-1 latency at 0.9."""
+    if spec.slo is not None:
+        return spec.slo
+    t09 = ParametricBehaviour().tokens_per_step(DEFAULT_THRESHOLD)
+    isolated = [
+        isolated_latency(profile, int(p), int(o), spec.block_len, t09)
+        for p, o in zip(trace.prompt_tokens, trace.output_tokens)
+    ]
+    return spec.slo_multiple * float(np.mean(isolated))
 
 
 def requests_from(trace: traces.Trace, block: int, slo: float | None) -> list[Request]:
@@ -136,15 +154,7 @@ def simulate(spec: SimulationSpec, progress=None) -> SimulationRun:
     profile = load_profile(spec.profile)
     trace = make_trace(spec)
     behaviour = ParametricBehaviour(seed=spec.seed + 1)
-    t09 = behaviour.tokens_per_step(DEFAULT_THRESHOLD)
-    slo = spec.slo or spec.slo_multiple * float(
-        np.mean(
-            [
-                isolated_latency(profile, int(p), int(o), spec.block_len, t09)
-                for p, o in zip(trace.prompt_tokens, trace.output_tokens)
-            ]
-        )
-    )
+    slo = slo_for(spec, profile, trace)
     policy = get_policy(spec.policy)
     predictor = make_predictor(spec, policy.predictor, trace, behaviour)
     config = SchedulerConfig(
