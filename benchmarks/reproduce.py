@@ -145,7 +145,7 @@ def fig11(x: Experiments) -> None:
     from dilaserve.sim.behaviour import llada_tokens_per_step
     from dilaserve.sim.capacity import nodes_for, workload_classes
     from dilaserve.sim.latency import load_profile
-    from dilaserve.sim.run import make_trace, slo_for
+    from dilaserve.sim.run import make_trace, requests_from, slo_for
 
     profile = load_profile(x.base.profile)
     tps = {c: llada_tokens_per_step(c) for c in (0.5, 0.6, 0.7, 0.8, 0.9)}
@@ -154,8 +154,9 @@ def fig11(x: Experiments) -> None:
     for peak in (2.0, 4.0, 6.0, 8.0):
         spec = replace(x.base, peak_rps=peak)
         trace = make_trace(spec)
+        slo = slo_for(spec, profile, requests_from(trace, 32, None), tps[0.9])
         window = 300.0 * x.base.minutes_per_hour / 5  # one compressed hour
-        classes = workload_classes(trace, slo_for(spec, profile, trace), 32, window, 1.1)
+        classes = workload_classes(trace, slo, 32, window, 1.1)
         plan = plan_capacity(classes, profile, cfg)
         rows.append(
             {

@@ -117,3 +117,20 @@ def test_summary_and_intervals_by_hand():
     assert s["slo_attainment"] == 0.5 and s["latency_mean"] == 2.0
     assert s["mean_threshold"] == pytest.approx(0.6)  # token-weighted
     assert [r["requests"] for r in metrics.by_interval(rows, 5.0)] == [1, 1]
+
+
+def test_replaying_recorded_engine_steps(tiny_checkpoint, tmp_path):
+    from dilaserve.config import EngineConfig
+    from dilaserve.engine.llm import LLM
+    from dilaserve.engine.record import record_trajectories
+    from dilaserve.trajectory import save_trajectories
+
+    llm = LLM(tiny_checkpoint, EngineConfig(kv_cache="dual", block_len=8))
+    prompts = ["Tom has 3 apples.", "Ava has 9 coins.", "Sam has 4 pens."]
+    recorded = record_trajectories(llm, prompts, (0.5, 0.9), max_tokens=16)
+    save_trajectories(tmp_path / "t.npz", recorded)
+    run = simulate(spec(tmp_path, behaviour=f"replay:{tmp_path / 't.npz'}", block_len=8))
+    assert run.summary["finished"] == run.summary["requests"] == 20
+    steps = {(t.prompt_len, t.threshold): t.num_steps for t in recorded}
+    for row in run.rows:  # never more steps than the slowest recorded run of its prompt
+        assert row["steps"] <= max(n for (p, _), n in steps.items() if p == row["prompt_tokens"])

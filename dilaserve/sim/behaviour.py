@@ -97,6 +97,12 @@ class ReplayBehaviour:
         self.thresholds = sorted({t.threshold for t in trajectories})
         self._prompt: dict[str, int] = {}
 
+    def tokens_per_step(self, threshold: float) -> float:
+        """Mean tokens committed per step over the recorded runs at the nearest threshold."""
+        i = min(bisect.bisect_left(self.thresholds, threshold), len(self.thresholds) - 1)
+        runs = [t for (_, g), t in self._by_key.items() if g == self.thresholds[i]]
+        return sum(sum(len(c) for c in t.commits) for t in runs) / sum(t.num_steps for t in runs)
+
     def assign(self, request_id: str, prompt_index: int) -> Trajectory:
         """Tie a request to a recorded prompt; returns its first-threshold trajectory."""
         self._prompt[request_id] = prompt_index

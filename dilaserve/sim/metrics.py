@@ -93,3 +93,12 @@ def instances_at(log: Sequence[tuple[float, dict[int, int]]], times: Sequence[fl
             i += 1
         out.append(dict(current))
     return out
+
+
+def mean_queue(log: Sequence[tuple[float, int]], starts: Sequence[float], interval: float) -> list:
+    """Mean number of requests waiting to be placed, sampled at ticks, per interval."""
+    out = []
+    for start in starts:
+        window = [n for t, n in log if start <= t < start + interval]
+        out.append(round(sum(window) / len(window), 2) if window else 0.0)
+    return out

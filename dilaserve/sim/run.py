@@ -25,8 +25,8 @@ from dilaserve.control.reconfigure import Reconfigurer
 from dilaserve.control.scheduler import Scheduler, SchedulerConfig
 from dilaserve.protocol import StepKind
 from dilaserve.request import Request
-from dilaserve.sim import metrics, traces
-from dilaserve.sim.behaviour import LLADA_GSM8K, ParametricBehaviour
+from dilaserve.sim import metrics, plots, traces
+from dilaserve.sim.behaviour import LLADA_GSM8K, ParametricBehaviour, QualityModel, ReplayBehaviour
 from dilaserve.sim.simulator import SimConfig, Simulator
 
 DEFAULT_THRESHOLD = 0.9
@@ -56,6 +56,9 @@ class SimulationSpec:
     latency_noise: float = 0.0
     interval: float = 300.0  # seconds per row of the per-interval metrics
     predictor_prompts: int = 100  # sample requests the simulated predictor trains on
+    behaviour: str = "parametric"  # or "replay:TRAJECTORIES.npz" (recorded engine steps)
+    predictor_path: str | None = None  # replay: a trained predictor folder (default: bundled)
+    quality: str | None = None  # an eval summary.json (default: LLaDA-8B's GSM8K curve)
     seed: int = 0
 
     def __post_init__(self):
@@ -106,14 +109,15 @@ def isolated_latency(
     return blocks * recompute + (steps - blocks) * cache
 
 
-def slo_for(spec: SimulationSpec, profile: LatencyProfile, trace: traces.Trace) -> float:
-    """The spec's SLO in seconds, or its multiple of the mean isolated TP-1 latency at 0.9."""
+def slo_for(
+    spec: SimulationSpec, profile: LatencyProfile, requests: list[Request], t09: float
+) -> float:
+    """The spec's SLO in seconds, or its multiple of the requests' mean isolated TP-1 latency
+    at 0.9 (`t09` tokens committed per step)."""
     if spec.slo is not None:
         return spec.slo
-    t09 = ParametricBehaviour().tokens_per_step(DEFAULT_THRESHOLD)
     isolated = [
-        isolated_latency(profile, int(p), int(o), spec.block_len, t09)
-        for p, o in zip(trace.prompt_tokens, trace.output_tokens)
+        isolated_latency(profile, r.prompt_len, r.gen_len, spec.block_len, t09) for r in requests
     ]
     return spec.slo_multiple * float(np.mean(isolated))
 
@@ -150,13 +154,36 @@ class SimulationRun:
     wall_seconds: float
 
 
+def workload(spec: SimulationSpec, trace: traces.Trace, policy):
+    """(behaviour, requests, step predictor): parametric behaviour with the trace's lengths and
+    a predictor trained on it, or recorded trajectories replayed (each arrival takes a recorded
+    prompt's lengths) with the predictor trained on those trajectories."""
+    if not spec.behaviour.startswith("replay:"):
+        behaviour = ParametricBehaviour(seed=spec.seed + 2)
+        requests = requests_from(trace, spec.block_len, None)
+        return behaviour, requests, make_predictor(spec, policy.predictor, trace)
+    from dilaserve.config import BUNDLED_PREDICTOR
+    from dilaserve.control.predictor import create_predictor
+    from dilaserve.trajectory import load_trajectories
+
+    behaviour = ReplayBehaviour(load_trajectories(spec.behaviour.removeprefix("replay:")))
+    rng = np.random.default_rng(spec.seed + 5)
+    requests = []
+    for i, arrival in enumerate(trace.arrival.tolist()):
+        t = behaviour.assign(f"r{i}", int(rng.choice(behaviour.prompts)))
+        requests.append(
+            Request(f"r{i}", (3,) * t.prompt_len, t.gen_len, t.block_len, 1, 0.9, arrival)
+        )
+    folder = spec.predictor_path or BUNDLED_PREDICTOR
+    return behaviour, requests, create_predictor(policy.predictor, folder)
+
+
 def simulate(spec: SimulationSpec, progress=None) -> SimulationRun:
     profile = load_profile(spec.profile)
     trace = make_trace(spec)
-    behaviour = ParametricBehaviour(seed=spec.seed + 1)
-    slo = slo_for(spec, profile, trace)
     policy = get_policy(spec.policy)
-    predictor = make_predictor(spec, policy.predictor, trace, behaviour)
+    behaviour, requests, predictor = workload(spec, trace, policy)
+    slo = slo_for(spec, profile, requests, behaviour.tokens_per_step(DEFAULT_THRESHOLD))
     config = SchedulerConfig(
         kv_cache=spec.kv_cache,
         block_len=spec.block_len,
@@ -180,7 +207,7 @@ def simulate(spec: SimulationSpec, progress=None) -> SimulationRun:
     simulator = Simulator(
         scheduler,
         profile,
-        ParametricBehaviour(seed=spec.seed + 2),
+        behaviour,
         initial_instances(spec),
         SimConfig(
             startup_delay=spec.startup_delay,
@@ -189,11 +216,11 @@ def simulate(spec: SimulationSpec, progress=None) -> SimulationRun:
             seed=spec.seed,
         ),
     )
-    requests = requests_from(trace, spec.block_len, None)
     start = time.perf_counter()
     result = simulator.run(requests, progress=progress)
     wall = time.perf_counter() - start
-    rows = metrics.request_records(result.requests, result.unfinished, LLADA_GSM8K)
+    quality = QualityModel.from_eval(spec.quality) if spec.quality else LLADA_GSM8K
+    rows = metrics.request_records(result.requests, result.unfinished, quality)
     summary = {
         **metrics.summarize(rows),
         "slo_s": round(slo, 4),
@@ -209,7 +236,7 @@ def simulate(spec: SimulationSpec, progress=None) -> SimulationRun:
     )
 
 
-def make_predictor(spec: SimulationSpec, name: str, trace: traces.Trace, behaviour):
+def make_predictor(spec: SimulationSpec, name: str, trace: traces.Trace):
     """The policy's step predictor for this behaviour: trained on simulated runs of sample
     requests of the trace (full or progress features), or the one-shot rates, or the oracle."""
     from dilaserve.sim.predictor import simulated_trajectories, train_sim_predictor
@@ -258,12 +285,14 @@ def write_run(run: SimulationRun, root: str | Path, name: str = "simulate") -> P
         {**run.summary, "reconfiguration_log": run.result.reconfigurations},
     )
     columns = ["start", "requests", "slo_attainment", "latency_mean", "mean_threshold"]
+    queue = metrics.mean_queue(run.result.queue_log, times, run.spec.interval)
     table = [
-        {**{c: row.get(c) for c in columns}, "instances": inst}
-        for row, inst in zip(run.intervals, instances)
+        {**{c: row.get(c) for c in columns}, "queue": q, "instances": inst}
+        for row, q, inst in zip(run.intervals, queue, instances)
     ]
     lines = [f"# simulation: {run.spec.policy}", ""]
     lines += [f"- {k}: {v}" for k, v in run.summary.items()]
-    lines += ["", markdown_table(table, columns + ["instances"]) if table else ""]
+    lines += ["", markdown_table(table, columns + ["queue", "instances"]) if table else ""]
+    lines += [f"\n![run]({p.name})" for p in plots.plot_run(run, folder)]
     (folder / "report.md").write_text("\n".join(lines) + "\n")
     return folder
