@@ -242,6 +242,14 @@ def _add_simulate_command(sub) -> None:
     si.add_argument("--profile", default="llada-8b-h100", help="preset name or profile JSON")
     si.add_argument("--trace", default="paper", help="paper | poisson:RPS:SECONDS | CSV path")
     si.add_argument("--peak-rps", type=float, default=20.0, help="peak of the paper trace")
+    si.add_argument(
+        "--minutes-per-hour", type=float, default=5.0, help="paper trace: minutes per hour"
+    )
+    si.add_argument(
+        "--behaviour", default="parametric", help="parametric | replay:TRAJECTORIES.npz"
+    )
+    si.add_argument("--predictor-path", default=None, help="replay: trained predictor folder")
+    si.add_argument("--quality", default=None, help="eval summary.json for the quality model")
     si.add_argument("--duration", type=float, default=None, help="first N seconds only")
     si.add_argument("--gpus", type=int, default=16)
     si.add_argument("--gpus-per-node", type=int, default=4)

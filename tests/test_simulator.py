@@ -134,3 +134,14 @@ def test_replaying_recorded_engine_steps(tiny_checkpoint, tmp_path):
     steps = {(t.prompt_len, t.threshold): t.num_steps for t in recorded}
     for row in run.rows:  # never more steps than the slowest recorded run of its prompt
         assert row["steps"] <= max(n for (p, _), n in steps.items() if p == row["prompt_tokens"])
+
+
+def test_simulate_command_writes_a_run_folder(tmp_path, capsys):
+    from dilaserve.cli import main
+
+    args = ["simulate", "--trace", small_trace(tmp_path), "--gpus", "4", "--quiet"]
+    assert main(args + ["--policy", "llumnix", "--out", str(tmp_path / "runs")]) == 0
+    assert "slo_attainment:" in capsys.readouterr().out
+    [folder] = (tmp_path / "runs").glob("simulate-*")
+    assert (folder / "records.csv").read_text().count("\n") == 21  # header + 20 requests
+    assert main(args + ["--policy", "nope"]) == 2  # a clear error, not a traceback
