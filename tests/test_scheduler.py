@@ -42,7 +42,7 @@ class FakePredictor:
 def scheduler(
     policy="dilaserve", instances=(("a", 1), ("b", 2)), max_tokens=10_000, predictor=None, **config
 ):
-    cfg = SchedulerConfig(block_len=BLOCK, **{"slo": 100.0, **config})
+    cfg = SchedulerConfig(block_len=BLOCK, **{"slo": 100.0, "slo_headroom": 1.0, **config})
     pol = get_policy(policy, candidates=(0.5, 0.9))
     s = Scheduler(pol, PROFILE, predictor or FakePredictor(), cfg)
     for name, tp in instances:
@@ -142,6 +142,13 @@ def test_threshold_is_the_highest_that_fits_the_budget(slo, expected):
     s = scheduler(instances=(("b", 2),), slo=slo)
     launch = only_launch(s.on_arrival(make_request("r", gen_len=2 * BLOCK), 0.0))
     assert launch.batch.items[0].threshold == expected
+
+
+def test_headroom_sizes_the_threshold_for_a_share_of_the_budget():
+    # the 50 ms budget of the case above, of which half counts: 0.9 (33 ms) no longer fits
+    s = scheduler(instances=(("b", 2),), slo=0.05, slo_headroom=0.5)
+    launch = only_launch(s.on_arrival(make_request("r", gen_len=2 * BLOCK), 0.0))
+    assert launch.batch.items[0].threshold == 0.5
 
 
 def test_nothing_fits_falls_through_to_the_lowest_threshold():

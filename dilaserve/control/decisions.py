@@ -15,11 +15,19 @@ class SchedulerConfig:
     refresh_every_tokens: int = 8
     max_requests_per_instance: int = 64
     load_control_interval: float = 0.05  # seconds between re-runs triggered by refreshes only
+    # Alg. 1 fits the predicted remaining time into this share of the budget left. The paper's
+    # rule is 1.0; its prediction assumes today's batch, and under rising load the realised time
+    # runs over, so requests sized to finish just in time miss about half the time. In the
+    # simulator (LLaDA-8B preset, Poisson load) 0.5 lifted attainment from 52.7% to 78.2% at 2
+    # requests/s per GPU and from 85.8% to 97.8% at 1.5, for 0.02-0.06 of mean threshold.
+    slo_headroom: float = 0.5
 
     def __post_init__(self):
         object.__setattr__(self, "kv_cache", KVCacheMode(self.kv_cache))
         if self.slo <= 0:
             raise ValueError(f"{self.slo=} must be positive")
+        if not 0 < self.slo_headroom <= 1:
+            raise ValueError(f"{self.slo_headroom=} must be in (0, 1]")
         if self.refresh_every_tokens <= 0:
             raise ValueError(f"{self.refresh_every_tokens=} must be positive")
 

@@ -413,7 +413,7 @@ class Scheduler:
         t.needs_threshold = False
         # the instance as the request's later steps will find it: everything assigned there
         load = InstanceLoad(inst.tp, inst.resident_tokens, inst.residents)
-        slo_left = t.request.deadline - now
+        slo_left = (t.request.deadline - now) * self.config.slo_headroom
         return select_threshold(
             self._view(t), t.allowed, slo_left, load, self.profile, self.config.cache_block
         )

@@ -51,6 +51,7 @@ class SimulationSpec:
     max_batch_tokens: int = 65536
     max_requests_per_instance: int = 64
     refresh_every_tokens: int = 8
+    slo_headroom: float = 0.5  # see SchedulerConfig
     planner_period: float = 300.0
     startup_delay: float = 30.0
     latency_noise: float = 0.0
@@ -190,6 +191,7 @@ def simulate(spec: SimulationSpec, progress=None) -> SimulationRun:
         slo=slo,
         refresh_every_tokens=spec.refresh_every_tokens,
         max_requests_per_instance=spec.max_requests_per_instance,
+        slo_headroom=spec.slo_headroom,
     )
     reconfigurer = None
     if policy.reconfigure:
