@@ -75,7 +75,8 @@ class StepBatch:
 class RequestStepResult:
     """What one step did to one request.
 
-    positions: output-window indices committed this step; tokens: their ids.
+    positions: output-window indices committed this step (each was masked before it); tokens:
+    their ids.
     confidences: float32 [gen_len], the latest top-1 probability of every masked position and
     the commit-time probability of every committed one.
     """

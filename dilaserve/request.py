@@ -100,16 +100,17 @@ class Request:
         )
 
     def apply(self, result: RequestStepResult, now: float = 0.0) -> None:
-        """Record one step's outcome (blocks complete in order, as the engine decodes them)."""
-        newly = np.count_nonzero(self.output_ids[result.positions] == self.mask_id)
+        """Record one step's outcome: `positions` were masked until this step, and blocks
+        complete in order, as the engine decodes them."""
+        newly = len(result.positions)
         self.output_ids[result.positions] = result.tokens
         self.confidences = result.confidences
-        self.num_committed += int(newly)
+        self.num_committed += newly
         self.current_block = result.block_index + int(result.is_block_done)
         self.num_steps += 1
         self.steps_by_kind[result.kind] = self.steps_by_kind.get(result.kind, 0) + 1
         self.threshold_steps.append(self.threshold)
-        self.step_tokens.append(int(newly))
+        self.step_tokens.append(newly)
         if self.first_block_time is None and (self.current_block > 0 or result.is_finished):
             self.first_block_time = now
         self.starts_block = result.is_block_done
