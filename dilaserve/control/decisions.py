@@ -51,7 +51,7 @@ class InstanceSpec:
     node: int
     tp: int
     gpus: tuple[int, ...]
-    max_batch_tokens: int | None = None  # the planned batch size; None: the driver's default
+    max_batch_tokens: int | None = None  # None: the driver's default
 
 
 @dataclass(frozen=True, slots=True)
