@@ -16,13 +16,15 @@ from pathlib import Path
 
 def create_run_dir(root: str | Path, kind: str) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    folder = Path(root) / f"{kind}-{stamp}"
-    suffix = 1
-    while folder.exists():
-        suffix += 1
-        folder = Path(root) / f"{kind}-{stamp}-{suffix}"
-    folder.mkdir(parents=True)
-    return folder
+    Path(root).mkdir(parents=True, exist_ok=True)
+    for suffix in range(1, 1000):
+        folder = Path(root) / (f"{kind}-{stamp}" + (f"-{suffix}" if suffix > 1 else ""))
+        try:
+            folder.mkdir()  # atomic: two runs started in the same second get two folders
+            return folder
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free run folder name for {kind}-{stamp} in {root}")
 
 
 def environment() -> dict:
