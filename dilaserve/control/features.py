@@ -34,47 +34,63 @@ def state_features(
 
 
 def state_matrix(
-    committed: np.ndarray, confidences: np.ndarray, steps_done: np.ndarray, block_len: int
+    committed: np.ndarray,
+    confidences: np.ndarray,
+    steps_done: np.ndarray,
+    block_len: int,
+    lengths: np.ndarray | None = None,
 ) -> np.ndarray:
-    """`state_features` of n requests with one output length: [n, gen_len] -> [n, 10]."""
-    n, gen_len = committed.shape
+    """`state_features` of n requests at once: [n, width] -> [n, 10].
+
+    Rows may have different output lengths (`lengths`; cells past a row's length are padding
+    and ignored), so one call serves a whole scheduling round.
+    """
+    n, width = committed.shape
+    rows = np.arange(n)
+    gen_len = np.full(n, width) if lengths is None else np.asarray(lengths)
+    pad = np.arange(width)[None, :] >= gen_len[:, None]
+    done = committed & ~pad
+    first_masked = np.argmin(done | pad, axis=1)
+    first_masked = np.where((done | pad).all(axis=1), gen_len, first_masked)
     num_blocks = gen_len // block_len
-    first_masked = np.where(committed.all(axis=1), gen_len, np.argmin(committed, axis=1))
     block = first_masked // block_len
-    per_block = committed.reshape(n, num_blocks, block_len).sum(axis=2)
+    counts = np.zeros((n, width + 1))
+    np.cumsum(done, axis=1, out=counts[:, 1:])
+    start = np.minimum(block * block_len, gen_len)
+    end = np.minimum(start + block_len, gen_len)
     in_block = np.where(
-        block < num_blocks,
-        per_block[np.arange(n), np.minimum(block, num_blocks - 1)] / block_len,
-        1.0,
+        block < num_blocks, (counts[rows, end] - counts[rows, start]) / block_len, 1.0
     )
-    conf = confidences.astype(np.float64)
-    q25, median, q75 = _quartiles(np.sort(conf, axis=1))
+    conf = np.where(pad, np.inf, confidences).astype(np.float64)
+    ordered = np.sort(conf, axis=1)
+    q25, median, q75 = _quartiles(ordered, gen_len)
     return np.column_stack(
         (
-            np.full(n, gen_len, dtype=np.float64),
+            gen_len.astype(np.float64),
             np.asarray(steps_done, dtype=np.float64) / gen_len,
-            committed.sum(axis=1) / gen_len,
+            counts[:, -1] / gen_len,
             block / num_blocks,
             in_block,
-            conf.min(axis=1),
+            ordered[:, 0],
             q25,
             median,
-            conf.mean(axis=1),
+            np.where(pad, 0.0, conf).sum(axis=1) / gen_len,
             q75,
         )
     )
 
 
-def _quartiles(ordered: np.ndarray) -> list[np.ndarray]:
-    """25th, 50th and 75th percentiles of each sorted row, interpolated linearly as numpy's
-    default (a few times faster than np.quantile on small rows)."""
-    last = ordered.shape[1] - 1
+def _quartiles(ordered: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
+    """25th, 50th and 75th percentiles of each sorted row's first `lengths` cells, interpolated
+    linearly as numpy's default (a few times faster than np.quantile on small rows)."""
+    last = lengths - 1
+    rows = np.arange(ordered.shape[0])
     out = []
     for q in (0.25, 0.5, 0.75):
         pos = q * last
-        lo = int(pos)
-        hi = min(lo + 1, last)
-        out.append(ordered[:, lo] + (ordered[:, hi] - ordered[:, lo]) * (pos - lo))
+        lo = np.floor(pos).astype(np.int64)
+        hi = np.minimum(lo + 1, last)
+        out.append(ordered[rows, lo] + (ordered[rows, hi] - ordered[rows, lo]) * (pos - lo))
     return out
 
 

@@ -248,14 +248,9 @@ class Scheduler:
         ]
         if not due or not self.policy.is_dynamic:
             return False
-        by_shape: dict[tuple[int, int], list[_Tracked]] = {}
-        for t in due:
-            by_shape.setdefault((t.request.gen_len, t.request.block_len), []).append(t)
-        groups = list(by_shape.values())
-        states = np.concatenate([self._states(group) for group in groups])
-        tracked = [t for group in groups for t in group]
-        predictions = self.predictor.predict([t.request.request_id for t in tracked], states)
-        for t, row in zip(tracked, predictions[:, self._ladder_columns]):
+        requests = [t.request for t in due]
+        predictions = self.predictor.predict([r.request_id for r in requests], _states(requests))
+        for t, row in zip(due, predictions[:, self._ladder_columns]):
             r = t.request
             t.refreshed_at = r.num_committed
             t.needs_threshold = True
@@ -263,17 +258,6 @@ class Scheduler:
                 self._load.add(r.request_id, self._order(r.request_id), r.num_tokens)
             self._load.set_row(r.request_id, row, r.num_blocks_to_recompute)
         return True
-
-    @staticmethod
-    def _states(group: list[_Tracked]) -> np.ndarray:
-        """Feature states of requests with the same output and block length, in one pass."""
-        requests = [t.request for t in group]
-        return state_matrix(
-            np.stack([r.committed for r in requests]),
-            np.stack([r.confidences for r in requests]),
-            np.array([r.num_steps for r in requests]),
-            requests[0].block_len,
-        )
 
     def _update_allowed(self, now: float) -> None:
         self._last_load_control = now
@@ -449,3 +433,16 @@ class Scheduler:
             t.request.num_tokens for t in self.requests.values() if t.bound == inst.instance_id
         )
         return tokens, inst.instance_id
+
+
+def _states(requests: list[Request]) -> np.ndarray:
+    """Feature states of requests in one pass; shorter outputs are padded to the longest."""
+    lengths = np.array([r.gen_len for r in requests])
+    width = int(lengths.max())
+    committed = np.zeros((len(requests), width), dtype=bool)
+    confidences = np.zeros((len(requests), width), dtype=np.float32)
+    for i, r in enumerate(requests):
+        committed[i, : r.gen_len] = r.output_ids != r.mask_id
+        confidences[i, : r.gen_len] = r.confidences
+    steps = np.array([r.num_steps for r in requests])
+    return state_matrix(committed, confidences, steps, requests[0].block_len, lengths)
