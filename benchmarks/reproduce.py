@@ -103,43 +103,34 @@ def fig10(x: Experiments) -> None:
 
 def fig9(x: Experiments, rates=(1.0, 1.5, 2.0), multiples=(5.0, 3.0, 2.0)) -> None:
     rows = []
+
+    def point(profile: str, label: str, policy: str, name: str, **changes) -> None:
+        s = x.run(f"fig9-{profile}-{name}-{policy}", profile=profile, policy=policy, **changes)
+        rows.append(
+            {
+                "model": profile,
+                "x": label,
+                "policy": policy,
+                "slo_attainment": s["slo_attainment"],
+                "quality": s["quality"],
+            }
+        )
+
     for profile in ("llada-8b-h100", "dream-7b-h100"):
         for per_gpu in rates:
             trace = f"poisson:{per_gpu * x.base.gpus * 0.5:g}:120"
             for policy in ("dilaserve", "infaas", "llumnix"):
-                s = x.run(
-                    f"fig9-{profile}-rps{per_gpu:g}-{policy}",
-                    profile=profile,
-                    trace=trace,
-                    policy=policy,
-                )
-                rows.append(
-                    {
-                        "model": profile,
-                        "x": f"{per_gpu:g} load",
-                        "policy": policy,
-                        "slo_attainment": s["slo_attainment"],
-                        "quality": s["quality"],
-                    }
-                )
+                point(profile, f"{per_gpu:g} load", policy, f"rps{per_gpu:g}", trace=trace)
         for multiple in multiples:
             trace = f"poisson:{rates[1] * x.base.gpus * 0.5:g}:120"
             for policy in ("dilaserve", "infaas"):
-                s = x.run(
-                    f"fig9-{profile}-slo{multiple:g}-{policy}",
-                    profile=profile,
+                point(
+                    profile,
+                    f"SLO {multiple:g}x",
+                    policy,
+                    f"slo{multiple:g}",
                     trace=trace,
-                    policy=policy,
                     slo_multiple=multiple,
-                )
-                rows.append(
-                    {
-                        "model": profile,
-                        "x": f"SLO {multiple:g}x",
-                        "policy": policy,
-                        "slo_attainment": s["slo_attainment"],
-                        "quality": s["quality"],
-                    }
                 )
     x.section(
         "Fig 9: attainment by load and by SLO multiple (Poisson, 120 s)",

@@ -112,29 +112,35 @@ def _time(text: str) -> float:
     return seconds + (float(f"0.{fraction}") if fraction else 0.0)
 
 
+def _read_csv(path: Path, layouts, what: str) -> tuple[tuple[str, ...], list[str], list[dict]]:
+    """(the layout found, all columns, rows) of a CSV whose header holds one of `layouts`."""
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        columns = list(reader.fieldnames or [])
+        layout = next((lay for lay in layouts if set(lay) <= set(columns)), None)
+        if layout is None:
+            raise ValueError(
+                f"{what} {path}: columns {columns} match no known layout; expected one of "
+                + "; ".join(", ".join(lay) for lay in layouts)
+            )
+        return layout, columns, list(reader)
+
+
 def load_trace(path: str | Path) -> Trace:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"trace file {path} does not exist")
-    with path.open(newline="") as f:
-        reader = csv.DictReader(f)
-        columns = reader.fieldnames or []
-        layout = next((lay for lay in LAYOUTS if set(lay) <= set(columns)), None)
-        if layout is None:
-            raise ValueError(
-                f"trace {path}: columns {columns} match no known layout; expected one of "
-                + "; ".join(", ".join(lay) for lay in LAYOUTS)
-            )
-        times, prompts, outputs, slos = [], [], [], []
-        for line, row in enumerate(reader, start=2):
-            try:
-                times.append(_time(row[layout[0]]))
-                prompts.append(int(row[layout[1]]))
-                outputs.append(int(row[layout[2]]))
-                if "slo" in columns:
-                    slos.append(float(row["slo"]))
-            except (TypeError, ValueError) as err:
-                raise ValueError(f"trace {path}, line {line}: {err}") from None
+    layout, columns, rows = _read_csv(path, LAYOUTS, "trace")
+    times, prompts, outputs, slos = [], [], [], []
+    for line, row in enumerate(rows, start=2):
+        try:
+            times.append(_time(row[layout[0]]))
+            prompts.append(int(row[layout[1]]))
+            outputs.append(int(row[layout[2]]))
+            if "slo" in columns:
+                slos.append(float(row["slo"]))
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"trace {path}, line {line}: {err}") from None
     if not times:
         raise ValueError(f"trace {path} has no requests")
     order = np.argsort(times, kind="stable")
@@ -219,22 +225,14 @@ def load_lengths(path: str | Path = SHAREGPT_LENGTHS) -> tuple[np.ndarray, np.nd
         return load_first_turn_lengths(path)
     if not path.exists():
         raise FileNotFoundError(f"length table {path} does not exist")
-    with path.open(newline="") as f:
-        reader = csv.DictReader(f)
-        columns = reader.fieldnames or []
-        layout = next((lay for lay in LENGTH_LAYOUTS if set(lay) <= set(columns)), None)
-        if layout is None:
-            raise ValueError(
-                f"length table {path}: columns {columns} lack the prompt and output columns; "
-                "expected one of " + "; ".join(", ".join(lay) for lay in LENGTH_LAYOUTS)
-            )
-        prompts, outputs = [], []
-        for line, row in enumerate(reader, start=2):
-            try:
-                prompts.append(int(row[layout[0]]))
-                outputs.append(int(row[layout[1]]))
-            except (TypeError, ValueError) as err:
-                raise ValueError(f"length table {path}, line {line}: {err}") from None
+    layout, _, rows = _read_csv(path, LENGTH_LAYOUTS, "length table")
+    prompts, outputs = [], []
+    for line, row in enumerate(rows, start=2):
+        try:
+            prompts.append(int(row[layout[0]]))
+            outputs.append(int(row[layout[1]]))
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"length table {path}, line {line}: {err}") from None
     if not prompts:
         raise ValueError(f"length table {path} has no rows")
     prompt, output = np.asarray(prompts, dtype=np.int64), np.asarray(outputs, dtype=np.int64)
