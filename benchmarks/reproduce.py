@@ -101,6 +101,23 @@ def fig10(x: Experiments) -> None:
     x.section("Fig 10: ablations on the same trace", rows, f"Paper: {PAPER_FIG10}.")
 
 
+def fig10_high_load(x: Experiments) -> None:
+    """The ablations at 20 requests/s (Poisson, 120 s), where load control binds."""
+    rows = []
+    for policy in ("no-dynamic-threshold", "no-load-control", "dilaserve", "infaas"):
+        s = x.run(f"fig10high-{policy}", policy=policy, trace="poisson:20:120", planner_period=1e9)
+        rows.append(
+            {
+                "variant": policy,
+                "slo_attainment": s["slo_attainment"],
+                "latency_mean_s": s["latency_mean"],
+                "mean_threshold": s["mean_threshold"],
+                "run": s["run"],
+            }
+        )
+    x.section("Fig 10 at high load: Poisson 20 requests/s", rows, f"Paper: {PAPER_FIG10}.")
+
+
 def fig9(x: Experiments, rates=(1.0, 1.5, 2.0), multiples=(5.0, 3.0, 2.0)) -> None:
     rows = []
 
@@ -229,6 +246,7 @@ def azure(x: Experiments) -> None:
 EXPERIMENTS = {
     "table4": table4,
     "fig10": fig10,
+    "fig10high": fig10_high_load,
     "fig9": fig9,
     "fig11": fig11,
     "fig13": fig13_table6,
