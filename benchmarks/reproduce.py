@@ -48,7 +48,7 @@ class Experiments:
         start = time.perf_counter()
         result = simulate(spec)
         folder = write_run(result, self.out, name)
-        summary = {**result.summary, "run": folder.name}
+        summary = {**result.summary, **result.timing, "run": folder.name}
         print(f"{name}: {json.dumps(summary)} ({time.perf_counter() - start:.0f} s)", flush=True)
         return summary
 

@@ -45,10 +45,10 @@ def main() -> None:
                 "policy": policy,
                 "requests": run.summary["requests"],
                 "simulated_s": run.summary["simulated_seconds"],
-                "wall_s": run.summary["wall_seconds"],
+                "wall_s": run.timing["wall_seconds"],
                 "events": run.summary["events"],
-                "events_per_s": run.summary["events_per_second"],
-                "request_steps_per_s": round(steps / run.wall_seconds),
+                "events_per_s": run.timing["events_per_second"],
+                "request_steps_per_s": round(steps / run.timing["wall_seconds"]),
                 "slo_attainment": run.summary["slo_attainment"],
             }
         )

@@ -214,7 +214,7 @@ def cmd_simulate(args) -> None:
     run = simulate(spec, progress=None if args.quiet else _progress_bar())
     folder = write_run(run, args.out)
     print(file=sys.stderr)
-    for key, value in run.summary.items():
+    for key, value in {**run.summary, **run.timing}.items():
         print(f"{key}: {value}")
     print(f"run folder: {folder}")
 

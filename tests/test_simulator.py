@@ -60,6 +60,9 @@ def test_run_folder_has_config_records_intervals_summary_report(tmp_path):
     names = {p.name for p in folder.iterdir()}
     assert {"config.json", "records.csv", "intervals.csv", "summary.json", "report.md"} <= names
     assert len(run.intervals) >= 3
+    again = write_run(simulate(spec(tmp_path, interval=5.0)), tmp_path / "runs")
+    for name in ("summary.json", "records.csv", "intervals.csv"):  # byte for byte
+        assert (folder / name).read_bytes() == (again / name).read_bytes()
 
 
 def test_parametric_behaviour_commits_fewer_steps_at_lower_thresholds():
