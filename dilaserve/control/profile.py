@@ -63,6 +63,9 @@ class LatencyProfile:
         return tuple(sorted({tp for tp, _ in self.curves}))
 
     def curve(self, tp: int, kind: StepKind) -> Curve:
+        found = self.curves.get((tp, kind))
+        if found is not None:
+            return found
         kind = StepKind(kind)
         if (tp, kind) in self.curves:
             return self.curves[tp, kind]

@@ -55,6 +55,7 @@ class _Instance:
     holds: set[str] = field(default_factory=set)  # requests whose state lives here
     residents: int = 0  # requests assigned here (running, waiting or held)
     resident_tokens: int = 0  # their tokens: what a full-sequence step over them reads
+    cache_memo: tuple[int, float] = (0, 0.0)  # (cache-step tokens, their step latency)
 
 
 @dataclass
@@ -87,6 +88,9 @@ class Scheduler:
         self.requests: dict[str, _Tracked] = {}
         self._ready: list[str] = []
         self._ladder = tuple(sorted(policy.candidates, reverse=True))
+        self._full_kind = (
+            StepKind.FULL if config.kv_cache is KVCacheMode.NONE else StepKind.RECOMPUTE
+        )
         self._load = LoadTable(len(self._ladder))
         self._admitted = 0
         self._last_load_control = float("-inf")
@@ -314,12 +318,11 @@ class Scheduler:
         return self.config.block_len if kind is StepKind.CACHE else t.request.num_tokens
 
     def _batch_latency(self, inst: _Instance, full: int, cache: int) -> float:
-        full_kind = (
-            StepKind.FULL if self.config.kv_cache is KVCacheMode.NONE else StepKind.RECOMPUTE
-        )
-        seconds = self.profile.step_latency(inst.tp, full, full_kind) if full else 0.0
+        seconds = self.profile.step_latency(inst.tp, full, self._full_kind) if full else 0.0
         if cache:
-            seconds += self.profile.step_latency(inst.tp, cache, StepKind.CACHE)
+            if inst.cache_memo[0] != cache:  # placement asks this of every candidate
+                inst.cache_memo = (cache, self.profile.step_latency(inst.tp, cache, StepKind.CACHE))
+            seconds += inst.cache_memo[1]
         return seconds
 
     def _place(self, t: _Tracked, now: float) -> tuple[_Instance, StepKind] | None:

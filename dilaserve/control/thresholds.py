@@ -146,21 +146,35 @@ def allowed_thresholds(
     return {r.request_id: tuple(ladder[rank:]) for r, rank in zip(order, ranks.tolist())}
 
 
+def step_seconds(
+    instance: InstanceLoad, profile: LatencyProfile, block_len: int | None
+) -> tuple[float, float]:
+    """(seconds of a cache step, seconds of a full or recompute step) on this instance."""
+    if block_len is None:
+        full = profile.step_latency(instance.tp, instance.num_tokens, StepKind.FULL)
+        return full, full
+    cache = profile.step_latency(instance.tp, block_len * instance.num_requests, StepKind.CACHE)
+    return cache, profile.step_latency(instance.tp, instance.num_tokens, StepKind.RECOMPUTE)
+
+
 def predicted_time_left(
     req: LoadView,
     threshold: float,
     instance: InstanceLoad,
     profile: LatencyProfile,
     block_len: int | None,
+    seconds: tuple[float, float] | None = None,
 ) -> float:
-    """Algorithm 1 (no cache) / Algorithm 5 (cache): seconds of remaining steps at `threshold`."""
+    """Algorithm 1 (no cache) / Algorithm 5 (cache): seconds of remaining steps at `threshold`.
+
+    `seconds` are the instance's `step_seconds`, when the caller already has them.
+    """
+    cache_s, full_s = seconds or step_seconds(instance, profile, block_len)
     steps = req.steps_left[threshold]
     if block_len is None:
-        return steps * profile.step_latency(instance.tp, instance.num_tokens, StepKind.FULL)
+        return steps * full_s
     recompute = min(req.recompute_steps_left, steps)
-    cache_s = profile.step_latency(instance.tp, block_len * instance.num_requests, StepKind.CACHE)
-    recompute_s = profile.step_latency(instance.tp, instance.num_tokens, StepKind.RECOMPUTE)
-    return (steps - recompute) * cache_s + recompute * recompute_s
+    return (steps - recompute) * cache_s + recompute * full_s
 
 
 def select_threshold(
@@ -174,7 +188,8 @@ def select_threshold(
     """Algorithm 1/5: the highest allowed threshold whose predicted time fits `slo_left`;
     the lowest allowed one if none does."""
     ladder = sorted(allowed, reverse=True)
+    seconds = step_seconds(instance, profile, block_len)
     for threshold in ladder:
-        if predicted_time_left(req, threshold, instance, profile, block_len) <= slo_left:
+        if predicted_time_left(req, threshold, instance, profile, block_len, seconds) <= slo_left:
             return threshold
     return ladder[-1]
