@@ -123,12 +123,12 @@ def cmd_train_predictor(args) -> None:
 
 def cmd_plan(args) -> None:
     from dilaserve.control.planner import PlannerConfig
-    from dilaserve.control.profile import LatencyProfile
     from dilaserve.runs import create_run_dir, write_json, write_records
     from dilaserve.sim import capacity
+    from dilaserve.sim.latency import load_profile
     from dilaserve.sim.traces import load_trace
 
-    profile = LatencyProfile.from_file(args.profile)
+    profile = load_profile(args.profile)
     trace = load_trace(args.trace)
     tokens_per_step = args.tokens_per_step or capacity.tokens_per_step_from_predictor(
         args.predictor
@@ -180,7 +180,9 @@ def _add_plan_command(sub) -> None:
     from dilaserve.config import BUNDLED_PREDICTOR
 
     pl = sub.add_parser("plan", help="which cluster configuration serves a trace at an SLO")
-    pl.add_argument("--profile", required=True, help="latency profile JSON")
+    pl.add_argument(
+        "--profile", required=True, help="latency profile JSON or preset (e.g. llada-8b-h100)"
+    )
     pl.add_argument("--trace", required=True, help="trace CSV (see dilaserve/sim/traces.py)")
     pl.add_argument("--gpus", type=int, required=True)
     pl.add_argument("--gpus-per-node", type=int, default=8)
