@@ -224,13 +224,38 @@ class Scheduler:
             self._update_allowed(now)
         releases, waiting = [], []
         for rid in ready:
-            placed = self._place(self.requests[rid], now)
+            t = self.requests[rid]
+            home = self._cache_home(t)
+            if home is not None:  # Alg. 3's only candidate; what _place and _assign would do
+                if not self._has_room(home, self.config.block_len):
+                    waiting.append(rid)
+                    continue
+                home.pending.append(rid)
+                home.pending_kinds.append(StepKind.CACHE)
+                home.pending_cache += self.config.block_len
+                continue
+            placed = self._place(t, now)
             if placed is None:
                 waiting.append(rid)
                 continue
-            releases += self._assign(self.requests[rid], *placed, now)
+            releases += self._assign(t, *placed, now)
         self._ready = waiting
         return Decisions(tuple(self._launch(now)), tuple(releases))
+
+    def _cache_home(self, t: _Tracked) -> _Instance | None:
+        """The instance holding this request's cache when its next step is a cache step there,
+        it may not move (migration only before recompute steps) and its threshold stands: the
+        common case of every step-completion event, placed without the general search."""
+        if self.policy.migration is Migration.ANY or t.request.starts_block:
+            return None
+        if t.needs_threshold and self.policy.is_dynamic:
+            return None
+        home = self.instances.get(t.instance) if t.instance is not None else None
+        if home is None or home.draining or t.request.request_id not in home.holds:
+            return None
+        if self.config.kv_cache is KVCacheMode.NONE:
+            return None
+        return home
 
     def _load_control_due(self, now: float, load_changed: bool, refreshed: bool) -> bool:
         if not (self.policy.is_dynamic and self.policy.load_control) or not self.requests:
