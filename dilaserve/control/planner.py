@@ -48,7 +48,7 @@ needs, and stops the remaining retired ones last.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from dilaserve.control.decisions import InstanceSpec, LaunchStep, Reconfiguration
 from dilaserve.control.monitor import WorkloadClass
@@ -126,16 +126,98 @@ class InstanceSlot:
 # -- Stage 1 ---------------------------------------------------------------------------------
 
 
-@dataclass
 class _Stage1:
-    """The Stage-1 model in HiGHS, with handles on its variables."""
+    """The Stage-1 model in HiGHS, built piece by piece, with handles on its variables."""
 
-    h: object
-    x: dict[tuple[int, int], object]
-    z: dict[tuple[str, int, int], object]  # (step family, tp, batch) -> binary
-    thr_steps: dict[tuple[int, float], object]  # s_kc
-    w: dict[tuple[str, int, int, int], object] = field(default_factory=dict)  # (fam, k, d, b)
-    latency: dict[tuple[str, int, int], float] = field(default_factory=dict)  # (fam, d, b) -> s
+    def __init__(self, profile: LatencyProfile, cfg: PlannerConfig, degrees, fixed):
+        import highspy
+
+        self.h = highspy.Highs()
+        self.h.silent()
+        self.h.setOptionValue("time_limit", cfg.time_limit)
+        self.cfg, self.degrees = cfg, tuple(degrees)
+        self.nodes = range(len(cfg.gpus_per_node))
+        self.families = {d: _families(profile, cfg, d) for d in self.degrees}
+        self.x: dict[tuple[int, int], object] = {}  # (node, tp) -> instances
+        self.z: dict[tuple[str, int, int], object] = {}  # (step family, tp, batch) -> binary
+        self.latency: dict[tuple[str, int, int], float] = {}  # (family, tp, batch) -> seconds
+        self.thr_steps: dict[tuple[int, float], object] = {}  # s_kc
+        self.demand: dict[int, list] = {d: [] for d in self.degrees}  # instance-s/s on TP d
+        self._instances(fixed)
+        self._batch_choices(profile)
+
+    def _instances(self, fixed) -> None:
+        """x_nd (pinned to `fixed` when given), within each node's GPUs."""
+        h, gpus = self.h, self.cfg.gpus_per_node
+        for n in self.nodes:
+            for d in self.degrees:
+                most = gpus[n] // d if fixed is None else fixed.get((n, d), 0)
+                self.x[n, d] = h.addIntegral(lb=0 if fixed is None else most, ub=most)
+            h.addConstr(_qsum(d * self.x[n, d] for d in self.degrees) <= gpus[n])
+
+    def _batch_choices(self, profile: LatencyProfile) -> None:
+        """z_db: one batch size per TP degree and step family."""
+        for d in self.degrees:
+            for fam, kind, sizes in self.families[d]:
+                for b in sizes:
+                    self.z[fam, d, b] = self.h.addBinary()
+                    self.latency[fam, d, b] = profile.step_latency(d, b, kind)
+                self.h.addConstr(_qsum(self.z[fam, d, b] for b in sizes) == 1)
+
+    def add_class(self, k: int, cls: WorkloadClass):
+        """A class's steps over thresholds and (TP degree, batch size); returns t_k."""
+        h, cfg, tps = self.h, self.cfg, self.cfg.tokens_per_step
+        most_steps = cls.output_len / min(tps.values())  # the big-M: a true bound on steps
+        for c in cfg.thresholds:
+            self.thr_steps[k, c] = h.addVariable(lb=0, ub=most_steps)
+        steps = [self.thr_steps[k, c] for c in cfg.thresholds]
+        h.addConstr(_qsum(tps[c] * self.thr_steps[k, c] for c in cfg.thresholds) == cls.output_len)
+        by_family: dict[str, list] = {}
+        latency_terms = []
+        for d in self.degrees:
+            for fam, _, sizes in self.families[d]:
+                tokens = cls.num_tokens if fam == "full" else cfg.cache_block
+                for b in sizes:
+                    w = h.addVariable(lb=0, ub=most_steps)  # w_kdb
+                    h.addConstr(w <= most_steps * self.z[fam, d, b])
+                    by_family.setdefault(fam, []).append(w)
+                    lat = self.latency[fam, d, b]
+                    latency_terms.append(lat * w)
+                    coefficient = cls.rate * tokens * lat / b
+                    if coefficient > NEGLIGIBLE:
+                        self.demand[d].append(coefficient * w)
+        h.addConstr(_qsum(steps) == _qsum(w for ws in by_family.values() for w in ws))
+        if cfg.cache_block is not None:  # one recompute step per block
+            h.addConstr(_qsum(by_family["full"]) == cls.output_len / cfg.cache_block)
+        t_k = _qsum(latency_terms)
+        h.addConstr(t_k <= cls.slo)
+        return t_k
+
+    def add_stability(self) -> None:
+        for d in self.degrees:
+            if self.demand[d]:
+                self.h.addConstr(_qsum(self.demand[d]) <= _qsum(self.x[n, d] for n in self.nodes))
+
+    def objectives(self, classes: Sequence[WorkloadClass], t_exprs) -> tuple:
+        """Mean threshold per output token, SLO slack (both over the total rate: the same
+        optimum, better-scaled coefficients), then GPUs in use."""
+        tps = self.cfg.tokens_per_step
+        total_rate = sum(c.rate for c in classes) or 1.0
+        share = [cls.rate / total_rate for cls in classes]
+        mean_threshold = _qsum(
+            (share[k] * c * tps[c] / cls.output_len) * self.thr_steps[k, c]
+            for k, cls in enumerate(classes)
+            for c in self.cfg.thresholds
+        )
+        slack = _qsum(share[k] * (cls.slo - t) for k, (cls, t) in enumerate(zip(classes, t_exprs)))
+        gpus = _qsum(d * self.x[n, d] for n in self.nodes for d in self.degrees)
+        return mean_threshold, slack, gpus
+
+
+def _qsum(terms):
+    import highspy
+
+    return highspy.qsum(list(terms))
 
 
 def _families(profile: LatencyProfile, cfg: PlannerConfig, tp: int):
@@ -155,78 +237,10 @@ def _build_stage1(
     degrees: Sequence[int],
     fixed: Mapping[tuple[int, int], int] | None,
 ):
-    import highspy
-
-    h = highspy.Highs()
-    h.silent()
-    h.setOptionValue("time_limit", cfg.time_limit)
-    thresholds, tps = cfg.thresholds, cfg.tokens_per_step
-    nodes = range(len(cfg.gpus_per_node))
-    x = {}
-    for n in nodes:
-        for d in degrees:
-            most = cfg.gpus_per_node[n] // d
-            if fixed is not None:
-                most = fixed.get((n, d), 0)
-                x[n, d] = h.addIntegral(lb=most, ub=most)
-            else:
-                x[n, d] = h.addIntegral(lb=0, ub=most)
-        h.addConstr(highspy.qsum(d * x[n, d] for d in degrees) <= cfg.gpus_per_node[n])
-    m = _Stage1(h, x, {}, {})
-    families = {d: _families(profile, cfg, d) for d in degrees}
-    for d in degrees:
-        for fam, kind, sizes in families[d]:
-            zs = []
-            for b in sizes:
-                m.z[fam, d, b] = h.addBinary()
-                m.latency[fam, d, b] = profile.step_latency(d, b, kind)
-                zs.append(m.z[fam, d, b])
-            h.addConstr(highspy.qsum(zs) == 1)
-    demand = {d: [] for d in degrees}  # instance-seconds per second sent to TP d
-    slo_terms = []
-    for k, cls in enumerate(classes):
-        most_steps = cls.output_len / min(tps.values())
-        for c in thresholds:
-            m.thr_steps[k, c] = h.addVariable(lb=0, ub=most_steps)
-        h.addConstr(highspy.qsum(tps[c] * m.thr_steps[k, c] for c in thresholds) == cls.output_len)
-        by_family: dict[str, list] = {}
-        t_k = []
-        for d in degrees:
-            for fam, _, sizes in families[d]:
-                ws = []
-                for b in sizes:
-                    w = h.addVariable(lb=0, ub=most_steps)
-                    m.w[fam, k, d, b] = w
-                    h.addConstr(w <= most_steps * m.z[fam, d, b])
-                    ws.append(w)
-                    lat = m.latency[fam, d, b]
-                    t_k.append(lat * w)
-                    tokens = cls.num_tokens if fam == "full" else cfg.cache_block
-                    coefficient = cls.rate * tokens * lat / b
-                    if coefficient > NEGLIGIBLE:
-                        demand[d].append(coefficient * w)
-                by_family.setdefault(fam, []).extend(ws)
-        all_steps = [w for ws in by_family.values() for w in ws]
-        h.addConstr(highspy.qsum(m.thr_steps[k, c] for c in thresholds) == highspy.qsum(all_steps))
-        if cfg.cache_block is not None:  # one recompute step per block
-            h.addConstr(highspy.qsum(by_family["full"]) == cls.output_len / cfg.cache_block)
-        t_expr = highspy.qsum(t_k)
-        h.addConstr(t_expr <= cls.slo)
-        slo_terms.append((cls, t_expr))
-    for d in degrees:
-        if demand[d]:
-            h.addConstr(highspy.qsum(demand[d]) <= highspy.qsum(x[n, d] for n in nodes))
-    # both objectives over the total rate (same optimum; keeps coefficients well scaled)
-    total_rate = sum(c.rate for c in classes) or 1.0
-    share = [cls.rate / total_rate for cls in classes]
-    objective1 = highspy.qsum(
-        (share[k] * c * tps[c] / cls.output_len) * m.thr_steps[k, c]
-        for k, cls in enumerate(classes)
-        for c in thresholds
-    )
-    objective2 = highspy.qsum(share[k] * (cls.slo - t) for k, (cls, t) in enumerate(slo_terms))
-    gpus_used = highspy.qsum(d * x[n, d] for n in nodes for d in degrees)
-    return m, (objective1, objective2, gpus_used), [t for _, t in slo_terms], demand
+    m = _Stage1(profile, cfg, degrees, fixed)
+    t_exprs = [m.add_class(k, cls) for k, cls in enumerate(classes)]
+    m.add_stability()
+    return m, m.objectives(classes, t_exprs), t_exprs, m.demand
 
 
 def _solved(h) -> bool:
