@@ -122,7 +122,8 @@ def test_summary_and_intervals_by_hand():
     assert [r["requests"] for r in metrics.by_interval(rows, 5.0)] == [1, 1]
 
 
-def test_replaying_recorded_engine_steps(tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize("policy", ["dilaserve", "oracle-predictor"])
+def test_replaying_recorded_engine_steps(tiny_checkpoint, tmp_path, policy):
     from dilaserve.config import EngineConfig
     from dilaserve.engine.llm import LLM
     from dilaserve.engine.record import record_trajectories
@@ -132,7 +133,8 @@ def test_replaying_recorded_engine_steps(tiny_checkpoint, tmp_path):
     prompts = ["Tom has 3 apples.", "Ava has 9 coins.", "Sam has 4 pens."]
     recorded = record_trajectories(llm, prompts, (0.5, 0.9), max_tokens=16)
     save_trajectories(tmp_path / "t.npz", recorded)
-    run = simulate(spec(tmp_path, behaviour=f"replay:{tmp_path / 't.npz'}", block_len=8))
+    replay = f"replay:{tmp_path / 't.npz'}"
+    run = simulate(spec(tmp_path, behaviour=replay, block_len=8, policy=policy))
     assert run.summary["finished"] == run.summary["requests"] == 20
     steps = {(t.prompt_len, t.threshold): t.num_steps for t in recorded}
     for row in run.rows:  # never more steps than the slowest recorded run of its prompt
@@ -148,3 +150,21 @@ def test_simulate_command_writes_a_run_folder(tmp_path, capsys):
     [folder] = (tmp_path / "runs").glob("simulate-*")
     assert (folder / "records.csv").read_text().count("\n") == 21  # header + 20 requests
     assert main(args + ["--policy", "nope"]) == 2  # a clear error, not a traceback
+
+
+def test_the_oracle_predictor_needs_replayed_trajectories(tmp_path):
+    with pytest.raises(ValueError, match="replay"):
+        simulate(spec(tmp_path, policy="oracle-predictor"))
+
+
+def test_oracle_counts_the_recorded_steps_left():
+    conf = np.zeros((2, 8), np.float32)
+    slow = Trajectory(
+        0, 0.9, 4, 8, 8, ("recompute", "cache"), (np.arange(4), np.arange(4, 8)), conf
+    )
+    b = ReplayBehaviour([slow])
+    b.assign("r", 0)
+    assert b.remaining_steps("r", 0.9) == 2
+    r = Request("r", (3,) * 4, 8, 8, 1, 0.9)
+    r.apply(b.step(r, 0.9, StepKind.RECOMPUTE))
+    assert b.remaining_steps("r", 0.9) == 1

@@ -96,6 +96,15 @@ class ReplayBehaviour:
         self.prompts = sorted({t.prompt_index for t in trajectories})
         self.thresholds = sorted({t.threshold for t in trajectories})
         self._prompt: dict[str, int] = {}
+        self._committed: dict[str, int] = {}  # tokens each request has committed so far
+
+    def remaining_steps(self, request_id: str, threshold: float) -> float:
+        """The oracle: steps the recorded run at `threshold` still takes from where the
+        request is now."""
+        t = self._trajectory(request_id, threshold)
+        done = np.cumsum([0] + [len(c) for c in t.commits])
+        s = int(np.searchsorted(done, self._committed.get(request_id, 0), side="right")) - 1
+        return float(max(t.num_steps - s, 0))
 
     def tokens_per_step(self, threshold: float) -> float:
         """Mean tokens committed per step over the recorded runs at the nearest threshold."""
@@ -110,6 +119,7 @@ class ReplayBehaviour:
 
     def forget(self, request_id: str) -> None:
         self._prompt.pop(request_id, None)
+        self._committed.pop(request_id, None)
 
     def _trajectory(self, request_id: str, threshold: float) -> Trajectory:
         prompt = self._prompt[request_id]
@@ -133,6 +143,7 @@ class ReplayBehaviour:
         lo, hi = block * r.block_len, (block + 1) * r.block_len
         block_done = not after[lo:hi].any()
         finished = s == t.num_steps - 1 or not after.any()
+        self._committed[r.request_id] = r.num_committed + positions.size
         return RequestStepResult(
             r.request_id,
             kind,

@@ -67,6 +67,7 @@ def train_sim_predictor(
     thresholds: Sequence[float],
     block_len: int = 32,
     seed: int = 0,
+    features: Sequence[str] = FEATURE_NAMES,
 ) -> GBMPredictor:
     rows, labels = rows_and_labels(simulated_trajectories(behaviour, shapes, thresholds, block_len))
-    return fit_gbm(rows, labels, tuple(thresholds), FEATURE_NAMES, seed, TREE_SHAPE)
+    return fit_gbm(rows, labels, tuple(thresholds), features, seed, TREE_SHAPE)

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from dilaserve.control.decisions import InstanceSpec
+from dilaserve.control.features import FEATURE_NAMES, PROGRESS_FEATURES
 from dilaserve.control.planner import PlannerConfig
 from dilaserve.control.policy import get_policy
 from dilaserve.control.profile import LatencyProfile
@@ -164,7 +165,7 @@ def workload(spec: SimulationSpec, trace: traces.Trace, policy):
         requests = requests_from(trace, spec.block_len, None)
         return behaviour, requests, make_predictor(spec, policy.predictor, trace)
     from dilaserve.config import BUNDLED_PREDICTOR
-    from dilaserve.control.predictor import create_predictor
+    from dilaserve.control.predictor import OraclePredictor, create_predictor
     from dilaserve.trajectory import load_trajectories
 
     behaviour = ReplayBehaviour(load_trajectories(spec.behaviour.removeprefix("replay:")))
@@ -175,6 +176,8 @@ def workload(spec: SimulationSpec, trace: traces.Trace, policy):
         requests.append(
             Request(f"r{i}", (3,) * t.prompt_len, t.gen_len, t.block_len, 1, 0.9, arrival)
         )
+    if policy.predictor == "oracle":
+        return behaviour, requests, OraclePredictor(THRESHOLDS, behaviour.remaining_steps)
     folder = spec.predictor_path or BUNDLED_PREDICTOR
     return behaviour, requests, create_predictor(policy.predictor, folder)
 
@@ -241,8 +244,8 @@ def simulate(spec: SimulationSpec, progress=None) -> SimulationRun:
 
 
 def make_predictor(spec: SimulationSpec, name: str, trace: traces.Trace):
-    """The policy's step predictor for this behaviour: trained on simulated runs of sample
-    requests of the trace (full or progress features), or the one-shot rates, or the oracle."""
+    """The policy's step predictor for parametric behaviour: trained on simulated runs of
+    sample requests of the trace (full or progress features), or the one-shot rates."""
     from dilaserve.sim.predictor import simulated_trajectories, train_sim_predictor
 
     rng = np.random.default_rng(spec.seed + 3)
@@ -254,8 +257,15 @@ def make_predictor(spec: SimulationSpec, name: str, trace: traces.Trace):
         )
         for i in picks
     ]
-    if name in ("full", "progress", "oracle"):  # the oracle falls back to the full GBM here
-        return train_sim_predictor(ParametricBehaviour(seed=spec.seed + 4), shapes, THRESHOLDS)
+    if name in ("full", "progress"):
+        features = FEATURE_NAMES if name == "full" else PROGRESS_FEATURES
+        behaviour = ParametricBehaviour(seed=spec.seed + 4)
+        return train_sim_predictor(behaviour, shapes, THRESHOLDS, features=features)
+    if name == "oracle":
+        raise ValueError(
+            "the oracle step predictor knows true remaining steps only for replayed "
+            "trajectories: use --behaviour replay:TRAJECTORIES.npz"
+        )
     if name == "one-shot":
         from dilaserve.control.predictor import OneShotPredictor
         from dilaserve.training.train_predictor import one_shot_rates
