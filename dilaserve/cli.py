@@ -253,6 +253,7 @@ def _add_simulate_command(sub) -> None:
     si.add_argument("--predictor-path", default=None, help="replay: trained predictor folder")
     si.add_argument("--quality", default=None, help="eval summary.json for the quality model")
     si.add_argument("--duration", type=float, default=None, help="first N seconds only")
+    si.add_argument("--rate-scale", type=float, default=1.0, help="speed arrivals up this much")
     si.add_argument("--gpus", type=int, default=16)
     si.add_argument("--gpus-per-node", type=int, default=4)
     si.add_argument("--initial-tp", type=int, default=1)

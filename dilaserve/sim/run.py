@@ -11,6 +11,7 @@ step per block at the whole sequence, cache steps of one block for the rest.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -42,6 +43,7 @@ class SimulationSpec:
     peak_rps: float = 20.0  # the paper trace's peak
     minutes_per_hour: float = 5.0  # the paper trace: each hour of the day becomes this long
     duration: float | None = None  # keep only the first N seconds of the trace
+    rate_scale: float = 1.0  # arrivals this many times as fast (a real trace, scaled)
     gpus: int = 16
     gpus_per_node: int = 4
     initial_tp: int = 1  # the cluster starts as gpus / initial_tp instances of this degree
@@ -66,6 +68,8 @@ class SimulationSpec:
     def __post_init__(self):
         if self.gpus <= 0 or self.gpus % self.initial_tp:
             raise ValueError(f"{self.gpus=} must be a positive multiple of {self.initial_tp=}")
+        if self.rate_scale <= 0:
+            raise ValueError(f"{self.rate_scale=} must be positive")
         if self.slo is not None and self.slo <= 0:
             raise ValueError(f"{self.slo=} must be positive")
 
@@ -96,6 +100,8 @@ def make_trace(spec: SimulationSpec) -> traces.Trace:
         trace = traces.load_trace(spec.trace)
     if spec.duration is not None:
         trace = trace.window(0.0, spec.duration)
+    if spec.rate_scale != 1.0:
+        trace = dataclasses.replace(trace, arrival=trace.arrival / spec.rate_scale)
     if len(trace) == 0:
         raise ValueError(f"trace {spec.trace!r} has no requests in the first {spec.duration} s")
     return trace
