@@ -26,7 +26,7 @@ from dilaserve.control.features import state_matrix
 from dilaserve.control.load_table import LoadTable
 from dilaserve.control.planner import InstanceSlot
 from dilaserve.control.policy import Migration, Placement, Policy
-from dilaserve.control.profile import LatencyProfile
+from dilaserve.control.profile import Curve, LatencyProfile
 from dilaserve.control.reconfigure import Reconfigurer
 from dilaserve.control.thresholds import (
     InstanceLoad,
@@ -56,6 +56,8 @@ class _Instance:
     residents: int = 0  # requests assigned here (running, waiting or held)
     resident_tokens: int = 0  # their tokens: what a full-sequence step over them reads
     cache_memo: tuple[int, float] = (0, 0.0)  # (cache-step tokens, their step latency)
+    full_curve: Curve | None = None  # latency of full / recompute steps on this TP degree
+    cache_curve: Curve | None = None  # latency of cache steps (with a KV cache)
 
 
 @dataclass
@@ -116,7 +118,11 @@ class Scheduler:
         """An instance is up and takes work. `node` and `gpus` tell the planner where it is."""
         if instance_id in self.instances:
             raise ValueError(f"instance {instance_id} already exists")
-        self.instances[instance_id] = _Instance(instance_id, tp, max_batch_tokens, node, gpus)
+        inst = _Instance(instance_id, tp, max_batch_tokens, node, gpus)
+        inst.full_curve = self.profile.curve(tp, self._full_kind)  # a missing TP fails here
+        if self.config.kv_cache is not KVCacheMode.NONE:
+            inst.cache_curve = self.profile.curve(tp, StepKind.CACHE)
+        self.instances[instance_id] = inst
         self._open = self._open_instances()
 
     def remove_instance(self, instance_id: str, now: float) -> Decisions:
@@ -343,10 +349,10 @@ class Scheduler:
         return self.config.block_len if kind is StepKind.CACHE else t.request.num_tokens
 
     def _batch_latency(self, inst: _Instance, full: int, cache: int) -> float:
-        seconds = self.profile.step_latency(inst.tp, full, self._full_kind) if full else 0.0
+        seconds = inst.full_curve.at(full) if full else 0.0
         if cache:
             if inst.cache_memo[0] != cache:  # placement asks this of every candidate
-                inst.cache_memo = (cache, self.profile.step_latency(inst.tp, cache, StepKind.CACHE))
+                inst.cache_memo = (cache, inst.cache_curve.at(cache))
             seconds += inst.cache_memo[1]
         return seconds
 
@@ -367,25 +373,25 @@ class Scheduler:
             inst = candidates[0]
             kind = home_kind if inst is home else away
             return (inst, kind) if self._has_room(inst, self._tokens(t, kind)) else None
+        fastest = self.policy.placement is Placement.FASTEST_STEP
         best, best_key = None, None
         for inst in candidates:
             kind = home_kind if inst is home else away
             n = self._tokens(t, kind)
-            if not self._has_room(inst, n):
-                continue
             full, cache = inst.pending_full, inst.pending_cache
+            if inst.pending and full + cache + n > inst.max_batch_tokens:
+                continue  # no room (an empty batch takes anything)
             if kind is StepKind.CACHE:
                 cache += n
             else:
                 full += n
-            if self.policy.placement is Placement.FASTEST_STEP:
-                start = max(inst.busy_until, now) if inst.busy else now
+            if fastest:
+                start = inst.busy_until if inst.busy and inst.busy_until > now else now
                 cost = start + self._batch_latency(inst, full, cache)
             else:
                 cost = full + cache + self._running_tokens(inst)
-            key = (cost, inst.busy, inst.instance_id)
-            if best_key is None or key < best_key:
-                best, best_key = (inst, kind), key
+            if best_key is None or (cost, inst.busy, inst.instance_id) < best_key:
+                best, best_key = (inst, kind), (cost, inst.busy, inst.instance_id)
         return best
 
     @staticmethod
