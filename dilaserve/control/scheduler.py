@@ -12,7 +12,9 @@ given that instance's TP degree and the batch already gathered for it. With a KV
 whose next step is a cache step stays where its cache is; it may move only before a recompute
 step. Step predictions refresh every `refresh_every_tokens` newly committed tokens (batched), load
 control (Alg. 2/4) re-runs when arrivals or refreshes change the load picture, and the threshold
-is re-selected (Alg. 1/5) whenever a request moves or its predictions refresh.
+is re-selected (Alg. 1/5) whenever a request moves or its predictions refresh, pricing the
+remaining steps at the load of everything assigned to its instance and fitting them into
+`slo_headroom` of the budget left.
 """
 
 from __future__ import annotations
