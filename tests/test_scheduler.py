@@ -263,3 +263,15 @@ def test_a_draining_instance_finishes_its_step_then_hands_its_requests_on():
     launch = only_launch(done(s, "b", result(waiting, [0]), now=0.4))
     item = {i.request_id: i for i in launch.batch.items}["running"]
     assert item.kind is StepKind.RECOMPUTE and item.spec is not None
+
+
+def test_refresh_interval_spaces_out_later_refreshes_but_not_first_predictions():
+    predictor = FakePredictor()
+    s = scheduler(instances=(("a", 1),), predictor=predictor, refresh_interval=1.0)
+    req = make_request("r", gen_len=4 * BLOCK)
+    s.on_arrival(req, 0.0)
+    assert predictor.calls == 1  # a new request is predicted at once
+    done(s, "a", result(req, list(range(BLOCK)), block_done=True), now=0.5)
+    assert predictor.calls == 1  # due (8 tokens) but within the interval
+    done(s, "a", result(req, list(range(BLOCK, BLOCK + 2))), now=1.5)
+    assert predictor.calls == 2

@@ -15,6 +15,7 @@ class SchedulerConfig:
     refresh_every_tokens: int = 8
     max_requests_per_instance: int = 64
     load_control_interval: float = 0.05  # seconds between re-runs triggered by refreshes only
+    refresh_interval: float = 0.0  # seconds between prediction refreshes (first ones: always)
     # Alg. 1 fits the predicted remaining time into this share of the budget left. The paper's
     # rule is 1.0; its prediction assumes today's batch, and under rising load the realised time
     # runs over, so requests sized to finish just in time miss about half the time. In the

@@ -98,6 +98,7 @@ class Scheduler:
         self._load = LoadTable(len(self._ladder))
         self._admitted = 0
         self._last_load_control = float("-inf")
+        self._last_refresh = float("-inf")
         if policy.is_dynamic:
             missing = set(self._ladder) - set(predictor.thresholds)
             if missing:
@@ -227,7 +228,7 @@ class Scheduler:
 
     def _schedule(self, now: float, load_changed: bool) -> Decisions:
         ready = sorted(self._ready, key=self._order)
-        refreshed = self._refresh_predictions(ready)
+        refreshed = self._refresh_predictions(ready, now)
         if self._load_control_due(now, load_changed, refreshed):
             self._update_allowed(now)
         releases, waiting = [], []
@@ -275,9 +276,11 @@ class Scheduler:
         t = self.requests[rid]
         return (-t.request.priority, t.request.arrival_time, t.seq)
 
-    def _refresh_predictions(self, ready: list[str]) -> bool:
+    def _refresh_predictions(self, ready: list[str], now: float) -> bool:
         k = self.config.refresh_every_tokens
         tracked = (self.requests[rid] for rid in ready)
+        if now - self._last_refresh < self.config.refresh_interval:
+            tracked = (t for t in tracked if t.refreshed_at < 0)  # only first predictions
         due = [
             t
             for t in tracked
@@ -285,6 +288,7 @@ class Scheduler:
         ]
         if not due or not self.policy.is_dynamic:
             return False
+        self._last_refresh = now
         requests = [t.request for t in due]
         predictions = self.predictor.predict([r.request_id for r in requests], _states(requests))
         for t, row in zip(due, predictions[:, self._ladder_columns]):

@@ -55,6 +55,7 @@ class SimulationSpec:
     max_requests_per_instance: int = 64
     refresh_every_tokens: int = 8
     slo_headroom: float = 0.5  # see SchedulerConfig
+    refresh_interval: float = 0.0  # see SchedulerConfig
     planner_period: float = 300.0
     startup_delay: float = 30.0
     latency_noise: float = 0.0
@@ -201,6 +202,7 @@ def simulate(spec: SimulationSpec, progress=None) -> SimulationRun:
         refresh_every_tokens=spec.refresh_every_tokens,
         max_requests_per_instance=spec.max_requests_per_instance,
         slo_headroom=spec.slo_headroom,
+        refresh_interval=spec.refresh_interval,
     )
     reconfigurer = None
     if policy.reconfigure:
