@@ -20,14 +20,9 @@ import argparse
 import statistics
 import time
 
+from dilaserve.control.layout import InstanceSlot, launch_order, plan_layout
 from dilaserve.control.monitor import WorkloadClass
-from dilaserve.control.planner import (
-    InstanceSlot,
-    PlannerConfig,
-    launch_order,
-    plan_capacity,
-    plan_layout,
-)
+from dilaserve.control.planner import PlannerConfig, plan_capacity
 from dilaserve.control.profile import LatencyProfile
 from dilaserve.runs import write_json, write_table_run
 

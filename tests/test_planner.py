@@ -8,14 +8,9 @@ One class: 64-token prompts, 64-token outputs (128 tokens per full step). Thresh
 import pytest
 
 from dilaserve.control.decisions import LaunchStep
+from dilaserve.control.layout import InstanceSlot, launch_order, plan_layout
 from dilaserve.control.monitor import WorkloadClass, WorkloadMonitor
-from dilaserve.control.planner import (
-    CapacityPlan,
-    InstanceSlot,
-    launch_order,
-    plan_capacity,
-    plan_layout,
-)
+from dilaserve.control.planner import CapacityPlan, plan_capacity
 from dilaserve.control.policy import get_policy
 from dilaserve.control.reconfigure import Reconfigurer, worth_applying
 from dilaserve.control.scheduler import Scheduler, SchedulerConfig

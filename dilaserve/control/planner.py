@@ -1,4 +1,4 @@
-"""Cluster reconfiguration: the two-stage ILP planner (papers.md 1.8; DiLaServe §3.3, App. B).
+"""Cluster reconfiguration, Stage 1 of the two-stage ILP planner (papers.md 1.8; DiLaServe §3.3).
 
 **Stage 1, capacity planning** (`plan_capacity`). For workload classes k (prompt P_k, output O_k,
 rate RPS_k, SLO_k), thresholds c (T_c tokens committed per step), TP degrees d and candidate
@@ -37,12 +37,7 @@ and stability is sum_k RPS_k [(P_k + O_k) r_kd alpha_d + B q_kd beta_d] <= sum_n
 alpha_d = sum_b z_db L_db / b and beta_d = sum_b z'_db L'_db / b; both linearise as above.
 
 If no configuration can meet the SLOs, the plan falls back to TP-1 instances on every GPU.
-
-**Stage 2, reconfiguration plan** (`plan_layout`): given R_d instances of each TP degree, place
-them in per-node slots (slot l of TP d on node n, GPUs assigned per slot) so that as many existing
-instances as possible keep their exact GPUs (Appendix B, Table 5). `launch_order` then starts the
-new instances one at a time, before each launch stopping only the old instances whose GPUs it
-needs, and stops the remaining retired ones last.
+Stage 2 (where the instances go, and the order of the moves) is in `control/layout.py`.
 """
 
 from __future__ import annotations
@@ -50,7 +45,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from dilaserve.control.decisions import InstanceSpec, LaunchStep, Reconfiguration
 from dilaserve.control.monitor import WorkloadClass
 from dilaserve.control.profile import LatencyProfile
 from dilaserve.protocol import StepKind
@@ -113,16 +107,6 @@ class CapacityPlan:
         return sum(tp * n for (_, tp), n in self.instances.items())
 
 
-@dataclass(frozen=True, slots=True)
-class InstanceSlot:
-    """A running instance as the planner sees it: where it is and which GPUs it holds."""
-
-    instance_id: str
-    node: int
-    tp: int
-    gpus: tuple[int, ...]
-
-
 # -- Stage 1 ---------------------------------------------------------------------------------
 
 
@@ -130,11 +114,7 @@ class _Stage1:
     """The Stage-1 model in HiGHS, built piece by piece, with handles on its variables."""
 
     def __init__(self, profile: LatencyProfile, cfg: PlannerConfig, degrees, fixed):
-        import highspy
-
-        self.h = highspy.Highs()
-        self.h.silent()
-        self.h.setOptionValue("time_limit", cfg.time_limit)
+        self.h = new_model(cfg.time_limit)
         self.cfg, self.degrees = cfg, tuple(degrees)
         self.nodes = range(len(cfg.gpus_per_node))
         self.families = {d: _families(profile, cfg, d) for d in self.degrees}
@@ -243,7 +223,17 @@ def _build_stage1(
     return m, m.objectives(classes, t_exprs), t_exprs, m.demand
 
 
-def _solved(h) -> bool:
+def new_model(time_limit: float):
+    """An empty, quiet HiGHS model with a time limit per solve."""
+    import highspy
+
+    h = highspy.Highs()
+    h.silent()
+    h.setOptionValue("time_limit", time_limit)
+    return h
+
+
+def solved(h) -> bool:
     import highspy
 
     status = h.getModelStatus()
@@ -258,7 +248,7 @@ def _maximise_in_order(h, objectives, tolerance: float) -> list[float] | None:
     values = []
     for i, objective in enumerate(objectives):
         h.maximize(objective)
-        if not _solved(h):
+        if not solved(h):
             return None
         value = h.val(objective)
         values.append(value)
@@ -279,7 +269,7 @@ def is_feasible(
     """Whether any configuration meets every class's SLO (Stage 1's constraints, no objective)."""
     m, *_ = _build_stage1(classes, profile, cfg, usable_degrees(profile, cfg), None)
     m.h.run()
-    return _solved(m.h)
+    return solved(m.h)
 
 
 def plan_capacity(
@@ -329,7 +319,8 @@ def plan_capacity(
 
 def _infeasible(classes, cfg: PlannerConfig, fixed) -> CapacityPlan:
     """No configuration meets the SLOs: TP-1 instances on every GPU (or the pinned ones)."""
-    instances = dict(fixed) if fixed is not None else dict(enumerate_tp1(cfg.gpus_per_node))
+    tp1 = {(n, 1): g for n, g in enumerate(cfg.gpus_per_node)}
+    instances = dict(fixed) if fixed is not None else tp1
     return CapacityPlan(
         instances=instances,
         batch_tokens={},
@@ -341,117 +332,3 @@ def _infeasible(classes, cfg: PlannerConfig, fixed) -> CapacityPlan:
         utilisation={},
         feasible=False,
     )
-
-
-def enumerate_tp1(gpus_per_node: Sequence[int]):
-    return (((n, 1), g) for n, g in enumerate(gpus_per_node))
-
-
-# -- Stage 2 ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class SlotPlacement:
-    node: int
-    tp: int
-    gpus: tuple[int, ...]
-    keep: str | None = None  # the existing instance that stays in this slot, if any
-
-
-def plan_layout(
-    counts: Mapping[int, int],
-    gpus_per_node: Sequence[int],
-    existing: Sequence[InstanceSlot],
-    time_limit: float = 30.0,
-) -> list[SlotPlacement]:
-    """Stage 2: place R_d = counts[d] instances in node slots keeping most existing ones."""
-    import highspy
-
-    h = highspy.Highs()
-    h.silent()
-    h.setOptionValue("time_limit", time_limit)
-    nodes = range(len(gpus_per_node))
-    degrees = sorted(d for d, r in counts.items() if r > 0)
-    u, a = {}, {}
-    for n in nodes:
-        for d in degrees:
-            for slot in range(gpus_per_node[n] // d):
-                u[n, d, slot] = h.addBinary()
-                gpus = [h.addBinary() for _ in range(gpus_per_node[n])]
-                for g, var in enumerate(gpus):
-                    a[n, d, slot, g] = var
-                h.addConstr(highspy.qsum(gpus) == d * u[n, d, slot])
-                if slot:  # symmetry: slots of one (node, tp) fill in order
-                    h.addConstr(u[n, d, slot] <= u[n, d, slot - 1])
-        for g in range(gpus_per_node[n]):
-            on_gpu = [a[n, d, s, g] for d in degrees for s in range(gpus_per_node[n] // d)]
-            if on_gpu:
-                h.addConstr(highspy.qsum(on_gpu) <= 1)
-    for d in degrees:
-        h.addConstr(
-            highspy.qsum(u[n, d, s] for n in nodes for s in range(gpus_per_node[n] // d))
-            == counts[d]
-        )
-    keep = {}  # (instance, node, tp, slot) -> binary: the instance stays in that slot
-    for inst in existing:
-        if inst.tp not in degrees or inst.node not in nodes or len(inst.gpus) != inst.tp:
-            continue
-        choices = []
-        for slot in range(gpus_per_node[inst.node] // inst.tp):
-            var = h.addBinary()
-            keep[inst.instance_id, inst.node, inst.tp, slot] = var
-            choices.append(var)
-            h.addConstr(var <= u[inst.node, inst.tp, slot])
-            for g in inst.gpus:
-                h.addConstr(var <= a[inst.node, inst.tp, slot, g])
-        h.addConstr(highspy.qsum(choices) <= 1)
-    if keep:
-        h.maximize(highspy.qsum(keep.values()))
-    else:
-        h.run()
-    if not _solved(h):
-        raise ValueError(f"no placement of {dict(counts)} fits nodes with {gpus_per_node} GPUs")
-    kept = {(n, d, slot): rid for (rid, n, d, slot), var in keep.items() if h.val(var) > 0.5}
-    out = []
-    for (n, d, slot), var in u.items():
-        if h.val(var) > 0.5:
-            gpus = tuple(g for g in range(gpus_per_node[n]) if h.val(a[n, d, slot, g]) > 0.5)
-            out.append(SlotPlacement(n, d, gpus, kept.get((n, d, slot))))
-    return out
-
-
-def launch_order(
-    layout: Sequence[SlotPlacement],
-    existing: Sequence[InstanceSlot],
-    plan: CapacityPlan,
-    name_prefix: str,
-) -> Reconfiguration:
-    """Start new instances one at a time; before each, stop only the old ones in its way.
-
-    The next launch is always the one that needs the fewest running instances stopped, so
-    capacity is added before it is taken away; retired instances nobody's GPUs need stop last.
-    """
-    kept = {p.keep for p in layout if p.keep}
-    retiring = {i.instance_id: i for i in existing if i.instance_id not in kept}
-    owner = {(i.node, g): i.instance_id for i in retiring.values() for g in i.gpus}
-    pending = [p for p in layout if p.keep is None]
-    steps = []
-    while pending:
-
-        def blockers(p: SlotPlacement) -> set[str]:
-            return {owner[p.node, g] for g in p.gpus if (p.node, g) in owner}
-
-        nxt = min(pending, key=lambda p: (len(blockers(p)), p.node, p.gpus))
-        pending.remove(nxt)
-        stop = tuple(sorted(blockers(nxt)))
-        for rid in stop:
-            inst = retiring.pop(rid)
-            for g in inst.gpus:
-                del owner[inst.node, g]
-        # Stage 1's batch size is an operating point, not a cap: capping an instance at the
-        # small batch a light load favours starves it when load rises before the next round
-        spec = InstanceSpec(
-            f"{name_prefix}-n{nxt.node}-tp{nxt.tp}-g{nxt.gpus[0]}", nxt.node, nxt.tp, nxt.gpus
-        )
-        steps.append(LaunchStep(stop, spec))
-    return Reconfiguration(tuple(steps), tuple(sorted(retiring)), plan.counts())

@@ -13,15 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from dilaserve.control.decisions import Reconfiguration
+from dilaserve.control.layout import InstanceSlot, launch_order, plan_layout
 from dilaserve.control.monitor import WorkloadMonitor
-from dilaserve.control.planner import (
-    CapacityPlan,
-    InstanceSlot,
-    PlannerConfig,
-    launch_order,
-    plan_capacity,
-    plan_layout,
-)
+from dilaserve.control.planner import CapacityPlan, PlannerConfig, plan_capacity
 from dilaserve.control.profile import LatencyProfile
 from dilaserve.request import Request
 

@@ -25,8 +25,8 @@ import numpy as np
 
 from dilaserve.control.decisions import Decisions, SchedulerConfig, StepLaunch
 from dilaserve.control.features import state_matrix
+from dilaserve.control.layout import InstanceSlot
 from dilaserve.control.load_table import LoadTable
-from dilaserve.control.planner import InstanceSlot
 from dilaserve.control.policy import Migration, Placement, Policy
 from dilaserve.control.profile import Curve, LatencyProfile
 from dilaserve.control.reconfigure import Reconfigurer
