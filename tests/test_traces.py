@@ -1,27 +1,29 @@
-"""Saving, length tables and synthetic traces (dilaserve/sim/traces.py), on hand-checkable or
-seeded cases. Statistical bounds are loose (several standard deviations) and seeds are fixed,
-so these tests neither flake nor pass by luck."""
+"""Saving, length tables (dilaserve/sim/traces.py) and synthetic traces (sim/synthetic.py), on
+hand-checkable or seeded cases. Statistical bounds are loose (several standard deviations) and
+seeds are fixed, so these tests neither flake nor pass by luck."""
 
 import numpy as np
 import pytest
 
-from dilaserve.sim.traces import (
+from dilaserve.sim.synthetic import (
     DEFAULT_HOURLY_PROFILE,
+    diurnal_arrivals,
+    diurnal_rates,
+    gamma_arrivals,
+    load_hourly_profile,
+    paper_trace,
+    poisson_arrivals,
+    synthesize_trace,
+)
+from dilaserve.sim.traces import (
     SHAREGPT_FIRST_TURNS,
     SHAREGPT_LENGTHS,
     Trace,
-    diurnal_arrivals,
-    diurnal_rates,
     filter_lengths,
-    gamma_arrivals,
     length_stats,
-    load_hourly_profile,
     load_lengths,
     load_trace,
-    paper_trace,
-    poisson_arrivals,
     save_trace,
-    synthesize_trace,
 )
 
 

@@ -27,7 +27,7 @@ from dilaserve.control.reconfigure import Reconfigurer
 from dilaserve.control.scheduler import Scheduler, SchedulerConfig
 from dilaserve.protocol import StepKind
 from dilaserve.request import Request
-from dilaserve.sim import metrics, plots, traces
+from dilaserve.sim import metrics, plots, synthetic, traces
 from dilaserve.sim.behaviour import LLADA_GSM8K, ParametricBehaviour, QualityModel, ReplayBehaviour
 from dilaserve.sim.simulator import SimConfig, Simulator
 
@@ -84,7 +84,7 @@ def load_profile(spec: str) -> LatencyProfile:
 def make_trace(spec: SimulationSpec) -> traces.Trace:
     rng = np.random.default_rng(spec.seed)
     if spec.trace == "paper":
-        trace = traces.paper_trace(
+        trace = synthetic.paper_trace(
             seed=spec.seed,
             peak_rps=spec.peak_rps,
             minutes_per_hour=spec.minutes_per_hour,
@@ -95,8 +95,8 @@ def make_trace(spec: SimulationSpec) -> traces.Trace:
         prompt, output = traces.filter_lengths(
             *traces.load_first_turn_lengths(), block_len=spec.block_len
         )
-        arrivals = traces.poisson_arrivals(float(rate), float(seconds), rng)
-        trace = traces.synthesize_trace(arrivals, prompt, output, rng, source=spec.trace)
+        arrivals = synthetic.poisson_arrivals(float(rate), float(seconds), rng)
+        trace = synthetic.synthesize_trace(arrivals, prompt, output, rng, source=spec.trace)
     else:
         trace = traces.load_trace(spec.trace)
     if spec.duration is not None:
