@@ -171,7 +171,7 @@ def fig11(x: Experiments) -> None:
     for peak in (2.0, 4.0, 6.0, 8.0):
         spec = replace(x.base, peak_rps=peak)
         trace = make_trace(spec)
-        slo = slo_for(spec, profile, requests_from(trace, 32, None), tps[0.9])
+        slo = slo_for(spec, profile, requests_from(trace, 32), tps[0.9])
         window = 300.0 * x.base.minutes_per_hour / 5  # one compressed hour
         classes = workload_classes(trace, slo, 32, window, 1.1)
         plan = plan_capacity(classes, profile, cfg)

@@ -131,12 +131,14 @@ def slo_for(
     return spec.slo_multiple * float(np.mean(isolated))
 
 
-def requests_from(trace: traces.Trace, block: int, slo: float | None) -> list[Request]:
+def requests_from(trace: traces.Trace, block: int) -> list[Request]:
+    """The trace's requests, outputs rounded up to whole blocks; a per-request SLO in the trace
+    becomes its deadline (the others get the scheduler's)."""
     out = []
     for i in range(len(trace)):
         output = -(-max(int(trace.output_tokens[i]), 1) // block) * block
         arrival = float(trace.arrival[i])
-        own = float(trace.slo[i]) if trace.slo is not None else slo
+        own = float(trace.slo[i]) if trace.slo is not None else None
         out.append(
             Request(
                 f"r{i}",
@@ -169,7 +171,7 @@ def workload(spec: SimulationSpec, trace: traces.Trace, policy):
     prompt's lengths) with the predictor trained on those trajectories."""
     if not spec.behaviour.startswith("replay:"):
         behaviour = ParametricBehaviour(seed=spec.seed + 2)
-        requests = requests_from(trace, spec.block_len, None)
+        requests = requests_from(trace, spec.block_len)
         return behaviour, requests, make_predictor(spec, policy.predictor, trace)
     from dilaserve.config import BUNDLED_PREDICTOR
     from dilaserve.control.predictor import OraclePredictor, create_predictor
