@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from dilaserve.protocol import KVCacheMode, StepBatch
@@ -77,3 +78,35 @@ class Decisions:
     releases: tuple[tuple[str, str], ...] = ()  # (instance, request) whose state must go
     finished: tuple[str, ...] = ()
     reconfiguration: Reconfiguration | None = None
+
+
+class DecisionLog:
+    """The decisions a driver carried out, one line per event that decided anything, and
+    their digest. Two drivers that fed the scheduler the same events have equal logs: this is
+    what the simulator-runtime parity test compares."""
+
+    def __init__(self, keep_lines: bool = False):
+        self.lines: list[str] | None = [] if keep_lines else None
+        self._hash = hashlib.sha256()
+
+    def record(self, now: float, event: str, d: Decisions) -> None:
+        if not (d.launches or d.finished or d.releases or d.reconfiguration):
+            return
+        parts = [f"{now:.6f}", event]
+        for launch in d.launches:
+            items = ",".join(
+                f"{i.request_id}:{i.threshold}:{i.kind.value}" for i in launch.batch.items
+            )
+            parts.append(f"{launch.instance_id}[{items}]")
+        parts += [f"r{i}/{r}" for i, r in d.releases]
+        parts += [f"f{rid}" for rid in d.finished]
+        if d.reconfiguration is not None:
+            parts.append(f"plan{sorted(d.reconfiguration.target.items())}")
+        line = " ".join(parts)
+        self._hash.update(line.encode())
+        if self.lines is not None:
+            self.lines.append(line)
+
+    @property
+    def digest(self) -> str:
+        return self._hash.hexdigest()

@@ -5,25 +5,28 @@ completions on each instance, scheduler ticks, and instances coming up after the
 delay. Each goes to the `Scheduler`'s event API; its decisions come back as step launches, whose
 duration comes from the latency profile (the same table the scheduler predicts with, optionally
 with noise) and whose outcome comes from a behaviour model (`sim.behaviour`), and as cluster
-reconfigurations, carried out as the planner ordered: before each launch the instances in the
-way are drained (their running step finishes, their requests move on) and removed, then the new
-instance loads for `startup_delay` seconds before it takes work.
+reconfigurations, carried out by the same `Rollout` as the cluster runtime: before each launch the
+instances in the way are drained and removed, then the new instance loads for `startup_delay`
+seconds before it takes work.
 
 Nothing here reads a clock or draws a random number outside the seeded generators, so the same
-inputs give the same decisions; `SimResult.decision_digest` fingerprints every decision.
+inputs give the same decisions; `SimResult.decision_digest` fingerprints every decision
+(`DecisionLog`). A `durations` callable may replace the latency profile, and a recorded
+behaviour the parametric one: fed a cluster run's recorded step outcomes and durations, the
+simulator makes that run's decisions (`sim.replay`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import heapq
-from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from dilaserve.control.decisions import Decisions, InstanceSpec, Reconfiguration
+from dilaserve.control.decisions import DecisionLog, Decisions, InstanceSpec
 from dilaserve.control.profile import LatencyProfile
+from dilaserve.control.rollout import Rollout
 from dilaserve.control.scheduler import Scheduler
 from dilaserve.protocol import KVCacheMode, StepBatch, StepKind, StepOutput
 from dilaserve.request import Request
@@ -64,27 +67,25 @@ class Simulator:
         behaviour,
         instances: list[InstanceSpec],
         config: SimConfig = SimConfig(),
+        durations: Callable[[str, StepBatch, float], float] | None = None,
+        log: DecisionLog | None = None,
     ):
         self.scheduler = scheduler
         self.profile = profile
         self.behaviour = behaviour
         self.config = config
+        self.durations = durations or self._profile_duration
+        self.log = log or DecisionLog()
         self.rng = np.random.default_rng(config.seed)
+        self.rollout = Rollout(scheduler, self, config.max_batch_tokens)
         self._heap: list = []
         self._seq = 0
         self._running: dict[str, StepBatch] = {}  # instance -> batch in flight
-        self._plan: deque = deque()  # launch steps of the reconfiguration in progress
-        self._stop_after: tuple[str, ...] = ()
-        self._blocked: set[str] = set()  # instances to remove before the next launch
-        self._next_start: InstanceSpec | None = None
-        self._starting: InstanceSpec | None = None
-        self._hash = hashlib.sha256()
         self._done: list[Request] = []
         self.instance_log: list[tuple[float, dict[int, int]]] = []
         self.queue_log: list[tuple[float, int]] = []
-        self.reconfigurations: list[dict] = []
         for spec in instances:
-            self._add(spec, 0.0)
+            self.rollout.add(spec, 0.0)
 
     # -- the event loop ----------------------------------------------------------------------
 
@@ -107,7 +108,7 @@ class Simulator:
                 break
             events += 1
             if kind == ARRIVAL:
-                self._apply(self.scheduler.on_arrival(payload, now), now, f"a{payload.request_id}")
+                self.apply(self.scheduler.on_arrival(payload, now), now, f"a{payload.request_id}")
                 pending = next(arrivals, None)
                 if pending is not None:
                     self._push(pending.arrival_time, ARRIVAL, pending)
@@ -115,25 +116,22 @@ class Simulator:
                 self._step_done(payload, now)
             elif kind == TICK:
                 self.queue_log.append((now, len(self.scheduler._ready)))
-                self._apply(self.scheduler.on_tick(now), now, "t")
+                self.apply(self.scheduler.on_tick(now), now, "t")
                 if progress is not None:
                     progress(now, len(self._done), total)
-                if pending is not None or self.scheduler.requests or self._plan:
+                if pending is not None or self.scheduler.requests or self.rollout.active:
                     self._push(now + self.config.tick, TICK, None)
             else:  # INSTANCE_UP
-                self._starting = None
-                self._add(payload, now)
-                self._apply(self.scheduler.on_tick(now), now, f"u{payload.instance_id}")
-                self._advance_plan(now)
+                self.rollout.on_up(payload, now)
         return SimResult(
             self._done,
             list(self._unfinished.values()),
             self.instance_log,
             self.queue_log,
-            self._hash.hexdigest(),
+            self.log.digest,
             events,
             now,
-            self.reconfigurations,
+            self.rollout.log,
         )
 
     def _step_done(self, instance_id: str, now: float) -> None:
@@ -144,38 +142,38 @@ class Simulator:
             for i in batch.items
         )
         output = StepOutput(results, 0)
-        self._apply(self.scheduler.on_step_done(instance_id, output, now), now, f"d{instance_id}")
-        if instance_id in self._blocked and self.scheduler.is_idle(instance_id):
-            self._remove(instance_id, now)
+        self.apply(self.scheduler.on_step_done(instance_id, output, now), now, f"d{instance_id}")
+        self.rollout.on_step_done(instance_id, now)
 
-    # -- decisions ---------------------------------------------------------------------------
+    # -- the driver's side of the control plane (also what `Rollout` calls) ------------------
 
-    def _apply(self, d: Decisions, now: float, event: str) -> None:
-        h = self._hash
-        h.update(f"{now:.6f}{event}".encode())
+    def apply(self, d: Decisions, now: float, event: str) -> None:
+        self.log.record(now, event, d)
         for launch in d.launches:
-            h.update(launch.instance_id.encode())
-            for item in launch.batch.items:
-                h.update(f"{item.request_id}:{item.threshold}:{item.kind.value}".encode())
             self._running[launch.instance_id] = launch.batch
-            self._push(
-                now + self._duration(launch.instance_id, launch.batch),
-                STEP_DONE,
-                launch.instance_id,
-            )
+            seconds = self.durations(launch.instance_id, launch.batch, now)
+            self._push(now + seconds, STEP_DONE, launch.instance_id)
         for rid in d.finished:
             self._finish(rid)
         if d.reconfiguration is not None:
-            self._begin(d.reconfiguration, now)
+            self.rollout.begin(d.reconfiguration, now)
+
+    def start_instance(self, spec: InstanceSpec, now: float) -> None:
+        self._push(now + self.config.startup_delay, INSTANCE_UP, spec)
+
+    def instance_added(self, spec: InstanceSpec, now: float) -> None:
+        self._log_instances(now)
+
+    def instance_removed(self, instance_id: str, now: float) -> None:
+        self._log_instances(now)
 
     def _finish(self, rid: str) -> None:
-        self._hash.update(f"f{rid}".encode())
         forget = getattr(self.behaviour, "forget", None)
         if forget is not None:
             forget(rid)
         self._done.append(self._unfinished.pop(rid))  # the request object carries the record
 
-    def _duration(self, instance_id: str, batch: StepBatch) -> float:
+    def _profile_duration(self, instance_id: str, batch: StepBatch, now: float) -> float:
         inst = self.scheduler.instances[instance_id]
         full_kind = (
             StepKind.FULL
@@ -196,56 +194,8 @@ class Simulator:
             seconds *= float(self.rng.lognormal(0.0, self.config.latency_noise))
         return seconds
 
-    # -- instances and reconfiguration ---------------------------------------------------------
-
-    def _add(self, spec: InstanceSpec, now: float) -> None:
-        limit = spec.max_batch_tokens or self.config.max_batch_tokens
-        self.scheduler.add_instance(spec.instance_id, spec.tp, limit, spec.node, spec.gpus)
-        self._log_instances(now)
-
-    def _remove(self, instance_id: str, now: float) -> None:
-        self._blocked.discard(instance_id)
-        self._apply(self.scheduler.remove_instance(instance_id, now), now, f"r{instance_id}")
-        self._log_instances(now)
-        self._advance_plan(now)
-
     def _log_instances(self, now: float) -> None:
         counts: dict[int, int] = {}
         for inst in self.scheduler.instances.values():
             counts[inst.tp] = counts.get(inst.tp, 0) + 1
         self.instance_log.append((now, dict(sorted(counts.items()))))
-
-    def _begin(self, plan: Reconfiguration, now: float) -> None:
-        if self._plan or self._starting or self._blocked:
-            return  # one reconfiguration at a time; the planner will ask again next round
-        self.reconfigurations.append({"time": now, "target": plan.target})
-        self._plan = deque(plan.steps)
-        self._stop_after = plan.stop_after
-        self._advance_plan(now)
-
-    def _stop_all(self, instance_ids, now: float) -> None:
-        """Drain the instances, removing each once its running step is done."""
-        live = [i for i in instance_ids if i in self.scheduler.instances]
-        self._blocked.update(live)
-        for instance_id in live:
-            self._apply(self.scheduler.drain_instance(instance_id, now), now, f"s{instance_id}")
-        for instance_id in live:
-            if instance_id in self._blocked and self.scheduler.is_idle(instance_id):
-                self._remove(instance_id, now)
-
-    def _advance_plan(self, now: float) -> None:
-        """Start the next planned instance once nothing is loading and its GPUs are free."""
-        if self._starting is not None or self._blocked:
-            return
-        if self._next_start is None:
-            if not self._plan:
-                stops, self._stop_after = self._stop_after, ()
-                self._stop_all(stops, now)
-                return
-            step = self._plan.popleft()
-            self._next_start = step.start
-            self._stop_all(step.stop, now)  # the last removal comes back here and launches
-            if self._blocked or self._starting is not None:
-                return
-        self._starting, self._next_start = self._next_start, None
-        self._push(now + self.config.startup_delay, INSTANCE_UP, self._starting)
