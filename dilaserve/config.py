@@ -10,6 +10,7 @@ from dilaserve.protocol import KVCacheMode
 ASSETS = Path(__file__).resolve().parent / "assets"
 BUNDLED_MODEL = ASSETS / "tiny-llada"  # the small dLLM this project trains and ships
 BUNDLED_PREDICTOR = ASSETS / "tiny-llada-predictor"  # its step predictor
+BUNDLED_PROFILE = ASSETS / "tiny-llada-profile.json"  # its latency on a 2-core CPU (TP 1)
 DEFAULT_BLOCK_LEN = 32
 DEFAULT_THRESHOLD = 0.9
 DTYPES = ("float32", "bfloat16", "float16")

@@ -65,6 +65,21 @@ class Request:
         self.prompt_len = len(self.prompt_ids)
         self.num_tokens = self.prompt_len + self.gen_len
 
+    def fresh(self) -> Request:
+        """A copy as admitted: the same identity, lengths, threshold, timing and priority, and
+        no progress."""
+        return Request(
+            self.request_id,
+            self.prompt_ids,
+            self.gen_len,
+            self.block_len,
+            self.mask_id,
+            self.threshold,
+            self.arrival_time,
+            self.deadline,
+            self.priority,
+        )
+
     @property
     def num_blocks(self) -> int:
         return self.gen_len // self.block_len

@@ -198,7 +198,9 @@ class Scheduler:
         inst.busy = False
         finished, predicted = [], []
         for result in output.results:
-            t = self.requests[result.request_id]
+            t = self.requests.get(result.request_id)
+            if t is None:
+                continue  # cancelled while its step ran
             t.request.apply(result, now)
             if t.request.is_finished:
                 finished.append(result.request_id)
@@ -213,6 +215,31 @@ class Scheduler:
         self._load.count_step(predicted)
         decisions = self._schedule(now, load_changed=bool(finished))
         return Decisions(decisions.launches, decisions.releases, tuple(finished))
+
+    def cancel(self, request_id: str) -> Decisions:
+        """Stop scheduling a request (it failed, or its client went away); the instance
+        holding its state is told to drop it. A step of it that is running is ignored."""
+        t = self.requests.pop(request_id)
+        t.request.status = RequestStatus.FAILED
+        self._load.remove(request_id)
+        if request_id in self._ready:
+            self._ready.remove(request_id)
+        inst = self.instances.get(t.instance) if t.instance is not None else None
+        self._move(t, None)
+        if inst is None:
+            return Decisions()
+        if request_id in inst.pending:
+            i = inst.pending.index(request_id)
+            kind = inst.pending_kinds.pop(i)
+            del inst.pending[i]
+            if kind is StepKind.CACHE:
+                inst.pending_cache -= self.config.block_len
+            else:
+                inst.pending_full -= t.request.num_tokens
+        if request_id not in inst.holds:
+            return Decisions()
+        inst.holds.discard(request_id)
+        return Decisions(releases=((inst.instance_id, request_id),))
 
     def on_tick(self, now: float) -> Decisions:
         """Periodic: retry deferred requests; every planning period, maybe reconfigure."""

@@ -1,0 +1,197 @@
+"""Where instances run: worker processes on this machine (`local`) or Ray actors (`ray`).
+
+A backend starts and stops instances and carries step commands to them; what comes back is a
+stream of `WorkerEvent`s that the runtime reads with `poll`. It never blocks on one instance:
+commands are sent without waiting, and `poll` returns whatever any instance has finished.
+
+- "up": the instance has loaded its model and takes work;
+- "done": a step finished (`output`, and `seconds` the engine took, measured in the worker);
+- "failed": a step raised (its requests fail; the instance lives on), or loading failed;
+- "died": the instance's process is gone (killed, crashed, out of memory).
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from multiprocessing import Pipe
+from multiprocessing.connection import wait
+from typing import Protocol
+
+from dilaserve.cluster.worker import WorkerConfig
+from dilaserve.control.decisions import InstanceSpec
+from dilaserve.protocol import StepBatch, StepOutput
+
+
+@dataclass(frozen=True)
+class WorkerEvent:
+    kind: str  # "up" | "done" | "failed" | "died"
+    instance_id: str
+    output: StepOutput | None = None
+    seconds: float = 0.0
+    error: str = ""
+
+
+class Backend(Protocol):
+    def start(self, spec: InstanceSpec) -> None:
+        """Begin loading an instance; an "up" (or "failed"/"died") event follows."""
+        ...
+
+    def step(self, instance_id: str, batch: StepBatch) -> None:
+        """Send a step without waiting; a "done" (or "failed"/"died") event follows."""
+        ...
+
+    def release(self, instance_id: str, request_ids: list[str]) -> None: ...
+
+    def stop(self, instance_id: str) -> None:
+        """Shut an instance down (no event follows)."""
+        ...
+
+    def kill(self, instance_id: str) -> None:
+        """Kill an instance's processes abruptly, as a crash would (fault tests)."""
+        ...
+
+    def poll(self, timeout: float) -> list[WorkerEvent]:
+        """Events that are ready, waiting at most `timeout` seconds for the first."""
+        ...
+
+    def wake(self) -> None:
+        """Make a `poll` in progress return now (thread-safe)."""
+        ...
+
+    def shutdown(self) -> None: ...
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class _Gang:
+    processes: list[subprocess.Popen]
+    conns: list  # controller ends of each rank's socket; rank 0 answers
+    dead: bool = False
+
+
+class LocalBackend:
+    """Each rank of each instance is a process on this machine, fed through a socket pair.
+
+    A process that dies closes its socket, which `poll` sees as end-of-file.
+    """
+
+    def __init__(self, worker: WorkerConfig):
+        self.worker = worker
+        self._gangs: dict[str, _Gang] = {}
+        self._wake_r, self._wake_w = Pipe(duplex=False)
+        self._wake_lock = threading.Lock()
+
+    def start(self, spec: InstanceSpec) -> None:
+        if spec.instance_id in self._gangs:
+            raise ValueError(f"instance {spec.instance_id} is already running")
+        address = f"127.0.0.1:{free_port()}"
+        processes, conns = [], []
+        for rank in range(spec.tp):
+            ours, theirs = Pipe()
+            fd = theirs.fileno()
+            command = [sys.executable, "-m", "dilaserve.cluster.worker", str(fd)]
+            processes.append(subprocess.Popen(command, pass_fds=(fd,)))
+            theirs.close()
+            ours.send(("init", self.worker, rank, spec.tp, address, spec.gpus))
+            conns.append(ours)
+        self._gangs[spec.instance_id] = _Gang(processes, conns)
+
+    def step(self, instance_id: str, batch: StepBatch) -> None:
+        self._send(instance_id, ("step", batch))
+
+    def release(self, instance_id: str, request_ids: list[str]) -> None:
+        self._send(instance_id, ("release", list(request_ids)))
+
+    def _send(self, instance_id: str, command) -> None:
+        gang = self._gangs.get(instance_id)
+        if gang is None or gang.dead:
+            return  # its death is (or will be) reported by poll
+        for conn in gang.conns:
+            try:
+                conn.send(command)
+            except (BrokenPipeError, OSError):
+                gang.dead = True  # poll reports it
+
+    def stop(self, instance_id: str, timeout: float = 10.0) -> None:
+        gang = self._gangs.pop(instance_id, None)
+        if gang is None:
+            return
+        for conn in gang.conns:
+            try:
+                conn.send(("stop",))
+            except (BrokenPipeError, OSError):
+                pass
+        for p in gang.processes:
+            try:
+                p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for conn in gang.conns:
+            conn.close()
+
+    def kill(self, instance_id: str) -> None:
+        for p in self._gangs[instance_id].processes:
+            p.kill()
+
+    def wake(self) -> None:
+        with self._wake_lock:
+            self._wake_w.send_bytes(b"w")
+
+    def poll(self, timeout: float) -> list[WorkerEvent]:
+        waitables = [self._wake_r]
+        for gang in self._gangs.values():
+            waitables += gang.conns
+        ready = set(wait(waitables, max(timeout, 0.0)))
+        while self._wake_r in ready and self._wake_r.poll():
+            self._wake_r.recv_bytes()
+        events = []
+        for instance_id, gang in list(self._gangs.items()):
+            events += self._read(instance_id, gang)
+            if gang.dead or any(p.poll() is not None for p in gang.processes):
+                events.append(self._bury(instance_id, gang))
+        return events
+
+    def _read(self, instance_id: str, gang: _Gang) -> list[WorkerEvent]:
+        """Rank 0's answers; end-of-file on any rank's socket means that rank is gone."""
+        events = []
+        try:
+            for conn in gang.conns[1:]:
+                if conn.poll():
+                    conn.recv()  # ranks > 0 never write: this raises EOFError
+            while gang.conns[0].poll():
+                message = gang.conns[0].recv()
+                if message[0] == "up":
+                    events.append(WorkerEvent("up", instance_id))
+                elif message[0] == "done":
+                    events.append(WorkerEvent("done", instance_id, message[1], message[2]))
+                else:
+                    events.append(WorkerEvent("failed", instance_id, error=message[1]))
+        except (EOFError, OSError):
+            gang.dead = True
+        return events
+
+    def _bury(self, instance_id: str, gang: _Gang) -> WorkerEvent:
+        """A rank is gone: the rest of its gang cannot go on (their collectives would hang)."""
+        del self._gangs[instance_id]
+        codes = []
+        for p in gang.processes:
+            if p.poll() is None:
+                p.kill()
+            codes.append(p.wait())
+        for conn in gang.conns:
+            conn.close()
+        return WorkerEvent("died", instance_id, error=f"worker processes exited with {codes}")
+
+    def shutdown(self) -> None:
+        for instance_id in list(self._gangs):
+            self.stop(instance_id)

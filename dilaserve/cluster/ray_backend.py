@@ -1,0 +1,236 @@
+"""Instances as Ray actors: the same `Backend` as `LocalBackend`, on one machine or a cluster.
+
+Every rank of an instance is an actor holding an `InstanceWorker`. A gang of d ranks reserves d
+bundles (a GPU each when the engine runs on cuda) in one STRICT_PACK placement group, so Ray keeps
+it on one node: its ranks all-reduce inside every layer, and the planner sizes gangs by the GPUs
+of one node. Ray, not the planner, picks the node and the GPUs (it sets each actor's
+CUDA_VISIBLE_DEVICES), so `spec.node` and `spec.gpus` are not used here. A gang whose resources no
+node has stays loading: Ray waits for them.
+
+Nothing blocks, as in `LocalBackend`: `start`, `step` and `release` submit actor calls and return,
+and `poll` turns the calls that finished into events. Every call goes to every rank, since the
+row-parallel all-reduces need them all, and each rank's reply is watched, because a rank waiting
+in an all-reduce on a dead peer never answers; only rank 0 returns an output. A sequential actor
+runs its calls in submission order, so replies are read in that order too.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+try:
+    import ray
+    from ray.exceptions import RayError, RayTaskError
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+except ImportError as e:  # an optional dependency
+    raise ImportError("the Ray backend needs ray: pip install 'dilaserve[ray]'") from e
+
+from dilaserve.cluster.backends import WorkerEvent, free_port
+from dilaserve.cluster.worker import InstanceWorker, WorkerConfig
+from dilaserve.control.decisions import InstanceSpec
+from dilaserve.protocol import StepBatch, StepOutput
+
+# ray.wait cannot also wait on a threading.Event, so poll waits in slices this long and checks
+# for a wake between them.
+WAIT_SLICE = 0.01
+# An idle instance has no call in flight to fail if its actors die; poll pings its ranks once
+# this many seconds have passed without a reply, so that a death is still seen.
+HEARTBEAT = 1.0
+
+
+class _Rank:
+    """One rank: loads its shard when told (so that a loading error is a reply, not a dead
+    actor) and runs the steps it is sent."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.worker: InstanceWorker | None = None
+
+    def rendezvous(self) -> str:
+        """Rank 0: "ip:port" on its node where the gang's process group meets."""
+        return f"{ray.util.get_node_ip_address()}:{free_port()}"
+
+    def load(self, config: WorkerConfig, size: int, address: str) -> None:
+        self.worker = InstanceWorker(config, self.rank, size, address)
+
+    def step(self, batch: StepBatch) -> tuple[StepOutput, float] | None:
+        """Rank 0 answers; every other rank computed the same output (or error), kept here."""
+        try:
+            output = self.worker.step(batch)
+        except Exception:
+            if self.rank == 0:
+                raise
+            return None
+        return output if self.rank == 0 else None
+
+    def release(self, request_ids: list[str]) -> None:
+        self.worker.release(request_ids)
+
+    def ping(self) -> None:
+        pass
+
+
+_RankActor = ray.remote(_Rank)
+
+
+@dataclass
+class _Gang:
+    group: object  # its placement group
+    actors: list  # one per rank
+    calls: deque = field(default_factory=deque)  # (kind, a ref per rank), oldest first
+    heard: float = field(default_factory=time.monotonic)  # when every rank last replied
+
+
+class RayBackend:
+    """Each rank of each instance is a Ray actor; a gang shares one placement group."""
+
+    def __init__(self, worker: WorkerConfig, address: str | None = None, cpus_per_rank: float = 1.0):
+        self.worker = worker
+        self.cpus_per_rank = cpus_per_rank
+        self._gpus = 1 if worker.engine.device.startswith("cuda") else 0
+        self._gangs: dict[str, _Gang] = {}
+        self._woken = threading.Event()
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
+            if address:
+                ray.init(address=address)
+            else:
+                ray.init(include_dashboard=False)
+
+    def start(self, spec: InstanceSpec) -> None:
+        if spec.instance_id in self._gangs:
+            raise ValueError(f"instance {spec.instance_id} is already running")
+        bundle = {"CPU": self.cpus_per_rank} | ({"GPU": self._gpus} if self._gpus else {})
+        group = placement_group([bundle] * spec.tp, strategy="STRICT_PACK")
+        actors = [
+            _RankActor.options(
+                num_cpus=self.cpus_per_rank,
+                num_gpus=self._gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    group, placement_group_bundle_index=rank
+                ),
+            ).remote(rank)
+            for rank in range(spec.tp)
+        ]
+        # Ray resolves the address before running the other ranks' loads: nothing waits here.
+        address = actors[0].rendezvous.remote() if spec.tp > 1 else ""
+        gang = _Gang(group, actors)
+        gang.calls.append(("load", [a.load.remote(self.worker, spec.tp, address) for a in actors]))
+        self._gangs[spec.instance_id] = gang
+
+    def step(self, instance_id: str, batch: StepBatch) -> None:
+        gang = self._gangs.get(instance_id)
+        if gang is not None:  # else it is gone, and poll has said so
+            gang.calls.append(("step", [a.step.remote(batch) for a in gang.actors]))
+
+    def release(self, instance_id: str, request_ids: list[str]) -> None:
+        gang = self._gangs.get(instance_id)
+        if gang is not None:
+            for actor in gang.actors:
+                actor.release.remote(list(request_ids))
+
+    def stop(self, instance_id: str) -> None:
+        gang = self._gangs.pop(instance_id, None)
+        if gang is not None:
+            _tear_down(gang)
+
+    def kill(self, instance_id: str) -> None:
+        """Kill the actors and leave the rest to `poll`, as if they had crashed."""
+        gang = self._gangs[instance_id]
+        for actor in gang.actors:
+            ray.kill(actor, no_restart=True)
+        gang.heard = float("-inf")  # the next poll pings an idle gang at once
+
+    def wake(self) -> None:
+        self._woken.set()
+
+    def poll(self, timeout: float) -> list[WorkerEvent]:
+        deadline = time.monotonic() + max(timeout, 0.0)
+        while True:
+            self._ping_idle()
+            refs = [ref for gang in self._gangs.values() for _, rs in gang.calls for ref in rs]
+            left = max(deadline - time.monotonic(), 0.0)
+            if refs:
+                if ray.wait(refs, num_returns=1, timeout=min(left, WAIT_SLICE))[0]:
+                    break
+            elif self._woken.wait(min(left, HEARTBEAT)):
+                break
+            if self._woken.is_set() or left == 0.0:
+                break
+        self._woken.clear()
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) if refs else set()
+        events = []
+        for instance_id, gang in list(self._gangs.items()):
+            events += self._collect(instance_id, gang, ready)
+        return events
+
+    def _ping_idle(self) -> None:
+        now = time.monotonic()
+        for gang in self._gangs.values():
+            if not gang.calls and now - gang.heard > HEARTBEAT:
+                gang.calls.append(("ping", [a.ping.remote() for a in gang.actors]))
+
+    def _collect(self, instance_id: str, gang: _Gang, ready: set) -> list[WorkerEvent]:
+        """Events for the gang's finished calls, in order; "died" once any rank is gone (even
+        behind a call still running: its other ranks may be stuck waiting for that one)."""
+        replies = {ref: _reply(ref) for _, refs in gang.calls for ref in refs if ref in ready}
+        deaths = [e for _, e in replies.values() if e is not None and _is_death(e)]
+        events = []
+        while not deaths and gang.calls and all(ref in replies for ref in gang.calls[0][1]):
+            kind, refs = gang.calls.popleft()
+            gang.heard = time.monotonic()
+            (value, error), *others = [replies[ref] for ref in refs]
+            error = error or next((e for _, e in others if e is not None), None)
+            if kind == "load" and error is not None:  # the gang is of no use: as a local
+                events.append(WorkerEvent("failed", instance_id, error=_describe(error)))
+                return events + [self._bury(instance_id, "loading failed")]
+            if kind == "load":
+                events.append(WorkerEvent("up", instance_id))
+            elif kind == "step" and error is not None:
+                events.append(WorkerEvent("failed", instance_id, error=_describe(error)))
+            elif kind == "step":
+                events.append(WorkerEvent("done", instance_id, value[0], value[1]))
+        if deaths:
+            events.append(self._bury(instance_id, _describe(deaths[0])))
+        return events
+
+    def _bury(self, instance_id: str, reason: str) -> WorkerEvent:
+        """A rank is gone: the rest of its gang cannot go on (their collectives would hang)."""
+        _tear_down(self._gangs.pop(instance_id))
+        return WorkerEvent("died", instance_id, error=reason)
+
+    def shutdown(self) -> None:
+        for instance_id in list(self._gangs):
+            self.stop(instance_id)
+        if self._owns_ray:
+            ray.shutdown()
+
+
+def _tear_down(gang: _Gang) -> None:
+    for actor in gang.actors:
+        ray.kill(actor, no_restart=True)
+    remove_placement_group(gang.group)
+
+
+def _reply(ref) -> tuple[object, RayError | None]:
+    """A finished call's (value, None), or (None, the error it ended with)."""
+    try:
+        return ray.get(ref), None
+    except RayError as e:
+        return None, e
+
+
+def _is_death(error: RayError) -> bool:
+    """A task error is the engine's exception; every other Ray error means a rank is gone
+    (its actor, worker process or node died)."""
+    return not isinstance(error, RayTaskError)
+
+
+def _describe(error: RayError) -> str:
+    cause = error.cause if isinstance(error, RayTaskError) else error
+    first_line = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+    return f"{type(cause).__name__}: {first_line}"

@@ -1,0 +1,475 @@
+"""The cluster runtime: the control plane driven by the wall clock and real model instances.
+
+`Cluster` owns a scheduler (`control.build`), a backend of model instances (`backends`), and
+one controller thread. The thread turns what happens into the scheduler's events, one at a
+time and each at its own clock reading: requests submitted from any thread (`on_arrival`),
+steps that instances report done (`on_step_done`), ticks every `tick` seconds (`on_tick`:
+deferred requests, planner rounds) and instances coming up or dying. It carries out the
+decisions: step commands to instances (sent without waiting, so steps on different instances
+overlap), releases, finished requests, and reconfigurations through the same `Rollout` as the
+simulator. The clock starts at zero once the initial instances are up.
+
+Because the simulator drives the same scheduler and rollout, a run here, recorded
+(`Recording`: each admitted request, each launch with its clock times and outcome), replays in
+the simulator to the same decision log (`sim.replay`); that parity is tested.
+
+Faults: if an instance's process dies, its requests continue elsewhere from their last
+committed tokens (the step it was running is lost), the failure is counted and logged, and a
+replacement with the same GPUs is started (`replace_failed`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from dilaserve.cluster.backends import Backend, LocalBackend, WorkerEvent
+from dilaserve.cluster.worker import WorkerConfig
+from dilaserve.config import DEFAULT_THRESHOLD
+from dilaserve.control.build import ControlSpec, build_scheduler
+from dilaserve.control.decisions import DecisionLog, Decisions, InstanceSpec
+from dilaserve.control.rollout import Rollout
+from dilaserve.protocol import RequestStepResult, StepBatch, StepOutput
+from dilaserve.request import Request
+
+log = logging.getLogger("dilaserve.cluster")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    control: ControlSpec = field(default_factory=ControlSpec)
+    instances: tuple[int, ...] = (1, 1)  # the TP degree of each instance at start
+    gpus_per_node: int | None = None  # None: every instance's GPUs on one node
+    backend: str = "local"  # "local" | "ray"
+    ray_address: str | None = None
+    tick: float = 0.5  # seconds between scheduler ticks
+    max_tokens: int = 64  # the output window of requests that name none
+    max_batch_tokens: int = 8192  # per instance and step
+    replace_failed: bool = True
+    start_timeout: float = 300.0  # seconds to wait for the initial instances to load
+    record: bool = False  # keep a `Recording` (for replay in the simulator)
+
+    def __post_init__(self):
+        if not self.instances or min(self.instances) < 1:
+            raise ValueError(f"{self.instances=} must list at least one TP degree >= 1")
+        if self.backend not in ("local", "ray"):
+            raise ValueError(f"{self.backend=} must be 'local' or 'ray'")
+        if self.tick <= 0:
+            raise ValueError(f"{self.tick=} must be positive")
+
+    def initial_specs(self) -> list[InstanceSpec]:
+        """Instances laid out in order over nodes of `gpus_per_node` GPUs."""
+        per_node = self.gpus_per_node or sum(self.instances)
+        specs, node, used = [], 0, 0
+        for k, tp in enumerate(self.instances):
+            if used + tp > per_node:
+                node, used = node + 1, 0
+            gpus = tuple(range(used, used + tp))
+            specs.append(InstanceSpec(f"i{k}", node, tp, gpus, self.max_batch_tokens))
+            used += tp
+        return specs
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    num_steps: int
+    latency: float  # seconds from submission to the last step
+    first_block_latency: float | None
+    mean_threshold: float
+    met_slo: bool
+
+
+class RequestHandle:
+    """A submitted request: a future of its `RequestResult`, and its committed text as it
+    grows (iterate it, or `async for` over it). Deltas are text whose every token and every
+    token before it is committed, in order."""
+
+    def __init__(self, request: Request, submitted: float):
+        self.request = request
+        self.submitted = submitted
+        self.future: concurrent.futures.Future[RequestResult] = concurrent.futures.Future()
+        self._deltas: queue.SimpleQueue = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._async: asyncio.Queue | None = None
+        try:  # submitted from an event loop: stream to it without blocking a thread
+            self._loop = asyncio.get_running_loop()
+            self._async = asyncio.Queue()
+        except RuntimeError:
+            pass
+        self.sent_tokens = 0  # committed-prefix tokens already streamed
+        self.sent_text = ""
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def result(self, timeout: float | None = None) -> RequestResult:
+        return self.future.result(timeout)
+
+    def _push(self, item) -> None:
+        self._deltas.put(item)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._async.put_nowait, item)
+
+    def __iter__(self):
+        while (item := self._deltas.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    async def __aiter__(self):
+        if self._async is None:
+            raise RuntimeError("async iteration needs the request submitted from an event loop")
+        while (item := await self._async.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+
+@dataclass
+class Recording:
+    """What a run did, for replay in the simulator: each request as admitted, and each step
+    launch with the clock at launch and at completion and what the step committed."""
+
+    requests: list[Request] = field(default_factory=list)  # fresh copies, as admitted
+    launches: list[tuple[str, float, float, tuple[RequestStepResult, ...]]] = field(
+        default_factory=list
+    )
+
+
+class Cluster:
+    def __init__(self, config: ClusterConfig = ClusterConfig(), backend: Backend | None = None):
+        from dilaserve.models.config import LLaDAConfig
+        from dilaserve.models.tokenizer import Tokenizer
+
+        self.config = config
+        model = Path(config.worker.model)
+        self.model_config = LLaDAConfig.from_file(model / "config.json")
+        self.tokenizer = Tokenizer(model, self.model_config)
+        self.scheduler = build_scheduler(config.control)
+        self.block_len = config.control.scheduler.block_len
+        if config.worker.engine.block_len != self.block_len:
+            raise ValueError(
+                f"engine block_len={config.worker.engine.block_len} differs from the "
+                f"scheduler's block_len={self.block_len}"
+            )
+        self.backend = backend or _make_backend(config)
+        self.rollout = Rollout(self.scheduler, self, config.max_batch_tokens)
+        self.log = DecisionLog(keep_lines=config.record)
+        self.recording = Recording() if config.record else None
+        self.stats = {"failures": 0, "failed_steps": 0, "migrations": 0, "reconfigurations": 0}
+        self.step_times: list[tuple[float, float]] = []  # (round trip, engine seconds)
+        self.instance_log: list[tuple[float, dict[int, int]]] = []
+        self._handles: dict[str, RequestHandle] = {}
+        self._specs: dict[str, InstanceSpec] = {}  # starting or running
+        self._inflight: dict[str, tuple[float, StepBatch]] = {}
+        self._arrivals: deque[RequestHandle] = deque()
+        self._events: deque[WorkerEvent] = deque()
+        self._lock = threading.Lock()
+        self._closing = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._t0 = 0.0
+        self._last = 0.0
+        self._next_id = 0
+        self._replacements = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> Cluster:
+        """Load the initial instances (waiting until all are up), then start serving."""
+        specs = self.config.initial_specs()
+        for spec in specs:
+            self.backend.start(spec)
+        waiting = {s.instance_id for s in specs}
+        deadline = time.monotonic() + self.config.start_timeout
+        while waiting:
+            if time.monotonic() > deadline:
+                self.backend.shutdown()
+                raise TimeoutError(f"instances {sorted(waiting)} did not load in time")
+            for event in self.backend.poll(0.5):
+                if event.kind != "up":
+                    self.backend.shutdown()
+                    raise RuntimeError(f"instance {event.instance_id} failed: {event.error}")
+                waiting.discard(event.instance_id)
+        self._t0 = time.perf_counter()
+        for spec in specs:
+            self._specs[spec.instance_id] = spec
+            self.rollout.add(spec, 0.0)
+        self._next_tick = self.config.tick
+        self._thread = threading.Thread(target=self._run, name="dilaserve-controller", daemon=True)
+        self._thread.start()
+        log.info("cluster up: %d instances %s", len(specs), [s.tp for s in specs])
+        return self
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop serving; requests still in flight fail with an error."""
+        self._closing.set()
+        self.backend.wake()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        error = RuntimeError("the cluster shut down before the request finished")
+        for handle in list(self._handles.values()):
+            self._fail(handle, error)
+        self.backend.shutdown()
+
+    def __enter__(self) -> Cluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def now(self) -> float:
+        """Seconds since the cluster started serving."""
+        return time.perf_counter() - self._t0
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def submit(
+        self,
+        prompt: str | list[int],
+        max_tokens: int | None = None,
+        slo: float | None = None,
+        priority: int = 0,
+        chat: bool = True,
+        request_id: str | None = None,
+    ) -> RequestHandle:
+        """Queue a request (thread-safe). `max_tokens` is the output window, rounded up to
+        whole blocks; `slo` seconds from now (default: the scheduler's)."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode(prompt)
+        else:
+            ids = [int(i) for i in prompt]
+        if not ids:
+            raise ValueError("prompt is empty")
+        window = max_tokens if max_tokens is not None else self.config.max_tokens
+        if window <= 0:
+            raise ValueError(f"max_tokens={window} must be positive")
+        gen_len = -(-window // self.block_len) * self.block_len
+        limit = self.model_config.max_sequence_length
+        if len(ids) + gen_len > limit:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({gen_len}, whole blocks) exceeds the "
+                f"model's context of {limit} tokens"
+            )
+        if slo is not None and slo <= 0:
+            raise ValueError(f"slo={slo} must be positive")
+        with self._lock:
+            rid = request_id or f"req-{self._next_id}"
+            self._next_id += 1
+            if rid in self._handles:
+                raise ValueError(f"request_id {rid!r} is already in flight")
+            submitted = self.now()
+            request = Request(
+                rid,
+                tuple(ids),
+                gen_len,
+                self.block_len,
+                self.tokenizer.special.mask,
+                DEFAULT_THRESHOLD,  # the policy sets it before the first step
+                deadline=None if slo is None else submitted + slo,
+                priority=priority,
+            )
+            handle = RequestHandle(request, submitted)
+            self._handles[rid] = handle
+            self._arrivals.append(handle)
+        self.backend.wake()
+        return handle
+
+    # -- the controller loop -----------------------------------------------------------------
+
+    def _clock(self) -> float:
+        """Now, strictly after the last event (so that events keep their order in replay)."""
+        now = max(self.now(), self._last + 1e-9)
+        self._last = now
+        return now
+
+    def _run(self) -> None:
+        try:
+            while not self._closing.is_set():
+                now = self._clock()
+                if now >= self._next_tick:
+                    self._last = self._next_tick
+                    self._tick(self._next_tick)
+                    self._next_tick += self.config.tick
+                elif self._arrivals:
+                    self._admit(self._arrivals.popleft(), now)
+                elif self._events:
+                    self._on_event(self._events.popleft(), now)
+                else:
+                    self._events.extend(self.backend.poll(self._next_tick - now))
+        except Exception as e:  # a controller bug: fail loudly, never hang clients
+            log.exception("controller stopped")
+            for handle in list(self._handles.values()):
+                self._fail(handle, e)
+
+    def _tick(self, now: float) -> None:
+        self.apply(self.scheduler.on_tick(now), now, "t")
+
+    def _admit(self, handle: RequestHandle, now: float) -> None:
+        request = handle.request
+        request.arrival_time = now
+        if self.recording is not None:
+            self.recording.requests.append(request.fresh())
+        self.apply(self.scheduler.on_arrival(request, now), now, f"a{request.request_id}")
+
+    def _on_event(self, event: WorkerEvent, now: float) -> None:
+        iid = event.instance_id
+        if event.kind == "up":
+            if iid in self._specs:
+                self.rollout.on_up(self._specs[iid], now)
+        elif event.kind == "done":
+            self._step_done(iid, event, now)
+        elif event.kind == "failed" and iid in self._inflight:
+            self._step_failed(iid, event.error, now)
+        else:  # died, or failed to load
+            self._instance_failed(iid, event.error, now)
+
+    def _step_done(self, iid: str, event: WorkerEvent, now: float) -> None:
+        if iid not in self.scheduler.instances:
+            return  # removed meanwhile; its requests already moved on
+        launched, _ = self._inflight.pop(iid)
+        self.step_times.append((now - launched, event.seconds))
+        if self.recording is not None:
+            self.recording.launches.append((iid, launched, now, event.output.results))
+        decisions = self.scheduler.on_step_done(iid, event.output, now)
+        self.apply(decisions, now, f"d{iid}")
+        for result in event.output.results:
+            handle = self._handles.get(result.request_id)
+            if handle is not None and not handle.request.is_finished:
+                self._stream(handle)
+        self.rollout.on_step_done(iid, now)
+
+    def _step_failed(self, iid: str, error: str, now: float) -> None:
+        """The engine rejected a batch: its requests fail; the instance goes on."""
+        _, batch = self._inflight.pop(iid)
+        self.stats["failed_steps"] += 1
+        log.error("step on instance %s failed: %s", iid, error)
+        for item in batch.items:
+            self.apply(self.scheduler.cancel(item.request_id), now, f"c{item.request_id}")
+            handle = self._handles.get(item.request_id)
+            if handle is not None:
+                self._fail(handle, RuntimeError(f"request {item.request_id} failed: {error}"))
+        self.apply(self.scheduler.on_step_done(iid, StepOutput((), 0), now), now, f"d{iid}")
+        self.rollout.on_step_done(iid, now)
+
+    def _instance_failed(self, iid: str, error: str, now: float) -> None:
+        self.stats["failures"] += 1
+        log.error("instance %s failed: %s", iid, error)
+        self._inflight.pop(iid, None)
+        spec = self._specs.pop(iid, None)
+        was_serving = iid in self.scheduler.instances  # not one that failed to load
+        self.rollout.on_failed(iid, now)
+        if was_serving and self.config.replace_failed and not self._closing.is_set():
+            self._replacements += 1
+            replacement = dataclasses.replace(spec, instance_id=f"{iid}.{self._replacements}")
+            log.info("replacing instance %s with %s", iid, replacement.instance_id)
+            self.rollout.replace(replacement, now)
+
+    # -- carrying out decisions (also what `Rollout` calls) ----------------------------------
+
+    def apply(self, d: Decisions, now: float, event: str) -> None:
+        self.log.record(now, event, d)
+        for instance_id, rid in d.releases:
+            self.stats["migrations"] += 1
+            self.backend.release(instance_id, [rid])
+        for launch in d.launches:
+            self._inflight[launch.instance_id] = (now, launch.batch)
+            self.backend.step(launch.instance_id, launch.batch)
+        for rid in d.finished:
+            self._finish(rid, now)
+        if d.reconfiguration is not None and self.rollout.begin(d.reconfiguration, now):
+            self.stats["reconfigurations"] += 1
+            log.info("reconfiguring to %s", d.reconfiguration.target)
+
+    def start_instance(self, spec: InstanceSpec, now: float) -> None:
+        self._specs[spec.instance_id] = spec
+        self.backend.start(spec)
+
+    def instance_added(self, spec: InstanceSpec, now: float) -> None:
+        self._log_instances(now)
+
+    def instance_removed(self, instance_id: str, now: float) -> None:
+        self._specs.pop(instance_id, None)
+        self._inflight.pop(instance_id, None)
+        self.backend.stop(instance_id)
+        self._log_instances(now)
+
+    def _log_instances(self, now: float) -> None:
+        counts: dict[int, int] = {}
+        for inst in self.scheduler.instances.values():
+            counts[inst.tp] = counts.get(inst.tp, 0) + 1
+        self.instance_log.append((now, dict(sorted(counts.items()))))
+
+    # -- results -----------------------------------------------------------------------------
+
+    def _committed_prefix(self, request: Request) -> list[int]:
+        ids = request.output_ids
+        masked = np.flatnonzero(ids == request.mask_id)
+        end = int(masked[0]) if masked.size else len(ids)
+        prefix = ids[:end].tolist()
+        for i, token in enumerate(prefix):
+            if token in self.tokenizer.special.stop_ids:
+                return prefix[:i]
+        return prefix
+
+    def _stream(self, handle: RequestHandle) -> None:
+        prefix = self._committed_prefix(handle.request)
+        if len(prefix) <= handle.sent_tokens:
+            return
+        text = self.tokenizer.decode(prefix)
+        if text.startswith(handle.sent_text) and len(text) > len(handle.sent_text):
+            handle._push(text[len(handle.sent_text) :])
+            handle.sent_text = text
+        handle.sent_tokens = len(prefix)
+
+    def _finish(self, rid: str, now: float) -> None:
+        handle = self._handles.pop(rid, None)
+        if handle is None:
+            return
+        r = handle.request
+        ids = r.generated_ids(self.tokenizer.special.stop_ids)
+        text = self.tokenizer.decode(ids)
+        if text.startswith(handle.sent_text) and len(text) > len(handle.sent_text):
+            handle._push(text[len(handle.sent_text) :])
+        handle._push(None)
+        first = None if r.first_block_time is None else r.first_block_time - handle.submitted
+        handle.future.set_result(
+            RequestResult(
+                rid,
+                text,
+                tuple(ids),
+                r.num_steps,
+                now - handle.submitted,
+                first,
+                r.mean_threshold,
+                now <= r.deadline,
+            )
+        )
+
+    def _fail(self, handle: RequestHandle, error: BaseException) -> None:
+        self._handles.pop(handle.request_id, None)
+        if not handle.future.done():
+            handle.future.set_exception(error)
+            handle._push(error)
+
+
+def _make_backend(config: ClusterConfig) -> Backend:
+    if config.backend == "ray":
+        from dilaserve.cluster.ray_backend import RayBackend
+
+        return RayBackend(config.worker, address=config.ray_address)
+    return LocalBackend(config.worker)

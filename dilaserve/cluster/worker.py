@@ -1,0 +1,129 @@
+"""The model side of an instance: one rank of a tensor-parallel gang, holding the engine.
+
+An instance of TP degree d is d ranks. Each rank loads its shard of every column- and
+row-parallel layer (`models.layers`), joins a `torch.distributed` group with the others (gloo on
+CPU, NCCL on GPU) and runs every step the controller sends; the all-reduces inside the row-
+parallel layers keep the ranks in lock step, so every rank computes the same `StepOutput` and
+only rank 0 answers. Requests' tokens and K/V caches live here, in the engine; the controller
+sends a request's sequence once (`SequenceSpec`), then only what changes (`StepItem`).
+
+A local worker is a `python -m dilaserve.cluster.worker FD` process (so that nothing of the
+caller's main module is re-imported) talking over the socket it inherits as FD (`serve_pipe`);
+the Ray backend calls `InstanceWorker`'s methods from an actor.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dilaserve.config import BUNDLED_MODEL, EngineConfig
+from dilaserve.protocol import StepBatch, StepOutput
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What every instance loads: the checkpoint, the engine settings, CPU threads per rank."""
+
+    model: str = str(BUNDLED_MODEL)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    threads: int | None = None  # torch intra-op threads per rank; None: torch's default
+    tp_timeout: float = 120.0  # seconds a rank waits for its gang at start-up
+
+
+def init_tensor_parallel(rank: int, size: int, address: str, device: str, timeout: float):
+    """Join the gang's process group at `address` ("host:port" of rank 0); a `TPGroup`."""
+    from dilaserve.models.layers import TPGroup
+
+    if size == 1:
+        return TPGroup()
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "nccl" if device.startswith("cuda") else "gloo",
+        init_method=f"tcp://{address}",
+        rank=rank,
+        world_size=size,
+        timeout=datetime.timedelta(seconds=timeout),
+    )
+    return TPGroup(size, rank, dist.group.WORLD)
+
+
+class InstanceWorker:
+    """One rank: loads its shard of the model and executes steps."""
+
+    def __init__(self, config: WorkerConfig, rank: int = 0, size: int = 1, address: str = ""):
+        import torch
+
+        from dilaserve.engine.engine import Engine
+        from dilaserve.models.checkpoint import load_model
+        from dilaserve.models.tokenizer import Tokenizer
+
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        engine = config.engine
+        tp = init_tensor_parallel(rank, size, address, engine.device, config.tp_timeout)
+        self.rank = rank
+        model = load_model(config.model, engine.dtype, tp, device=engine.device)
+        special = Tokenizer(Path(config.model), model.config).special
+        self.engine = Engine(model, special, engine)
+
+    def step(self, batch: StepBatch) -> tuple[StepOutput, float]:
+        """Run one step; the output and the seconds the engine took."""
+        start = time.perf_counter()
+        output = self.engine.execute(batch)
+        return output, time.perf_counter() - start
+
+    def release(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.engine.release(rid)
+
+
+def serve_pipe(conn) -> None:
+    """A local worker process: read its orders, load, say "up", then answer commands until
+    told to stop (or the controller goes away).
+
+    First message: ("init", WorkerConfig, rank, size, address, gpus). Commands: ("step", batch)
+    -> ("done", output, seconds) or ("failed", error); ("release", request_ids); ("stop",).
+    Only rank 0 answers.
+    """
+    _, config, rank, size, address, gpus = conn.recv()
+    if gpus and config.engine.device.startswith("cuda"):
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+    try:
+        worker = InstanceWorker(config, rank, size, address)
+    except Exception:
+        conn.send(("failed", traceback.format_exc(limit=3)))
+        return
+    if rank == 0:
+        conn.send(("up",))
+    while True:
+        try:
+            command = conn.recv()
+        except (EOFError, OSError):
+            return  # the controller went away
+        if command[0] == "stop":
+            return
+        if command[0] == "release":
+            worker.release(command[1])
+            continue
+        try:
+            output, seconds = worker.step(command[1])
+        except Exception as e:  # a bad batch fails its requests, never the worker
+            if rank == 0:
+                conn.send(("failed", f"{type(e).__name__}: {e}"))
+            continue
+        if rank == 0:
+            conn.send(("done", output, seconds))
+
+
+if __name__ == "__main__":
+    import sys
+    from multiprocessing.connection import Connection
+
+    serve_pipe(Connection(int(sys.argv[1])))
