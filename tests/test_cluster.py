@@ -1,0 +1,182 @@
+"""The cluster runtime serves real instances of the bundled model: right answers, streamed text,
+parity with the simulator, surviving a killed worker, live reconfiguration, tensor parallelism."""
+
+import json
+import time
+
+import pytest
+
+from dilaserve.cluster.backends import LocalBackend
+from dilaserve.cluster.runtime import Cluster, ClusterConfig
+from dilaserve.cluster.worker import WorkerConfig
+from dilaserve.config import BUNDLED_MODEL, BUNDLED_PROFILE, SamplingParams
+from dilaserve.control.build import ControlSpec
+from dilaserve.control.decisions import InstanceSpec, LaunchStep, Reconfiguration
+from dilaserve.engine.llm import LLM
+from dilaserve.protocol import StepBatch
+from dilaserve.sim.replay import replay
+from dilaserve.tasks import arith
+
+WORKER = WorkerConfig(threads=1)
+QUESTIONS = [p.question for p in arith.generate(10, seed=3, split="test")]
+
+
+def config(**kw) -> ClusterConfig:
+    kw.setdefault("worker", WORKER)
+    kw.setdefault("tick", 0.2)
+    return ClusterConfig(**kw)
+
+
+def submit_all(cluster, questions, gap=0.02, **kw):
+    handles = []
+    for q in questions:
+        handles.append(cluster.submit(q, **kw))
+        time.sleep(gap)
+    return handles
+
+
+def test_a_fixed_threshold_cluster_answers_as_the_offline_engine_does_and_streams_it():
+    expected = [c.text for c in LLM().generate(QUESTIONS[:6], SamplingParams(0.9, 64))]
+    with Cluster(config(control=ControlSpec(policy="fcfs"))) as cluster:
+        handles = submit_all(cluster, QUESTIONS[:6])
+        results = [h.result(60) for h in handles]
+        streamed = ["".join(h) for h in handles]
+    assert [r.text for r in results] == expected
+    assert streamed == expected  # deltas are committed text only, in order
+    assert all(r.num_steps >= 2 and r.mean_threshold == pytest.approx(0.9) for r in results)
+
+
+def test_a_recorded_run_replays_in_the_simulator_to_the_same_decisions():
+    cfg = config(record=True)
+    with Cluster(cfg) as cluster:
+        results = [h.result(60) for h in submit_all(cluster, QUESTIONS, slo=2.0)]
+        lines, recording = cluster.log.lines, cluster.recording
+    assert len(results) == len(QUESTIONS)
+    sim, sim_lines = replay(
+        recording.requests,
+        recording.launches,
+        cfg.control,
+        cfg.initial_specs(),
+        cfg.tick,
+        cfg.max_batch_tokens,
+    )
+    assert len(sim.requests) == len(QUESTIONS) and not sim.unfinished
+    assert len(lines) > 2 * len(QUESTIONS)
+    assert sim_lines == lines
+
+
+def test_every_request_completes_when_a_worker_is_killed_mid_trace():
+    with Cluster(config()) as cluster:
+        handles = submit_all(cluster, QUESTIONS, gap=0.0)
+        while not cluster.step_times:
+            time.sleep(0.005)
+        cluster.backend.kill("i0")
+        results = [h.result(120) for h in handles]
+        assert cluster.stats["failures"] == 1
+        deadline = time.monotonic() + 60
+        while "i0.1" not in cluster.scheduler.instances and time.monotonic() < deadline:
+            time.sleep(0.05)  # the replacement loads
+        assert set(cluster.scheduler.instances) == {"i1", "i0.1"}
+    answers = [arith.extract_answer(r.text) for r in results]
+    assert sum(a is not None for a in answers) >= len(QUESTIONS) - 1  # whole, sensible outputs
+
+
+class _Once:
+    """A planner stand-in: asks for one TP-2 instance in place of two TP-1s, once."""
+
+    def __init__(self):
+        self.asked = False
+
+    def record(self, request, now):
+        pass
+
+    def on_tick(self, now, running):
+        if self.asked or now < 0.3:
+            return None
+        self.asked = True
+        start = InstanceSpec("tp2", 0, 2, (0, 1), 8192)
+        return Reconfiguration((LaunchStep(("i0", "i1"), start),), (), {2: 1})
+
+
+def test_the_cluster_reconfigures_live_without_losing_requests(tmp_path):
+    profile = json.loads(BUNDLED_PROFILE.read_text())
+    tp2 = [{**e, "tp": 2, "ms": e["ms"] * 0.8} for e in profile["entries"]]
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({**profile, "entries": profile["entries"] + tp2}))
+    with Cluster(config(control=ControlSpec(profile=str(path)))) as cluster:
+        cluster.scheduler.reconfigurer = _Once()
+        handles = submit_all(cluster, QUESTIONS + QUESTIONS, gap=0.1)
+        results = [h.result(120) for h in handles]
+        assert cluster.stats["reconfigurations"] == 1
+        assert set(cluster.scheduler.instances) == {"tp2"}
+        shapes = [counts for _, counts in cluster.instance_log]
+    assert shapes[-1] == {2: 1} and {1: 2} in shapes
+    assert len(results) == 2 * len(QUESTIONS) and all(r.num_steps > 0 for r in results)
+
+
+def run_alone(backend, instance_id, requests):
+    """Step requests to completion on one instance; their output tokens."""
+    on_instance, active = set(), list(requests)
+    while active:
+        items = tuple(r.step_item("dual", r.request_id in on_instance) for r in active)
+        on_instance.update(r.request_id for r in active)
+        backend.step(instance_id, StepBatch(items))
+        event = wait_for(backend, "done")
+        for r, result in zip(active, event.output.results):
+            r.apply(result)
+        active = [r for r in active if not r.is_finished]
+    return [r.output_ids.tolist() for r in requests]
+
+
+def wait_for(backend, kind, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for event in backend.poll(0.5):
+            assert event.kind == kind, event
+            return event
+    raise TimeoutError(kind)
+
+
+@pytest.fixture(scope="module")
+def local_backend():
+    backend = LocalBackend(WORKER)
+    yield backend
+    backend.shutdown()
+
+
+def test_tensor_parallel_two_ranks_commit_the_same_tokens_as_one(local_backend):
+    llm = LLM(BUNDLED_MODEL)
+    outputs = {}
+    for tp in (1, 2):
+        iid = f"tp{tp}"
+        local_backend.start(InstanceSpec(iid, 0, tp, tuple(range(tp))))
+        wait_for(local_backend, "up")
+        requests = llm.make_requests(QUESTIONS[:4], SamplingParams(0.7, 64))
+        outputs[tp] = run_alone(local_backend, iid, requests)
+        local_backend.stop(iid)
+    assert outputs[2] == outputs[1]
+
+
+def test_a_bad_batch_fails_alone_and_the_instance_serves_on(local_backend):
+    local_backend.start(InstanceSpec("solo", 0, 1, (0,)))
+    wait_for(local_backend, "up")
+    requests = LLM(BUNDLED_MODEL).make_requests(QUESTIONS[:1], SamplingParams(0.9, 32))
+    bad = requests[0].step_item("dual", False)
+    local_backend.step("solo", StepBatch((bad, bad)))  # the same request twice
+    assert "twice" in wait_for(local_backend, "failed").error
+    run_alone(local_backend, "solo", requests)
+    assert requests[0].is_finished and requests[0].num_steps >= 1
+    local_backend.stop("solo")
+
+
+def test_submit_rejects_bad_requests_naming_what_is_wrong():
+    cluster = Cluster(config())
+    with pytest.raises(ValueError, match="context of 512 tokens"):
+        cluster.submit("x " * 600)
+    with pytest.raises(ValueError, match="max_tokens"):
+        cluster.submit("hi", max_tokens=0)
+    with pytest.raises(ValueError, match="slo"):
+        cluster.submit("hi", slo=-1.0)
+    with pytest.raises(ValueError, match="policy"):
+        ControlSpec(policy="nope")
+    cluster.backend.shutdown()
