@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from dilaserve.config import DEFAULT_THRESHOLD
 
@@ -307,6 +308,85 @@ def _add_measurement_commands(sub) -> None:
     tr.set_defaults(func=cmd_train_model)
 
 
+def cmd_run_trace(args) -> None:
+    import json
+    import logging
+
+    from dilaserve.cluster.runtime import ClusterConfig
+    from dilaserve.cluster.trace_run import TraceRunSpec, run_trace, write_trace_run
+    from dilaserve.cluster.worker import WorkerConfig
+    from dilaserve.config import EngineConfig
+    from dilaserve.control.build import ControlSpec
+    from dilaserve.control.decisions import SchedulerConfig
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    meta = Path(args.predictor) / "gbm-full.json"
+    k = json.loads(meta.read_text()).get("refresh_every_tokens", 8) if meta.exists() else 8
+    config = ClusterConfig(
+        worker=WorkerConfig(
+            args.model, EngineConfig(args.kv_cache, dtype=args.dtype), args.threads
+        ),
+        control=ControlSpec(
+            args.policy,
+            args.profile,
+            args.predictor,
+            SchedulerConfig(kv_cache=args.kv_cache, slo=args.slo, refresh_every_tokens=k),
+        ),
+        instances=tuple(int(t) for t in args.instances.split(",")),
+        backend=args.backend,
+        ray_address=args.ray_address,
+        tick=args.tick,
+        max_tokens=args.max_tokens,
+        record=True,
+    )
+    spec = TraceRunSpec(
+        args.trace,
+        args.rate_scale,
+        args.duration,
+        args.max_requests,
+        args.slo,
+        args.seed,
+        args.parity,
+    )
+
+    def progress(done: int, total: int) -> None:
+        print(f"\rsubmitted {done}/{total}", end="", file=sys.stderr, flush=True)
+
+    run = run_trace(config, spec, progress)
+    folder = write_trace_run(run, config, spec, args.out)
+    print(file=sys.stderr)
+    for key, value in run["summary"].items():
+        print(f"{key}: {value}")
+    print(f"run folder: {folder}")
+
+
+def _add_run_trace_command(sub) -> None:
+    from dilaserve.config import BUNDLED_PREDICTOR, BUNDLED_PROFILE
+
+    rt = sub.add_parser("run-trace", help="replay a trace against an in-process cluster")
+    _model_arg(rt)
+    rt.add_argument("--kv-cache", choices=["none", "prefix", "dual"], default="dual")
+    rt.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    rt.add_argument("--max-tokens", type=int, default=64, help="output window (whole blocks)")
+    rt.add_argument("--threads", type=int, default=1, help="torch CPU threads per worker rank")
+    rt.add_argument("--instances", default="1,1", help="TP degree of each instance, e.g. 1,1,2")
+    rt.add_argument("--policy", default="dilaserve")
+    rt.add_argument("--profile", default=str(BUNDLED_PROFILE), help="latency profile JSON")
+    rt.add_argument("--predictor", default=str(BUNDLED_PREDICTOR), help="step predictor folder")
+    rt.add_argument("--slo", type=float, default=1.0, help="seconds per request")
+    rt.add_argument("--trace", default="poisson:4:20", help="trace CSV or poisson:RPS:SECONDS")
+    rt.add_argument("--rate-scale", type=float, default=1.0)
+    rt.add_argument("--duration", type=float, default=None)
+    rt.add_argument("--max-requests", type=int, default=None)
+    rt.add_argument("--backend", choices=["local", "ray"], default="local")
+    rt.add_argument("--ray-address", default=None, help="a running Ray cluster (HEAD:PORT)")
+    rt.add_argument("--tick", type=float, default=0.5, help="seconds between scheduler ticks")
+    rt.add_argument("--parity", action="store_true", help="replay in the simulator and compare")
+    rt.add_argument("--seed", type=int, default=0)
+    rt.add_argument("--out", default="runs", help="folder for run folders")
+    rt.set_defaults(func=cmd_run_trace)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dilaserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -337,12 +417,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_measurement_commands(sub)
     _add_plan_command(sub)
     _add_simulate_command(sub)
+    _add_run_trace_command(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "threads", None):
+    if getattr(args, "threads", None) and args.command != "run-trace":
         import torch
 
         torch.set_num_threads(args.threads)
