@@ -24,7 +24,11 @@ from dataclasses import dataclass, field
 try:
     import ray
     from ray.exceptions import RayError, RayTaskError
-    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.placement_group import (
+        PlacementGroup,
+        placement_group,
+        remove_placement_group,
+    )
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 except ImportError as e:  # an optional dependency
     raise ImportError("the Ray backend needs ray: pip install 'dilaserve[ray]'") from e
@@ -79,7 +83,7 @@ _RankActor = ray.remote(_Rank)
 
 @dataclass
 class _Gang:
-    group: object  # its placement group
+    group: PlacementGroup
     actors: list  # one per rank
     calls: deque = field(default_factory=deque)  # (kind, a ref per rank), oldest first
     heard: float = field(default_factory=time.monotonic)  # when every rank last replied
@@ -88,7 +92,11 @@ class _Gang:
 class RayBackend:
     """Each rank of each instance is a Ray actor; a gang shares one placement group."""
 
-    def __init__(self, worker: WorkerConfig, address: str | None = None, cpus_per_rank: float = 1.0):
+    def __init__(
+        self, worker: WorkerConfig, address: str | None = None, cpus_per_rank: float = 1.0
+    ):
+        if cpus_per_rank <= 0:
+            raise ValueError(f"{cpus_per_rank=} must be positive")
         self.worker = worker
         self.cpus_per_rank = cpus_per_rank
         self._gpus = 1 if worker.engine.device.startswith("cuda") else 0
@@ -175,25 +183,31 @@ class RayBackend:
                 gang.calls.append(("ping", [a.ping.remote() for a in gang.actors]))
 
     def _collect(self, instance_id: str, gang: _Gang, ready: set) -> list[WorkerEvent]:
-        """Events for the gang's finished calls, in order; "died" once any rank is gone (even
+        """Events for the gang's finished calls, in order, then "died" if any rank is gone (even
         behind a call still running: its other ranks may be stuck waiting for that one)."""
         replies = {ref: _reply(ref) for _, refs in gang.calls for ref in refs if ref in ready}
-        deaths = [e for _, e in replies.values() if e is not None and _is_death(e)]
         events = []
-        while not deaths and gang.calls and all(ref in replies for ref in gang.calls[0][1]):
-            kind, refs = gang.calls.popleft()
-            gang.heard = time.monotonic()
-            (value, error), *others = [replies[ref] for ref in refs]
-            error = error or next((e for _, e in others if e is not None), None)
-            if kind == "load" and error is not None:  # the gang is of no use: as a local
-                events.append(WorkerEvent("failed", instance_id, error=_describe(error)))
+        while gang.calls:
+            kind, refs = gang.calls[0]
+            got = [replies[ref] for ref in refs if ref in replies]
+            errors = [e for _, e in got if e is not None]
+            if any(map(_is_death, errors)):
+                break
+            if kind == "load" and errors:  # don't wait for the others: they may wait tp_timeout
+                events.append(WorkerEvent("failed", instance_id, error=_describe(errors[0])))
                 return events + [self._bury(instance_id, "loading failed")]
+            if len(got) < len(refs):
+                break
+            gang.calls.popleft()
+            gang.heard = time.monotonic()
             if kind == "load":
                 events.append(WorkerEvent("up", instance_id))
-            elif kind == "step" and error is not None:
-                events.append(WorkerEvent("failed", instance_id, error=_describe(error)))
+            elif kind == "step" and errors:  # only rank 0 raises
+                events.append(WorkerEvent("failed", instance_id, error=_describe(errors[0])))
             elif kind == "step":
-                events.append(WorkerEvent("done", instance_id, value[0], value[1]))
+                output, seconds = got[0][0]
+                events.append(WorkerEvent("done", instance_id, output, seconds))
+        deaths = [e for _, e in replies.values() if e is not None and _is_death(e)]
         if deaths:
             events.append(self._bury(instance_id, _describe(deaths[0])))
         return events
@@ -231,6 +245,7 @@ def _is_death(error: RayError) -> bool:
 
 
 def _describe(error: RayError) -> str:
+    """The error's type and first line (a task error: the engine's own exception's)."""
     cause = error.cause if isinstance(error, RayTaskError) else error
-    first_line = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
-    return f"{type(cause).__name__}: {first_line}"
+    lines = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {lines[0] if lines else ''}"
