@@ -1,6 +1,7 @@
 """The cluster runtime serves real instances of the bundled model: right answers, streamed text,
 parity with the simulator, surviving a killed worker, live reconfiguration, tensor parallelism."""
 
+import asyncio
 import json
 import time
 
@@ -37,12 +38,18 @@ def submit_all(cluster, questions, gap=0.02, **kw):
 
 def test_a_fixed_threshold_cluster_answers_as_the_offline_engine_does_and_streams_it():
     expected = [c.text for c in LLM().generate(QUESTIONS[:6], SamplingParams(0.9, 64))]
+
+    async def stream_async(cluster, question):
+        return [delta async for delta in cluster.submit(question)]
+
     with Cluster(config(control=ControlSpec(policy="fcfs"))) as cluster:
         handles = submit_all(cluster, QUESTIONS[:6])
         results = [h.result(60) for h in handles]
         streamed = ["".join(h) for h in handles]
+        deltas = asyncio.run(stream_async(cluster, QUESTIONS[0]))
     assert [r.text for r in results] == expected
     assert streamed == expected  # deltas are committed text only, in order
+    assert "".join(deltas) == expected[0] and len(deltas) >= 2  # a block at a time, or finer
     assert all(r.num_steps >= 2 and r.mean_threshold == pytest.approx(0.9) for r in results)
 
 
