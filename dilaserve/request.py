@@ -39,6 +39,8 @@ class Request:
     arrival_time: float = 0.0
     deadline: float | None = None
     priority: int = 0
+    # (lowest, highest) threshold this request accepts; equal bounds pin it (a fixed threshold)
+    threshold_bounds: tuple[float, float] | None = None
     status: RequestStatus = RequestStatus.WAITING
     output_ids: np.ndarray = field(init=False)
     confidences: np.ndarray = field(init=False)
@@ -64,6 +66,13 @@ class Request:
         self.confidences = np.zeros(self.gen_len, dtype=np.float32)
         self.prompt_len = len(self.prompt_ids)
         self.num_tokens = self.prompt_len + self.gen_len
+        if self.threshold_bounds is not None:
+            lo, hi = self.threshold_bounds
+            if not 0 < lo <= hi <= 1:
+                raise ValueError(
+                    f"request {self.request_id}: threshold bounds {self.threshold_bounds} must "
+                    "satisfy 0 < min_threshold <= max_threshold <= 1"
+                )
 
     def fresh(self) -> Request:
         """A copy as admitted: the same identity, lengths, threshold, timing and priority, and
@@ -78,6 +87,7 @@ class Request:
             self.arrival_time,
             self.deadline,
             self.priority,
+            self.threshold_bounds,
         )
 
     @property
@@ -103,6 +113,19 @@ class Request:
             tuple(self.output_ids.tolist()),
             tuple(self.confidences.tolist()),
         )
+
+    def within_bounds(self, thresholds: tuple[float, ...]) -> tuple[float, ...]:
+        """The thresholds this request accepts, in the given order."""
+        if self.threshold_bounds is None:
+            return thresholds
+        lo, hi = self.threshold_bounds
+        return tuple(g for g in thresholds if lo <= g <= hi)
+
+    def clamp_threshold(self, threshold: float) -> float:
+        if self.threshold_bounds is None:
+            return threshold
+        lo, hi = self.threshold_bounds
+        return min(max(threshold, lo), hi)
 
     def next_kind(self, mode: KVCacheMode, has_cache: bool) -> StepKind:
         return next_step_kind(mode, self.starts_block, has_cache)

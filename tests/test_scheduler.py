@@ -157,7 +157,37 @@ def test_nothing_fits_falls_through_to_the_lowest_threshold():
     assert launch.batch.items[0].threshold == 0.5
 
 
-def test_fixed_threshold_policies_never_consult_the_predictor():
+@pytest.mark.parametrize(
+    "policy, bounds, expected",
+    [
+        ("dilaserve", (0.85, 0.85), 0.85),  # a pinned threshold outside the ladder
+        ("dilaserve", (0.6, 0.95), 0.9),  # the budget fits 0.9 and the request accepts it
+        ("dilaserve", (0.95, 1.0), 0.95),  # nothing allowed is accepted: the nearest accepted
+        ("fcfs", (0.5, 0.7), 0.7),  # a fixed-threshold policy still honours the request
+    ],
+)
+def test_a_request_gets_a_threshold_within_its_own_bounds(policy, bounds, expected):
+    s = scheduler(policy, instances=(("b", 2),), slo=0.05)
+    request = make_request("r", gen_len=2 * BLOCK, threshold_bounds=bounds)
+    launch = only_launch(s.on_arrival(request, 0.0))
+    assert launch.batch.items[0].threshold == expected
+
+
+def test_bounds_that_are_not_thresholds_are_refused():
+    with pytest.raises(ValueError, match="min_threshold <= max_threshold"):
+        make_request("r", threshold_bounds=(0.9, 0.5))
+
+
+def test_a_cancelled_request_leaves_its_instance_and_its_running_step_is_ignored():
+    s = scheduler(instances=(("a", 1),))
+    running, waiting = make_request("r1"), make_request("r2")
+    assert only_launch(s.on_arrival(running, 0.0)).batch.items[0].request_id == "r1"
+    assert not s.on_arrival(waiting, 0.0).launches  # gathered for a's next step
+    assert s.cancel("r2").releases == ()  # never ran anywhere
+    assert s.cancel("r1").releases == (("a", "r1"),)
+    done = s.on_step_done("a", StepOutput((result(running, [0, 1, 2]),), 0), 0.01)
+    assert not done.launches and not done.finished and not s.requests
+
     predictor = FakePredictor()
     s = scheduler("fcfs", predictor=predictor, slo=1e-6)
     launch = only_launch(s.on_arrival(make_request("r"), 0.0))

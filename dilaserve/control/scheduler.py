@@ -457,16 +457,22 @@ class Scheduler:
         return releases
 
     def _threshold(self, t: _Tracked, inst: _Instance, now: float) -> float:
+        """Alg. 1 over the thresholds load control allows and the request accepts; a request
+        whose bounds exclude all of them gets the nearest it accepts."""
+        r = t.request
         if not self.policy.is_dynamic:
-            return self.policy.fixed_threshold
+            return r.clamp_threshold(self.policy.fixed_threshold)
         if not t.needs_threshold:
-            return t.request.threshold
+            return r.threshold
         t.needs_threshold = False
+        allowed = r.within_bounds(t.allowed)
+        if not allowed:
+            return r.clamp_threshold(t.allowed[0])
         # the instance as the request's later steps will find it: everything assigned there
         load = InstanceLoad(inst.tp, inst.resident_tokens, inst.residents)
-        slo_left = (t.request.deadline - now) * self.config.slo_headroom
+        slo_left = (r.deadline - now) * self.config.slo_headroom
         return select_threshold(
-            self._view(t), t.allowed, slo_left, load, self.profile, self.config.cache_block
+            self._view(t), allowed, slo_left, load, self.profile, self.config.cache_block
         )
 
     def _running_tokens(self, inst: _Instance) -> int:
