@@ -2,13 +2,14 @@
 parity with the simulator, surviving a killed worker, live reconfiguration, tensor parallelism."""
 
 import asyncio
+import concurrent.futures
 import json
 import time
 
 import pytest
 
 from dilaserve.cluster.backends import LocalBackend
-from dilaserve.cluster.runtime import Cluster, ClusterConfig
+from dilaserve.cluster.runtime import Closed, Cluster, ClusterConfig, Overloaded
 from dilaserve.cluster.worker import WorkerConfig
 from dilaserve.config import BUNDLED_MODEL, BUNDLED_PROFILE, SamplingParams
 from dilaserve.control.build import ControlSpec
@@ -70,6 +71,22 @@ def test_a_recorded_run_replays_in_the_simulator_to_the_same_decisions():
     assert len(sim.requests) == len(QUESTIONS) and not sim.unfinished
     assert len(lines) > 2 * len(QUESTIONS)
     assert sim_lines == lines
+
+
+def test_pinned_thresholds_cancellation_and_admission_control():
+    with Cluster(config(max_in_flight=3)) as cluster:
+        pinned = cluster.submit(QUESTIONS[0], threshold=0.85)
+        bounded = cluster.submit(QUESTIONS[1], min_threshold=0.6, max_threshold=0.7)
+        cancelled = cluster.submit(QUESTIONS[2], max_tokens=256)
+        with pytest.raises(Overloaded):
+            cluster.submit(QUESTIONS[3])
+        cluster.cancel(cancelled.request_id)
+        with pytest.raises(concurrent.futures.CancelledError):
+            cancelled.result(60)
+        assert pinned.result(60).mean_threshold == pytest.approx(0.85)
+        assert 0.6 <= bounded.result(60).mean_threshold <= 0.7
+        assert cluster.submit(QUESTIONS[3]).result(60).num_steps > 0  # room again
+        assert cluster.in_flight == 0
 
 
 def test_every_request_completes_when_a_worker_is_killed_mid_trace():
@@ -184,6 +201,12 @@ def test_submit_rejects_bad_requests_naming_what_is_wrong():
         cluster.submit("hi", max_tokens=0)
     with pytest.raises(ValueError, match="slo"):
         cluster.submit("hi", slo=-1.0)
+    with pytest.raises(ValueError, match="min_threshold"):
+        cluster.submit("hi", min_threshold=0.9, max_threshold=0.5)
+    with pytest.raises(ValueError, match="threshold=1.5"):
+        cluster.submit("hi", threshold=1.5)
+    with pytest.raises(Closed):
+        cluster.submit("hi")  # valid, but the cluster has not started
     with pytest.raises(ValueError, match="policy"):
         ControlSpec(policy="nope")
     cluster.backend.shutdown()

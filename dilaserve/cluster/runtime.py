@@ -59,6 +59,7 @@ class ClusterConfig:
     replace_failed: bool = True
     start_timeout: float = 300.0  # seconds to wait for the initial instances to load
     record: bool = False  # keep a `Recording` (for replay in the simulator)
+    max_in_flight: int = 1024  # admission control: more waiting or running requests are refused
 
     def __post_init__(self):
         if not self.instances or min(self.instances) < 1:
@@ -79,6 +80,27 @@ class ClusterConfig:
             specs.append(InstanceSpec(f"i{k}", node, tp, gpus, self.max_batch_tokens))
             used += tp
         return specs
+
+
+class Overloaded(RuntimeError):
+    """Admission control refused a request: too many in flight. Retry later."""
+
+
+class Closed(RuntimeError):
+    """The cluster is shutting down (or not started) and takes no new requests."""
+
+
+class Observer:
+    """What a monitor (the server's Prometheus metrics) hears from the controller thread."""
+
+    def step_done(self, instance_id: str, tp: int, output: StepOutput, seconds: float) -> None:
+        pass
+
+    def request_done(self, result: RequestResult, thresholds: list[float]) -> None:
+        pass
+
+    def request_failed(self, request_id: str, reason: str) -> None:
+        pass
 
 
 @dataclass(frozen=True)
@@ -152,7 +174,12 @@ class Recording:
 
 
 class Cluster:
-    def __init__(self, config: ClusterConfig = ClusterConfig(), backend: Backend | None = None):
+    def __init__(
+        self,
+        config: ClusterConfig = ClusterConfig(),
+        backend: Backend | None = None,
+        observer: Observer | None = None,
+    ):
         from dilaserve.models.config import LLaDAConfig
         from dilaserve.models.tokenizer import Tokenizer
 
@@ -168,6 +195,7 @@ class Cluster:
                 f"scheduler's block_len={self.block_len}"
             )
         self.backend = backend or _make_backend(config)
+        self.observer = observer or Observer()
         self.rollout = Rollout(self.scheduler, self, config.max_batch_tokens)
         self.log = DecisionLog(keep_lines=config.record)
         self.recording = Recording() if config.record else None
@@ -178,6 +206,8 @@ class Cluster:
         self._specs: dict[str, InstanceSpec] = {}  # starting or running
         self._inflight: dict[str, tuple[float, StepBatch]] = {}
         self._arrivals: deque[RequestHandle] = deque()
+        self._cancels: deque[str] = deque()
+        self._accepting = False
         self._events: deque[WorkerEvent] = deque()
         self._lock = threading.Lock()
         self._closing = threading.Event()
@@ -212,11 +242,32 @@ class Cluster:
         self._next_tick = self.config.tick
         self._thread = threading.Thread(target=self._run, name="dilaserve-controller", daemon=True)
         self._thread.start()
+        self._accepting = True
         log.info("cluster up: %d instances %s", len(specs), [s.tp for s in specs])
         return self
 
+    def drain(self, timeout: float) -> bool:
+        """Take no new requests and wait up to `timeout` s for those in flight; all done?"""
+        self._accepting = False
+        deadline = time.monotonic() + timeout
+        while self._handles and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return not self._handles
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._handles)
+
+    def queue_length(self) -> int:
+        """Requests waiting to be placed on an instance."""
+        return len(self._arrivals) + len(self.scheduler._ready)
+
+    def instances_by_tp(self) -> dict[int, int]:
+        return dict(self.instance_log[-1][1]) if self.instance_log else {}
+
     def close(self, timeout: float = 30.0) -> None:
         """Stop serving; requests still in flight fail with an error."""
+        self._accepting = False
         self._closing.set()
         self.backend.wake()
         if self._thread is not None:
@@ -246,9 +297,17 @@ class Cluster:
         priority: int = 0,
         chat: bool = True,
         request_id: str | None = None,
+        threshold: float | None = None,
+        min_threshold: float | None = None,
+        max_threshold: float | None = None,
     ) -> RequestHandle:
         """Queue a request (thread-safe). `max_tokens` is the output window, rounded up to
-        whole blocks; `slo` seconds from now (default: the scheduler's)."""
+        whole blocks; `slo` seconds from now (default: the scheduler's). `threshold` pins the
+        confidence threshold; `min_threshold`/`max_threshold` bound what the policy may pick.
+
+        Raises ValueError naming a bad argument, `Overloaded` when admission control refuses
+        work, and `Closed` when the cluster is not serving."""
+        bounds = _threshold_bounds(threshold, min_threshold, max_threshold)
         if isinstance(prompt, str):
             ids = self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode(prompt)
         else:
@@ -268,6 +327,10 @@ class Cluster:
         if slo is not None and slo <= 0:
             raise ValueError(f"slo={slo} must be positive")
         with self._lock:
+            if not self._accepting:
+                raise Closed("the cluster is not accepting requests")
+            if len(self._handles) >= self.config.max_in_flight:
+                raise Overloaded(f"{len(self._handles)} requests in flight (the limit)")
             rid = request_id or f"req-{self._next_id}"
             self._next_id += 1
             if rid in self._handles:
@@ -282,12 +345,18 @@ class Cluster:
                 DEFAULT_THRESHOLD,  # the policy sets it before the first step
                 deadline=None if slo is None else submitted + slo,
                 priority=priority,
+                threshold_bounds=bounds,
             )
             handle = RequestHandle(request, submitted)
             self._handles[rid] = handle
             self._arrivals.append(handle)
         self.backend.wake()
         return handle
+
+    def cancel(self, request_id: str) -> None:
+        """Stop working on a request (thread-safe; e.g. its client went away)."""
+        self._cancels.append(request_id)
+        self.backend.wake()
 
     # -- the controller loop -----------------------------------------------------------------
 
@@ -307,6 +376,8 @@ class Cluster:
                     self._next_tick += self.config.tick
                 elif self._arrivals:
                     self._admit(self._arrivals.popleft(), now)
+                elif self._cancels:
+                    self._cancel(self._cancels.popleft(), now)
                 elif self._events:
                     self._on_event(self._events.popleft(), now)
                 else:
@@ -326,6 +397,14 @@ class Cluster:
             self.recording.requests.append(request.fresh())
         self.apply(self.scheduler.on_arrival(request, now), now, f"a{request.request_id}")
 
+    def _cancel(self, rid: str, now: float) -> None:
+        handle = self._handles.get(rid)
+        if handle is None:
+            return  # finished meanwhile
+        if rid in self.scheduler.requests:
+            self.apply(self.scheduler.cancel(rid), now, f"c{rid}")
+        self._fail(handle, concurrent.futures.CancelledError(f"request {rid} was cancelled"))
+
     def _on_event(self, event: WorkerEvent, now: float) -> None:
         iid = event.instance_id
         if event.kind == "up":
@@ -343,6 +422,8 @@ class Cluster:
             return  # removed meanwhile; its requests already moved on
         launched, _ = self._inflight.pop(iid)
         self.step_times.append((now - launched, event.seconds))
+        tp = self.scheduler.instances[iid].tp
+        self.observer.step_done(iid, tp, event.output, event.seconds)
         if self.recording is not None:
             self.recording.launches.append((iid, launched, now, event.output.results))
         decisions = self.scheduler.on_step_done(iid, event.output, now)
@@ -447,24 +528,41 @@ class Cluster:
             handle._push(text[len(handle.sent_text) :])
         handle._push(None)
         first = None if r.first_block_time is None else r.first_block_time - handle.submitted
-        handle.future.set_result(
-            RequestResult(
-                rid,
-                text,
-                tuple(ids),
-                r.num_steps,
-                now - handle.submitted,
-                first,
-                r.mean_threshold,
-                now <= r.deadline,
-            )
+        result = RequestResult(
+            rid,
+            text,
+            tuple(ids),
+            r.num_steps,
+            now - handle.submitted,
+            first,
+            r.mean_threshold,
+            now <= r.deadline,
         )
+        self.observer.request_done(result, r.threshold_steps)
+        handle.future.set_result(result)
 
     def _fail(self, handle: RequestHandle, error: BaseException) -> None:
         self._handles.pop(handle.request_id, None)
         if not handle.future.done():
+            self.observer.request_failed(handle.request_id, type(error).__name__)
             handle.future.set_exception(error)
             handle._push(error)
+
+
+def _threshold_bounds(
+    threshold: float | None, lo: float | None, hi: float | None
+) -> tuple[float, float] | None:
+    for name, value in (("threshold", threshold), ("min_threshold", lo), ("max_threshold", hi)):
+        if value is not None and not 0 < value <= 1:
+            raise ValueError(f"{name}={value} must be in (0, 1]")
+    if threshold is not None:
+        return (threshold, threshold)
+    if lo is None and hi is None:
+        return None
+    lo, hi = lo or 1e-6, hi or 1.0
+    if lo > hi:
+        raise ValueError(f"min_threshold={lo} exceeds max_threshold={hi}")
+    return (lo, hi)
 
 
 def _make_backend(config: ClusterConfig) -> Backend:
