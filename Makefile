@@ -4,16 +4,21 @@ PY := $(VENV)/bin/python
 # The CPU build of torch that lies on this machine's disk; any torch>=2.4 works for the package.
 TORCH := torch==2.13.0
 
-.PHONY: setup demo test test-all lint bench train-model eval
+PORT ?= 8000
+
+.PHONY: setup serve demo test test-all lint bench train-model eval
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[dev,ray]'
+	$(PY) -m pip install -q -e '.[dev,ray,server]'
 	touch $@
 
 setup: $(VENV)/.installed
+
+serve: setup  ## the OpenAI-compatible server: bundled model, two local instances, policy dilaserve
+	$(VENV)/bin/dilaserve serve --port $(PORT)
 
 demo: setup  ## generate with the bundled model, then a short accuracy/steps table
 	$(VENV)/bin/dilaserve generate --prompt "Tom has 12 apples. Tom buys 5 more. Then Tom gives away 3. How many apples does Tom have now?"

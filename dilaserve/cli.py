@@ -308,37 +308,65 @@ def _add_measurement_commands(sub) -> None:
     tr.set_defaults(func=cmd_train_model)
 
 
-def cmd_run_trace(args) -> None:
+def _cluster_config(args, record: bool = False):
+    """A ClusterConfig from the options `_add_cluster_args` defines."""
     import json
-    import logging
 
     from dilaserve.cluster.runtime import ClusterConfig
-    from dilaserve.cluster.trace_run import TraceRunSpec, run_trace, write_trace_run
     from dilaserve.cluster.worker import WorkerConfig
     from dilaserve.config import EngineConfig
     from dilaserve.control.build import ControlSpec
     from dilaserve.control.decisions import SchedulerConfig
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     meta = Path(args.predictor) / "gbm-full.json"
     k = json.loads(meta.read_text()).get("refresh_every_tokens", 8) if meta.exists() else 8
-    config = ClusterConfig(
-        worker=WorkerConfig(
-            args.model, EngineConfig(args.kv_cache, dtype=args.dtype), args.threads
-        ),
-        control=ControlSpec(
-            args.policy,
-            args.profile,
-            args.predictor,
-            SchedulerConfig(kv_cache=args.kv_cache, slo=args.slo, refresh_every_tokens=k),
-        ),
+    engine = EngineConfig(args.kv_cache, dtype=args.dtype)
+    scheduler = SchedulerConfig(kv_cache=args.kv_cache, slo=args.slo, refresh_every_tokens=k)
+    return ClusterConfig(
+        worker=WorkerConfig(args.model, engine, args.threads),
+        control=ControlSpec(args.policy, args.profile, args.predictor, scheduler),
         instances=tuple(int(t) for t in args.instances.split(",")),
         backend=args.backend,
         ray_address=args.ray_address,
         tick=args.tick,
         max_tokens=args.max_tokens,
-        record=True,
+        max_in_flight=args.max_in_flight,
+        record=record,
     )
+
+
+def _add_cluster_args(p: argparse.ArgumentParser) -> None:
+    from dilaserve.config import BUNDLED_PREDICTOR, BUNDLED_PROFILE
+
+    _model_arg(p)
+    p.add_argument("--kv-cache", choices=["none", "prefix", "dual"], default="dual")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument(
+        "--max-tokens", type=int, default=64, help="default output window (whole 32-token blocks)"
+    )
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads per worker rank")
+    p.add_argument("--instances", default="1,1", help="TP degree of each instance, e.g. 1,1,2")
+    p.add_argument(
+        "--policy",
+        default="dilaserve",
+        help="dilaserve, fcfs, infaas, llumnix, or an ablation (see docs/control.md)",
+    )
+    p.add_argument("--profile", default=str(BUNDLED_PROFILE), help="latency profile JSON")
+    p.add_argument("--predictor", default=str(BUNDLED_PREDICTOR), help="step predictor folder")
+    p.add_argument("--slo", type=float, default=1.0, help="seconds; requests' default SLO")
+    p.add_argument("--max-in-flight", type=int, default=1024, help="admission control limit")
+    p.add_argument("--backend", choices=["local", "ray"], default="local")
+    p.add_argument("--ray-address", default=None, help="a running Ray cluster (HEAD:PORT)")
+    p.add_argument("--tick", type=float, default=0.5, help="seconds between scheduler ticks")
+
+
+def cmd_run_trace(args) -> None:
+    import logging
+
+    from dilaserve.cluster.trace_run import TraceRunSpec, run_trace, write_trace_run
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    config = _cluster_config(args, record=True)
     spec = TraceRunSpec(
         args.trace,
         args.rate_scale,
@@ -361,30 +389,86 @@ def cmd_run_trace(args) -> None:
 
 
 def _add_run_trace_command(sub) -> None:
-    from dilaserve.config import BUNDLED_PREDICTOR, BUNDLED_PROFILE
-
     rt = sub.add_parser("run-trace", help="replay a trace against an in-process cluster")
-    _model_arg(rt)
-    rt.add_argument("--kv-cache", choices=["none", "prefix", "dual"], default="dual")
-    rt.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    rt.add_argument("--max-tokens", type=int, default=64, help="output window (whole blocks)")
-    rt.add_argument("--threads", type=int, default=1, help="torch CPU threads per worker rank")
-    rt.add_argument("--instances", default="1,1", help="TP degree of each instance, e.g. 1,1,2")
-    rt.add_argument("--policy", default="dilaserve")
-    rt.add_argument("--profile", default=str(BUNDLED_PROFILE), help="latency profile JSON")
-    rt.add_argument("--predictor", default=str(BUNDLED_PREDICTOR), help="step predictor folder")
-    rt.add_argument("--slo", type=float, default=1.0, help="seconds per request")
+    _add_cluster_args(rt)
     rt.add_argument("--trace", default="poisson:4:20", help="trace CSV or poisson:RPS:SECONDS")
     rt.add_argument("--rate-scale", type=float, default=1.0)
     rt.add_argument("--duration", type=float, default=None)
     rt.add_argument("--max-requests", type=int, default=None)
-    rt.add_argument("--backend", choices=["local", "ray"], default="local")
-    rt.add_argument("--ray-address", default=None, help="a running Ray cluster (HEAD:PORT)")
-    rt.add_argument("--tick", type=float, default=0.5, help="seconds between scheduler ticks")
     rt.add_argument("--parity", action="store_true", help="replay in the simulator and compare")
     rt.add_argument("--seed", type=int, default=0)
     rt.add_argument("--out", default="runs", help="folder for run folders")
     rt.set_defaults(func=cmd_run_trace)
+
+
+def cmd_serve(args) -> None:
+    from dilaserve.server.main import serve
+
+    serve(_cluster_config(args), args.host, args.port, args.served_model_name, args.drain_timeout)
+
+
+def _add_serve_command(sub) -> None:
+    sv = sub.add_parser(
+        "serve", help="serve the model over an OpenAI-compatible HTTP API (FastAPI)"
+    )
+    _add_cluster_args(sv)
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument(
+        "--served-model-name", default=None, help="the model id clients send (default: folder name)"
+    )
+    sv.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="seconds to finish requests at shutdown"
+    )
+    sv.set_defaults(func=cmd_serve)
+
+
+def cmd_bench(args) -> None:
+    import httpx
+
+    from dilaserve.bench.loadgen import BenchSpec, run_bench, write_bench_run
+
+    extra = {} if args.threshold is None else {"threshold": args.threshold}
+    spec = BenchSpec(
+        url=args.url,
+        trace=args.trace,
+        rate_scale=args.rate_scale,
+        duration=args.duration,
+        max_requests=args.max_requests,
+        slo_ms=args.slo_ms,
+        endpoint=args.endpoint,
+        max_tokens=args.max_tokens,
+        model=args.model,
+        seed=args.seed,
+        timeout=args.timeout,
+        extra=extra,
+    )
+    try:
+        records, summary = run_bench(spec, progress=sys.stderr)
+    except httpx.HTTPError as err:
+        raise ValueError(f"cannot reach the server at {args.url}: {err}") from None
+    folder = write_bench_run(records, summary, spec, args.out)
+    for key, value in summary.items():
+        print(f"{key}: {value}")
+    print(f"run folder: {folder}")
+
+
+def _add_bench_command(sub) -> None:
+    b = sub.add_parser("bench", help="replay a trace against a live server (load generator)")
+    b.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    b.add_argument("--trace", required=True, help="trace CSV or poisson:RPS:SECONDS")
+    b.add_argument("--rate-scale", type=float, default=1.0)
+    b.add_argument("--duration", type=float, default=None)
+    b.add_argument("--max-requests", type=int, default=None)
+    b.add_argument("--slo-ms", type=float, default=1000.0, help="each request's SLO")
+    b.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
+    b.add_argument("--max-tokens", type=int, default=64)
+    b.add_argument("--threshold", type=float, default=None, help="pin every request's threshold")
+    b.add_argument("--model", default=None, help="default: the server's first model")
+    b.add_argument("--timeout", type=float, default=60.0, help="seconds per request")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--out", default="runs", help="folder for run folders")
+    b.set_defaults(func=cmd_bench)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -418,12 +502,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_command(sub)
     _add_simulate_command(sub)
     _add_run_trace_command(sub)
+    _add_serve_command(sub)
+    _add_bench_command(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "threads", None) and args.command != "run-trace":
+    if getattr(args, "threads", None) and args.command not in ("run-trace", "serve"):
         import torch
 
         torch.set_num_threads(args.threads)

@@ -82,6 +82,14 @@ class ClusterConfig:
         return specs
 
 
+class InvalidRequest(ValueError):
+    """A request argument is wrong; `param` names it (the HTTP layer's 400)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 class Overloaded(RuntimeError):
     """Admission control refused a request: too many in flight. Retry later."""
 
@@ -255,6 +263,10 @@ class Cluster:
         return not self._handles
 
     @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    @property
     def in_flight(self) -> int:
         return len(self._handles)
 
@@ -313,19 +325,24 @@ class Cluster:
         else:
             ids = [int(i) for i in prompt]
         if not ids:
-            raise ValueError("prompt is empty")
+            raise InvalidRequest("prompt", "prompt is empty")
         window = max_tokens if max_tokens is not None else self.config.max_tokens
         if window <= 0:
-            raise ValueError(f"max_tokens={window} must be positive")
+            raise InvalidRequest("max_tokens", f"max_tokens={window} must be positive")
         gen_len = -(-window // self.block_len) * self.block_len
         limit = self.model_config.max_sequence_length
+        if gen_len >= limit:
+            raise InvalidRequest(
+                "max_tokens", f"max_tokens={window} leaves no room in a context of {limit} tokens"
+            )
         if len(ids) + gen_len > limit:
-            raise ValueError(
+            raise InvalidRequest(
+                "prompt",
                 f"prompt ({len(ids)} tokens) + max_tokens ({gen_len}, whole blocks) exceeds the "
-                f"model's context of {limit} tokens"
+                f"model's context of {limit} tokens",
             )
         if slo is not None and slo <= 0:
-            raise ValueError(f"slo={slo} must be positive")
+            raise InvalidRequest("slo", f"slo={slo} must be positive")
         with self._lock:
             if not self._accepting:
                 raise Closed("the cluster is not accepting requests")
@@ -334,7 +351,7 @@ class Cluster:
             rid = request_id or f"req-{self._next_id}"
             self._next_id += 1
             if rid in self._handles:
-                raise ValueError(f"request_id {rid!r} is already in flight")
+                raise InvalidRequest("request_id", f"request_id {rid!r} is already in flight")
             submitted = self.now()
             request = Request(
                 rid,
@@ -554,14 +571,14 @@ def _threshold_bounds(
 ) -> tuple[float, float] | None:
     for name, value in (("threshold", threshold), ("min_threshold", lo), ("max_threshold", hi)):
         if value is not None and not 0 < value <= 1:
-            raise ValueError(f"{name}={value} must be in (0, 1]")
+            raise InvalidRequest(name, f"{name}={value} must be in (0, 1]")
     if threshold is not None:
         return (threshold, threshold)
     if lo is None and hi is None:
         return None
     lo, hi = lo or 1e-6, hi or 1.0
     if lo > hi:
-        raise ValueError(f"min_threshold={lo} exceeds max_threshold={hi}")
+        raise InvalidRequest("min_threshold", f"min_threshold={lo} exceeds max_threshold={hi}")
     return (lo, hi)
 
 

@@ -123,7 +123,11 @@ def serve_pipe(conn) -> None:
 
 
 if __name__ == "__main__":
+    import signal
     import sys
     from multiprocessing.connection import Connection
 
+    # Ctrl-C reaches the whole process group; the controller decides when workers stop
+    # (and a worker whose controller is gone sees its socket close and exits).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     serve_pipe(Connection(int(sys.argv[1])))

@@ -1,0 +1,276 @@
+"""The OpenAI-compatible HTTP API: `create_app(cluster, settings, metrics)`.
+
+Endpoints: `POST /v1/completions` (raw prompt), `POST /v1/chat/completions` (the checkpoint's
+chat template), `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus). With
+`stream: true` a response is Server-Sent Events whose deltas are committed text only, in order:
+text goes out once it and everything before it is committed. `usage` counts generated tokens
+only. Errors have OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`): 400
+naming the bad field, 429 (too many requests in flight) and 503 (shutting down) with
+Retry-After. One bad request never touches another: validation happens before the request
+reaches the cluster, and a failed request fails alone.
+
+The app starts the cluster when it starts and, on shutdown, stops taking requests, lets those
+in flight finish (up to `drain_timeout` seconds), then stops the instances.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+
+from dilaserve.cluster.runtime import (
+    Closed,
+    Cluster,
+    InvalidRequest,
+    Overloaded,
+    RequestHandle,
+    RequestResult,
+)
+from dilaserve.server.metrics import ServerMetrics
+from dilaserve.server.schemas import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger("dilaserve.server")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model_name: str
+    address: str = ""  # for the start-up log line
+    drain_timeout: float = 30.0  # seconds in-flight requests may take at shutdown
+    retry_after: int = 1  # seconds a refused client should wait (429)
+
+
+def error(status: int, message: str, param: str | None = None, headers=None) -> JSONResponse:
+    kind = {429: "rate_limit_error", 503: "service_unavailable"}.get(
+        status, "invalid_request_error" if status < 500 else "server_error"
+    )
+    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def create_app(
+    cluster: Cluster, settings: ServerSettings, metrics: ServerMetrics, manage: bool = True
+) -> FastAPI:
+    """`manage`: start the cluster with the app and drain and close it at shutdown."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if manage:
+            await run_in_threadpool(cluster.start)
+        metrics.watch(cluster)
+        log.info(
+            "dilaserve serving %s at %s (policy %s, instances %s)",
+            settings.model_name,
+            settings.address,
+            cluster.config.control.policy,
+            list(cluster.config.instances),
+        )
+        yield
+        if manage:
+            drained = await run_in_threadpool(cluster.drain, settings.drain_timeout)
+            log.info("shutting down (%s)", "drained" if drained else "drain timed out")
+            await run_in_threadpool(cluster.close)
+
+    app = FastAPI(title="dilaserve", lifespan=lifespan)
+    api = _Api(cluster, settings, metrics)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0]
+        if first.get("type") == "json_invalid":
+            return error(400, "the request body is not valid JSON")
+        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+        return error(400, f"{param}: {first.get('msg')}", param)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        return error(exc.status_code, str(exc.detail))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        return await api.generate(body, body.prompt, body.max_tokens, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest):
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            text = cluster.tokenizer.apply_chat_template(messages)
+        except Exception as e:  # the checkpoint's template rejected the conversation
+            return error(400, f"messages: {e}", "messages")
+        return await api.generate(body, cluster.tokenizer.encode(text), body.window, chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": settings.model_name, "object": "model", "owned_by": "dilaserve"}
+        return {"object": "list", "data": [{**card, "created": 0}]}
+
+    @app.get("/health")
+    async def health():
+        body = {"in_flight": cluster.in_flight, "instances": cluster.instances_by_tp()}
+        if not cluster.accepting:
+            return JSONResponse({"status": "unavailable", **body}, status_code=503)
+        return {"status": "ok", **body}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+class _Api:
+    """Submitting a request and shaping its answer, for both endpoints."""
+
+    def __init__(self, cluster: Cluster, settings: ServerSettings, metrics: ServerMetrics):
+        self.cluster = cluster
+        self.settings = settings
+        self.metrics = metrics
+
+    async def generate(self, body, prompt, max_tokens: int | None, chat: bool):
+        if body.model != self.settings.model_name:
+            return error(
+                400,
+                f"model {body.model!r} is not served here (this server serves "
+                f"{self.settings.model_name!r})",
+                "model",
+            )
+        slo = body.slo_ms / 1000 if body.slo_ms is not None else None
+        if body.deadline is not None:
+            slo = body.deadline - time.time()
+            if slo <= 0:
+                return error(400, f"deadline={body.deadline} has passed", "deadline")
+        try:
+            handle = self.cluster.submit(
+                prompt,
+                max_tokens=max_tokens,
+                slo=slo,
+                priority=body.priority,
+                chat=False,  # chat prompts arrive already templated
+                threshold=body.threshold,
+                min_threshold=body.min_threshold,
+                max_threshold=body.max_threshold,
+            )
+        except InvalidRequest as e:
+            return error(400, str(e), "messages" if chat and e.param == "prompt" else e.param)
+        except Overloaded as e:
+            self.metrics.rejected()
+            return error(429, str(e), headers={"Retry-After": str(self.settings.retry_after)})
+        except Closed as e:
+            self.metrics.rejected()
+            return error(503, str(e), headers={"Retry-After": "5"})
+        shape = _ChatShape() if chat else _CompletionShape()
+        if body.stream:
+            return StreamingResponse(
+                self._events(handle, shape, body.include_usage), media_type="text/event-stream"
+            )
+        try:
+            result = await asyncio.wrap_future(handle.future)
+        except Exception as e:
+            return error(500, f"request {handle.request_id} failed: {e}")
+        return shape.response(handle, result, self.settings.model_name)
+
+    async def _events(self, handle: RequestHandle, shape, include_usage: bool):
+        name = self.settings.model_name
+        try:
+            if isinstance(shape, _ChatShape):  # chat streams open with the role
+                yield _sse(shape.chunk(handle, name, delta=None))
+            async for delta in handle:
+                yield _sse(shape.chunk(handle, name, delta=delta))
+            result = handle.future.result()
+            yield _sse(shape.chunk(handle, name, finish=_finish_reason(handle, result)))
+            if include_usage:
+                yield _sse(
+                    {**shape.head(handle, name), "choices": [], "usage": _usage(handle, result)}
+                )
+        except Exception as e:  # the request failed mid-stream: say so in the stream
+            yield _sse({"error": {"message": str(e), "type": "server_error", "param": None}})
+        finally:
+            if not handle.future.done():  # the client went away: stop working on it
+                self.cluster.cancel(handle.request_id)
+        yield "data: [DONE]\n\n"
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def _finish_reason(handle: RequestHandle, result: RequestResult) -> str:
+    """ "stop" when the model ended its answer, "length" when the window ran out."""
+    return "stop" if len(result.token_ids) < handle.request.gen_len else "length"
+
+
+def _usage(handle: RequestHandle, result: RequestResult) -> dict:
+    prompt, generated = handle.request.prompt_len, len(result.token_ids)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": generated,
+        "total_tokens": prompt + generated,
+    }
+
+
+def _extras(result: RequestResult) -> dict:
+    """dilaserve's own figures, beside OpenAI's fields."""
+    return {
+        "steps": result.num_steps,
+        "mean_threshold": round(result.mean_threshold, 4),
+        "latency_s": round(result.latency, 4),
+        "met_slo": result.met_slo,
+    }
+
+
+class _CompletionShape:
+    def head(self, handle: RequestHandle, model: str) -> dict:
+        obj = {"id": f"cmpl-{handle.request_id}", "object": "text_completion"}
+        return {**obj, "created": int(time.time()), "model": model}
+
+    def chunk(self, handle, model, delta=None, finish=None) -> dict:
+        choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+        return {**self.head(handle, model), "choices": [choice]}
+
+    def response(self, handle, result, model) -> dict:
+        choice = {"index": 0, "text": result.text, "logprobs": None}
+        choice["finish_reason"] = _finish_reason(handle, result)
+        usage = _usage(handle, result)
+        return {
+            **self.head(handle, model),
+            "choices": [choice],
+            "usage": usage,
+            "dilaserve": _extras(result),
+        }
+
+
+class _ChatShape:
+    def head(self, handle: RequestHandle, model: str, final: bool = False) -> dict:
+        obj = "chat.completion" if final else "chat.completion.chunk"
+        return {
+            "id": f"chatcmpl-{handle.request_id}",
+            "object": obj,
+            "created": int(time.time()),
+            "model": model,
+        }
+
+    def chunk(self, handle, model, delta=None, finish=None) -> dict:
+        content = {"role": "assistant", "content": ""} if delta is None and finish is None else {}
+        if delta is not None:
+            content = {"content": delta}
+        choice = {"index": 0, "delta": content, "logprobs": None, "finish_reason": finish}
+        return {**self.head(handle, model), "choices": [choice]}
+
+    def response(self, handle, result, model) -> dict:
+        message = {"role": "assistant", "content": result.text}
+        choice = {"index": 0, "message": message, "logprobs": None}
+        choice["finish_reason"] = _finish_reason(handle, result)
+        usage = _usage(handle, result)
+        head = self.head(handle, model, final=True)
+        return {**head, "choices": [choice], "usage": usage, "dilaserve": _extras(result)}

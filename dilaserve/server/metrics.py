@@ -1,0 +1,104 @@
+"""Prometheus metrics of a serving cluster (`GET /metrics`).
+
+Counters and histograms are fed by the controller thread through the cluster's `Observer`;
+gauges (queue length, requests in flight, instances per TP degree, SLO attainment) and the
+cluster's own counters (migrations, reconfigurations, instance failures) are read when scraped.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from dilaserve.cluster.runtime import Cluster, Observer, RequestResult
+from dilaserve.protocol import StepKind, StepOutput
+
+THRESHOLD_BUCKETS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0)
+STEP_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+
+
+class ServerMetrics(Observer):
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "dilaserve_requests",
+            "Requests by outcome (met_slo, missed_slo, failed, cancelled, rejected)",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "dilaserve_request_latency_seconds",
+            "Submission to last committed token",
+            registry=self.registry,
+        )
+        self.steps = Histogram(
+            "dilaserve_step_seconds",
+            "Engine time of one step, by instance and step kind",
+            ["instance", "kind"],
+            buckets=STEP_BUCKETS,
+            registry=self.registry,
+        )
+        self.thresholds = Histogram(
+            "dilaserve_step_threshold",
+            "Confidence threshold of each request step",
+            buckets=THRESHOLD_BUCKETS,
+            registry=self.registry,
+        )
+        self.met = self.finished = 0
+
+    def watch(self, cluster: Cluster) -> None:
+        """Read the cluster's gauges and counters at every scrape."""
+        self.registry.register(_ClusterCollector(cluster, self))
+
+    # -- Observer (called on the controller thread) ------------------------------------------
+
+    def step_done(self, instance_id: str, tp: int, output: StepOutput, seconds: float) -> None:
+        kinds = {r.kind for r in output.results}
+        kind = next((k for k in (StepKind.RECOMPUTE, StepKind.FULL) if k in kinds), StepKind.CACHE)
+        self.steps.labels(instance_id, kind.value).observe(seconds)
+
+    def request_done(self, result: RequestResult, thresholds: list[float]) -> None:
+        self.finished += 1
+        self.met += result.met_slo
+        self.requests.labels("met_slo" if result.met_slo else "missed_slo").inc()
+        self.latency.observe(result.latency)
+        for threshold in thresholds:
+            self.thresholds.observe(threshold)
+
+    def request_failed(self, request_id: str, reason: str) -> None:
+        self.requests.labels("cancelled" if reason == "CancelledError" else "failed").inc()
+
+    def rejected(self) -> None:
+        self.requests.labels("rejected").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _ClusterCollector:
+    def __init__(self, cluster: Cluster, metrics: ServerMetrics):
+        self.cluster = cluster
+        self.metrics = metrics
+
+    def collect(self):
+        c, m = self.cluster, self.metrics
+        yield _gauge("dilaserve_queue_length", "Requests waiting for an instance", c.queue_length())
+        yield _gauge("dilaserve_requests_in_flight", "Requests admitted, not done", c.in_flight)
+        attainment = m.met / m.finished if m.finished else 1.0
+        yield _gauge("dilaserve_slo_attainment", "Share of finished requests on time", attainment)
+        instances = GaugeMetricFamily(
+            "dilaserve_instances", "Model instances by tensor-parallel degree", labels=["tp"]
+        )
+        for tp, count in sorted(c.instances_by_tp().items()):
+            instances.add_metric([str(tp)], count)
+        yield instances
+        for name, key, text in (
+            ("dilaserve_migrations", "migrations", "Requests moved between instances"),
+            ("dilaserve_reconfigurations", "reconfigurations", "Cluster reconfigurations begun"),
+            ("dilaserve_instance_failures", "failures", "Instances that died"),
+        ):
+            yield CounterMetricFamily(name, text, value=c.stats[key])
+
+
+def _gauge(name: str, text: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, text, value=value)

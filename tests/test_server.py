@@ -1,0 +1,248 @@
+"""The OpenAI-compatible server, driven by the official `openai` client against a real cluster
+of the bundled model: completions and chat, plain and streaming, errors, metrics, shutdown."""
+
+import json
+import socket
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from fastapi.testclient import TestClient
+
+from dilaserve.cluster.runtime import Closed, ClusterConfig, Overloaded
+from dilaserve.cluster.worker import WorkerConfig
+from dilaserve.config import SamplingParams
+from dilaserve.engine.llm import LLM
+from dilaserve.server.app import ServerSettings, create_app
+from dilaserve.server.main import build_app
+from dilaserve.server.metrics import ServerMetrics
+from dilaserve.tasks import arith
+
+QUESTIONS = [p.question for p in arith.generate(6, seed=7, split="test")]
+MODEL = "tiny-llada"
+PINNED = {"threshold": 0.9}  # pinned, so that answers are comparable with the offline engine
+
+
+class LiveServer:
+    def __init__(self, drain_timeout=30.0):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        config = ClusterConfig(WorkerConfig(threads=1), instances=(1,), tick=0.2)
+        settings = ServerSettings(MODEL, f"http://127.0.0.1:{self.port}", drain_timeout)
+        app, self.cluster = build_app(config, settings)
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, port=self.port, log_level="warning", timeout_graceful_shutdown=10)
+        )
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 120
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(60)
+
+
+@pytest.fixture(scope="module")
+def live():
+    server = LiveServer()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return {c.prompt: c.text for c in LLM().generate(QUESTIONS, SamplingParams(0.9, 64))}
+
+
+def test_models_and_health(live):
+    assert [m.id for m in live.client.models.list().data] == [MODEL]
+    health = httpx.get(f"{live.url}/health").json()
+    assert health["status"] == "ok" and health["instances"] == {"1": 1}
+
+
+def test_chat_plain_and_streaming_answer_as_the_offline_engine(live, offline):
+    for question in QUESTIONS[:3]:
+        messages = [{"role": "user", "content": question}]
+        reply = live.client.chat.completions.create(
+            model=MODEL, messages=messages, extra_body=PINNED
+        )
+        assert reply.choices[0].message.content == offline[question]
+        assert reply.choices[0].finish_reason == "stop"
+        assert 0 < reply.usage.completion_tokens < 64 and reply.usage.prompt_tokens > 10
+        chunks = list(
+            live.client.chat.completions.create(
+                model=MODEL,
+                messages=messages,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body=PINNED,
+            )
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == offline[question]
+        assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+
+
+def test_completions_plain_and_streaming_agree(live):
+    prompt = QUESTIONS[3]
+    plain = live.client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=32, extra_body=PINNED
+    )
+    streamed = "".join(
+        c.choices[0].text
+        for c in live.client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=32, stream=True, extra_body=PINNED
+        )
+    )
+    assert streamed == plain.choices[0].text
+    assert plain.usage.completion_tokens <= 32  # the window: one 32-token block
+
+
+def test_extension_fields_reach_the_scheduler(live):
+    reply = live.client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": QUESTIONS[4]}],
+        extra_body={"slo_ms": 5000, "priority": 2, "min_threshold": 0.6, "max_threshold": 0.7},
+    )
+    assert 0.6 <= reply.model_extra["dilaserve"]["mean_threshold"] <= 0.7
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"model": "gpt-4"}, "model"),
+        ({"threshold": 1.5}, "threshold"),
+        ({"max_tokens": 600}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "seven " * 500}]}, "messages"),
+        ({"messages": []}, "messages"),
+        ({"deadline": 1.0}, "deadline"),
+    ],
+)
+def test_bad_requests_get_400_naming_the_field(live, fields, param):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    extra = {k: v for k, v in fields.items() if k in ("threshold", "deadline")}
+    body.update({k: v for k, v in fields.items() if k not in extra})
+    with pytest.raises(openai.BadRequestError) as err:
+        live.client.chat.completions.create(**body, extra_body=extra)
+    assert err.value.body["param"] == param
+    assert param in err.value.body["message"] or param == "messages"
+
+
+def test_malformed_json_is_a_400_in_openai_shape(live):
+    r = httpx.post(
+        f"{live.url}/v1/chat/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_bad_request_among_good_ones_affects_none(live, offline):
+    results, bad = {}, []
+
+    def good(question):
+        reply = live.client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": question}], extra_body=PINNED
+        )
+        results[question] = reply.choices[0].message.content
+
+    def broken():
+        try:
+            live.client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=10_000
+            )
+        except openai.BadRequestError as e:
+            bad.append(e.status_code)
+
+    threads = [threading.Thread(target=good, args=(q,)) for q in QUESTIONS]
+    threads += [threading.Thread(target=broken) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == offline and bad == [400, 400, 400]
+
+
+def test_metrics_expose_outcomes_thresholds_instances_and_steps(live):
+    live.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": QUESTIONS[0]}]
+    )
+    text = httpx.get(f"{live.url}/metrics").text
+    assert 'dilaserve_requests_total{outcome="met_slo"}' in text
+    assert 'dilaserve_instances{tp="1"} 1.0' in text
+    for name in (
+        "dilaserve_step_seconds_bucket",
+        "dilaserve_step_threshold_bucket",
+        "dilaserve_queue_length",
+        "dilaserve_slo_attainment",
+        "dilaserve_migrations_total",
+        "dilaserve_reconfigurations_total",
+    ):
+        assert name in text, name
+
+
+class _RefusingCluster:
+    """Just enough of a Cluster to see how the API reports admission refusals."""
+
+    def __init__(self, error):
+        self.error = error
+        self.config = SimpleNamespace(control=SimpleNamespace(policy="fcfs"), instances=(1,))
+        self.accepting, self.in_flight, self.stats = False, 0, {}
+
+    def submit(self, *args, **kwargs):
+        raise self.error
+
+    def instances_by_tp(self):
+        return {}
+
+
+@pytest.mark.parametrize("error, status", [(Overloaded("full"), 429), (Closed("bye"), 503)])
+def test_refused_work_gets_retry_after(error, status):
+    app = create_app(_RefusingCluster(error), ServerSettings(MODEL), ServerMetrics(), manage=False)
+    with TestClient(app) as client:
+        r = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
+        assert r.status_code == status and int(r.headers["retry-after"]) >= 1
+        assert r.json()["error"]["message"] == str(error)
+        assert client.get("/health").status_code == 503
+
+
+def test_shutdown_finishes_a_stream_in_flight(offline):
+    server = LiveServer()
+    chunks = []
+
+    def stream():
+        with httpx.stream(
+            "POST",
+            f"{server.url}/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": QUESTIONS[5]}],
+                "stream": True,
+                "max_tokens": 448,
+                "threshold": 0.99,
+            },
+            timeout=60,
+        ) as r:
+            for line in r.iter_lines():
+                chunks.append(line)
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    while not any("content" in c for c in chunks):
+        time.sleep(0.01)
+    server.stop()  # graceful: the open stream runs to its end first
+    reader.join(60)
+    assert chunks[-2:] == ["data: [DONE]", ""] or chunks[-1] == "data: [DONE]"
+    payloads = [json.loads(c[6:]) for c in chunks if c.startswith("data: {")]
+    assert payloads[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert not server.thread.is_alive()
