@@ -43,7 +43,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(policy: str, port: int, instances: str, slo: float) -> subprocess.Popen:
+def start_server(policy: str, port: int, args) -> subprocess.Popen:
     command = [
         sys.executable,
         "-m",
@@ -54,9 +54,10 @@ def start_server(policy: str, port: int, instances: str, slo: float) -> subproce
         "--port",
         str(port),
         "--instances",
-        instances,
+        args.instances,
         "--slo",
-        str(slo),
+        str(args.slo_ms / 1000),
+        *args.server_args.split(),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -73,7 +74,7 @@ def start_server(policy: str, port: int, instances: str, slo: float) -> subproce
 
 def run_policy(policy: str, args) -> list[dict]:
     port = free_port()
-    server = start_server(policy, port, args.instances, args.slo_ms / 1000)
+    server = start_server(policy, port, args)
     rows = []
     try:
         for rate in args.rates:
@@ -142,6 +143,9 @@ def main() -> None:
     parser.add_argument("--slo-ms", type=float, default=300.0)
     parser.add_argument("--instances", default="1,1")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--server-args", default="", help="more `dilaserve serve` options, e.g. '--slo-headroom 1'"
+    )
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     args.rates = [float(r) for r in args.rates.split(",")]

@@ -321,10 +321,18 @@ def _cluster_config(args, record: bool = False):
     meta = Path(args.predictor) / "gbm-full.json"
     k = json.loads(meta.read_text()).get("refresh_every_tokens", 8) if meta.exists() else 8
     engine = EngineConfig(args.kv_cache, dtype=args.dtype)
-    scheduler = SchedulerConfig(kv_cache=args.kv_cache, slo=args.slo, refresh_every_tokens=k)
+    scheduler = SchedulerConfig(
+        kv_cache=args.kv_cache,
+        slo=args.slo,
+        refresh_every_tokens=k,
+        slo_headroom=args.slo_headroom,
+    )
+    control = ControlSpec(
+        args.policy, args.profile, args.predictor, scheduler, candidates=args.candidates
+    )
     return ClusterConfig(
         worker=WorkerConfig(args.model, engine, args.threads),
-        control=ControlSpec(args.policy, args.profile, args.predictor, scheduler),
+        control=control,
         instances=tuple(int(t) for t in args.instances.split(",")),
         backend=args.backend,
         ray_address=args.ray_address,
@@ -354,6 +362,18 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=str(BUNDLED_PROFILE), help="latency profile JSON")
     p.add_argument("--predictor", default=str(BUNDLED_PREDICTOR), help="step predictor folder")
     p.add_argument("--slo", type=float, default=1.0, help="seconds; requests' default SLO")
+    p.add_argument(
+        "--slo-headroom",
+        type=float,
+        default=0.5,
+        help="share of a request's remaining SLO its predicted time must fit (docs/control.md)",
+    )
+    p.add_argument(
+        "--candidates",
+        type=_thresholds,
+        default=None,
+        help="the thresholds a dynamic policy chooses from (default 0.5,0.6,0.7,0.8,0.9)",
+    )
     p.add_argument("--max-in-flight", type=int, default=1024, help="admission control limit")
     p.add_argument("--backend", choices=["local", "ray"], default="local")
     p.add_argument("--ray-address", default=None, help="a running Ray cluster (HEAD:PORT)")

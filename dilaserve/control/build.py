@@ -29,11 +29,16 @@ class ControlSpec:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     nodes: tuple[int, ...] = ()  # GPUs (or CPU slots) per node; () turns the planner off
     planner_period: float = 300.0
+    candidates: tuple[float, ...] | None = None  # the threshold ladder; None: the policy's
 
     def __post_init__(self):
-        get_policy(self.policy)  # an unknown name fails here, naming the choices
+        self.make_policy()  # an unknown name or a bad ladder fails here, naming the problem
         if not Path(self.profile).is_file():
             raise ValueError(f"latency profile {self.profile} does not exist")
+
+    def make_policy(self):
+        overrides = {} if self.candidates is None else {"candidates": tuple(self.candidates)}
+        return get_policy(self.policy, **overrides)
 
 
 def tokens_per_step(predictor_folder: str | Path) -> dict[float, float]:
@@ -45,7 +50,7 @@ def tokens_per_step(predictor_folder: str | Path) -> dict[float, float]:
 
 
 def build_scheduler(spec: ControlSpec) -> Scheduler:
-    policy = get_policy(spec.policy)
+    policy = spec.make_policy()
     profile = LatencyProfile.from_file(spec.profile)
     predictor = None
     if policy.is_dynamic:
