@@ -91,6 +91,20 @@ def cmd_train_model(args) -> None:
 
 
 def cmd_profile(args) -> None:
+    if args.dws:
+        from dilaserve.dws.cost import DWSProfileConfig, profile_dws
+
+        profile_dws(
+            DWSProfileConfig(
+                model=args.model,
+                num_probes=args.dws_probes,
+                gen_len=args.gen_len,
+                dtype=args.dtype,
+                out=args.out,
+                kernel_out=args.dws_out,
+            )
+        )
+        return
     from dilaserve.engine.profiling import ProfileConfig, profile
 
     requests = tuple(int(n) for n in args.requests.split(","))
@@ -282,6 +296,13 @@ def _add_measurement_commands(sub) -> None:
     pr.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     pr.add_argument("--out", default="runs", help="folder for run folders")
     pr.add_argument("--profile-out", default=None, help="where to write the profile JSON")
+    pr.add_argument(
+        "--dws",
+        action="store_true",
+        help="instead: fit the DWS cost kernel (ms per cell) from batch-1 probes, dws/cost.py",
+    )
+    pr.add_argument("--dws-probes", type=int, default=48, help="--dws: probe requests")
+    pr.add_argument("--dws-out", default="dws-cost.json", help="--dws: where to write the kernel")
     pr.set_defaults(func=cmd_profile)
 
     tp = sub.add_parser("train-predictor", help="collect trajectories and train step predictors")
@@ -491,6 +512,28 @@ def _add_bench_command(sub) -> None:
     b.set_defaults(func=cmd_bench)
 
 
+def cmd_train_dws(args) -> None:
+    from dilaserve.dws.train import TrainDWSConfig, train_dws_command
+
+    names = TrainDWSConfig.__dataclass_fields__
+    train_dws_command(TrainDWSConfig(**{k: v for k, v in vars(args).items() if k in names}))
+
+
+def _add_train_dws_command(sub) -> None:
+    t = sub.add_parser("train-dws", help="collect DWS labels on the engine and train the predictor")
+    _model_arg(t)
+    t.add_argument("--out", required=True, help="folder for the trained DWS predictor")
+    t.add_argument("--num", type=int, default=1500, help="prompts to label")
+    t.add_argument("--gen-len", type=int, default=64, help="the output window to label")
+    t.add_argument("--threshold", type=float, default=0.9)
+    t.add_argument(
+        "--prompts", default=None, help="JSONL with a 'prompt' per line (default: bundled task)"
+    )
+    t.add_argument("--encoder", default=None, help="a local sentence-transformers folder")
+    t.add_argument("--runs", default="runs", help="folder for run folders")
+    t.set_defaults(func=cmd_train_dws)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dilaserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -524,6 +567,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_trace_command(sub)
     _add_serve_command(sub)
     _add_bench_command(sub)
+    _add_train_dws_command(sub)
     return parser
 
 

@@ -41,6 +41,9 @@ class Request:
     priority: int = 0
     # (lowest, highest) threshold this request accepts; equal bounds pin it (a fixed threshold)
     threshold_bounds: tuple[float, float] | None = None
+    # prompt-only predictions made at admission (the DWS predictor), when a driver has them:
+    cost: float | None = None  # expected cost (ms), the DWS-SJF service order
+    prior_steps: dict[float, float] | None = None  # expected steps per threshold, before step 1
     status: RequestStatus = RequestStatus.WAITING
     output_ids: np.ndarray = field(init=False)
     confidences: np.ndarray = field(init=False)
@@ -88,6 +91,8 @@ class Request:
             self.deadline,
             self.priority,
             self.threshold_bounds,
+            self.cost,
+            self.prior_steps,
         )
 
     @property

@@ -305,3 +305,52 @@ def test_refresh_interval_spaces_out_later_refreshes_but_not_first_predictions()
     assert predictor.calls == 1  # due (8 tokens) but within the interval
     done(s, "a", result(req, list(range(BLOCK, BLOCK + 2))), now=1.5)
     assert predictor.calls == 2
+
+
+def test_dws_sjf_serves_the_cheapest_waiting_request_first_and_never_preempts():
+    s = scheduler("dws-sjf", instances=(("a", 1),), max_batch_requests=1)
+    running = make_request("first", cost=50.0)
+    assert only_launch(s.on_arrival(running, 0.0)).batch.items[0].request_id == "first"
+    for rid, cost in (("dear", 30.0), ("cheap", 10.0), ("mid", 20.0)):
+        assert not s.on_arrival(make_request(rid, cost=cost), 0.0).launches
+    # "first" has started: its next step goes ahead of every cheaper waiting request
+    launch = only_launch(done(s, "a", result(running, [0]), now=0.1))
+    assert launch.batch.items[0].request_id == "first"
+    served = []
+    for step in range(4):
+        finished = result(running, [1], block_done=True, finished=True)
+        launches = done(s, "a", finished, now=0.2 + step).launches
+        if not launches:
+            break
+        [launch] = launches
+        rid = launch.batch.items[0].request_id
+        served.append(rid)
+        running = s.requests[rid].request
+    assert served == ["cheap", "mid", "dear"]
+
+
+def test_dws_sjf_ages_a_long_wait_ahead_of_a_cheaper_newcomer():
+    s = scheduler("dws-sjf", instances=(("a", 1),), max_batch_requests=1)
+    s.on_arrival(make_request("busy", cost=1.0), 0.0)
+    s.on_arrival(make_request("old", cost=100.0), 0.0)
+    s.on_arrival(make_request("new", cost=80.0, arrival_time=90.0), 90.0)
+    s.on_arrival(make_request("newer", cost=80.0, arrival_time=80.0), 80.0)
+    # at 91 s "old" has waited 3 periods (100 x 0.9^3 = 72.9): ahead of "new" (80, no wait);
+    # "newer" has waited none either, but "old" waited only 2 periods more ... (81 > 80)
+    key = s._service_key(91.0)
+    assert sorted(["new", "old"], key=key) == ["old", "new"]
+    assert sorted(["newer", "old"], key=s._service_key(81.0)) == ["newer", "old"]
+
+
+def test_a_dws_prior_replaces_the_step_predictor_before_the_first_step():
+    # the predictor says 0.9 fits (8 steps); the prior says 0.9 takes 1000 steps: 0.5 is chosen
+    s = scheduler(instances=(("b", 2),), slo=0.05)
+    request = make_request("r", gen_len=2 * BLOCK, prior_steps={0.5: 4.0, 0.9: 1000.0})
+    assert only_launch(s.on_arrival(request, 0.0)).batch.items[0].threshold == 0.5
+    plain = scheduler(instances=(("b", 2),), slo=0.05)
+    assert (
+        only_launch(plain.on_arrival(make_request("r", gen_len=2 * BLOCK), 0.0))
+        .batch.items[0]
+        .threshold
+        == 0.9
+    )

@@ -14,7 +14,8 @@ class SchedulerConfig:
     block_len: int = 32
     slo: float = 10.0  # seconds, for requests that carry no deadline
     refresh_every_tokens: int = 8
-    max_requests_per_instance: int = 64
+    max_requests_per_instance: int = 64  # the load model's batch size (Alg. 2/4 capacity)
+    max_batch_requests: int | None = None  # requests one step batch may hold; None: no limit
     load_control_interval: float = 0.05  # seconds between re-runs triggered by refreshes only
     refresh_interval: float = 0.0  # seconds between prediction refreshes (first ones: always)
     # Alg. 1 fits the predicted remaining time into this share of the budget left. The paper's

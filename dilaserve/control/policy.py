@@ -10,7 +10,10 @@ A policy is a small frozen value; the one `Scheduler` reads it. DESIGN section 3
 - baselines with a fixed threshold and a fixed cluster: `fcfs` (arrival order, a request
   stays where it started), `infaas` (dispatch on arrival to the least-loaded instance by
   tokens, no migration) and `llumnix` (step-level load balancing, migration only at recompute
-  steps).
+  steps);
+- `dws-sjf`: `fcfs` whose waiting requests are served in order of their DWS expected cost
+  (papers.md 2.8): shortest first, non-preemptive (a request that has started goes ahead of
+  every waiting one), each waiting request's cost aged by 10% per 30 s waited.
 """
 
 from __future__ import annotations
@@ -34,6 +37,11 @@ class Placement(str, enum.Enum):
     ON_ARRIVAL = "on-arrival"  # bound at arrival to the instance with fewest tokens (INFaaS)
 
 
+class Order(str, enum.Enum):
+    ARRIVAL = "arrival"  # priority, then arrival
+    COST = "cost"  # started first, then the aged expected cost (DWS-SJF)
+
+
 @dataclass(frozen=True, slots=True)
 class Policy:
     name: str
@@ -44,6 +52,9 @@ class Policy:
     placement: Placement = Placement.FASTEST_STEP
     predictor: str = "full"  # which step predictor: full | progress | one-shot | oracle
     reconfigure: bool = True  # run the ILP planner every period (when one is configured)
+    order: Order = Order.ARRIVAL  # the service order of waiting requests
+    aging: float = 0.10  # DWS-SJF: a waiting request's cost shrinks this much ...
+    aging_period: float = 30.0  # ... per this many seconds waited
 
     def __post_init__(self):
         if self.fixed_threshold is not None and not 0 < self.fixed_threshold <= 1:
@@ -79,6 +90,7 @@ POLICIES = {
     "fcfs": _FCFS,
     "infaas": replace(_FCFS, name="infaas", placement=Placement.ON_ARRIVAL),
     "llumnix": replace(_FCFS, name="llumnix", migration=Migration.RECOMPUTE),
+    "dws-sjf": replace(_FCFS, name="dws-sjf", order=Order.COST),
 }
 
 

@@ -27,7 +27,7 @@ from dilaserve.control.decisions import Decisions, SchedulerConfig, StepLaunch
 from dilaserve.control.features import state_matrix
 from dilaserve.control.layout import InstanceSlot
 from dilaserve.control.load_table import LoadTable
-from dilaserve.control.policy import Migration, Placement, Policy
+from dilaserve.control.policy import Migration, Order, Placement, Policy
 from dilaserve.control.profile import Curve, LatencyProfile
 from dilaserve.control.reconfigure import Reconfigurer
 from dilaserve.control.thresholds import (
@@ -254,7 +254,7 @@ class Scheduler:
     # -- one scheduling round ----------------------------------------------------------------
 
     def _schedule(self, now: float, load_changed: bool) -> Decisions:
-        ready = sorted(self._ready, key=self._order)
+        ready = sorted(self._ready, key=self._service_key(now))
         refreshed = self._refresh_predictions(ready, now)
         if self._load_control_due(now, load_changed, refreshed):
             self._update_allowed(now)
@@ -303,6 +303,23 @@ class Scheduler:
         t = self.requests[rid]
         return (-t.request.priority, t.request.arrival_time, t.seq)
 
+    def _service_key(self, now: float):
+        """The order waiting requests are served in: arrival (with priorities), or DWS-SJF's
+        started-first, then shortest aged expected cost (a request without one goes last)."""
+        if self.policy.order is Order.ARRIVAL:
+            return self._order
+        keep = 1.0 - self.policy.aging
+
+        def key(rid: str) -> tuple[int, float, float, int]:
+            r = self.requests[rid].request
+            if r.num_steps:
+                return (0, 0.0, r.arrival_time, self.requests[rid].seq)
+            periods = int((now - r.arrival_time) // self.policy.aging_period)
+            cost = float("inf") if r.cost is None else r.cost * keep**periods
+            return (1, cost, r.arrival_time, self.requests[rid].seq)
+
+        return key
+
     def _refresh_predictions(self, ready: list[str], now: float) -> bool:
         k = self.config.refresh_every_tokens
         tracked = (self.requests[rid] for rid in ready)
@@ -320,6 +337,8 @@ class Scheduler:
         predictions = self.predictor.predict([r.request_id for r in requests], _states(requests))
         for t, row in zip(due, predictions[:, self._ladder_columns]):
             r = t.request
+            if r.num_steps == 0 and r.prior_steps is not None:  # the DWS one-shot prior
+                row = np.array([r.prior_steps[g] for g in self._ladder])
             t.refreshed_at = r.num_committed
             t.needs_threshold = True
             if r.request_id not in self._load:
@@ -411,9 +430,9 @@ class Scheduler:
         for inst in candidates:
             kind = home_kind if inst is home else away
             n = self._tokens(t, kind)
+            if not self._has_room(inst, n):
+                continue
             full, cache = inst.pending_full, inst.pending_cache
-            if inst.pending and full + cache + n > inst.max_batch_tokens:
-                continue  # no room (an empty batch takes anything)
             if kind is StepKind.CACHE:
                 cache += n
             else:
@@ -427,12 +446,17 @@ class Scheduler:
                 best, best_key = (inst, kind), (cost, inst.busy, inst.instance_id)
         return best
 
-    @staticmethod
-    def _has_room(inst: _Instance, tokens: int) -> bool:
-        """A batch takes a request while within max batch tokens; an empty one takes any."""
-        return not inst.pending or inst.pending_full + inst.pending_cache + tokens <= (
-            inst.max_batch_tokens
-        )
+    def _has_room(self, inst: _Instance, tokens: int) -> bool:
+        """A batch takes a request while within max batch tokens (and requests, if capped);
+        an empty one takes any."""
+        if inst.busy and self.policy.order is Order.COST:
+            return False  # SJF: requests wait, sorted, until the instance can take them
+        if not inst.pending:
+            return True
+        cap = self.config.max_batch_requests
+        if cap is not None and len(inst.pending) >= cap:
+            return False
+        return inst.pending_full + inst.pending_cache + tokens <= inst.max_batch_tokens
 
     def _assign(
         self, t: _Tracked, inst: _Instance, kind: StepKind, now: float

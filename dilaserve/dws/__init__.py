@@ -1,0 +1,1 @@
+"""The Denoising Surface (DWS): prompt-only cost prediction."""

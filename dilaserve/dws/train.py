@@ -1,0 +1,343 @@
+"""`dilaserve train-dws`: collect DWS labels from engine runs and train the predictor.
+
+Labels (papers.md 2.2): each prompt runs to completion on the real engine at the serving
+threshold; its steps per output block T_b (and so its block count N) are recorded. Training is
+coarse to fine (papers.md 2.4): Stage A fits the encoder and a regression head to the horizon
+targets T(h) = sum_b min(T_b, h) (Smooth-L1 on T(h) / mean T(h)); Stage B starts from Stage A's
+encoder and fits the hazard heads to the executed-cell grid by the surface Brier score (the
+shipped default of the paper's code), the encoder frozen for the first half of the epochs. Each
+stage keeps its best epoch on validation prompts (Stage A: MAE of T(32); Stage B: MAE of the
+surface area against the true total steps).
+
+The scalar proxies the paper compares against (predicted output length, predicted total steps)
+train here too, on the same encoder architecture, so the evaluation compares like with like.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from dilaserve.dws.encoders import HashedEncoder, SentenceTransformerEncoder
+from dilaserve.dws.model import DWSModel, DWSPredictor, _head
+from dilaserve.dws.surface import HORIZONS, block_steps, horizon_targets, joint_target
+
+
+@dataclass
+class Labels:
+    texts: list[str]
+    prompt_tokens: np.ndarray  # [n] under the serving model's tokenizer
+    steps: np.ndarray  # [n, max_blocks] T_b
+    output_tokens: np.ndarray  # [n] generated tokens before the stop token
+    block_len: int
+    threshold: float
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def subset(self, index: np.ndarray) -> Labels:
+        return Labels(
+            [self.texts[i] for i in index],
+            self.prompt_tokens[index],
+            self.steps[index],
+            self.output_tokens[index],
+            self.block_len,
+            self.threshold,
+        )
+
+    def save(self, path: str | Path) -> None:
+        np.savez_compressed(
+            path,
+            texts=np.array(self.texts, dtype=object),
+            prompt_tokens=self.prompt_tokens,
+            steps=self.steps,
+            output_tokens=self.output_tokens,
+            meta=np.array([self.block_len, self.threshold]),
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> Labels:
+        z = np.load(path, allow_pickle=True)
+        block_len, threshold = z["meta"].tolist()
+        return cls(
+            z["texts"].tolist(),
+            z["prompt_tokens"],
+            z["steps"],
+            z["output_tokens"],
+            int(block_len),
+            float(threshold),
+        )
+
+
+def collect_labels(
+    model_path: str | Path,
+    texts: list[str],
+    gen_len: int,
+    threshold: float = 0.9,
+    max_batch: int = 128,
+) -> Labels:
+    """Run every prompt to completion on the engine (chat template) and record T_b."""
+    from dilaserve.config import EngineConfig, SamplingParams
+    from dilaserve.engine.llm import LLM
+
+    llm = LLM(model_path, EngineConfig())
+    block = llm.config.block_len
+    requests = llm.make_requests(texts, SamplingParams(threshold, gen_len), chat=True)
+    blocks: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    llm.run(
+        requests, max_batch, on_step=lambda r, res: blocks[r.request_id].append(res.block_index)
+    )
+    max_blocks = gen_len // block
+    stop = llm.tokenizer.special.stop_ids
+    return Labels(
+        list(texts),
+        np.array([r.prompt_len for r in requests]),
+        np.stack([block_steps(blocks[r.request_id], max_blocks) for r in requests]),
+        np.array([len(r.generated_ids(stop)) for r in requests]),
+        block,
+        threshold,
+    )
+
+
+@dataclass(frozen=True)
+class DWSTrainConfig:
+    encoder: str | None = None  # a sentence-transformers folder; None: the hashed encoder
+    stage_a_epochs: int = 30
+    stage_b_epochs: int = 12  # the first half with the encoder frozen
+    batch: int = 32
+    head_lr: float = 3e-4
+    encoder_lr: float = 1e-3  # the hashed encoder learns from scratch; 4e-5 for a pretrained one
+    seed: int = 42
+    extra: dict = field(default_factory=dict)
+
+
+class _Batches:
+    """Shuffled mini-batches of (features, targets) with the encoder's features cached."""
+
+    def __init__(self, feats: list, rng: np.random.Generator, batch: int):
+        self.feats, self.rng, self.batch = feats, rng, batch
+
+    def __call__(self, n: int):
+        order = self.rng.permutation(n)
+        for start in range(0, n, self.batch):
+            yield order[start : start + self.batch]
+
+
+def _fit(
+    params: list[dict],
+    epochs: int,
+    step: Callable[[np.ndarray], torch.Tensor],
+    score: Callable[[], float],
+    batches,
+    n: int,
+    module: nn.Module,
+    on_epoch: Callable[[int], None] | None = None,
+) -> float:
+    """Train for `epochs`, keeping the parameters of the epoch with the lowest `score`."""
+    optimizer = torch.optim.AdamW(params, weight_decay=0.01)
+    best, best_state = float("inf"), None
+    for epoch in range(epochs):
+        if on_epoch is not None:
+            on_epoch(epoch)
+        module.train()
+        for index in batches(n):
+            optimizer.zero_grad()
+            loss = step(index)
+            loss.backward()
+            nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+            optimizer.step()
+        module.eval()
+        with torch.no_grad():
+            value = score()
+        if value < best:
+            best, best_state = value, copy.deepcopy(module.state_dict())
+    module.load_state_dict(best_state)
+    return best
+
+
+def _encoder(cfg: DWSTrainConfig) -> nn.Module:
+    return SentenceTransformerEncoder(cfg.encoder) if cfg.encoder else HashedEncoder()
+
+
+def _pick(feats: list, index) -> list:
+    return [feats[i] for i in index]
+
+
+def train_dws(train: Labels, val: Labels, cfg: DWSTrainConfig, log=print) -> DWSPredictor:
+    torch.manual_seed(cfg.seed)
+    rng = np.random.default_rng(cfg.seed)
+    max_blocks = train.steps.shape[1]
+    model = DWSModel(_encoder(cfg), max_blocks, train.block_len)
+    feats, val_feats = model.encoder.features(train.texts), model.encoder.features(val.texts)
+    batches = _Batches(feats, rng, cfg.batch)
+    enc = [p for p in model.encoder.parameters() if p.requires_grad]
+
+    # Stage A: the horizon targets T(h)
+    targets = torch.from_numpy(horizon_targets(train.steps))
+    scale = targets.mean(dim=0).clamp(min=1.0)
+    smooth = nn.SmoothL1Loss(beta=1.0)
+    val_total = torch.from_numpy(val.steps.sum(axis=1).astype(np.float32))
+    a = _fit(
+        [{"params": model.horizon_head.parameters(), "lr": cfg.head_lr}]
+        + ([{"params": enc, "lr": cfg.encoder_lr}] if enc else []),
+        cfg.stage_a_epochs,
+        lambda i: smooth(model.horizons(_pick(feats, i)) / scale, targets[i] / scale),
+        lambda: float((model.horizons(val_feats)[:, -1] - val_total).abs().mean()),
+        batches,
+        len(train),
+        model,
+    )
+    log(f"Stage A: validation MAE of T(32) {a:.3f} steps")
+
+    # Stage B: the surface, by the Brier score against the executed-cell grid
+    grid = torch.from_numpy(joint_target(train.steps, train.block_len))
+    tokens = torch.from_numpy(train.prompt_tokens.astype(np.int64))
+    val_tokens = torch.from_numpy(val.prompt_tokens.astype(np.int64))
+    frozen = cfg.stage_b_epochs // 2
+
+    def freeze(epoch: int) -> None:
+        for p in enc:
+            p.requires_grad_(epoch >= frozen)
+
+    heads = [
+        *model.count_head.parameters(),
+        *model.step_head.parameters(),
+        *model.remainder.parameters(),
+    ]
+    b = _fit(
+        [{"params": heads, "lr": 2 * cfg.head_lr}]
+        + ([{"params": enc, "lr": cfg.encoder_lr / 4}] if enc else []),
+        cfg.stage_b_epochs,
+        lambda i: ((model.surface(_pick(feats, i), tokens[i]) - grid[i]) ** 2).mean(),
+        lambda: float(
+            (model.surface(val_feats, val_tokens).sum(dim=(1, 2)) - val_total).abs().mean()
+        ),
+        batches,
+        len(train),
+        model,
+        on_epoch=freeze,
+    )
+    for p in enc:
+        p.requires_grad_(True)
+    log(f"Stage B: validation MAE of the surface area {b:.3f} steps")
+    meta = {
+        "encoder": model.encoder.config(),
+        "max_blocks": max_blocks,
+        "block_len": train.block_len,
+        "threshold": train.threshold,
+        "horizons": list(HORIZONS),
+        "train": asdict(cfg),
+        "validation": {"stage_a_t32_mae": round(a, 4), "stage_b_area_mae": round(b, 4)},
+    }
+    return DWSPredictor(model, meta)
+
+
+class ScalarModel(nn.Module):
+    """A one-number prompt-only predictor (a scalar proxy): the same encoder, one output."""
+
+    def __init__(self, encoder: nn.Module):
+        super().__init__()
+        self.encoder = encoder
+        self.head = _head(encoder.dim, 128, 1)
+
+    def forward(self, feats) -> torch.Tensor:
+        return self.head(self.encoder(feats))[:, 0]
+
+
+def train_scalar(
+    train: Labels, val: Labels, target: Callable[[Labels], np.ndarray], cfg: DWSTrainConfig
+) -> Callable[[list[str]], np.ndarray]:
+    """Train a scalar proxy on `target(labels)`; returns texts -> predictions."""
+    torch.manual_seed(cfg.seed)
+    model = ScalarModel(_encoder(cfg))
+    feats, val_feats = model.encoder.features(train.texts), model.encoder.features(val.texts)
+    y = torch.from_numpy(target(train).astype(np.float32))
+    y_val = torch.from_numpy(target(val).astype(np.float32))
+    scale = y.mean().clamp(min=1.0)
+    smooth = nn.SmoothL1Loss(beta=1.0)
+    enc = [p for p in model.encoder.parameters() if p.requires_grad]
+    _fit(
+        [{"params": model.head.parameters(), "lr": cfg.head_lr}]
+        + ([{"params": enc, "lr": cfg.encoder_lr}] if enc else []),
+        cfg.stage_a_epochs,
+        lambda i: smooth(model(_pick(feats, i)) / scale, y[i] / scale),
+        lambda: float((model(val_feats) - y_val).abs().mean()),
+        _Batches(feats, np.random.default_rng(cfg.seed), cfg.batch),
+        len(train),
+        model,
+    )
+    model.eval()
+
+    def predict(texts: list[str]) -> np.ndarray:
+        with torch.no_grad():
+            return model(model.encoder.features(texts)).numpy()
+
+    return predict
+
+
+def split(labels: Labels, val_share: float, seed: int) -> tuple[Labels, Labels]:
+    order = np.random.default_rng(seed).permutation(len(labels))
+    cut = int(len(labels) * (1 - val_share))
+    return labels.subset(order[:cut]), labels.subset(order[cut:])
+
+
+def write_report(folder: Path, predictor: DWSPredictor, extra: dict) -> None:
+    (folder / "report.json").write_text(json.dumps({**predictor.meta, **extra}, indent=2) + "\n")
+
+
+@dataclass(frozen=True)
+class TrainDWSConfig:
+    model: str
+    out: str
+    num: int = 1500
+    gen_len: int = 64  # the serving output window the labels describe
+    threshold: float = 0.9
+    prompts: str | None = None  # a JSONL file with a "prompt" per line; None: the bundled task
+    encoder: str | None = None
+    runs: str = "runs"
+    seed: int = 5
+
+
+def load_prompts(cfg: TrainDWSConfig) -> list[str]:
+    if cfg.prompts is None:
+        from dilaserve.tasks import arith
+
+        return [p.question for p in arith.generate(cfg.num, seed=cfg.seed, split="train")]
+    rows = [json.loads(line) for line in Path(cfg.prompts).read_text().splitlines() if line]
+    texts = [r["prompt"] for r in rows if r.get("prompt")]
+    if not texts:
+        raise ValueError(f"prompts file {cfg.prompts} has no rows with a 'prompt' field")
+    return texts[: cfg.num]
+
+
+def train_dws_command(cfg: TrainDWSConfig, log=print) -> Path:
+    """Collect labels on the engine, train, save the predictor; a run folder with the labels,
+    the validation figures and the predictor's latency per prompt."""
+    from dilaserve.runs import create_run_dir, environment, write_json
+
+    folder = create_run_dir(cfg.runs, "train-dws")
+    write_json(folder / "config.json", {**asdict(cfg), "environment": environment()})
+    texts = load_prompts(cfg)
+    log(f"collecting labels: {len(texts)} prompts at threshold {cfg.threshold}")
+    labels = collect_labels(cfg.model, texts, cfg.gen_len, cfg.threshold)
+    labels.save(folder / "labels.npz")
+    train, val = split(labels, 0.2, cfg.seed)
+    predictor = train_dws(train, val, DWSTrainConfig(encoder=cfg.encoder), log)
+    predictor.save(cfg.out)
+    sample = val.texts[:100], val.prompt_tokens[:100].tolist()
+    summary = {
+        **predictor.meta["validation"],
+        "labels": len(labels),
+        "mean_total_steps": round(float(labels.steps.sum(axis=1).mean()), 3),
+        "latency_ms_per_prompt_1_thread": round(predictor.latency_ms(*sample), 3),
+    }
+    write_json(folder / "summary.json", summary)
+    log(f"{summary}\npredictor: {cfg.out}; run folder: {folder}")
+    return folder

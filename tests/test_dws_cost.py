@@ -1,0 +1,106 @@
+"""The DWS cost kernel: the fit recovers a known kernel, W stays >= 0, expected cost of an
+executed grid equals the run's cost, and on the real engine recompute cells cost more."""
+
+import numpy as np
+import pytest
+
+from dilaserve.dws.cost import CostKernel, ProbeRun, fit_cost_kernel, run_probes
+
+L = 32  # block_len
+
+
+def synthetic_probes(w, delta, num, seed, noise=0.01, max_steps=16):
+    """Probes whose step times come from W + delta (m - m_bar), with relative noise."""
+    rng = np.random.default_rng(seed)
+    shapes = []
+    for _ in range(num):
+        prompt = int(rng.integers(20, 200))
+        steps = rng.integers(1, max_steps + 1, size=int(rng.integers(1, w.shape[0] + 1)))
+        shapes.append((prompt, steps))
+    m = np.array([p // L for p, _ in shapes])
+    total = np.array([s.sum() for _, s in shapes])
+    m_bar = (m * total).sum() / total.sum()
+    probes = []
+    for prompt, steps in shapes:
+        shift = delta * (prompt // L - m_bar)
+        cells = [(b, s) for b, t in enumerate(steps) for s in range(t)]
+        times = [(w[b, s] + shift) * (1 + noise * rng.standard_normal()) for b, s in cells]
+        probes.append(ProbeRun(prompt, L, [(b, s, ms) for (b, s), ms in zip(cells, times)]))
+    return probes
+
+
+def test_fit_recovers_a_known_kernel():
+    w = np.full((2, L), 2.0)
+    w[:, 0] = 10.0  # a recompute step costs five cache steps
+    kernel = fit_cost_kernel(synthetic_probes(w, 0.5, 100, seed=0), 2, L)
+    assert kernel.W[:, 0] == pytest.approx(10.0, abs=0.5)
+    assert kernel.W[:, 1:] == pytest.approx(np.full((2, L - 1), 2.0), abs=0.5)  # unseen too
+    assert kernel.delta == pytest.approx(0.5, abs=0.02)
+    assert kernel.alpha == kernel.beta == 0.0  # no separate prefill or refresh forwards
+    assert kernel.num_probes == 100 and kernel.val_mse < 0.5
+
+
+def test_w_is_never_negative_even_when_longer_runs_are_cheaper():
+    rng = np.random.default_rng(1)
+    probes = []
+    for _ in range(20):
+        steps = [(0, s, 0.0) for s in range(int(rng.integers(1, L + 1)))]
+        measured = 100.0 - 3.0 * len(steps) + 5 * rng.standard_normal()
+        probes.append(ProbeRun(int(rng.integers(10, 300)), L, [(0, 0, measured)] + steps[1:]))
+    kernel = fit_cost_kernel(probes, 1, L)
+    assert kernel.W.min() >= 0.0
+
+
+def test_expected_cost_of_an_executed_grid_is_the_runs_cost(tmp_path):
+    rng = np.random.default_rng(2)
+    kernel = CostKernel(
+        W=rng.uniform(0, 5, size=(3, L)),
+        delta=0.7,
+        alpha=4.0,
+        beta=1.5,
+        m_bar=2.2,
+        block_len=L,
+        lambda_s=1e-4,
+        lambda_b=1e-4,
+        train_mse=0.0,
+        val_mse=0.0,
+        num_probes=5,
+    )
+    probe = ProbeRun(130, L, [(0, s, 1.0) for s in range(7)] + [(1, s, 1.0) for s in range(3)])
+    grid = probe.cells(3)
+    by_hand = 4.0 * 4 + 1.5 * 2 + (kernel.W * grid).sum() + 0.7 * (4 - 2.2) * 10
+    assert kernel.expected_cost(grid, 130) == pytest.approx(kernel.cost_of_run(probe))
+    assert kernel.cost_of_run(probe) == pytest.approx(by_hand)
+    assert kernel.expected_cost(grid, 130, prefilled=True) == pytest.approx(by_hand - 16.0)
+    batch = kernel.expected_cost(np.stack([grid, grid]), np.array([130, 130]))
+    assert batch == pytest.approx([by_hand, by_hand])
+    kernel.save(tmp_path / "k.json")
+    assert CostKernel.load(tmp_path / "k.json").cost_of_run(probe) == pytest.approx(by_hand)
+
+
+def test_real_probes_show_recompute_cells_cost_more_than_cache_cells():
+    from dilaserve.config import BUNDLED_MODEL
+    from dilaserve.engine.llm import LLM
+    from dilaserve.tasks import arith
+
+    llm = LLM(BUNDLED_MODEL)
+    problems = arith.generate(6, seed=0, split="test")
+    prompts = [llm.encode_prompt(p.question, chat=True) for p in problems]
+    natural = run_probes(llm, prompts[:3], gen_len=64)
+    canvas = run_probes(llm, prompts[3:], gen_len=64, natural=False)
+    assert all(p.output_blocks == 2 for p in canvas)  # canvas probes decode the whole window
+    assert llm.engine.config.early_finish  # the caller's engine is left as it was
+    kernel = fit_cost_kernel(natural + canvas, 2, L)
+    assert kernel.W[:, 0].mean() > kernel.W[:, 1:].mean()
+
+
+def test_too_few_probes_is_a_clear_error():
+    probes = synthetic_probes(np.full((1, L), 2.0), 0.0, 4, seed=3)
+    with pytest.raises(ValueError, match="at least 5 probes"):
+        fit_cost_kernel(probes, 1, L)
+
+
+def test_a_probe_too_long_for_the_kernel_is_rejected():
+    probes = synthetic_probes(np.full((2, L), 2.0), 0.0, 6, seed=4)
+    with pytest.raises(ValueError, match="max_blocks"):
+        fit_cost_kernel(probes + [ProbeRun(40, L, [(b, 0, 1.0) for b in range(3)])], 2, L)
