@@ -347,6 +347,7 @@ def _cluster_config(args, record: bool = False):
         slo=args.slo,
         refresh_every_tokens=k,
         slo_headroom=args.slo_headroom,
+        max_batch_requests=args.max_batch_requests,
     )
     control = ControlSpec(
         args.policy, args.profile, args.predictor, scheduler, candidates=args.candidates
@@ -361,7 +362,19 @@ def _cluster_config(args, record: bool = False):
         max_tokens=args.max_tokens,
         max_in_flight=args.max_in_flight,
         record=record,
+        **_dws_args(args),
     )
+
+
+def _dws_args(args) -> dict:
+    """DWS at admission: asked for, or needed by the dws-sjf policy (the bundled one then)."""
+    from dilaserve.config import BUNDLED_DWS, BUNDLED_DWS_COST
+
+    dws = args.dws or (str(BUNDLED_DWS) if args.policy == "dws-sjf" or args.dws_prior else None)
+    if dws is None:
+        return {}
+    cost = args.dws_cost or (str(BUNDLED_DWS_COST) if dws == str(BUNDLED_DWS) else None)
+    return {"dws": dws, "dws_cost": cost, "dws_prior": args.dws_prior}
 
 
 def _add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -396,6 +409,14 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
         help="the thresholds a dynamic policy chooses from (default 0.5,0.6,0.7,0.8,0.9)",
     )
     p.add_argument("--max-in-flight", type=int, default=1024, help="admission control limit")
+    p.add_argument(
+        "--max-batch-requests", type=int, default=None, help="requests per step batch (no limit)"
+    )
+    p.add_argument("--dws", default=None, help="DWS predictor folder (dws-sjf: the bundled one)")
+    p.add_argument("--dws-cost", default=None, help="DWS cost kernel JSON (profile --dws)")
+    p.add_argument(
+        "--dws-prior", action="store_true", help="DWS expected steps as the step predictor's prior"
+    )
     p.add_argument("--backend", choices=["local", "ray"], default="local")
     p.add_argument("--ray-address", default=None, help="a running Ray cluster (HEAD:PORT)")
     p.add_argument("--tick", type=float, default=0.5, help="seconds between scheduler ticks")

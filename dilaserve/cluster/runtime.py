@@ -60,6 +60,9 @@ class ClusterConfig:
     start_timeout: float = 300.0  # seconds to wait for the initial instances to load
     record: bool = False  # keep a `Recording` (for replay in the simulator)
     max_in_flight: int = 1024  # admission control: more waiting or running requests are refused
+    dws: str | None = None  # a DWS predictor folder: expected cost and step prior at admission
+    dws_cost: str | None = None  # its cost kernel (`dilaserve profile --dws`); None: unit cost
+    dws_prior: bool = False  # give the step predictor DWS's expected steps before step 1
 
     def __post_init__(self):
         if not self.instances or min(self.instances) < 1:
@@ -203,6 +206,11 @@ class Cluster:
                 f"scheduler's block_len={self.block_len}"
             )
         self.backend = backend or _make_backend(config)
+        self.dws = None
+        if config.dws is not None:
+            from dilaserve.dws.estimate import DWSEstimator
+
+            self.dws = DWSEstimator.load(config.dws, config.dws_cost, config.control.predictor)
         self.observer = observer or Observer()
         self.rollout = Rollout(self.scheduler, self, config.max_batch_tokens)
         self.log = DecisionLog(keep_lines=config.record)
@@ -312,10 +320,12 @@ class Cluster:
         threshold: float | None = None,
         min_threshold: float | None = None,
         max_threshold: float | None = None,
+        text: str | None = None,
     ) -> RequestHandle:
         """Queue a request (thread-safe). `max_tokens` is the output window, rounded up to
         whole blocks; `slo` seconds from now (default: the scheduler's). `threshold` pins the
         confidence threshold; `min_threshold`/`max_threshold` bound what the policy may pick.
+        `text`: the user's prompt text for the DWS predictor (default: `prompt` if a string).
 
         Raises ValueError naming a bad argument, `Overloaded` when admission control refuses
         work, and `Closed` when the cluster is not serving."""
@@ -343,6 +353,9 @@ class Cluster:
             )
         if slo is not None and slo <= 0:
             raise InvalidRequest("slo", f"slo={slo} must be positive")
+        cost, prior = self._estimate(
+            text or (prompt if isinstance(prompt, str) else None), ids, gen_len
+        )
         with self._lock:
             if not self._accepting:
                 raise Closed("the cluster is not accepting requests")
@@ -363,12 +376,20 @@ class Cluster:
                 deadline=None if slo is None else submitted + slo,
                 priority=priority,
                 threshold_bounds=bounds,
+                cost=cost,
+                prior_steps=prior if self.config.dws_prior else None,
             )
             handle = RequestHandle(request, submitted)
             self._handles[rid] = handle
             self._arrivals.append(handle)
         self.backend.wake()
         return handle
+
+    def _estimate(self, text: str | None, ids: list[int], gen_len: int):
+        """DWS's expected cost and step prior for a new request (None, None without DWS)."""
+        if self.dws is None or text is None:
+            return None, None
+        return self.dws.estimate([text], [len(ids)], gen_len)[0]
 
     def cancel(self, request_id: str) -> None:
         """Stop working on a request (thread-safe; e.g. its client went away)."""

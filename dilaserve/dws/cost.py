@@ -395,8 +395,11 @@ def fit_cost_kernel(
 class DWSProfileConfig:
     """`dilaserve profile --dws`: probe the engine on held-out bundled-task problems, fit a kernel.
 
-    Half the probes are natural, half canvas, interleaved so that both kinds land in the
-    training and the held-out probes.
+    Half the probes are natural (at the serving threshold), half canvas (the whole window) at
+    thresholds spread from 0.5 to 1.0, interleaved so that both kinds land in the training and
+    the held-out probes. A step costs the same whatever its threshold, but at one threshold
+    the probes' step counts per block vary too little to tell cells apart (block 0 at 0.9 never
+    ends in one step, so only W[0,0] + W[0,1] is identified); at 1.0 every cell runs.
     """
 
     model: str
@@ -407,6 +410,7 @@ class DWSProfileConfig:
     seed: int = 0
     out: str = "runs"
     kernel_out: str = "dws-cost.json"
+    canvas_thresholds: tuple[float, ...] = (0.5, 0.7, 0.9, 1.0)
 
     def __post_init__(self):
         if self.num_probes < MIN_PROBES:
@@ -453,9 +457,16 @@ def profile_dws(cfg: DWSProfileConfig, log=print) -> CostKernel:
     prompts = [llm.encode_prompt(p.question, chat=True) for p in problems]
     half = (len(prompts) + 1) // 2
     log(f"running {half} natural and {len(prompts) - half} canvas probes at batch 1")
+    canvas = prompts[half:]
+    spread = len(cfg.canvas_thresholds)
+    canvas_runs = [
+        run_probes(llm, canvas[k::spread], cfg.gen_len, False, threshold)
+        for k, threshold in enumerate(cfg.canvas_thresholds)
+        if canvas[k::spread]
+    ]
     probes = _interleave(
         run_probes(llm, prompts[:half], cfg.gen_len, True, cfg.threshold),
-        run_probes(llm, prompts[half:], cfg.gen_len, False, cfg.threshold),
+        [p for runs in canvas_runs for p in runs],
     )
     meta = {
         "model": str(cfg.model),

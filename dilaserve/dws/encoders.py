@@ -70,9 +70,11 @@ class SentenceTransformerEncoder(nn.Module):
             ) from None
         if not Path(folder).is_dir():
             raise FileNotFoundError(f"sentence-transformers folder {folder} does not exist")
-        self.folder = str(folder)
+        self.folder = str(Path(folder).resolve())
         self.model = SentenceTransformer(self.folder, device="cpu", local_files_only=True)
-        self.dim = self.model.get_sentence_embedding_dimension()
+        dimension = getattr(self.model, "get_embedding_dimension", None)
+        self.dim = (dimension or self.model.get_sentence_embedding_dimension)()
+        self.model.requires_grad_(False)  # frozen: its embeddings are computed once
 
     def config(self) -> dict:
         return {"kind": self.kind, "folder": self.folder}

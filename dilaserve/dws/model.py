@@ -89,7 +89,15 @@ class DWSPredictor:
         folder = Path(folder)
         meta = json.loads((folder / "dws.json").read_text())
         model = DWSModel(make_encoder(meta["encoder"]), meta["max_blocks"], meta["block_len"])
-        model.load_state_dict(load_file(str(folder / "dws.safetensors")), strict=False)
+        missing, unexpected = model.load_state_dict(
+            load_file(str(folder / "dws.safetensors")), strict=False
+        )
+        missing = [k for k in missing if not k.startswith("encoder.model.")]
+        if missing or unexpected:
+            raise ValueError(
+                f"DWS weights in {folder} do not fit the model: missing {missing[:3]}, "
+                f"unexpected {unexpected[:3]}"
+            )
         return cls(model, meta)
 
     def save(self, folder: str | Path) -> None:

@@ -64,7 +64,8 @@ class Labels:
 
     @classmethod
     def load(cls, path: str | Path) -> Labels:
-        z = np.load(path, allow_pickle=True)
+        path = Path(path)
+        z = np.load(path if path.suffix == ".npz" else path.with_suffix(".npz"), allow_pickle=True)
         block_len, threshold = z["meta"].tolist()
         return cls(
             z["texts"].tolist(),
@@ -94,7 +95,7 @@ def collect_labels(
     llm.run(
         requests, max_batch, on_step=lambda r, res: blocks[r.request_id].append(res.block_index)
     )
-    max_blocks = gen_len // block
+    max_blocks = -(-gen_len // block)  # the engine rounds the window up to whole blocks
     stop = llm.tokenizer.special.stop_ids
     return Labels(
         list(texts),
@@ -141,6 +142,8 @@ def _fit(
     on_epoch: Callable[[int], None] | None = None,
 ) -> float:
     """Train for `epochs`, keeping the parameters of the epoch with the lowest `score`."""
+    if epochs < 1:
+        raise ValueError(f"{epochs=} must be at least 1")
     optimizer = torch.optim.AdamW(params, weight_decay=0.01)
     best, best_state = float("inf"), None
     for epoch in range(epochs):
@@ -156,7 +159,7 @@ def _fit(
         module.eval()
         with torch.no_grad():
             value = score()
-        if value < best:
+        if best_state is None or value < best:
             best, best_state = value, copy.deepcopy(module.state_dict())
     module.load_state_dict(best_state)
     return best

@@ -108,7 +108,9 @@ def create_app(
             text = cluster.tokenizer.apply_chat_template(messages)
         except Exception as e:  # the checkpoint's template rejected the conversation
             return error(400, f"messages: {e}", "messages")
-        return await api.generate(body, cluster.tokenizer.encode(text), body.window, chat=True)
+        ids = cluster.tokenizer.encode(text)
+        user = next((m["content"] for m in reversed(messages) if m["role"] == "user"), text)
+        return await api.generate(body, ids, body.window, chat=True, text=user)
 
     @app.get("/v1/models")
     async def models():
@@ -137,7 +139,7 @@ class _Api:
         self.settings = settings
         self.metrics = metrics
 
-    async def generate(self, body, prompt, max_tokens: int | None, chat: bool):
+    async def generate(self, body, prompt, max_tokens: int | None, chat: bool, text=None):
         if body.model != self.settings.model_name:
             return error(
                 400,
@@ -160,6 +162,7 @@ class _Api:
                 threshold=body.threshold,
                 min_threshold=body.min_threshold,
                 max_threshold=body.max_threshold,
+                text=text,
             )
         except InvalidRequest as e:
             return error(400, str(e), "messages" if chat and e.param == "prompt" else e.param)

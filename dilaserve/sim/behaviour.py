@@ -182,3 +182,43 @@ class QualityModel:
 LLADA_GSM8K = QualityModel(
     {0.5: 0.755, 0.6: 0.7625, 0.7: 0.770, 0.8: 0.7775, 0.9: 0.785}, "LLaDA-8B GSM8K (paper)"
 )
+
+
+class BlockStepsBehaviour:
+    """Replays known steps per block: request r's block b takes exactly `steps[r][b]` steps
+    (commits spread evenly), and the request ends after its last block with steps. For
+    experiments on labelled prompts (DWS labels), where the order of service is the question
+    and the threshold is fixed."""
+
+    def __init__(self, steps: Mapping[str, np.ndarray]):
+        self.steps = steps
+        self._done_in_block: dict[str, int] = {}
+
+    def tokens_per_step(self, threshold: float) -> float:
+        total = sum(int(s.sum()) for s in self.steps.values())
+        return 32.0 * sum(int((s > 0).sum()) for s in self.steps.values()) / max(total, 1)
+
+    def forget(self, request_id: str) -> None:
+        self._done_in_block.pop(request_id, None)
+
+    def step(self, r: Request, threshold: float, kind: StepKind) -> RequestStepResult:
+        steps = self.steps[r.request_id]
+        block = r.current_block
+        done = self._done_in_block.get(r.request_id, 0)
+        lo, hi = block * r.block_len, (block + 1) * r.block_len
+        free = np.flatnonzero(r.output_ids[lo:hi] == r.mask_id) + lo
+        left = max(int(steps[block]) - done, 1)
+        positions = free[: -(-len(free) // left)].astype(np.int32)
+        block_done = len(positions) == len(free)
+        last = block + 1 >= len(steps) or steps[block + 1] == 0
+        self._done_in_block[r.request_id] = 0 if block_done else done + 1
+        return RequestStepResult(
+            r.request_id,
+            kind,
+            positions,
+            np.full(positions.size, 7, np.int32),
+            np.zeros(r.gen_len, np.float32),
+            block,
+            block_done,
+            block_done and last,
+        )
