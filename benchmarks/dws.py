@@ -1,0 +1,288 @@
+"""DWS evaluation: cost-prediction error against scalar proxies, and DWS-SJF against FCFS.
+
+    python benchmarks/dws.py [--prompts 300] [--rates 20,40,60,80] [--live]
+
+1. Cost prediction on held-out prompts of the bundled task. Each prompt runs alone (batch 1) on
+   the engine at threshold 0.9; its measured ms is the truth. DWS predicts the cost from the
+   prompt alone: the bundled predictor's surface times the bundled cost kernel. The scalar
+   proxies the paper compares against are trained on the same labels with the same encoder:
+   predicted output length and predicted total steps, each mapped to ms by a linear fit on
+   probes of training prompts. Reported: mean relative error and MAE of each.
+2. DWS-SJF against FCFS in the simulator: the held-out prompts' true steps per block replayed
+   (`BlockStepsBehaviour`), their DWS costs as the SJF order, the bundled CPU latency profile,
+   one TP-1 instance taking at most `--batch` requests per step, Poisson load swept upward.
+   Reported: mean and p99 latency and mean time to first block per policy and load.
+3. The DWS step prior: `dilaserve` on an in-process cluster with and without DWS's expected
+   steps as the step predictor's prior before the first step (SLO attainment).
+4. With `--live`: DWS-SJF against FCFS on `dilaserve serve` (the same sweep through HTTP).
+
+Writes one run folder with every table and the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from dilaserve.config import BUNDLED_DWS, BUNDLED_DWS_COST, BUNDLED_MODEL
+from dilaserve.runs import create_run_dir, environment, markdown_table, write_json, write_records
+
+GEN_LEN = 64
+
+
+def cost_error(args, log) -> tuple[list[dict], dict]:
+    from dilaserve.config import EngineConfig
+    from dilaserve.dws.cost import run_probes
+    from dilaserve.dws.estimate import DWSEstimator
+    from dilaserve.dws.train import DWSTrainConfig, Labels, split, train_scalar
+    from dilaserve.engine.llm import LLM
+    from dilaserve.tasks import arith
+
+    llm = LLM(BUNDLED_MODEL, EngineConfig())
+    held_out = [p.question for p in arith.generate(args.prompts, seed=77, split="test")]
+    labels = Labels.load(args.labels)
+    calibration = labels.texts[: args.calibration]
+    log(f"probing {len(held_out)} held-out and {len(calibration)} calibration prompts")
+    truth = _probe_ms(llm, held_out, run_probes)
+    calib_truth = _probe_ms(llm, calibration, run_probes)
+    estimator = DWSEstimator.load(BUNDLED_DWS, BUNDLED_DWS_COST)
+    tokens = [len(llm.encode_prompt(t, chat=True)) for t in held_out]
+    start = time.perf_counter()
+    dws = np.array([c for c, _ in estimator.estimate(held_out, tokens, GEN_LEN)])
+    dws_ms = 1e3 * (time.perf_counter() - start) / len(held_out)
+    train, val = split(labels, 0.2, 5)
+    cfg = DWSTrainConfig()
+    predictions = {"DWS (surface x kernel)": dws}
+    for name, target in (
+        ("predicted output length", lambda lab: lab.output_tokens),
+        ("predicted total steps", lambda lab: lab.steps.sum(axis=1)),
+    ):
+        proxy = train_scalar(train, val, target, cfg)
+        a, b = np.polyfit(proxy(calibration), calib_truth, 1)  # scalar -> ms
+        predictions[name] = a * proxy(held_out) + b
+    rows = [
+        {
+            "predictor": name,
+            "mean_relative_error": round(float(np.mean(np.abs(p - truth) / truth)), 4),
+            "mae_ms": round(float(np.mean(np.abs(p - truth))), 3),
+        }
+        for name, p in predictions.items()
+    ]
+    best_proxy = min(r["mean_relative_error"] for r in rows[1:])
+    summary = {
+        "held_out_prompts": len(held_out),
+        "true_ms_mean": round(float(truth.mean()), 3),
+        "true_ms_cv": round(float(truth.std() / truth.mean()), 3),
+        "dws_ms_per_prompt": round(dws_ms, 3),
+        "error_ratio_best_proxy_over_dws": round(best_proxy / rows[0]["mean_relative_error"], 3),
+    }
+    return rows, summary
+
+
+def _probe_ms(llm, texts, run_probes) -> np.ndarray:
+    prompts = [llm.encode_prompt(t, chat=True) for t in texts]
+    return np.array([p.total_ms for p in run_probes(llm, prompts, GEN_LEN, natural=True)])
+
+
+def simulated_sjf(args, log) -> list[dict]:
+    from dilaserve.config import BUNDLED_PROFILE
+    from dilaserve.control.decisions import InstanceSpec, SchedulerConfig
+    from dilaserve.control.policy import get_policy
+    from dilaserve.control.profile import LatencyProfile
+    from dilaserve.control.scheduler import Scheduler
+    from dilaserve.dws.estimate import DWSEstimator
+    from dilaserve.dws.train import collect_labels
+    from dilaserve.request import Request
+    from dilaserve.sim.behaviour import BlockStepsBehaviour
+    from dilaserve.sim.simulator import SimConfig, Simulator
+    from dilaserve.tasks import arith
+
+    texts = [p.question for p in arith.generate(args.prompts, seed=78, split="test")]
+    labels = collect_labels(BUNDLED_MODEL, texts, GEN_LEN)
+    costs = [
+        c
+        for c, _ in DWSEstimator.load(BUNDLED_DWS, BUNDLED_DWS_COST).estimate(
+            texts, labels.prompt_tokens.tolist(), GEN_LEN
+        )
+    ]
+    profile = LatencyProfile.from_file(BUNDLED_PROFILE)
+    rows = []
+    for rate in args.rates:
+        rng = np.random.default_rng(3)
+        arrivals = np.cumsum(rng.exponential(1 / rate, int(rate * args.seconds)))
+        picks = rng.integers(0, len(texts), len(arrivals))
+        for policy in ("fcfs", "dws-sjf"):
+            requests, steps = [], {}
+            for i, (t, k) in enumerate(zip(arrivals.tolist(), picks.tolist())):
+                rid = f"r{i}"
+                steps[rid] = labels.steps[k]
+                prompt = (3,) * int(labels.prompt_tokens[k])
+                requests.append(Request(rid, prompt, GEN_LEN, 32, 1, 0.9, t, cost=costs[k]))
+            config = SchedulerConfig(slo=1e6, max_batch_requests=args.batch)
+            scheduler = Scheduler(get_policy(policy), profile, None, config)
+            spec = InstanceSpec("i0", 0, 1, (0,), 65536)
+            sim = Simulator(scheduler, profile, BlockStepsBehaviour(steps), [spec], SimConfig())
+            done = sim.run(requests).requests
+            latency = np.array([r.finish_time - r.arrival_time for r in done])
+            first = np.array([r.first_block_time - r.arrival_time for r in done])
+            rows.append(
+                {
+                    "rps": rate,
+                    "policy": policy,
+                    "finished": len(done),
+                    "latency_mean": round(float(latency.mean()), 4),
+                    "latency_p99": round(float(np.percentile(latency, 99)), 4),
+                    "first_block_mean": round(float(first.mean()), 4),
+                }
+            )
+            log(rows[-1])
+    return rows
+
+
+def step_prior(args, log) -> list[dict]:
+    from dilaserve.cluster.runtime import ClusterConfig
+    from dilaserve.cluster.trace_run import TraceRunSpec, run_trace
+    from dilaserve.cluster.worker import WorkerConfig
+    from dilaserve.control.build import ControlSpec
+    from dilaserve.control.decisions import SchedulerConfig
+
+    rows = []
+    for prior in (False, True):
+        config = ClusterConfig(
+            WorkerConfig(threads=1),
+            ControlSpec(scheduler=SchedulerConfig(slo=args.slo, refresh_every_tokens=2)),
+            dws=str(BUNDLED_DWS) if prior else None,
+            dws_cost=str(BUNDLED_DWS_COST) if prior else None,
+            dws_prior=prior,
+        )
+        spec = TraceRunSpec(f"poisson:{args.prior_rps}:{args.seconds}", slo=args.slo)
+        s = run_trace(config, spec)["summary"]
+        keys = ("slo_attainment", "latency_mean", "mean_threshold", "accuracy")
+        rows.append({"dws_prior": prior, **{k: s[k] for k in keys}})
+        log(rows[-1])
+    return rows
+
+
+def live_sjf(args, log) -> list[dict]:
+    import subprocess
+    import sys
+
+    from dilaserve.bench.loadgen import BenchSpec, run_bench
+
+    sys.path.insert(0, "benchmarks")
+    from serve_policies import free_port
+
+    rows = []
+    for policy in ("fcfs", "dws-sjf"):
+        port = free_port()
+        command = [
+            sys.executable,
+            "-m",
+            "dilaserve.cli",
+            "serve",
+            "--policy",
+            policy,
+            "--port",
+            str(port),
+            "--instances",
+            "1",
+            "--max-batch-requests",
+            str(args.batch),
+        ]
+        server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            _wait(port)
+            for rate in args.live_rates:
+                spec = BenchSpec(
+                    url=f"http://127.0.0.1:{port}",
+                    trace=f"poisson:{rate}:{args.seconds}",
+                    slo_ms=1e6,
+                )
+                _, s = run_bench(spec)
+                rows.append(
+                    {
+                        "rps": rate,
+                        "policy": policy,
+                        "latency_mean": s["latency_mean"],
+                        "latency_p99": s["latency_p99"],
+                        "ttft_mean": s["ttft_mean"],
+                        "ok": s["ok"],
+                    }
+                )
+                log(rows[-1])
+        finally:
+            server.terminate()
+            server.wait(60)
+    return rows
+
+
+def _wait(port: int) -> None:
+    import httpx
+
+    for _ in range(360):
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    raise RuntimeError("the server did not come up")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=300)
+    parser.add_argument("--calibration", type=int, default=100)
+    parser.add_argument("--labels", default="docs/results/train-dws-20261129-161600/labels.npz")
+    parser.add_argument("--rates", default="20,40,60,80")
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--batch", type=int, default=4, help="requests per step batch")
+    parser.add_argument("--slo", type=float, default=0.3)
+    parser.add_argument("--prior-rps", type=float, default=44.0)
+    parser.add_argument("--live", action="store_true")
+    parser.add_argument("--live-rates", default="10,20,30")
+    parser.add_argument("--skip", default="", help="parts to skip: cost,sim,prior")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+    args.rates = [float(r) for r in args.rates.split(",")]
+    args.live_rates = [float(r) for r in args.live_rates.split(",")]
+    folder = create_run_dir(args.out, "dws")
+    write_json(folder / "config.json", {**vars(args), "environment": environment()})
+    lines, summary = ["# DWS evaluation", ""], {}
+    if "cost" not in args.skip:
+        rows, summary["cost"] = cost_error(args, print)
+        write_records(folder / "cost_error.csv", rows)
+        lines += [
+            "## Cost prediction",
+            "",
+            str(summary["cost"]),
+            "",
+            markdown_table(rows, list(rows[0])),
+            "",
+        ]
+    if "sim" not in args.skip:
+        rows = simulated_sjf(args, print)
+        write_records(folder / "sim_sjf.csv", rows)
+        lines += ["## DWS-SJF vs FCFS (simulator)", "", markdown_table(rows, list(rows[0])), ""]
+    if "prior" not in args.skip:
+        rows = step_prior(args, print)
+        write_records(folder / "prior.csv", rows)
+        lines += [
+            "## The DWS step prior (live cluster)",
+            "",
+            markdown_table(rows, list(rows[0])),
+            "",
+        ]
+    if args.live:
+        rows = live_sjf(args, print)
+        write_records(folder / "live_sjf.csv", rows)
+        lines += ["## DWS-SJF vs FCFS (live server)", "", markdown_table(rows, list(rows[0])), ""]
+    write_json(folder / "summary.json", summary)
+    (folder / "report.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"run folder: {folder}")
+
+
+if __name__ == "__main__":
+    main()
