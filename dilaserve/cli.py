@@ -555,6 +555,25 @@ def _add_train_dws_command(sub) -> None:
     t.set_defaults(func=cmd_train_dws)
 
 
+def cmd_export_dws(args) -> None:
+    from dilaserve.dws.onnx_export import export_dws_command
+
+    export_dws_command(args.dws, not args.no_int8, args.model, args.num, args.seed)
+
+
+def _add_export_dws_command(sub) -> None:
+    e = sub.add_parser(
+        "export-dws",
+        help="export a DWS predictor to ONNX (FP32 and INT8) and compare it with PyTorch",
+    )
+    e.add_argument("--dws", required=True, help="a DWS predictor folder (dilaserve train-dws)")
+    e.add_argument("--no-int8", action="store_true", help="write only the FP32 graph")
+    _model_arg(e)  # its tokenizer gives the comparison prompts' lengths
+    e.add_argument("--num", type=int, default=200, help="bundled-task prompts to compare on")
+    e.add_argument("--seed", type=int, default=0)
+    e.set_defaults(func=cmd_export_dws)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dilaserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -589,6 +608,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_command(sub)
     _add_bench_command(sub)
     _add_train_dws_command(sub)
+    _add_export_dws_command(sub)
     return parser
 
 

@@ -1,0 +1,372 @@
+"""The DWS predictor as an ONNX graph on ONNX Runtime, FP32 and INT8 (papers.md 2.5).
+
+`export_onnx` writes the part of a `DWSPredictor` after feature extraction (the encoder's
+learnable part, the heads and the surface) with `torch.onnx.export` (opset 17, dynamic batch)
+as `dws.onnx`, and with `int8=True` also `dws.int8.onnx`: ONNX Runtime dynamic quantization
+(`quantize_dynamic`, QInt8 weights, per channel) restricted to the encoder's nodes, heads in
+FP32 as in the paper. `ONNXDWSPredictor` runs such a file on `CPUExecutionProvider` with one
+intra-op and one inter-op thread, with the same `predict` / `latency_ms` as `DWSPredictor`.
+
+Graph inputs by encoder:
+- hashed: `ids` int64 [total] (every prompt's hashed n-gram ids, concatenated), `offsets` int64
+  [batch] (where each prompt's ids start), `length` float32 [batch, 1] (log(1 + words)),
+  `prompt_tokens` int64 [batch]. Feature extraction (`HashedEncoder.features`) is pure
+  Python/numpy, so the ONNX predictor needs no torch weights.
+- sentence-transformers: `embeddings` float32 [batch, dim] and `prompt_tokens`. The
+  sentence-transformers model itself is NOT in the graph: it stays in Python (frozen, as in
+  training) and computes the embeddings; only the heads and the surface run on ONNX Runtime. Its
+  INT8 file therefore equals the FP32 one (no encoder weights in the graph to quantize).
+Output: `surface` float32 [batch, blocks, block_len].
+
+Two rewrites make the graph export cleanly with the TorchScript exporter (checked for equality):
+`torch.cumprod` has no opset-17 symbolic, so the survivals are unrolled products (the same
+multiplications in the same order, bit-identical); `nn.EmbeddingBag` does export, but as a
+`Loop` over bags whose table lookup sits inside the loop body, where ONNX Runtime's quantizer
+does not reach it (the 8192 x 96 table would stay FP32), so the wrapper uses a flat `Gather` +
+segment mean (a one-hot [batch, total] matmul) instead.
+
+Quantization detail (ONNX Runtime's dynamic mode): the linear layers get per-channel QInt8
+weights (`MatMulInteger`); a `Gather` table is quantized per tensor with the activation type
+(UInt8), whatever `per_channel` says - that is how ORT's dynamic `GatherQuant` works.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import shutil
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from dilaserve.dws.encoders import HashedEncoder, make_encoder
+from dilaserve.dws.model import DWSModel, DWSPrediction, DWSPredictor
+from dilaserve.dws.surface import support
+
+OPSET = 17
+FLOAT_NAME, INT8_NAME = "dws.onnx", "dws.int8.onnx"
+ENCODER_PREFIX = "model.encoder."  # initializer names of the encoder's weights in the graph
+FP32_TOLERANCE = 1e-4  # export_onnx checks the FP32 graph against PyTorch to this
+_CHECK_TEXTS = [
+    "What is 12 plus 7?",
+    "Tom has 3 apples and buys 5 more. How many apples does he have now?",
+    "",
+    "Write a long story about a dragon who learns to count, with many chapters and details.",
+]
+
+
+def _survival(logits: torch.Tensor, dim: int) -> torch.Tensor:
+    """cumprod(cat(1, sigmoid(logits)), dim) unrolled: the same products, exportable."""
+    hazards = torch.sigmoid(logits).unbind(dim)
+    out = [torch.ones_like(hazards[0])]
+    for h in hazards:
+        out.append(out[-1] * h)
+    return torch.stack(out, dim)
+
+
+class _SurfaceGraph(nn.Module):
+    """Pooled state + prompt tokens -> surface; the heads of `DWSModel.surface`."""
+
+    def __init__(self, model: DWSModel):
+        super().__init__()
+        self.model = model
+
+    def surface(self, h: torch.Tensor, prompt_tokens: torch.Tensor) -> torch.Tensor:
+        m = self.model
+        remainder = m.remainder(prompt_tokens % m.block_len)
+        counts = m.count_head(torch.cat((h, remainder), dim=1))
+        steps = m.step_head(h).view(-1, m.max_blocks, m.block_len - 1)
+        return _survival(counts, 1)[:, :, None] * _survival(steps, 2)
+
+
+class _HashedGraph(_SurfaceGraph):
+    input_names = ["ids", "offsets", "length", "prompt_tokens"]
+    dynamic_axes = {
+        "ids": {0: "total"},
+        "offsets": {0: "batch"},
+        "length": {0: "batch"},
+        "prompt_tokens": {0: "batch"},
+        "surface": {0: "batch"},
+    }
+
+    def forward(self, ids, offsets, length, prompt_tokens):
+        enc = self.model.encoder
+        emb = enc.bag.weight[ids]  # [total, dim]: one flat Gather
+        pos = torch.cumsum(torch.ones_like(ids), 0) - 1  # 0..total-1
+        bag = (offsets[None, :] <= pos[:, None]).sum(1) - 1  # each id's prompt
+        rows = torch.cumsum(torch.ones_like(offsets), 0) - 1  # 0..batch-1
+        member = (bag[None, :] == rows[:, None]).to(emb.dtype)  # [batch, total]
+        mean = (member @ emb) / member.sum(1, keepdim=True).clamp_min(1.0)
+        return self.surface(mean + enc.length(length), prompt_tokens)
+
+
+class _EmbeddingGraph(_SurfaceGraph):
+    input_names = ["embeddings", "prompt_tokens"]
+    dynamic_axes = {
+        "embeddings": {0: "batch"},
+        "prompt_tokens": {0: "batch"},
+        "surface": {0: "batch"},
+    }
+
+    def forward(self, embeddings, prompt_tokens):
+        return self.surface(embeddings, prompt_tokens)
+
+
+def _is_hashed(encoder_config: dict) -> bool:
+    return encoder_config["kind"] == HashedEncoder.kind
+
+
+def graph_inputs(encoder_config: dict, feats: list, prompt_tokens) -> dict[str, np.ndarray]:
+    """The graph's input arrays for `features(texts)` of the encoder and the prompt lengths."""
+    tokens = np.asarray(prompt_tokens, dtype=np.int64).reshape(-1)
+    if len(tokens) != len(feats):
+        raise ValueError(f"{len(feats)} prompts but {len(tokens)} prompt token counts")
+    if _is_hashed(encoder_config):
+        sizes = [len(f[0]) for f in feats]
+        return {
+            "ids": np.concatenate([f[0] for f in feats]).astype(np.int64),
+            "offsets": np.cumsum([0] + sizes[:-1]).astype(np.int64),
+            "length": np.array([[f[1]] for f in feats], dtype=np.float32),
+            "prompt_tokens": tokens,
+        }
+    return {"embeddings": np.stack(feats).astype(np.float32), "prompt_tokens": tokens}
+
+
+def _paths(path: str | Path) -> tuple[Path, Path]:
+    path = Path(path)
+    if path.suffix == ".onnx":  # a file name: the INT8 copy goes next to it
+        return path, path.with_name(path.name[: -len(".onnx")] + ".int8.onnx")
+    return path / FLOAT_NAME, path / INT8_NAME
+
+
+def _torch_export(graph: nn.Module, args: tuple, path: Path) -> None:
+    kwargs = {}
+    if "dynamo" in inspect.signature(torch.onnx.export).parameters:
+        kwargs["dynamo"] = False  # the TorchScript exporter: no onnxscript needed
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # its deprecation notice and tracer warnings
+        torch.onnx.export(
+            graph,
+            args,
+            str(path),
+            input_names=graph.input_names,
+            output_names=["surface"],
+            dynamic_axes=graph.dynamic_axes,
+            opset_version=OPSET,
+            do_constant_folding=True,
+            **kwargs,
+        )
+
+
+def _add_metadata(path: Path, meta: dict, precision: str) -> None:
+    import onnx
+
+    proto = onnx.load(str(path))
+    del proto.metadata_props[:]
+    for key, value in {"dws_meta": json.dumps(meta), "precision": precision}.items():
+        entry = proto.metadata_props.add()
+        entry.key, entry.value = key, value
+    onnx.save(proto, str(path))
+
+
+def _quantize(src: Path, dst: Path) -> list[str]:
+    """Dynamic QInt8 per-channel quantization of the encoder's nodes only; their names."""
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    nodes = [
+        n.name
+        for n in onnx.load(str(src)).graph.node
+        if any(name.startswith(ENCODER_PREFIX) for name in n.input)
+    ]
+    if not nodes:  # the sentence-transformers case: the encoder is not in the graph
+        shutil.copyfile(src, dst)
+        return []
+    quiet = logging.getLogger()
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # "consider pre-processing" notices
+    try:
+        quantize_dynamic(
+            src,
+            dst,
+            weight_type=QuantType.QInt8,
+            per_channel=True,
+            nodes_to_quantize=nodes,
+        )
+    finally:
+        quiet.setLevel(level)
+    return nodes
+
+
+@torch.inference_mode()
+def export_onnx(predictor: DWSPredictor, path: str | Path, int8: bool = True) -> Path:
+    """Write `dws.onnx` (and with `int8`, `dws.int8.onnx` next to it); the file to deploy.
+
+    `path` is a folder (files `dws.onnx`, `dws.int8.onnx` in it) or a `NAME.onnx` file (the
+    INT8 copy is `NAME.int8.onnx`). Returns the INT8 file with `int8`, else the FP32 one. The
+    FP32 graph is checked against PyTorch on a few prompts (max abs surface difference
+    <= 1e-4) before anything is quantized. Without `int8`, an INT8 file left there by an
+    earlier export is removed (it would no longer match the FP32 one).
+    """
+    model = predictor.model.eval()
+    encoder_config = model.encoder.config()
+    graph = (_HashedGraph if _is_hashed(encoder_config) else _EmbeddingGraph)(model).eval()
+    float_path, int8_path = _paths(path)
+    float_path.parent.mkdir(parents=True, exist_ok=True)
+
+    texts = _CHECK_TEXTS
+    tokens = [5, 40, 0, 77]
+    feats = model.encoder.features(texts)
+    inputs = graph_inputs(encoder_config, feats, tokens)
+    _torch_export(graph, tuple(torch.from_numpy(v) for v in inputs.values()), float_path)
+    meta = {**predictor.meta, "encoder": encoder_config}
+    _add_metadata(float_path, meta, "fp32")
+
+    expect = model.surface(feats, torch.tensor(tokens, dtype=torch.long)).numpy()
+    got = _session(float_path).run(["surface"], inputs)[0]
+    error = float(np.abs(got - expect).max())
+    if not error <= FP32_TOLERANCE:
+        raise RuntimeError(f"the exported DWS graph differs from PyTorch by {error:.3g}")
+    if not int8:
+        int8_path.unlink(missing_ok=True)
+        return float_path
+    nodes = _quantize(float_path, int8_path)
+    _add_metadata(int8_path, meta, "int8" if nodes else "fp32 (no encoder weights in graph)")
+    return int8_path
+
+
+def _session(path: Path):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3  # errors only
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+class ONNXDWSPredictor:
+    """An exported DWS graph on ONNX Runtime (one CPU thread); the `DWSPredictor` API.
+
+    The predictor's `dws.json` (encoder config, block sizes, threshold) is read from `folder`
+    (default: the ONNX file's folder); where there is none, the copy `export_onnx` embedded in
+    the file. A `dws.json` whose encoder or block sizes differ from the embedded copy is refused
+    (the graph is stale).
+    """
+
+    def __init__(self, path: str | Path, folder: str | Path | None = None):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"ONNX file {self.path} does not exist")
+        self.session = _session(self.path)
+        props = self.session.get_modelmeta().custom_metadata_map
+        embedded = json.loads(props["dws_meta"]) if "dws_meta" in props else None
+        self.precision = props.get("precision", "unknown")
+        meta_file = Path(folder if folder is not None else self.path.parent) / "dws.json"
+        if meta_file.is_file():
+            self.meta = json.loads(meta_file.read_text())
+        elif embedded is not None:
+            self.meta = embedded
+        else:
+            raise FileNotFoundError(f"no {meta_file} for the DWS graph {self.path}")
+        if embedded is not None:
+            for key in ("encoder", "max_blocks", "block_len"):
+                if embedded[key] != self.meta[key]:
+                    raise ValueError(
+                        f"{self.path} was exported for {key}={embedded[key]!r} but {meta_file} "
+                        f"says {self.meta[key]!r}: export it again (dilaserve export-dws)"
+                    )
+        self.encoder_config = self.meta["encoder"]
+        names = [i.name for i in self.session.get_inputs()]
+        want = (_HashedGraph if _is_hashed(self.encoder_config) else _EmbeddingGraph).input_names
+        if names != want:
+            raise ValueError(f"{self.path} takes inputs {names}, the encoder needs {want}")
+        # the hashed encoder's features need no weights; sentence-transformers loads its model
+        self.encoder = make_encoder(self.encoder_config)
+        self.block_len, self.max_blocks = self.meta["block_len"], self.meta["max_blocks"]
+        self.threshold = self.meta.get("threshold")
+
+    @classmethod
+    def load(cls, folder: str | Path, int8: bool = True) -> ONNXDWSPredictor:
+        """The graph `export_onnx(..., folder)` wrote into a DWS folder."""
+        return cls(Path(folder) / (INT8_NAME if int8 else FLOAT_NAME), folder)
+
+    def predict(
+        self, texts: list[str], prompt_tokens: list[int], gen_len: int | None = None
+    ) -> DWSPrediction:
+        feats = self.encoder.features(texts)
+        inputs = graph_inputs(self.encoder_config, feats, prompt_tokens)
+        surface = self.session.run(["surface"], inputs)[0]
+        if gen_len is not None:
+            surface = support(surface, gen_len, self.block_len)
+        return DWSPrediction(surface)
+
+    def latency_ms(self, texts: list[str], prompt_tokens: list[int], repeats: int = 3) -> float:
+        """Median ms per prompt, one prompt at a time on one thread (as a serving CPU would)."""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # a sentence-transformers encoder runs in torch
+        try:
+            times = []
+            for _ in range(repeats):
+                for text, n in zip(texts, prompt_tokens):
+                    start = time.perf_counter()
+                    self.predict([text], [n])
+                    times.append(1e3 * (time.perf_counter() - start))
+            return float(np.median(times))
+        finally:
+            torch.set_num_threads(threads)
+
+
+def export_dws_command(
+    folder: str | Path,
+    int8: bool = True,
+    model: str | Path | None = None,
+    num: int = 200,
+    seed: int = 0,
+    log=print,
+) -> dict:
+    """`dilaserve export-dws`: export into the DWS folder, then compare with PyTorch on `num`
+    bundled-task prompts (prompt lengths under `model`'s chat template) and time one prompt at
+    a time on one thread. Returns the figures it prints."""
+    from dilaserve.config import BUNDLED_MODEL
+    from dilaserve.models.config import LLaDAConfig
+    from dilaserve.models.tokenizer import Tokenizer
+    from dilaserve.tasks import arith
+
+    folder = Path(folder)
+    predictor = DWSPredictor.load(folder)
+    export_onnx(predictor, folder, int8=int8)
+    model = Path(model or BUNDLED_MODEL)
+    tokenizer = Tokenizer(model, LLaDAConfig.from_file(model / "config.json"))
+    texts = [p.question for p in arith.generate(num, seed=seed, split="test")]
+    tokens = [len(tokenizer.encode_chat(t)) for t in texts]
+    want = predictor.predict(texts, tokens)
+    report = {"prompts": num, "latency_ms": {"pytorch": predictor.latency_ms(texts, tokens)}}
+    for name, use_int8 in [("onnx_fp32", False)] + ([("onnx_int8", True)] if int8 else []):
+        onnx_predictor = ONNXDWSPredictor.load(folder, int8=use_int8)
+        got = onnx_predictor.predict(texts, tokens)
+        steps = np.abs(got.expected_steps - want.expected_steps) / want.expected_steps
+        report[name] = {
+            "file": str(onnx_predictor.path),
+            "bytes": onnx_predictor.path.stat().st_size,
+            "max_abs_surface_diff": float(np.abs(got.surface - want.surface).max()),
+            "max_rel_expected_steps_diff": float(steps.max()),
+        }
+        report["latency_ms"][name] = onnx_predictor.latency_ms(texts, tokens)
+    log(f"exported to {folder}; {num} bundled-task prompts (seed {seed}, test split)")
+    for name in ("onnx_fp32", "onnx_int8"):
+        if name in report:
+            r = report[name]
+            log(
+                f"{name}: {Path(r['file']).name} ({r['bytes'] / 1e6:.2f} MB), max |surface - "
+                f"pytorch| = {r['max_abs_surface_diff']:.3g}, max relative expected-steps "
+                f"difference = {r['max_rel_expected_steps_diff']:.3g}"
+            )
+    latency = ", ".join(f"{k} {v:.3f} ms" for k, v in report["latency_ms"].items())
+    log(f"median latency per prompt (1 thread): {latency}")
+    return report
