@@ -348,3 +348,34 @@ def test_sentence_transformer_encoder_offline(synthetic_split, tmp_path, monkeyp
     np.testing.assert_array_equal(loaded.predict(texts, tokens).surface, want)
     assert want.shape == (8, 2, BLOCK_LEN)
     assert np.isfinite(want).all() and (want[:, 0, 0] == 1).all()
+
+
+def test_the_estimator_prices_the_surface_and_scales_the_prior_by_threshold():
+    from dilaserve.config import BUNDLED_DWS, BUNDLED_DWS_COST, BUNDLED_PREDICTOR
+    from dilaserve.dws.estimate import DWSEstimator
+
+    estimator = DWSEstimator.load(BUNDLED_DWS, BUNDLED_DWS_COST, BUNDLED_PREDICTOR)
+    texts = [p.question for p in arith.generate(3, seed=4, split="test")]
+    surface = estimator.predictor.predict(texts, [50, 50, 50], 64).surface
+    (cost, prior), *_ = estimator.estimate(texts, [50, 50, 50], 64)
+    assert cost == pytest.approx(estimator.kernel.expected_cost(surface[0], 50))
+    steps = float(surface[0].sum())
+    assert prior[0.9] == pytest.approx(steps)  # the labels' own threshold
+    assert prior[0.5] < prior[0.7] < prior[0.9]  # fewer steps at lower thresholds
+    unit = DWSEstimator(estimator.predictor).estimate(texts[:1], [50], 64)[0]
+    assert unit[1] is None and unit[0] == pytest.approx(1 + surface[0, :, 0].sum() + steps)
+
+
+def test_block_steps_behaviour_replays_the_labelled_steps_per_block():
+    from dilaserve.protocol import StepKind
+    from dilaserve.request import Request
+    from dilaserve.sim.behaviour import BlockStepsBehaviour
+
+    behaviour = BlockStepsBehaviour({"r": np.array([3, 2])})
+    request = Request("r", (3,) * 10, 64, 32, 1, 0.9)
+    blocks = []
+    while not request.is_finished:
+        result = behaviour.step(request, 0.9, StepKind.CACHE)
+        blocks.append(result.block_index)
+        request.apply(result)
+    assert blocks == [0, 0, 0, 1, 1] and request.num_committed == 64
