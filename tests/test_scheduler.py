@@ -286,11 +286,15 @@ def test_a_draining_instance_finishes_its_step_then_hands_its_requests_on():
         ("b", "waiting")
     ]
     assert not s.is_idle("a")
-    # a cache step would have stayed with the cache; a draining home sends it away anyway
-    d = done(s, "a", result(running, [0]), now=0.3)
+    # mid-block, the next step is a cache step: it stays with its cache on the draining a
+    launch = only_launch(done(s, "a", result(running, [0]), now=0.3))
+    assert launch.instance_id == "a" and launch.batch.items[0].kind is StepKind.CACHE
+    assert not s.is_idle("a")
+    # the block is done: the next step is a recompute step, taken elsewhere; a is then idle
+    d = done(s, "a", result(running, list(range(1, BLOCK)), block_done=True), now=0.4)
     assert s.is_idle("a") and d.launches == ()  # b is busy: running waits for b's next batch
     assert s.requests["running"].instance == "b"
-    launch = only_launch(done(s, "b", result(waiting, [0]), now=0.4))
+    launch = only_launch(done(s, "b", result(waiting, [0]), now=0.5))
     item = {i.request_id: i for i in launch.batch.items}["running"]
     assert item.kind is StepKind.RECOMPUTE and item.spec is not None
 

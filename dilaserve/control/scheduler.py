@@ -138,8 +138,9 @@ class Scheduler:
         return self._schedule(now, load_changed=True)
 
     def drain_instance(self, instance_id: str, now: float) -> Decisions:
-        """Stop giving an instance work: its waiting batch goes elsewhere, its running step
-        finishes, and its requests move at their next step. Remove it once `is_idle`."""
+        """Stop giving an instance new work: its waiting batch goes elsewhere, its running step
+        finishes, and its requests move on at their next recompute step (cache steps stay with
+        their cache). Remove it once `is_idle`: nothing running, gathered or held there."""
         inst = self.instances[instance_id]
         inst.draining = True
         self._open = self._open_instances()
@@ -151,7 +152,17 @@ class Scheduler:
         return self._schedule(now, load_changed=True)
 
     def is_idle(self, instance_id: str) -> bool:
-        return not self.instances[instance_id].busy
+        """Nothing runs or is gathered there, and no request there is mid-block (its next step
+        a cache step, which stays with its cache). Requests whose next step is a recompute
+        step do not hold an instance up: they resume elsewhere when it goes."""
+        inst = self.instances[instance_id]
+        if inst.busy or inst.pending:
+            return False
+        if self.config.kv_cache is KVCacheMode.NONE or self.policy.migration is Migration.ANY:
+            return True
+        return all(
+            self.requests[rid].request.starts_block for rid in inst.holds if rid in self.requests
+        )
 
     def _move(self, t: _Tracked, to: _Instance | None) -> None:
         """Re-home a request, keeping each instance's resident counts."""
@@ -287,7 +298,7 @@ class Scheduler:
         if t.needs_threshold and self.policy.is_dynamic:
             return None
         home = self.instances.get(t.instance) if t.instance is not None else None
-        if home is None or home.draining or t.request.request_id not in home.holds:
+        if home is None or t.request.request_id not in home.holds:
             return None
         if self.config.kv_cache is KVCacheMode.NONE:
             return None
@@ -416,9 +427,10 @@ class Scheduler:
         """
         r, mode = t.request, self.config.kv_cache
         home = self.instances.get(t.instance) if t.instance is not None else None
-        if home is not None and home.draining:
-            home = None
         home_kind = r.next_kind(mode, r.request_id in home.holds) if home is not None else None
+        if home is not None and home.draining:
+            if home_kind is not StepKind.CACHE or self.policy.migration is Migration.ANY:
+                home, home_kind = None, None  # leave now; a cache step stays with its cache
         candidates = self._candidates(t, home, home_kind)
         away = r.next_kind(mode, has_cache=False)
         if len(candidates) == 1:  # no choice (cache step at home, bound request): room only
