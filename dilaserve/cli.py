@@ -67,6 +67,7 @@ def cmd_eval(args) -> None:
             max_tokens=args.max_tokens,
             kv_cache=args.kv_cache,
             dtype=args.dtype,
+            block_len=args.block_len,
             max_batch=args.max_batch,
             data=args.data,
             out=args.out,
@@ -593,6 +594,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--thresholds", type=_thresholds, default=(0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0))
     ev.add_argument("--num", type=int, default=500, help="number of problems")
     ev.add_argument("--max-batch", type=int, default=128)
+    ev.add_argument("--block-len", type=int, default=32, help="semi-autoregressive block size")
     ev.add_argument(
         "--data",
         default="../shared/data/eval/gsm8k_test.jsonl",
