@@ -96,6 +96,8 @@ class Scheduler:
             StepKind.FULL if config.kv_cache is KVCacheMode.NONE else StepKind.RECOMPUTE
         )
         self._load = LoadTable(len(self._ladder))
+        self._sjf = policy.order is Order.COST
+        self._max_batch_requests = config.max_batch_requests or float("inf")
         self._admitted = 0
         self._last_load_control = float("-inf")
         self._last_refresh = float("-inf")
@@ -461,12 +463,11 @@ class Scheduler:
     def _has_room(self, inst: _Instance, tokens: int) -> bool:
         """A batch takes a request while within max batch tokens (and requests, if capped);
         an empty one takes any."""
-        if inst.busy and self.policy.order is Order.COST:
+        if inst.busy and self._sjf:
             return False  # SJF: requests wait, sorted, until the instance can take them
         if not inst.pending:
             return True
-        cap = self.config.max_batch_requests
-        if cap is not None and len(inst.pending) >= cap:
+        if len(inst.pending) >= self._max_batch_requests:
             return False
         return inst.pending_full + inst.pending_cache + tokens <= inst.max_batch_tokens
 
