@@ -178,68 +178,30 @@ def step_prior(args, log) -> list[dict]:
 
 
 def live_sjf(args, log) -> list[dict]:
-    import subprocess
     import sys
 
     from dilaserve.bench.loadgen import BenchSpec, run_bench
 
     sys.path.insert(0, "benchmarks")
-    from serve_policies import free_port
+    from serve_policies import free_port, start_server
 
     rows = []
     for policy in ("fcfs", "dws-sjf"):
         port = free_port()
-        command = [
-            sys.executable,
-            "-m",
-            "dilaserve.cli",
-            "serve",
-            "--policy",
-            policy,
-            "--port",
-            str(port),
-            "--instances",
-            "1",
-            "--max-batch-requests",
-            str(args.batch),
-        ]
-        server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        options = ["--instances", "1", "--max-batch-requests", str(args.batch)]
+        server = start_server(policy, port, options)
         try:
-            _wait(port)
             for rate in args.live_rates:
-                spec = BenchSpec(
-                    url=f"http://127.0.0.1:{port}",
-                    trace=f"poisson:{rate}:{args.seconds}",
-                    slo_ms=1e6,
-                )
-                _, s = run_bench(spec)
-                rows.append(
-                    {
-                        "rps": rate,
-                        "policy": policy,
-                        "latency_mean": s["latency_mean"],
-                        "latency_p99": s["latency_p99"],
-                        "ttft_mean": s["ttft_mean"],
-                        "ok": s["ok"],
-                    }
-                )
+                trace = f"poisson:{rate}:{args.seconds}"
+                url = f"http://127.0.0.1:{port}"
+                _, s = run_bench(BenchSpec(url=url, trace=trace, slo_ms=1e6))
+                keys = ("latency_mean", "latency_p99", "ttft_mean", "ok")
+                rows.append({"rps": rate, "policy": policy, **{k: s[k] for k in keys}})
                 log(rows[-1])
         finally:
             server.terminate()
             server.wait(60)
     return rows
-
-
-def _wait(port: int) -> None:
-    import httpx
-
-    for _ in range(360):
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    raise RuntimeError("the server did not come up")
 
 
 def main() -> None:

@@ -46,22 +46,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(policy: str, port: int, args) -> subprocess.Popen:
-    command = [
-        sys.executable,
-        "-m",
-        "dilaserve.cli",
-        "serve",
-        "--policy",
-        policy,
-        "--port",
-        str(port),
-        "--instances",
-        args.instances,
-        "--slo",
-        str(args.slo_ms / 1000),
-        *args.server_args.split(),
-    ]
+def start_server(policy: str, port: int, options: list[str]) -> subprocess.Popen:
+    """`dilaserve serve --policy POLICY --port PORT OPTIONS...`, once its /health answers."""
+    command = [sys.executable, "-m", "dilaserve.cli", "serve", "--policy", policy]
+    command += ["--port", str(port), *options]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 180
@@ -77,7 +65,8 @@ def start_server(policy: str, port: int, args) -> subprocess.Popen:
 
 def run_policy(policy: str, args) -> list[dict]:
     port = free_port()
-    server = start_server(policy, port, args)
+    options = ["--instances", args.instances, "--slo", str(args.slo_ms / 1000)]
+    server = start_server(policy, port, options + args.server_args.split())
     rows = []
     try:
         for rate in args.rates:

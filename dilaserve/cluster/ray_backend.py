@@ -74,8 +74,9 @@ class _Rank:
     def release(self, request_ids: list[str]) -> None:
         self.worker.release(request_ids)
 
-    def ping(self) -> None:
-        pass
+    def ping(self) -> bool:
+        """Answers while the actor lives (an idle instance's liveness check)."""
+        return True
 
 
 _RankActor = ray.remote(_Rank)

@@ -30,6 +30,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -101,17 +102,14 @@ class Closed(RuntimeError):
     """The cluster is shutting down (or not started) and takes no new requests."""
 
 
-class Observer:
+class Observer(Protocol):
     """What a monitor (the server's Prometheus metrics) hears from the controller thread."""
 
-    def step_done(self, instance_id: str, tp: int, output: StepOutput, seconds: float) -> None:
-        pass
+    def step_done(self, instance_id: str, tp: int, output: StepOutput, seconds: float) -> None: ...
 
-    def request_done(self, result: RequestResult, thresholds: list[float]) -> None:
-        pass
+    def request_done(self, result: RequestResult, thresholds: list[float]) -> None: ...
 
-    def request_failed(self, request_id: str, reason: str) -> None:
-        pass
+    def request_failed(self, request_id: str, reason: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -211,7 +209,7 @@ class Cluster:
             from dilaserve.dws.estimate import DWSEstimator
 
             self.dws = DWSEstimator.load(config.dws, config.dws_cost, config.control.predictor)
-        self.observer = observer or Observer()
+        self.observer = observer
         self.rollout = Rollout(self.scheduler, self, config.max_batch_tokens)
         self.log = DecisionLog(keep_lines=config.record)
         self.recording = Recording() if config.record else None
@@ -330,27 +328,8 @@ class Cluster:
         Raises ValueError naming a bad argument, `Overloaded` when admission control refuses
         work, and `Closed` when the cluster is not serving."""
         bounds = _threshold_bounds(threshold, min_threshold, max_threshold)
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode(prompt)
-        else:
-            ids = [int(i) for i in prompt]
-        if not ids:
-            raise InvalidRequest("prompt", "prompt is empty")
-        window = max_tokens if max_tokens is not None else self.config.max_tokens
-        if window <= 0:
-            raise InvalidRequest("max_tokens", f"max_tokens={window} must be positive")
-        gen_len = -(-window // self.block_len) * self.block_len
-        limit = self.model_config.max_sequence_length
-        if gen_len >= limit:
-            raise InvalidRequest(
-                "max_tokens", f"max_tokens={window} leaves no room in a context of {limit} tokens"
-            )
-        if len(ids) + gen_len > limit:
-            raise InvalidRequest(
-                "prompt",
-                f"prompt ({len(ids)} tokens) + max_tokens ({gen_len}, whole blocks) exceeds the "
-                f"model's context of {limit} tokens",
-            )
+        ids = self._prompt_ids(prompt, chat)
+        gen_len = self._window(max_tokens, len(ids))
         if slo is not None and slo <= 0:
             raise InvalidRequest("slo", f"slo={slo} must be positive")
         cost, prior = self._estimate(
@@ -384,6 +363,34 @@ class Cluster:
             self._arrivals.append(handle)
         self.backend.wake()
         return handle
+
+    def _prompt_ids(self, prompt: str | list[int], chat: bool) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode(prompt)
+        else:
+            ids = [int(i) for i in prompt]
+        if not ids:
+            raise InvalidRequest("prompt", "prompt is empty")
+        return ids
+
+    def _window(self, max_tokens: int | None, prompt_tokens: int) -> int:
+        """The output window: `max_tokens` rounded up to whole blocks, within the context."""
+        window = max_tokens if max_tokens is not None else self.config.max_tokens
+        if window <= 0:
+            raise InvalidRequest("max_tokens", f"max_tokens={window} must be positive")
+        gen_len = -(-window // self.block_len) * self.block_len
+        limit = self.model_config.max_sequence_length
+        if gen_len >= limit:
+            raise InvalidRequest(
+                "max_tokens", f"max_tokens={window} leaves no room in a context of {limit} tokens"
+            )
+        if prompt_tokens + gen_len > limit:
+            raise InvalidRequest(
+                "prompt",
+                f"prompt ({prompt_tokens} tokens) + max_tokens ({gen_len}, whole blocks) exceeds "
+                f"the model's context of {limit} tokens",
+            )
+        return gen_len
 
     def _estimate(self, text: str | None, ids: list[int], gen_len: int):
         """DWS's expected cost and step prior for a new request (None, None without DWS)."""
@@ -460,8 +467,9 @@ class Cluster:
             return  # removed meanwhile; its requests already moved on
         launched, _ = self._inflight.pop(iid)
         self.step_times.append((now - launched, event.seconds))
-        tp = self.scheduler.instances[iid].tp
-        self.observer.step_done(iid, tp, event.output, event.seconds)
+        if self.observer is not None:
+            tp = self.scheduler.instances[iid].tp
+            self.observer.step_done(iid, tp, event.output, event.seconds)
         if self.recording is not None:
             self.recording.launches.append((iid, launched, now, event.output.results))
         decisions = self.scheduler.on_step_done(iid, event.output, now)
@@ -576,13 +584,15 @@ class Cluster:
             r.mean_threshold,
             now <= r.deadline,
         )
-        self.observer.request_done(result, r.threshold_steps)
+        if self.observer is not None:
+            self.observer.request_done(result, r.threshold_steps)
         handle.future.set_result(result)
 
     def _fail(self, handle: RequestHandle, error: BaseException) -> None:
         self._handles.pop(handle.request_id, None)
         if not handle.future.done():
-            self.observer.request_failed(handle.request_id, type(error).__name__)
+            if self.observer is not None:
+                self.observer.request_failed(handle.request_id, type(error).__name__)
             handle.future.set_exception(error)
             handle._push(error)
 

@@ -123,16 +123,20 @@ class DWSPredictor:
         return DWSPrediction(surface)
 
     def latency_ms(self, texts: list[str], prompt_tokens: list[int], repeats: int = 3) -> float:
-        """Median ms per prompt, one prompt at a time on one thread (as a serving CPU would)."""
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            times = []
-            for _ in range(repeats):
-                for text, n in zip(texts, prompt_tokens):
-                    start = time.perf_counter()
-                    self.predict([text], [n])
-                    times.append(1e3 * (time.perf_counter() - start))
-            return float(np.median(times))
-        finally:
-            torch.set_num_threads(threads)
+        return median_latency_ms(self.predict, texts, prompt_tokens, repeats)
+
+
+def median_latency_ms(predict, texts: list[str], prompt_tokens: list[int], repeats: int) -> float:
+    """Median ms per prompt, one prompt at a time on one thread (as a serving CPU would)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        times = []
+        for _ in range(repeats):
+            for text, n in zip(texts, prompt_tokens):
+                start = time.perf_counter()
+                predict([text], [n])
+                times.append(1e3 * (time.perf_counter() - start))
+        return float(np.median(times))
+    finally:
+        torch.set_num_threads(threads)

@@ -36,7 +36,6 @@ import inspect
 import json
 import logging
 import shutil
-import time
 import warnings
 from pathlib import Path
 
@@ -45,7 +44,7 @@ import torch
 from torch import nn
 
 from dilaserve.dws.encoders import HashedEncoder, make_encoder
-from dilaserve.dws.model import DWSModel, DWSPrediction, DWSPredictor
+from dilaserve.dws.model import DWSModel, DWSPrediction, DWSPredictor, median_latency_ms
 from dilaserve.dws.surface import support
 
 OPSET = 17
@@ -307,19 +306,7 @@ class ONNXDWSPredictor:
         return DWSPrediction(surface)
 
     def latency_ms(self, texts: list[str], prompt_tokens: list[int], repeats: int = 3) -> float:
-        """Median ms per prompt, one prompt at a time on one thread (as a serving CPU would)."""
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # a sentence-transformers encoder runs in torch
-        try:
-            times = []
-            for _ in range(repeats):
-                for text, n in zip(texts, prompt_tokens):
-                    start = time.perf_counter()
-                    self.predict([text], [n])
-                    times.append(1e3 * (time.perf_counter() - start))
-            return float(np.median(times))
-        finally:
-            torch.set_num_threads(threads)
+        return median_latency_ms(self.predict, texts, prompt_tokens, repeats)
 
 
 def export_dws_command(

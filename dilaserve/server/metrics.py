@@ -10,14 +10,16 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from dilaserve.cluster.runtime import Cluster, Observer, RequestResult
+from dilaserve.cluster.runtime import Cluster, RequestResult
 from dilaserve.protocol import StepKind, StepOutput
 
 THRESHOLD_BUCKETS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0)
 STEP_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 
 
-class ServerMetrics(Observer):
+class ServerMetrics:
+    """The cluster's `Observer` for Prometheus."""
+
     def __init__(self):
         self.registry = CollectorRegistry()
         self.requests = Counter(
