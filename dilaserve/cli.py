@@ -4,39 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
+from dilaserve.cli_args import engine_args, model_arg, parse_thresholds
+from dilaserve.cli_serving import add_serving_commands
 from dilaserve.config import DEFAULT_THRESHOLD
-
-
-def _model_arg(p: argparse.ArgumentParser) -> None:
-    from dilaserve.config import BUNDLED_MODEL
-
-    p.add_argument(
-        "--model",
-        default=str(BUNDLED_MODEL),
-        help="checkpoint folder (config.json, *.safetensors, tokenizer files); "
-        "default: the bundled model",
-    )
-
-
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kv-cache", choices=["none", "prefix", "dual"], default="dual")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument(
-        "--max-tokens",
-        type=int,
-        default=64,
-        help="output window; rounded up to a multiple of the block size",
-    )
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-
-
-def _thresholds(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(t) for t in text.replace(",", " ").split())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--thresholds: not a list of numbers: {text!r}") from None
 
 
 def cmd_generate(args) -> None:
@@ -289,7 +260,7 @@ def _add_simulate_command(sub) -> None:
 def _add_measurement_commands(sub) -> None:
     """profile, train-predictor and train-model."""
     pr = sub.add_parser("profile", help="measure step latencies on this machine's engine")
-    _model_arg(pr)
+    model_arg(pr)
     pr.add_argument("--seq-len", type=int, default=128, help="prompt + output tokens per request")
     pr.add_argument("--gen-len", type=int, default=64)
     pr.add_argument("--requests", default="1,2,4,8,16,32,64,128", help="batch sizes to measure")
@@ -307,10 +278,10 @@ def _add_measurement_commands(sub) -> None:
     pr.set_defaults(func=cmd_profile)
 
     tp = sub.add_parser("train-predictor", help="collect trajectories and train step predictors")
-    _model_arg(tp)
+    model_arg(tp)
     tp.add_argument("--out", required=True, help="folder for the trained predictor")
     tp.add_argument("--num", type=int, default=120, help="prompts, each run at every threshold")
-    tp.add_argument("--thresholds", type=_thresholds, default=(0.5, 0.6, 0.7, 0.8, 0.9))
+    tp.add_argument("--thresholds", type=parse_thresholds, default=(0.5, 0.6, 0.7, 0.8, 0.9))
     tp.add_argument("--runs", default="runs", help="folder for run folders")
     tp.set_defaults(func=cmd_train_predictor)
 
@@ -330,268 +301,25 @@ def _add_measurement_commands(sub) -> None:
     tr.set_defaults(func=cmd_train_model)
 
 
-def _cluster_config(args, record: bool = False):
-    """A ClusterConfig from the options `_add_cluster_args` defines."""
-    import json
-
-    from dilaserve.cluster.runtime import ClusterConfig
-    from dilaserve.cluster.worker import WorkerConfig
-    from dilaserve.config import EngineConfig
-    from dilaserve.control.build import ControlSpec
-    from dilaserve.control.decisions import SchedulerConfig
-
-    meta = Path(args.predictor) / "gbm-full.json"
-    k = json.loads(meta.read_text()).get("refresh_every_tokens", 8) if meta.exists() else 8
-    engine = EngineConfig(args.kv_cache, dtype=args.dtype)
-    scheduler = SchedulerConfig(
-        kv_cache=args.kv_cache,
-        slo=args.slo,
-        refresh_every_tokens=k,
-        slo_headroom=args.slo_headroom,
-        max_batch_requests=args.max_batch_requests,
-    )
-    control = ControlSpec(
-        args.policy, args.profile, args.predictor, scheduler, candidates=args.candidates
-    )
-    return ClusterConfig(
-        worker=WorkerConfig(args.model, engine, args.threads),
-        control=control,
-        instances=tuple(int(t) for t in args.instances.split(",")),
-        backend=args.backend,
-        ray_address=args.ray_address,
-        tick=args.tick,
-        max_tokens=args.max_tokens,
-        max_in_flight=args.max_in_flight,
-        record=record,
-        **_dws_args(args),
-    )
-
-
-def _dws_args(args) -> dict:
-    """DWS at admission: asked for, or needed by the dws-sjf policy (the bundled one then)."""
-    from dilaserve.config import BUNDLED_DWS, BUNDLED_DWS_COST
-
-    dws = args.dws or (str(BUNDLED_DWS) if args.policy == "dws-sjf" or args.dws_prior else None)
-    if dws is None:
-        return {}
-    cost = args.dws_cost or (str(BUNDLED_DWS_COST) if dws == str(BUNDLED_DWS) else None)
-    return {"dws": dws, "dws_cost": cost, "dws_prior": args.dws_prior}
-
-
-def _add_cluster_args(p: argparse.ArgumentParser) -> None:
-    from dilaserve.config import BUNDLED_PREDICTOR, BUNDLED_PROFILE
-
-    _model_arg(p)
-    p.add_argument("--kv-cache", choices=["none", "prefix", "dual"], default="dual")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument(
-        "--max-tokens", type=int, default=64, help="default output window (whole 32-token blocks)"
-    )
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads per worker rank")
-    p.add_argument("--instances", default="1,1", help="TP degree of each instance, e.g. 1,1,2")
-    p.add_argument(
-        "--policy",
-        default="dilaserve",
-        help="dilaserve, fcfs, infaas, llumnix, or an ablation (see docs/control.md)",
-    )
-    p.add_argument("--profile", default=str(BUNDLED_PROFILE), help="latency profile JSON")
-    p.add_argument("--predictor", default=str(BUNDLED_PREDICTOR), help="step predictor folder")
-    p.add_argument("--slo", type=float, default=1.0, help="seconds; requests' default SLO")
-    p.add_argument(
-        "--slo-headroom",
-        type=float,
-        default=0.5,
-        help="share of a request's remaining SLO its predicted time must fit (docs/control.md)",
-    )
-    p.add_argument(
-        "--candidates",
-        type=_thresholds,
-        default=None,
-        help="the thresholds a dynamic policy chooses from (default 0.5,0.6,0.7,0.8,0.9)",
-    )
-    p.add_argument("--max-in-flight", type=int, default=1024, help="admission control limit")
-    p.add_argument(
-        "--max-batch-requests", type=int, default=None, help="requests per step batch (no limit)"
-    )
-    p.add_argument("--dws", default=None, help="DWS predictor folder (dws-sjf: the bundled one)")
-    p.add_argument("--dws-cost", default=None, help="DWS cost kernel JSON (profile --dws)")
-    p.add_argument(
-        "--dws-prior", action="store_true", help="DWS expected steps as the step predictor's prior"
-    )
-    p.add_argument("--backend", choices=["local", "ray"], default="local")
-    p.add_argument("--ray-address", default=None, help="a running Ray cluster (HEAD:PORT)")
-    p.add_argument("--tick", type=float, default=0.5, help="seconds between scheduler ticks")
-
-
-def cmd_run_trace(args) -> None:
-    import logging
-
-    from dilaserve.cluster.trace_run import TraceRunSpec, run_trace, write_trace_run
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    config = _cluster_config(args, record=True)
-    spec = TraceRunSpec(
-        args.trace,
-        args.rate_scale,
-        args.duration,
-        args.max_requests,
-        args.slo,
-        args.seed,
-        args.parity,
-    )
-
-    def progress(done: int, total: int) -> None:
-        print(f"\rsubmitted {done}/{total}", end="", file=sys.stderr, flush=True)
-
-    run = run_trace(config, spec, progress)
-    folder = write_trace_run(run, config, spec, args.out)
-    print(file=sys.stderr)
-    for key, value in run["summary"].items():
-        print(f"{key}: {value}")
-    print(f"run folder: {folder}")
-
-
-def _add_run_trace_command(sub) -> None:
-    rt = sub.add_parser("run-trace", help="replay a trace against an in-process cluster")
-    _add_cluster_args(rt)
-    rt.add_argument("--trace", default="poisson:4:20", help="trace CSV or poisson:RPS:SECONDS")
-    rt.add_argument("--rate-scale", type=float, default=1.0)
-    rt.add_argument("--duration", type=float, default=None)
-    rt.add_argument("--max-requests", type=int, default=None)
-    rt.add_argument("--parity", action="store_true", help="replay in the simulator and compare")
-    rt.add_argument("--seed", type=int, default=0)
-    rt.add_argument("--out", default="runs", help="folder for run folders")
-    rt.set_defaults(func=cmd_run_trace)
-
-
-def cmd_serve(args) -> None:
-    from dilaserve.server.main import serve
-
-    serve(_cluster_config(args), args.host, args.port, args.served_model_name, args.drain_timeout)
-
-
-def _add_serve_command(sub) -> None:
-    sv = sub.add_parser(
-        "serve", help="serve the model over an OpenAI-compatible HTTP API (FastAPI)"
-    )
-    _add_cluster_args(sv)
-    sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument(
-        "--served-model-name", default=None, help="the model id clients send (default: folder name)"
-    )
-    sv.add_argument(
-        "--drain-timeout", type=float, default=30.0, help="seconds to finish requests at shutdown"
-    )
-    sv.set_defaults(func=cmd_serve)
-
-
-def cmd_bench(args) -> None:
-    import httpx
-
-    from dilaserve.bench.loadgen import BenchSpec, run_bench, write_bench_run
-
-    extra = {} if args.threshold is None else {"threshold": args.threshold}
-    spec = BenchSpec(
-        url=args.url,
-        trace=args.trace,
-        rate_scale=args.rate_scale,
-        duration=args.duration,
-        max_requests=args.max_requests,
-        slo_ms=args.slo_ms,
-        endpoint=args.endpoint,
-        max_tokens=args.max_tokens,
-        model=args.model,
-        seed=args.seed,
-        timeout=args.timeout,
-        extra=extra,
-    )
-    try:
-        records, summary = run_bench(spec, progress=sys.stderr)
-    except httpx.HTTPError as err:
-        raise ValueError(f"cannot reach the server at {args.url}: {err}") from None
-    folder = write_bench_run(records, summary, spec, args.out)
-    for key, value in summary.items():
-        print(f"{key}: {value}")
-    print(f"run folder: {folder}")
-
-
-def _add_bench_command(sub) -> None:
-    b = sub.add_parser("bench", help="replay a trace against a live server (load generator)")
-    b.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
-    b.add_argument("--trace", required=True, help="trace CSV or poisson:RPS:SECONDS")
-    b.add_argument("--rate-scale", type=float, default=1.0)
-    b.add_argument("--duration", type=float, default=None)
-    b.add_argument("--max-requests", type=int, default=None)
-    b.add_argument("--slo-ms", type=float, default=1000.0, help="each request's SLO")
-    b.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
-    b.add_argument("--max-tokens", type=int, default=64)
-    b.add_argument("--threshold", type=float, default=None, help="pin every request's threshold")
-    b.add_argument("--model", default=None, help="default: the server's first model")
-    b.add_argument("--timeout", type=float, default=60.0, help="seconds per request")
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--out", default="runs", help="folder for run folders")
-    b.set_defaults(func=cmd_bench)
-
-
-def cmd_train_dws(args) -> None:
-    from dilaserve.dws.train import TrainDWSConfig, train_dws_command
-
-    names = TrainDWSConfig.__dataclass_fields__
-    train_dws_command(TrainDWSConfig(**{k: v for k, v in vars(args).items() if k in names}))
-
-
-def _add_train_dws_command(sub) -> None:
-    t = sub.add_parser("train-dws", help="collect DWS labels on the engine and train the predictor")
-    _model_arg(t)
-    t.add_argument("--out", required=True, help="folder for the trained DWS predictor")
-    t.add_argument("--num", type=int, default=1500, help="prompts to label")
-    t.add_argument("--gen-len", type=int, default=64, help="the output window to label")
-    t.add_argument("--threshold", type=float, default=0.9)
-    t.add_argument(
-        "--prompts", default=None, help="JSONL with a 'prompt' per line (default: bundled task)"
-    )
-    t.add_argument("--encoder", default=None, help="a local sentence-transformers folder")
-    t.add_argument("--runs", default="runs", help="folder for run folders")
-    t.set_defaults(func=cmd_train_dws)
-
-
-def cmd_export_dws(args) -> None:
-    from dilaserve.dws.onnx_export import export_dws_command
-
-    export_dws_command(args.dws, not args.no_int8, args.model, args.num, args.seed)
-
-
-def _add_export_dws_command(sub) -> None:
-    e = sub.add_parser(
-        "export-dws",
-        help="export a DWS predictor to ONNX (FP32 and INT8) and compare it with PyTorch",
-    )
-    e.add_argument("--dws", required=True, help="a DWS predictor folder (dilaserve train-dws)")
-    e.add_argument("--no-int8", action="store_true", help="write only the FP32 graph")
-    _model_arg(e)  # its tokenizer gives the comparison prompts' lengths
-    e.add_argument("--num", type=int, default=200, help="bundled-task prompts to compare on")
-    e.add_argument("--seed", type=int, default=0)
-    e.set_defaults(func=cmd_export_dws)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dilaserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for prompts with the offline engine")
-    _model_arg(gen)
-    _engine_args(gen)
+    model_arg(gen)
+    engine_args(gen)
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable); else stdin")
     gen.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD)
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.set_defaults(func=cmd_generate)
 
     ev = sub.add_parser("eval", help="accuracy and steps per request across thresholds")
-    _model_arg(ev)
-    _engine_args(ev)
+    model_arg(ev)
+    engine_args(ev)
     ev.add_argument("--task", choices=["bundled", "gsm8k"], default="bundled")
-    ev.add_argument("--thresholds", type=_thresholds, default=(0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0))
+    ev.add_argument(
+        "--thresholds", type=parse_thresholds, default=(0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+    )
     ev.add_argument("--num", type=int, default=500, help="number of problems")
     ev.add_argument("--max-batch", type=int, default=128)
     ev.add_argument("--block-len", type=int, default=32, help="semi-autoregressive block size")
@@ -606,11 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_measurement_commands(sub)
     _add_plan_command(sub)
     _add_simulate_command(sub)
-    _add_run_trace_command(sub)
-    _add_serve_command(sub)
-    _add_bench_command(sub)
-    _add_train_dws_command(sub)
-    _add_export_dws_command(sub)
+    add_serving_commands(sub)
     return parser
 
 

@@ -1,0 +1,35 @@
+"""Command-line arguments shared by `cli.py` and `cli_serving.py`."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def model_arg(p: argparse.ArgumentParser) -> None:
+    from dilaserve.config import BUNDLED_MODEL
+
+    p.add_argument(
+        "--model",
+        default=str(BUNDLED_MODEL),
+        help="checkpoint folder (config.json, *.safetensors, tokenizer files); "
+        "default: the bundled model",
+    )
+
+
+def engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-cache", choices=["none", "prefix", "dual"], default="dual")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=64,
+        help="output window; rounded up to a multiple of the block size",
+    )
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def parse_thresholds(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(t) for t in text.replace(",", " ").split())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--thresholds: not a list of numbers: {text!r}") from None
