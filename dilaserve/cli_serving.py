@@ -32,13 +32,21 @@ def _cluster_config(args, record: bool = False):
         slo_headroom=args.slo_headroom,
         max_batch_requests=args.max_batch_requests,
     )
+    instances = tuple(int(t) for t in args.instances.split(","))
+    nodes = _nodes(args.nodes, instances)
     control = ControlSpec(
-        args.policy, args.profile, args.predictor, scheduler, candidates=args.candidates
+        args.policy,
+        args.profile,
+        args.predictor,
+        scheduler,
+        nodes=nodes,
+        planner_period=args.planner_period,
+        candidates=args.candidates,
     )
     return ClusterConfig(
         worker=WorkerConfig(args.model, engine, args.threads),
         control=control,
-        instances=tuple(int(t) for t in args.instances.split(",")),
+        instances=instances,
         backend=args.backend,
         ray_address=args.ray_address,
         tick=args.tick,
@@ -47,6 +55,15 @@ def _cluster_config(args, record: bool = False):
         record=record,
         **_dws_args(args),
     )
+
+
+def _nodes(text: str | None, instances: tuple[int, ...]) -> tuple[int, ...]:
+    """The planner's GPUs (or CPU slots) per node: given, or the initial instances' total on one
+    node; "0" turns the planner off."""
+    if text is None:
+        return (sum(instances),)
+    nodes = tuple(int(n) for n in text.split(","))
+    return () if nodes == (0,) else nodes
 
 
 def _dws_args(args) -> dict:
@@ -92,6 +109,13 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
         help="the thresholds a dynamic policy chooses from (default 0.5,0.6,0.7,0.8,0.9)",
     )
     p.add_argument("--max-in-flight", type=int, default=1024, help="admission control limit")
+    p.add_argument(
+        "--nodes",
+        default=None,
+        help="GPUs (CPU slots) per node for the ILP planner, e.g. 8,8; default: the instances' "
+        "total on one node; 0: no reconfiguration",
+    )
+    p.add_argument("--planner-period", type=float, default=300.0, help="seconds between rounds")
     p.add_argument(
         "--max-batch-requests", type=int, default=None, help="requests per step batch (no limit)"
     )

@@ -486,7 +486,8 @@ class Cluster:
         self.stats["failed_steps"] += 1
         log.error("step on instance %s failed: %s", iid, error)
         for item in batch.items:
-            self.apply(self.scheduler.cancel(item.request_id), now, f"c{item.request_id}")
+            if item.request_id in self.scheduler.requests:  # not cancelled meanwhile
+                self.apply(self.scheduler.cancel(item.request_id), now, f"c{item.request_id}")
             handle = self._handles.get(item.request_id)
             if handle is not None:
                 self._fail(handle, RuntimeError(f"request {item.request_id} failed: {error}"))
@@ -494,6 +495,8 @@ class Cluster:
         self.rollout.on_step_done(iid, now)
 
     def _instance_failed(self, iid: str, error: str, now: float) -> None:
+        if iid not in self._specs and iid not in self.scheduler.instances:
+            return  # already handled (a failed load is reported, then its exit)
         self.stats["failures"] += 1
         log.error("instance %s failed: %s", iid, error)
         self._inflight.pop(iid, None)
