@@ -173,66 +173,43 @@ def _pick(feats: list, index) -> list:
     return [feats[i] for i in index]
 
 
+@dataclass
+class _Run:
+    """One training run's model, cached encoder features and the tensors both stages share."""
+
+    model: DWSModel
+    train: Labels
+    feats: list
+    val_feats: list
+    val_total: torch.Tensor  # the validation prompts' true total steps
+    batches: _Batches
+    encoder: list  # the encoder's trainable parameters (none for a frozen one)
+
+    def groups(self, heads, head_lr: float, encoder_lr: float) -> list[dict]:
+        params = [{"params": heads, "lr": head_lr}]
+        return params + ([{"params": self.encoder, "lr": encoder_lr}] if self.encoder else [])
+
+
 def train_dws(train: Labels, val: Labels, cfg: DWSTrainConfig, log=print) -> DWSPredictor:
     torch.manual_seed(cfg.seed)
-    rng = np.random.default_rng(cfg.seed)
-    max_blocks = train.steps.shape[1]
-    model = DWSModel(_encoder(cfg), max_blocks, train.block_len)
-    feats, val_feats = model.encoder.features(train.texts), model.encoder.features(val.texts)
-    batches = _Batches(feats, rng, cfg.batch)
-    enc = [p for p in model.encoder.parameters() if p.requires_grad]
-
-    # Stage A: the horizon targets T(h)
-    targets = torch.from_numpy(horizon_targets(train.steps))
-    scale = targets.mean(dim=0).clamp(min=1.0)
-    smooth = nn.SmoothL1Loss(beta=1.0)
-    val_total = torch.from_numpy(val.steps.sum(axis=1).astype(np.float32))
-    a = _fit(
-        [{"params": model.horizon_head.parameters(), "lr": cfg.head_lr}]
-        + ([{"params": enc, "lr": cfg.encoder_lr}] if enc else []),
-        cfg.stage_a_epochs,
-        lambda i: smooth(model.horizons(_pick(feats, i)) / scale, targets[i] / scale),
-        lambda: float((model.horizons(val_feats)[:, -1] - val_total).abs().mean()),
-        batches,
-        len(train),
+    model = DWSModel(_encoder(cfg), train.steps.shape[1], train.block_len)
+    feats = model.encoder.features(train.texts)
+    run = _Run(
         model,
+        train,
+        feats,
+        model.encoder.features(val.texts),
+        torch.from_numpy(val.steps.sum(axis=1).astype(np.float32)),
+        _Batches(feats, np.random.default_rng(cfg.seed), cfg.batch),
+        [p for p in model.encoder.parameters() if p.requires_grad],
     )
+    a = _stage_a(run, cfg)
     log(f"Stage A: validation MAE of T(32) {a:.3f} steps")
-
-    # Stage B: the surface, by the Brier score against the executed-cell grid
-    grid = torch.from_numpy(joint_target(train.steps, train.block_len))
-    tokens = torch.from_numpy(train.prompt_tokens.astype(np.int64))
-    val_tokens = torch.from_numpy(val.prompt_tokens.astype(np.int64))
-    frozen = cfg.stage_b_epochs // 2
-
-    def freeze(epoch: int) -> None:
-        for p in enc:
-            p.requires_grad_(epoch >= frozen)
-
-    heads = [
-        *model.count_head.parameters(),
-        *model.step_head.parameters(),
-        *model.remainder.parameters(),
-    ]
-    b = _fit(
-        [{"params": heads, "lr": 2 * cfg.head_lr}]
-        + ([{"params": enc, "lr": cfg.encoder_lr / 4}] if enc else []),
-        cfg.stage_b_epochs,
-        lambda i: ((model.surface(_pick(feats, i), tokens[i]) - grid[i]) ** 2).mean(),
-        lambda: float(
-            (model.surface(val_feats, val_tokens).sum(dim=(1, 2)) - val_total).abs().mean()
-        ),
-        batches,
-        len(train),
-        model,
-        on_epoch=freeze,
-    )
-    for p in enc:
-        p.requires_grad_(True)
+    b = _stage_b(run, cfg, torch.from_numpy(val.prompt_tokens.astype(np.int64)))
     log(f"Stage B: validation MAE of the surface area {b:.3f} steps")
     meta = {
         "encoder": model.encoder.config(),
-        "max_blocks": max_blocks,
+        "max_blocks": model.max_blocks,
         "block_len": train.block_len,
         "threshold": train.threshold,
         "horizons": list(HORIZONS),
@@ -240,6 +217,60 @@ def train_dws(train: Labels, val: Labels, cfg: DWSTrainConfig, log=print) -> DWS
         "validation": {"stage_a_t32_mae": round(a, 4), "stage_b_area_mae": round(b, 4)},
     }
     return DWSPredictor(model, meta)
+
+
+def _stage_a(run: _Run, cfg: DWSTrainConfig) -> float:
+    """The encoder and a regression head on the horizon targets T(h) (Smooth-L1, scaled)."""
+    model, feats = run.model, run.feats
+    targets = torch.from_numpy(horizon_targets(run.train.steps))
+    scale = targets.mean(dim=0).clamp(min=1.0)
+    smooth = nn.SmoothL1Loss(beta=1.0)
+    return _fit(
+        run.groups(model.horizon_head.parameters(), cfg.head_lr, cfg.encoder_lr),
+        cfg.stage_a_epochs,
+        lambda i: smooth(model.horizons(_pick(feats, i)) / scale, targets[i] / scale),
+        lambda: float((model.horizons(run.val_feats)[:, -1] - run.val_total).abs().mean()),
+        run.batches,
+        len(run.train),
+        model,
+    )
+
+
+def _stage_b(run: _Run, cfg: DWSTrainConfig, val_tokens: torch.Tensor) -> float:
+    """The hazard heads on the executed-cell grid (Brier score); the encoder frozen for the
+    first half of the epochs, then fine-tuned at a quarter of its Stage A rate."""
+    model, feats, train = run.model, run.feats, run.train
+    grid = torch.from_numpy(joint_target(train.steps, train.block_len))
+    tokens = torch.from_numpy(train.prompt_tokens.astype(np.int64))
+    frozen = cfg.stage_b_epochs // 2
+
+    def freeze(epoch: int) -> None:
+        for p in run.encoder:
+            p.requires_grad_(epoch >= frozen)
+
+    heads = [
+        *model.count_head.parameters(),
+        *model.step_head.parameters(),
+        *model.remainder.parameters(),
+    ]
+    try:
+        return _fit(
+            run.groups(heads, 2 * cfg.head_lr, cfg.encoder_lr / 4),
+            cfg.stage_b_epochs,
+            lambda i: ((model.surface(_pick(feats, i), tokens[i]) - grid[i]) ** 2).mean(),
+            lambda: float(
+                (model.surface(run.val_feats, val_tokens).sum(dim=(1, 2)) - run.val_total)
+                .abs()
+                .mean()
+            ),
+            run.batches,
+            len(train),
+            model,
+            on_epoch=freeze,
+        )
+    finally:
+        for p in run.encoder:
+            p.requires_grad_(True)
 
 
 class ScalarModel(nn.Module):
