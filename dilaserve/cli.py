@@ -64,7 +64,7 @@ def cmd_train_model(args) -> None:
 
 def cmd_profile(args) -> None:
     if args.dws:
-        from dilaserve.dws.cost import DWSProfileConfig, profile_dws
+        from dilaserve.dws.profile import DWSProfileConfig, profile_dws
 
         profile_dws(
             DWSProfileConfig(

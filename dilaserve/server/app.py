@@ -29,14 +29,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from dilaserve.cluster.runtime import (
+from dilaserve.cluster.requests import (
     Closed,
-    Cluster,
     InvalidRequest,
     Overloaded,
     RequestHandle,
     RequestResult,
 )
+from dilaserve.cluster.runtime import Cluster
 from dilaserve.server.metrics import ServerMetrics
 from dilaserve.server.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -85,17 +85,7 @@ def create_app(
     app = FastAPI(title="dilaserve", lifespan=lifespan)
     api = _Api(cluster, settings, metrics)
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, exc: RequestValidationError):
-        first = exc.errors()[0]
-        if first.get("type") == "json_invalid":
-            return error(400, "the request body is not valid JSON")
-        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-        return error(400, f"{param}: {first.get('msg')}", param)
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException):
-        return error(exc.status_code, str(exc.detail))
+    _add_error_handlers(app)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
@@ -129,6 +119,22 @@ def create_app(
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Validation and HTTP errors in OpenAI's shape (400 naming the field)."""
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0]
+        if first.get("type") == "json_invalid":
+            return error(400, "the request body is not valid JSON")
+        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+        return error(400, f"{param}: {first.get('msg')}", param)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        return error(exc.status_code, str(exc.detail))
 
 
 class _Api:

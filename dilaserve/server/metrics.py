@@ -10,7 +10,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from dilaserve.cluster.runtime import Cluster, RequestResult
+from dilaserve.cluster.requests import RequestResult
+from dilaserve.cluster.runtime import Cluster
 from dilaserve.protocol import StepKind, StepOutput
 
 THRESHOLD_BUCKETS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0)

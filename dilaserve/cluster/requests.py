@@ -1,0 +1,111 @@
+"""What a caller of the cluster holds: a request's handle (a future of its result and a stream
+of its committed text), the errors `Cluster.submit` raises, the observer interface monitors
+implement, and a run's recording for replay in the simulator. No torch, no processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from dilaserve.protocol import RequestStepResult, StepOutput
+from dilaserve.request import Request
+
+
+class InvalidRequest(ValueError):
+    """A request argument is wrong; `param` names it (the HTTP layer's 400)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+class Overloaded(RuntimeError):
+    """Admission control refused a request: too many in flight. Retry later."""
+
+
+class Closed(RuntimeError):
+    """The cluster is shutting down (or not started) and takes no new requests."""
+
+
+class Observer(Protocol):
+    """What a monitor (the server's Prometheus metrics) hears from the controller thread."""
+
+    def step_done(self, instance_id: str, tp: int, output: StepOutput, seconds: float) -> None: ...
+
+    def request_done(self, result: RequestResult, thresholds: list[float]) -> None: ...
+
+    def request_failed(self, request_id: str, reason: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    num_steps: int
+    latency: float  # seconds from submission to the last step
+    first_block_latency: float | None
+    mean_threshold: float
+    met_slo: bool
+
+
+class RequestHandle:
+    """A submitted request: a future of its `RequestResult`, and its committed text as it
+    grows (iterate it, or `async for` over it). Deltas are text whose every token and every
+    token before it is committed, in order."""
+
+    def __init__(self, request: Request, submitted: float):
+        self.request = request
+        self.submitted = submitted
+        self.future: concurrent.futures.Future[RequestResult] = concurrent.futures.Future()
+        self._deltas: queue.SimpleQueue = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._async: asyncio.Queue | None = None
+        try:  # submitted from an event loop: stream to it without blocking a thread
+            self._loop = asyncio.get_running_loop()
+            self._async = asyncio.Queue()
+        except RuntimeError:
+            pass
+        self.sent_tokens = 0  # committed-prefix tokens already streamed
+        self.sent_text = ""
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def result(self, timeout: float | None = None) -> RequestResult:
+        return self.future.result(timeout)
+
+    def _push(self, item) -> None:
+        self._deltas.put(item)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._async.put_nowait, item)
+
+    def __iter__(self):
+        while (item := self._deltas.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    async def __aiter__(self):
+        if self._async is None:
+            raise RuntimeError("async iteration needs the request submitted from an event loop")
+        while (item := await self._async.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+
+@dataclass
+class Recording:
+    """What a run did, for replay in the simulator: each request as admitted, and each step
+    launch with the clock at launch and at completion and what the step committed."""
+
+    requests: list[Request] = field(default_factory=list)  # fresh copies, as admitted
+    launches: list[tuple[str, float, float, tuple[RequestStepResult, ...]]] = field(
+        default_factory=list
+    )
