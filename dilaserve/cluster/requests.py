@@ -80,6 +80,12 @@ class RequestHandle:
     def result(self, timeout: float | None = None) -> RequestResult:
         return self.future.result(timeout)
 
+    def extend_text(self, text: str) -> None:
+        """Stream what `text` adds to the text already sent (committed text only grows)."""
+        if text.startswith(self.sent_text) and len(text) > len(self.sent_text):
+            self._push(text[len(self.sent_text) :])
+            self.sent_text = text
+
     def _push(self, item) -> None:
         self._deltas.put(item)
         if self._loop is not None:

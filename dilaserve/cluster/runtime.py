@@ -29,8 +29,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from dilaserve.cluster.backends import Backend, LocalBackend, WorkerEvent
 from dilaserve.cluster.requests import (
     Closed,
@@ -449,32 +447,16 @@ class Cluster:
         self._log_instances(now)
 
     def _log_instances(self, now: float) -> None:
-        counts: dict[int, int] = {}
-        for inst in self.scheduler.instances.values():
-            counts[inst.tp] = counts.get(inst.tp, 0) + 1
-        self.instance_log.append((now, dict(sorted(counts.items()))))
+        self.instance_log.append((now, self.scheduler.instances_by_tp()))
 
     # -- results -----------------------------------------------------------------------------
 
-    def _committed_prefix(self, request: Request) -> list[int]:
-        ids = request.output_ids
-        masked = np.flatnonzero(ids == request.mask_id)
-        end = int(masked[0]) if masked.size else len(ids)
-        prefix = ids[:end].tolist()
-        for i, token in enumerate(prefix):
-            if token in self.tokenizer.special.stop_ids:
-                return prefix[:i]
-        return prefix
-
     def _stream(self, handle: RequestHandle) -> None:
-        prefix = self._committed_prefix(handle.request)
-        if len(prefix) <= handle.sent_tokens:
-            return
-        text = self.tokenizer.decode(prefix)
-        if text.startswith(handle.sent_text) and len(text) > len(handle.sent_text):
-            handle._push(text[len(handle.sent_text) :])
-            handle.sent_text = text
-        handle.sent_tokens = len(prefix)
+        """Send the text whose tokens, and all before them, are committed (when it grew)."""
+        prefix = handle.request.generated_ids(self.tokenizer.special.stop_ids)
+        if len(prefix) > handle.sent_tokens:
+            handle.extend_text(self.tokenizer.decode(prefix))
+            handle.sent_tokens = len(prefix)
 
     def _finish(self, rid: str, now: float) -> None:
         handle = self._handles.pop(rid, None)
@@ -483,8 +465,7 @@ class Cluster:
         r = handle.request
         ids = r.generated_ids(self.tokenizer.special.stop_ids)
         text = self.tokenizer.decode(ids)
-        if text.startswith(handle.sent_text) and len(text) > len(handle.sent_text):
-            handle._push(text[len(handle.sent_text) :])
+        handle.extend_text(text)
         handle._push(None)
         first = None if r.first_block_time is None else r.first_block_time - handle.submitted
         result = RequestResult(

@@ -153,6 +153,13 @@ class Scheduler:
         inst.pending_full = inst.pending_cache = 0
         return self._schedule(now, load_changed=True)
 
+    def instances_by_tp(self) -> dict[int, int]:
+        """How many instances of each TP degree are up, by degree."""
+        counts: dict[int, int] = {}
+        for inst in self.instances.values():
+            counts[inst.tp] = counts.get(inst.tp, 0) + 1
+        return dict(sorted(counts.items()))
+
     def is_idle(self, instance_id: str) -> bool:
         """Nothing runs or is gathered there, and no request there is mid-block (its next step
         a cache step, which stays with its cache). Requests whose next step is a recompute

@@ -195,7 +195,4 @@ class Simulator:
         return seconds
 
     def _log_instances(self, now: float) -> None:
-        counts: dict[int, int] = {}
-        for inst in self.scheduler.instances.values():
-            counts[inst.tp] = counts.get(inst.tp, 0) + 1
-        self.instance_log.append((now, dict(sorted(counts.items()))))
+        self.instance_log.append((now, self.scheduler.instances_by_tp()))
