@@ -146,7 +146,7 @@ class Request:
         """Record one step's outcome: `positions` were masked until this step, and blocks
         complete in order, as the engine decodes them."""
         newly = len(result.positions)
-        self.output_ids[result.positions] = result.tokens
+        self.output_ids.put(result.positions, result.tokens)  # 3x `a[i] = v` for int32 indices
         self.confidences = result.confidences
         self.num_committed += newly
         self.current_block = result.block_index + int(result.is_block_done)

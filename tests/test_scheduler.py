@@ -33,9 +33,11 @@ class FakePredictor:
     def __init__(self, steps=None):
         self.steps = steps or {0.5: 4.0, 0.9: 8.0}
         self.calls = 0
+        self.batches = []
 
     def predict(self, request_ids, states):
         self.calls += 1
+        self.batches.append(list(request_ids))
         return np.array([[self.steps[t] for t in self.thresholds] for _ in request_ids])
 
 
@@ -299,16 +301,25 @@ def test_a_draining_instance_finishes_its_step_then_hands_its_requests_on():
     assert item.kind is StepKind.RECOMPUTE and item.spec is not None
 
 
-def test_refresh_interval_spaces_out_later_refreshes_but_not_first_predictions():
+def test_refresh_interval_batches_later_refreshes_of_running_requests_but_not_first_ones():
     predictor = FakePredictor()
-    s = scheduler(instances=(("a", 1),), predictor=predictor, refresh_interval=1.0)
-    req = make_request("r", gen_len=4 * BLOCK)
-    s.on_arrival(req, 0.0)
-    assert predictor.calls == 1  # a new request is predicted at once
-    done(s, "a", result(req, list(range(BLOCK)), block_done=True), now=0.5)
-    assert predictor.calls == 1  # due (8 tokens) but within the interval
-    done(s, "a", result(req, list(range(BLOCK, BLOCK + 2))), now=1.5)
-    assert predictor.calls == 2
+    s = scheduler(instances=(("a", 1), ("b", 1)), predictor=predictor, refresh_interval=1.0)
+    home = {}
+    for name, now in (("r1", 0.0), ("r2", 0.1)):
+        req = make_request(name, gen_len=4 * BLOCK)
+        home[name] = (req, only_launch(s.on_arrival(req, now)).instance_id)
+    assert predictor.batches == [["r1"], ["r2"]]  # a new request is predicted at once
+
+    def step(name, positions, now):
+        req, instance = home[name]
+        done(s, instance, result(req, positions, block_done=len(positions) == BLOCK), now=now)
+
+    step("r1", list(range(BLOCK)), now=0.5)  # 32 tokens: due, and no refresh has run yet
+    assert predictor.batches[-1] == ["r1"]
+    step("r2", list(range(BLOCK)), now=0.6)  # due, within the interval: waits
+    assert predictor.calls == 3
+    step("r1", list(range(BLOCK, BLOCK + 8)), now=1.6)  # due again: one call for both,
+    assert predictor.batches[-1] == ["r2", "r1"]  # though r2's next step is running
 
 
 def test_dws_sjf_serves_the_cheapest_waiting_request_first_and_never_preempts():

@@ -17,7 +17,7 @@ class SchedulerConfig:
     max_requests_per_instance: int = 64  # the load model's batch size (Alg. 2/4 capacity)
     max_batch_requests: int | None = None  # requests one step batch may hold; None: no limit
     load_control_interval: float = 0.05  # seconds between re-runs triggered by refreshes only
-    refresh_interval: float = 0.0  # seconds between prediction refreshes (first ones: always)
+    refresh_interval: float = 0.05  # seconds between batched refreshes (first predictions: always)
     # Alg. 1 fits the predicted remaining time into this share of the budget left. The paper's
     # rule is 1.0; its prediction assumes today's batch, and under rising load the realised time
     # runs over, so requests sized to finish just in time miss about half the time. In the

@@ -3,7 +3,9 @@
 Algorithm 2/4 walks all requests in service order on every run. Rebuilding that view from the
 request objects costs O(n) Python work per event; this table keeps each request's row (predicted
 steps per threshold, tokens, recompute steps left) in a slot, updates rows as steps complete and
-predictions refresh, and re-sorts slots only when requests come or go.
+predictions refresh, and re-sorts slots only when requests come or go. A completed step is only
+noted (a list append, the bulk of every event); the notes are applied in one vectorised pass
+when a row is next read.
 """
 
 from __future__ import annotations
@@ -20,13 +22,16 @@ class LoadTable:
         self._slots: dict[str, int] = {}
         self._ids: list[str | None] = []
         self._free: list[int] = []
-        self.steps = np.zeros((0, num_thresholds))
+        self.steps = np.zeros((0, num_thresholds))  # predicted at the last refresh
+        self.counted = np.zeros(0)  # steps done since then
         self.tokens = np.zeros(0)
         self.recompute = np.zeros(0)
         self.ranks = np.zeros(0, dtype=np.int64)
         self._keys = np.zeros((0, 3))  # (-priority, arrival, admission sequence)
         self._grow(capacity)
         self._order: np.ndarray | None = None  # active slots in service order
+        self._stepped: list[int] = []  # slots with a step done, not yet counted
+        self._recompute_now: dict[int, int] = {}  # slot -> recompute steps left, not yet stored
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -43,6 +48,7 @@ class LoadTable:
             return out
 
         self.steps, self.tokens = extend(self.steps, 0.0), extend(self.tokens, 0.0)
+        self.counted = extend(self.counted, 0.0)
         self.recompute, self.ranks = extend(self.recompute, 0.0), extend(self.ranks, 0)
         self._keys = extend(self._keys, 0.0)
         self._ids += [None] * (size - old)
@@ -71,20 +77,32 @@ class LoadTable:
 
     def set_row(self, request_id: str, steps: np.ndarray, recompute_left: int) -> None:
         slot = self._slots[request_id]
+        self._count()
         self.steps[slot] = steps
+        self.counted[slot] = 0.0
         self.recompute[slot] = recompute_left
 
     def steps_of(self, request_id: str) -> np.ndarray:
-        return self.steps[self._slots[request_id]]
+        """The request's estimate now: its prediction, one step less per step done since
+        (never below one)."""
+        slot = self._slots[request_id]
+        self._count()
+        return np.maximum(self.steps[slot] - self.counted[slot], 1.0)
 
     def count_step(self, requests: Sequence) -> None:
         """One step done for each of `requests` (in the table): the estimates count down one
-        step (never below one) until the next refresh; recompute steps left are re-read."""
-        if not requests:
-            return
-        slots = [self._slots[r.request_id] for r in requests]
-        self.steps[slots] = np.maximum(self.steps[slots] - 1.0, 1.0)
-        self.recompute[slots] = [r.num_blocks_to_recompute for r in requests]
+        step until the next refresh; recompute steps left are re-read."""
+        for r in requests:
+            slot = self._slots[r.request_id]
+            self._stepped.append(slot)
+            self._recompute_now[slot] = r.num_blocks_to_recompute
+
+    def _count(self) -> None:
+        if self._stepped:
+            np.add.at(self.counted, self._stepped, 1.0)
+            slots = np.fromiter(self._recompute_now, np.int64, len(self._recompute_now))
+            self.recompute[slots] = list(self._recompute_now.values())
+            self._stepped, self._recompute_now = [], {}
 
     def mean_tokens(self) -> float:
         return float(self.tokens[self._service_order()].mean()) if self._slots else 0.0
@@ -104,7 +122,9 @@ class LoadTable:
         order = self._service_order()
         if order.size == 0:
             return []
-        loads = load_matrix(self.steps[order], self.tokens[order], self.recompute[order], block_len)
+        self._count()
+        steps = np.maximum(self.steps[order] - self.counted[order, None], 1.0)
+        loads = load_matrix(steps, self.tokens[order], self.recompute[order], block_len)
         ranks = allowed_ranks(loads, capacity)
         changed = np.flatnonzero(ranks != self.ranks[order])
         self.ranks[order] = ranks

@@ -10,8 +10,10 @@ On every event the requests that are ready (new, or whose step just finished) ar
 (Algorithm 3): each goes to the instance where its next step is predicted to finish soonest,
 given that instance's TP degree and the batch already gathered for it. With a KV cache a request
 whose next step is a cache step stays where its cache is; it may move only before a recompute
-step. Step predictions refresh every `refresh_every_tokens` newly committed tokens (batched), load
-control (Alg. 2/4) re-runs when arrivals or refreshes change the load picture, and the threshold
+step. Step predictions refresh every `refresh_every_tokens` newly committed tokens, in one
+predictor call for every request due at most once per `refresh_interval` (a new request is
+predicted at once), load control (Alg. 2/4) re-runs when arrivals or refreshes change the load
+picture, and the threshold
 is re-selected (Alg. 1/5) whenever a request moves or its predictions refresh, pricing the
 remaining steps at the load of everything assigned to its instance and fitting them into
 `slo_headroom` of the budget left.
@@ -91,6 +93,8 @@ class Scheduler:
         self._open: list[_Instance] = []  # instances that take new work (not draining)
         self.requests: dict[str, _Tracked] = {}
         self._ready: list[str] = []
+        self._unpredicted: dict[str, None] = {}  # admitted, no prediction yet (insertion order)
+        self._due: dict[str, None] = {}  # `refresh_every_tokens` committed since the last one
         self._ladder = tuple(sorted(policy.candidates, reverse=True))
         self._full_kind = (
             StepKind.FULL if config.kv_cache is KVCacheMode.NONE else StepKind.RECOMPUTE
@@ -211,6 +215,8 @@ class Scheduler:
             tracked.bound = min(self._open, key=self._bound_tokens).instance_id
         self.requests[request.request_id] = tracked
         self._ready.append(request.request_id)
+        if self.policy.is_dynamic:
+            self._unpredicted[request.request_id] = None
         return self._schedule(now, load_changed=True)
 
     def on_step_done(self, instance_id: str, output: StepOutput, now: float) -> Decisions:
@@ -225,13 +231,13 @@ class Scheduler:
             if t.request.is_finished:
                 finished.append(result.request_id)
                 inst.holds.discard(result.request_id)
-                self._move(t, None)
-                del self.requests[result.request_id]
-                self._load.remove(result.request_id)
+                self._forget(t)
                 continue
             self._ready.append(result.request_id)
             if result.request_id in self._load:
                 predicted.append(t.request)
+                if t.request.num_committed - t.refreshed_at >= self.config.refresh_every_tokens:
+                    self._due[result.request_id] = None
         self._load.count_step(predicted)
         decisions = self._schedule(now, load_changed=bool(finished))
         return Decisions(decisions.launches, decisions.releases, tuple(finished))
@@ -239,13 +245,12 @@ class Scheduler:
     def cancel(self, request_id: str) -> Decisions:
         """Stop scheduling a request (it failed, or its client went away); the instance
         holding its state is told to drop it. A step of it that is running is ignored."""
-        t = self.requests.pop(request_id)
+        t = self.requests[request_id]
         t.request.status = RequestStatus.FAILED
-        self._load.remove(request_id)
         if request_id in self._ready:
             self._ready.remove(request_id)
         inst = self.instances.get(t.instance) if t.instance is not None else None
-        self._move(t, None)
+        self._forget(t)
         if inst is None:
             return Decisions()
         if request_id in inst.pending:
@@ -261,6 +266,14 @@ class Scheduler:
         inst.holds.discard(request_id)
         return Decisions(releases=((inst.instance_id, request_id),))
 
+    def _forget(self, t: _Tracked) -> None:
+        rid = t.request.request_id
+        self._move(t, None)
+        del self.requests[rid]
+        self._load.remove(rid)
+        self._unpredicted.pop(rid, None)
+        self._due.pop(rid, None)
+
     def on_tick(self, now: float) -> Decisions:
         """Periodic: retry deferred requests; every planning period, maybe reconfigure."""
         decisions = self._schedule(now, load_changed=False)
@@ -275,7 +288,7 @@ class Scheduler:
 
     def _schedule(self, now: float, load_changed: bool) -> Decisions:
         ready = sorted(self._ready, key=self._service_key(now))
-        refreshed = self._refresh_predictions(ready, now)
+        refreshed = self._refresh_predictions(now)
         if self._load_control_due(now, load_changed, refreshed):
             self._update_allowed(now)
         releases, waiting = [], []
@@ -340,22 +353,22 @@ class Scheduler:
 
         return key
 
-    def _refresh_predictions(self, ready: list[str], now: float) -> bool:
-        k = self.config.refresh_every_tokens
-        tracked = (self.requests[rid] for rid in ready)
-        if now - self._last_refresh < self.config.refresh_interval:
-            tracked = (t for t in tracked if t.refreshed_at < 0)  # only first predictions
-        due = [
-            t
-            for t in tracked
-            if t.refreshed_at < 0 or t.request.num_committed - t.refreshed_at >= k
-        ]
-        if not due or not self.policy.is_dynamic:
+    def _refresh_predictions(self, now: float) -> bool:
+        """Predict for every request that has none yet and, at most once per
+        `refresh_interval`, for every request `refresh_every_tokens` past its last refresh
+        (running or not): one batched predictor call."""
+        due = list(self._unpredicted)
+        if self._due and now - self._last_refresh >= self.config.refresh_interval:
+            self._last_refresh = now
+            due += self._due
+            self._due = {}
+        if not due:
             return False
-        self._last_refresh = now
-        requests = [t.request for t in due]
-        predictions = self.predictor.predict([r.request_id for r in requests], _states(requests))
-        for t, row in zip(due, predictions[:, self._ladder_columns]):
+        self._unpredicted = {}
+        tracked = [self.requests[rid] for rid in due]
+        requests = [t.request for t in tracked]
+        predictions = self.predictor.predict(due, _states(requests))
+        for t, row in zip(tracked, predictions[:, self._ladder_columns]):
             r = t.request
             if r.num_steps == 0 and r.prior_steps is not None:  # the DWS one-shot prior
                 row = np.array([r.prior_steps[g] for g in self._ladder])
@@ -556,10 +569,15 @@ def _states(requests: list[Request]) -> np.ndarray:
     """Feature states of requests in one pass; shorter outputs are padded to the longest."""
     lengths = np.array([r.gen_len for r in requests])
     width = int(lengths.max())
-    committed = np.zeros((len(requests), width), dtype=bool)
-    confidences = np.zeros((len(requests), width), dtype=np.float32)
-    for i, r in enumerate(requests):
-        committed[i, : r.gen_len] = r.output_ids != r.mask_id
-        confidences[i, : r.gen_len] = r.confidences
+    if (lengths == width).all():  # the usual round: stacked without padding
+        masks = np.array([[r.mask_id] for r in requests])
+        committed = np.stack([r.output_ids for r in requests]) != masks
+        confidences = np.stack([r.confidences for r in requests])
+    else:
+        committed = np.zeros((len(requests), width), dtype=bool)
+        confidences = np.zeros((len(requests), width), dtype=np.float32)
+        for i, r in enumerate(requests):
+            committed[i, : r.gen_len] = r.output_ids != r.mask_id
+            confidences[i, : r.gen_len] = r.confidences
     steps = np.array([r.num_steps for r in requests])
     return state_matrix(committed, confidences, steps, requests[0].block_len, lengths)
