@@ -62,8 +62,8 @@ class ParametricBehaviour:
             rng = np.random.default_rng([self.seed, zlib.crc32(r.request_id.encode())])
             difficulty = float(rng.lognormal(0.0, self.sigma))
             blocks = r.gen_len // r.block_len
-            order = np.argsort(rng.random((blocks, r.block_len)), axis=1).astype(np.int32)
-            order += (np.arange(blocks, dtype=np.int32) * r.block_len)[:, None]
+            order = np.argsort(rng.random((blocks, r.block_len)), axis=1)  # intp: fast indexing
+            order += (np.arange(blocks) * r.block_len)[:, None]
             confidences = rng.beta(2.0, 2.0 * difficulty, r.gen_len).astype(np.float32)
             state = self._state[r.request_id] = (difficulty, order, confidences)
         return state
@@ -79,7 +79,7 @@ class ParametricBehaviour:
         n = min(masked.size, 1 + int(self.rng.poisson(max(rate / difficulty - 1.0, 0.0))))
         positions = masked[:n]
         # committed positions keep a commit-time confidence at or above the threshold
-        confidences[positions] = threshold + (1.0 - threshold) * self.rng.random(n)
+        confidences[positions] = self.rng.uniform(threshold, 1.0, n)
         block_done = n == masked.size
         return RequestStepResult(
             r.request_id,
