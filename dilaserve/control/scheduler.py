@@ -302,6 +302,8 @@ class Scheduler:
                 home.pending.append(rid)
                 home.pending_kinds.append(StepKind.CACHE)
                 home.pending_cache += self.config.block_len
+                if t.needs_threshold and self.policy.is_dynamic:  # its predictions refreshed
+                    t.request.threshold = self._threshold(t, home, now)
                 continue
             placed = self._place(t, now)
             if placed is None:
@@ -312,12 +314,10 @@ class Scheduler:
         return Decisions(tuple(self._launch(now)), tuple(releases))
 
     def _cache_home(self, t: _Tracked) -> _Instance | None:
-        """The instance holding this request's cache when its next step is a cache step there,
-        it may not move (migration only before recompute steps) and its threshold stands: the
-        common case of every step-completion event, placed without the general search."""
+        """The instance holding this request's cache when its next step is a cache step there
+        and it may not move (migration only before recompute steps): the common case of every
+        step-completion event, placed without the general search."""
         if self.policy.migration is Migration.ANY or t.request.starts_block:
-            return None
-        if t.needs_threshold and self.policy.is_dynamic:
             return None
         home = self.instances.get(t.instance) if t.instance is not None else None
         if home is None or t.request.request_id not in home.holds:
