@@ -13,7 +13,10 @@
 2. DWS-SJF against FCFS in the simulator: the held-out prompts' true steps per block replayed
    (`BlockStepsBehaviour`), their DWS costs as the SJF order, the bundled CPU latency profile,
    one TP-1 instance taking at most `--batch` requests per step, Poisson load swept upward.
-   Reported: mean and p99 latency and mean time to first block per policy and load.
+   A third row, `oracle-sjf`, runs the same policy ordered by each request's true cost (its
+   replayed steps priced by the profile at batch 1): the most any cost predictor could gain on
+   this workload. Reported: mean and p99 latency and mean time to first block per policy and
+   load, and each SJF's mean-latency ratio over FCFS.
 3. The DWS step prior: `dilaserve` on an in-process cluster with and without DWS's expected
    steps as the step predictor's prior before the first step (SLO attainment).
 4. With `--live`: DWS-SJF against FCFS on `dilaserve serve` (the same sweep through HTTP).
@@ -120,18 +123,24 @@ def simulated_sjf(args, log) -> list[dict]:
         )
     ]
     profile = LatencyProfile.from_file(BUNDLED_PROFILE)
+    true_costs = [
+        _true_cost_ms(profile, int(tokens) + GEN_LEN, steps)
+        for tokens, steps in zip(labels.prompt_tokens, labels.steps)
+    ]
+    orders = {"fcfs": ("fcfs", costs), "dws-sjf": ("dws-sjf", costs)}
+    orders["oracle-sjf"] = ("dws-sjf", true_costs)
     rows = []
     for rate in args.rates:
         rng = np.random.default_rng(3)
         arrivals = np.cumsum(rng.exponential(1 / rate, int(rate * args.seconds)))
         picks = rng.integers(0, len(texts), len(arrivals))
-        for policy in ("fcfs", "dws-sjf"):
+        for name, (policy, order) in orders.items():
             requests, steps = [], {}
             for i, (t, k) in enumerate(zip(arrivals.tolist(), picks.tolist())):
                 rid = f"r{i}"
                 steps[rid] = labels.steps[k]
                 prompt = (3,) * int(labels.prompt_tokens[k])
-                requests.append(Request(rid, prompt, GEN_LEN, 32, 1, 0.9, t, cost=costs[k]))
+                requests.append(Request(rid, prompt, GEN_LEN, 32, 1, 0.9, t, cost=order[k]))
             config = SchedulerConfig(slo=1e6, max_batch_requests=args.batch)
             scheduler = Scheduler(get_policy(policy), profile, None, config)
             spec = InstanceSpec("i0", 0, 1, (0,), 65536)
@@ -139,18 +148,33 @@ def simulated_sjf(args, log) -> list[dict]:
             done = sim.run(requests).requests
             latency = np.array([r.finish_time - r.arrival_time for r in done])
             first = np.array([r.first_block_time - r.arrival_time for r in done])
+            mean = float(latency.mean())
+            if name == "fcfs":  # the first of each rate
+                fcfs_mean = mean
             rows.append(
                 {
                     "rps": rate,
-                    "policy": policy,
+                    "policy": name,
                     "finished": len(done),
-                    "latency_mean": round(float(latency.mean()), 4),
+                    "latency_mean": round(mean, 4),
                     "latency_p99": round(float(np.percentile(latency, 99)), 4),
                     "first_block_mean": round(float(first.mean()), 4),
+                    "fcfs_over_this": round(fcfs_mean / mean, 3),
                 }
             )
             log(rows[-1])
     return rows
+
+
+def _true_cost_ms(profile, num_tokens: int, block_steps) -> float:
+    """A request's time alone on the instance: each block's recompute step over the whole
+    sequence, then its cache steps over one block, priced by the latency profile."""
+    from dilaserve.protocol import StepKind
+
+    recompute = profile.step_latency(1, num_tokens, StepKind.RECOMPUTE)
+    cache = profile.step_latency(1, profile.block_len, StepKind.CACHE)
+    steps = [int(n) for n in block_steps if n > 0]
+    return 1e3 * (len(steps) * recompute + (sum(steps) - len(steps)) * cache)
 
 
 def step_prior(args, log) -> list[dict]:
