@@ -12,7 +12,7 @@ def filled(rows):
     table = LoadTable(2, capacity=2)  # small, so that adding rows grows it
     for seq, (rid, (priority, arrival), tokens, steps, recompute) in enumerate(rows):
         table.add(rid, (-priority, arrival, seq), tokens)
-        table.set_row(rid, np.array(steps, float), recompute)
+        table.set_rows([rid], np.array([steps], float), [recompute])
     return table
 
 
@@ -36,7 +36,7 @@ def test_removed_rows_free_their_slot_and_leave_the_order():
     table.run(1e9, None)
     table.remove("c")
     table.add("d", (0, 3.0, 9), 50)
-    table.set_row("d", np.array([2.0, 1.0]), 0)
+    table.set_rows(["d"], np.array([[2.0, 1.0]]), [0])
     assert len(table) == 3 and "c" not in table
     assert table.mean_tokens() == (100 + 100 + 50) / 3
     assert dict(table.run(1e9, None)) == {"d": 0}
@@ -56,10 +56,10 @@ def test_steps_noted_before_a_refresh_or_a_removal_do_not_leak_into_the_next_row
     table.count_step([stepped])
     assert table.steps_of("a").tolist() == [3.0, 1.0]
     table.count_step([stepped])
-    table.set_row("a", np.array([6.0, 4.0]), 1)  # a refresh starts the count again
+    table.set_rows(["a"], np.array([[6.0, 4.0]]), [1])  # a refresh starts the count again
     assert table.steps_of("a").tolist() == [6.0, 4.0]
     table.count_step([stepped])
     table.remove("a")
     table.add("b", (0, 1.0, 1), 100)  # b takes a's slot
-    table.set_row("b", np.array([2.0, 2.0]), 0)
+    table.set_rows(["b"], np.array([[2.0, 2.0]]), [0])
     assert table.steps_of("b").tolist() == [2.0, 2.0]

@@ -75,12 +75,15 @@ class LoadTable:
             self._free.append(slot)
             self._order = None
 
-    def set_row(self, request_id: str, steps: np.ndarray, recompute_left: int) -> None:
-        slot = self._slots[request_id]
+    def set_rows(
+        self, request_ids: Sequence[str], steps: np.ndarray, recompute_left: Sequence[int]
+    ) -> None:
+        """Fresh predictions, [len(request_ids), thresholds], and recompute steps left."""
+        slots = [self._slots[rid] for rid in request_ids]
         self._count()
-        self.steps[slot] = steps
-        self.counted[slot] = 0.0
-        self.recompute[slot] = recompute_left
+        self.steps[slots] = steps
+        self.counted[slots] = 0.0
+        self.recompute[slots] = recompute_left
 
     def steps_of(self, request_id: str) -> np.ndarray:
         """The request's estimate now: its prediction, one step less per step done since

@@ -73,6 +73,7 @@ class _Tracked:
     instance: str | None = None  # where its state lives
     bound: str | None = None  # the only instance it may use (no migration / on-arrival)
     needs_threshold: bool = True
+    order: tuple[float, float, int] = ()  # (-priority, arrival, seq): arrival service order
 
 
 class Scheduler:
@@ -210,6 +211,7 @@ class Scheduler:
         if self.reconfigurer is not None:
             self.reconfigurer.record(request, now)
         tracked = _Tracked(request, self._admitted, allowed=self._ladder)
+        tracked.order = (-request.priority, request.arrival_time, self._admitted)
         self._admitted += 1
         if self.policy.placement is Placement.ON_ARRIVAL and self._open:
             tracked.bound = min(self._open, key=self._bound_tokens).instance_id
@@ -223,21 +225,24 @@ class Scheduler:
         inst = self.instances[instance_id]
         inst.busy = False
         finished, predicted = [], []
+        k = self.config.refresh_every_tokens
         for result in output.results:
-            t = self.requests.get(result.request_id)
+            rid = result.request_id
+            t = self.requests.get(rid)
             if t is None:
                 continue  # cancelled while its step ran
-            t.request.apply(result, now)
-            if t.request.is_finished:
-                finished.append(result.request_id)
-                inst.holds.discard(result.request_id)
+            r = t.request
+            r.apply(result, now)
+            if result.is_finished:
+                finished.append(rid)
+                inst.holds.discard(rid)
                 self._forget(t)
                 continue
-            self._ready.append(result.request_id)
-            if result.request_id in self._load:
-                predicted.append(t.request)
-                if t.request.num_committed - t.refreshed_at >= self.config.refresh_every_tokens:
-                    self._due[result.request_id] = None
+            self._ready.append(rid)
+            if rid in self._load:
+                predicted.append(r)
+                if r.num_committed - t.refreshed_at >= k:
+                    self._due[rid] = None
         self._load.count_step(predicted)
         decisions = self._schedule(now, load_changed=bool(finished))
         return Decisions(decisions.launches, decisions.releases, tuple(finished))
@@ -291,17 +296,17 @@ class Scheduler:
         refreshed = self._refresh_predictions(now)
         if self._load_control_due(now, load_changed, refreshed):
             self._update_allowed(now)
-        releases, waiting = [], []
+        releases, waiting, block = [], [], self.config.block_len
         for rid in ready:
             t = self.requests[rid]
             home = self._cache_home(t)
             if home is not None:  # Alg. 3's only candidate; what _place and _assign would do
-                if not self._has_room(home, self.config.block_len):
+                if not self._has_room(home, block):
                     waiting.append(rid)
                     continue
                 home.pending.append(rid)
                 home.pending_kinds.append(StepKind.CACHE)
-                home.pending_cache += self.config.block_len
+                home.pending_cache += block
                 if t.needs_threshold and self.policy.is_dynamic:  # its predictions refreshed
                     t.request.threshold = self._threshold(t, home, now)
                 continue
@@ -333,8 +338,7 @@ class Scheduler:
         return load_changed or (refreshed and stale)
 
     def _order(self, rid: str) -> tuple[float, float, int]:
-        t = self.requests[rid]
-        return (-t.request.priority, t.request.arrival_time, t.seq)
+        return self.requests[rid].order
 
     def _service_key(self, now: float):
         """The order waiting requests are served in: arrival (with priorities), or DWS-SJF's
@@ -367,16 +371,16 @@ class Scheduler:
         self._unpredicted = {}
         tracked = [self.requests[rid] for rid in due]
         requests = [t.request for t in tracked]
-        predictions = self.predictor.predict(due, _states(requests))
-        for t, row in zip(tracked, predictions[:, self._ladder_columns]):
+        rows = self.predictor.predict(due, _states(requests))[:, self._ladder_columns]
+        for i, t in enumerate(tracked):
             r = t.request
             if r.num_steps == 0 and r.prior_steps is not None:  # the DWS one-shot prior
-                row = np.array([r.prior_steps[g] for g in self._ladder])
+                rows[i] = [r.prior_steps[g] for g in self._ladder]
             t.refreshed_at = r.num_committed
             t.needs_threshold = True
             if r.request_id not in self._load:
-                self._load.add(r.request_id, self._order(r.request_id), r.num_tokens)
-            self._load.set_row(r.request_id, row, r.num_blocks_to_recompute)
+                self._load.add(r.request_id, t.order, r.num_tokens)
+        self._load.set_rows(due, rows, [r.num_blocks_to_recompute for r in requests])
         return True
 
     def _update_allowed(self, now: float) -> None:
@@ -544,11 +548,10 @@ class Scheduler:
         for inst in self.instances.values():
             if inst.busy or not inst.pending:
                 continue
-            items = []
+            items, holds = [], inst.holds
             for rid, kind in zip(inst.pending, inst.pending_kinds):
                 r = self.requests[rid].request
-                spec = None if rid in inst.holds else r.spec()
-                items.append(StepItem(rid, r.threshold, kind, spec))
+                items.append(StepItem(rid, r.threshold, kind, None if rid in holds else r.spec()))
             latency = self._batch_latency(inst, inst.pending_full, inst.pending_cache)
             inst.busy_until = now + latency
             inst.holds.update(inst.pending)
