@@ -37,6 +37,7 @@ from dilaserve.control.thresholds import (
     LoadView,
     instance_capacity,
     select_threshold,
+    step_seconds,
 )
 from dilaserve.protocol import KVCacheMode, StepBatch, StepItem, StepKind, StepOutput
 from dilaserve.request import Request, RequestStatus
@@ -60,6 +61,7 @@ class _Instance:
     residents: int = 0  # requests assigned here (running, waiting or held)
     resident_tokens: int = 0  # their tokens: what a full-sequence step over them reads
     cache_memo: tuple[int, float] = (0, 0.0)  # (cache-step tokens, their step latency)
+    seconds_memo: tuple = (None, (0.0, 0.0))  # (InstanceLoad, its step_seconds)
     full_curve: Curve | None = None  # latency of full / recompute steps on this TP degree
     cache_curve: Curve | None = None  # latency of cache steps (with a KV cache)
 
@@ -531,9 +533,12 @@ class Scheduler:
             return r.clamp_threshold(t.allowed[0])
         # the instance as the request's later steps will find it: everything assigned there
         load = InstanceLoad(inst.tp, inst.resident_tokens, inst.residents)
+        if inst.seconds_memo[0] != load:  # the same for every request placed there this round
+            inst.seconds_memo = (load, step_seconds(load, self.profile, self.config.cache_block))
         slo_left = (r.deadline - now) * self.config.slo_headroom
+        block, seconds = self.config.cache_block, inst.seconds_memo[1]
         return select_threshold(
-            self._view(t), allowed, slo_left, load, self.profile, self.config.cache_block
+            self._view(t), allowed, slo_left, load, self.profile, block, seconds
         )
 
     def _running_tokens(self, inst: _Instance) -> int:

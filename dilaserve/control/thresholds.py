@@ -184,11 +184,13 @@ def select_threshold(
     instance: InstanceLoad,
     profile: LatencyProfile,
     block_len: int | None,
+    seconds: tuple[float, float] | None = None,
 ) -> float:
     """Algorithm 1/5: the highest allowed threshold whose predicted time fits `slo_left`;
-    the lowest allowed one if none does."""
+    the lowest allowed one if none does. `seconds`: the instance's `step_seconds`, when the
+    caller already has them."""
     ladder = sorted(allowed, reverse=True)
-    seconds = step_seconds(instance, profile, block_len)
+    seconds = seconds or step_seconds(instance, profile, block_len)
     for threshold in ladder:
         if predicted_time_left(req, threshold, instance, profile, block_len, seconds) <= slo_left:
             return threshold
