@@ -241,7 +241,7 @@ class Scheduler:
                 self._forget(t)
                 continue
             self._ready.append(rid)
-            if rid in self._load:
+            if t.refreshed_at >= 0:  # predicted, so in the load table
                 predicted.append(r)
                 if r.num_committed - t.refreshed_at >= k:
                     self._due[rid] = None
