@@ -3,7 +3,7 @@
     python benchmarks/control.py [--requests 100,1000,5000] [--instances 16,64]
 
 Builds a scheduler (policy `dilaserve`, dual cache, block 32) over N TP-1 instances with a
-synthetic latency profile and the bundled model's LightGBM step predictor (120 trees of up to
+synthetic latency profile and the bundled model's LightGBM step predictor (60 trees of up to
 63 leaves), admits R requests (200-token prompts, 256-token outputs), then replays step
 completions round-robin over instances: each completion commits two tokens per request of that
 instance's batch, and the scheduler re-places them (refreshing predictions every 8 committed

@@ -104,6 +104,7 @@ def cmd_train_predictor(args) -> None:
             num_prompts=args.num,
             thresholds=args.thresholds,
             runs=args.runs,
+            trajectories=args.trajectories,
         )
     )
 
@@ -283,6 +284,10 @@ def _add_measurement_commands(sub) -> None:
     tp.add_argument("--num", type=int, default=120, help="prompts, each run at every threshold")
     tp.add_argument("--thresholds", type=parse_thresholds, default=(0.5, 0.6, 0.7, 0.8, 0.9))
     tp.add_argument("--runs", default="runs", help="folder for run folders")
+    tp.add_argument(
+        "--trajectories",
+        help="refit from the trajectories.npz of an earlier train-predictor run (no recording)",
+    )
     tp.set_defaults(func=cmd_train_predictor)
 
     tr = sub.add_parser("train-model", help="train the bundled dLLM from scratch")

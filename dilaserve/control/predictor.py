@@ -19,7 +19,10 @@ import numpy as np
 from dilaserve.control.features import FEATURE_NAMES, feature_matrix
 
 MIN_STEPS = 1.0
-NUM_TREES = 120  # predictions run on every scheduling event: keep the ensemble small
+# Predictions run on every scheduling round, at a cost that grows with the trees: on the bundled
+# model's held-out states 60 trees of 63 leaves err as 120 do (18.6% against 18.5%) at about
+# half the prediction time (0.10 against 0.18 ms for 70 rows); 40 err 19.2%.
+NUM_TREES = 60
 
 
 class OneShotPredictor:

@@ -17,7 +17,7 @@ import numpy as np
 from dilaserve.control.features import FEATURE_NAMES, PROGRESS_FEATURES, state_matrix
 from dilaserve.control.predictor import OneShotPredictor, fit_gbm, save_gbm
 from dilaserve.runs import create_run_dir, environment, markdown_table, write_json
-from dilaserve.trajectory import Trajectory, save_trajectories
+from dilaserve.trajectory import Trajectory, load_trajectories, save_trajectories
 
 PAPER_ERRORS = {"one-shot": 0.750, "progress": 0.351, "full": 0.193, "oracle": 0.0}
 REFRESH_KS = (1, 2, 4, 8, 16, 32)
@@ -35,6 +35,7 @@ class PredictorConfig:
     held_out_fraction: float = 0.2
     runs: str = "runs"
     seed: int = 0
+    trajectories: str | None = None  # refit from a run folder's trajectories.npz: no recording
 
     def __post_init__(self):
         if self.num_prompts < 5:
@@ -187,12 +188,15 @@ def train_predictor(cfg: PredictorConfig, log=print) -> Path:
 
     run = create_run_dir(cfg.runs, "train-predictor")
     write_json(run / "config.json", {**asdict(cfg), "environment": environment()})
-    llm = LLM(cfg.model, EngineConfig(kv_cache="dual"))
-    prompts = [
-        p.question for p in arith.generate(cfg.num_prompts, seed=cfg.seed + 77, split="test")
-    ]
-    trajs = record_trajectories(llm, prompts, cfg.thresholds, cfg.max_tokens)
-    save_trajectories(run / "trajectories.npz", trajs)
+    if cfg.trajectories is not None:  # they stay in the run folder they were recorded in
+        trajs = load_trajectories(cfg.trajectories)
+    else:
+        llm = LLM(cfg.model, EngineConfig(kv_cache="dual"))
+        prompts = [
+            p.question for p in arith.generate(cfg.num_prompts, seed=cfg.seed + 77, split="test")
+        ]
+        trajs = record_trajectories(llm, prompts, cfg.thresholds, cfg.max_tokens)
+        save_trajectories(run / "trajectories.npz", trajs)
     fit_and_report(trajs, cfg, run, log)
     log(f"predictor written to {cfg.out}; run folder: {run}")
     return Path(cfg.out)
