@@ -9,8 +9,9 @@ from dilaserve.training.train_predictor import (
     fit_and_report,
     one_shot_rates,
     refresh_curve,
+    train_predictor,
 )
-from dilaserve.trajectory import Trajectory
+from dilaserve.trajectory import Trajectory, save_trajectories
 
 GEN, BLOCK = 32, 8
 
@@ -84,3 +85,19 @@ def test_create_predictor_by_name(tmp_path):
         create_predictor("oracle", folder)
     with pytest.raises(ValueError, match="not one of"):
         create_predictor("magic", folder)
+
+
+def test_train_predictor_refits_from_recorded_trajectories_without_a_model(tmp_path):
+    save_trajectories(tmp_path / "t.npz", [synthetic(p, t) for t in (0.5, 0.9) for p in range(40)])
+    cfg = PredictorConfig(
+        model="no-such-checkpoint",  # never loaded: nothing is recorded
+        out=str(tmp_path / "pred"),
+        thresholds=(0.5, 0.9),
+        runs=str(tmp_path / "runs"),
+        trajectories=str(tmp_path / "t.npz"),
+    )
+    out = train_predictor(cfg, log=lambda *_: None)
+    assert load_gbm(out).thresholds == (0.5, 0.9)
+    [run] = (tmp_path / "runs").iterdir()
+    assert not (run / "trajectories.npz").exists()  # they stay where they were recorded
+    assert (run / "summary.json").exists()
