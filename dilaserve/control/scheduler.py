@@ -60,7 +60,10 @@ class _Instance:
     holds: set[str] = field(default_factory=set)  # requests whose state lives here
     residents: int = 0  # requests assigned here (running, waiting or held)
     resident_tokens: int = 0  # their tokens: what a full-sequence step over them reads
-    cache_memo: tuple[int, float] = (0, 0.0)  # (cache-step tokens, their step latency)
+    # (tokens, step latency) last asked of each curve: placement asks every candidate, and
+    # within a round only the chosen instance's batch changes
+    full_memo: tuple[int, float] = (0, 0.0)
+    cache_memo: tuple[int, float] = (0, 0.0)
     seconds_memo: tuple = (None, (0.0, 0.0))  # (InstanceLoad, its step_seconds)
     full_curve: Curve | None = None  # latency of full / recompute steps on this TP degree
     cache_curve: Curve | None = None  # latency of cache steps (with a KV cache)
@@ -440,9 +443,13 @@ class Scheduler:
         return self.config.block_len if kind is StepKind.CACHE else t.request.num_tokens
 
     def _batch_latency(self, inst: _Instance, full: int, cache: int) -> float:
-        seconds = inst.full_curve.at(full) if full else 0.0
+        seconds = 0.0
+        if full:
+            if inst.full_memo[0] != full:
+                inst.full_memo = (full, inst.full_curve.at(full))
+            seconds += inst.full_memo[1]
         if cache:
-            if inst.cache_memo[0] != cache:  # placement asks this of every candidate
+            if inst.cache_memo[0] != cache:
                 inst.cache_memo = (cache, inst.cache_curve.at(cache))
             seconds += inst.cache_memo[1]
         return seconds
