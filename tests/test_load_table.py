@@ -45,7 +45,7 @@ def test_removed_rows_free_their_slot_and_leave_the_order():
 def test_estimates_count_down_one_per_step_but_not_below_one():
     table = filled([("a", (0, 0.0), 100, (2, 1), 3)])
     table.count_step([SimpleNamespace(request_id="a", num_blocks_to_recompute=2)])
-    assert table.steps_of("a").tolist() == [1.0, 1.0]
+    assert table.steps_of("a") == [1.0, 1.0]
     assert table.recompute[0] == 2
 
 
@@ -54,12 +54,12 @@ def test_steps_noted_before_a_refresh_or_a_removal_do_not_leak_into_the_next_row
     stepped = SimpleNamespace(request_id="a", num_blocks_to_recompute=2)
     table.count_step([stepped])
     table.count_step([stepped])
-    assert table.steps_of("a").tolist() == [3.0, 1.0]
+    assert table.steps_of("a") == [3.0, 1.0]
     table.count_step([stepped])
     table.set_rows(["a"], np.array([[6.0, 4.0]]), [1])  # a refresh starts the count again
-    assert table.steps_of("a").tolist() == [6.0, 4.0]
+    assert table.steps_of("a") == [6.0, 4.0]
     table.count_step([stepped])
     table.remove("a")
     table.add("b", (0, 1.0, 1), 100)  # b takes a's slot
     table.set_rows(["b"], np.array([[2.0, 2.0]]), [0])
-    assert table.steps_of("b").tolist() == [2.0, 2.0]
+    assert table.steps_of("b") == [2.0, 2.0]

@@ -85,12 +85,13 @@ class LoadTable:
         self.counted[slots] = 0.0
         self.recompute[slots] = recompute_left
 
-    def steps_of(self, request_id: str) -> np.ndarray:
-        """The request's estimate now: its prediction, one step less per step done since
-        (never below one)."""
+    def steps_of(self, request_id: str) -> list[float]:
+        """The request's estimate now, per threshold: its prediction, one step less per step
+        done since (never below one)."""
         slot = self._slots[request_id]
         self._count()
-        return np.maximum(self.steps[slot] - self.counted[slot], 1.0)
+        done = float(self.counted[slot])
+        return [max(steps - done, 1.0) for steps in self.steps[slot].tolist()]
 
     def count_step(self, requests: Sequence) -> None:
         """One step done for each of `requests` (in the table): the estimates count down one

@@ -416,7 +416,7 @@ class Scheduler:
             r.request_id,
             r.arrival_time,
             r.num_tokens,
-            dict(zip(self._ladder, self._load.steps_of(r.request_id).tolist())),
+            dict(zip(self._ladder, self._load.steps_of(r.request_id))),
             r.num_blocks_to_recompute,
             r.priority,
         )
