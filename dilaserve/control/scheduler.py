@@ -538,6 +538,8 @@ class Scheduler:
         allowed = r.within_bounds(t.allowed)
         if not allowed:
             return r.clamp_threshold(t.allowed[0])
+        if len(allowed) == 1:  # load control left one choice (often, under load)
+            return allowed[0]
         # the instance as the request's later steps will find it: everything assigned there
         load = InstanceLoad(inst.tp, inst.resident_tokens, inst.residents)
         if inst.seconds_memo[0] != load:  # the same for every request placed there this round
