@@ -44,7 +44,7 @@ def cost_error(args, log) -> tuple[list[dict], dict]:
     from dilaserve.config import EngineConfig
     from dilaserve.dws.cost import run_probes
     from dilaserve.dws.estimate import DWSEstimator
-    from dilaserve.dws.train import DWSTrainConfig, Labels, split, train_scalar
+    from dilaserve.dws.train import Labels
     from dilaserve.engine.llm import LLM
     from dilaserve.tasks import arith
 
@@ -62,25 +62,17 @@ def cost_error(args, log) -> tuple[list[dict], dict]:
     start = time.perf_counter()
     dws = np.array([c for c, _ in estimator.estimate(held_out, tokens, GEN_LEN)])
     dws_ms = 1e3 * (time.perf_counter() - start) / len(held_out)
-    train, val = split(labels, 0.2, 5)
-    cfg = DWSTrainConfig()
     calib_tokens = [len(llm.encode_prompt(t, chat=True)) for t in calibration]
     calib_dws = np.array([c for c, _ in estimator.estimate(calibration, calib_tokens, GEN_LEN)])
     scale = float(calib_truth @ calib_dws / (calib_dws @ calib_dws))  # this machine's ms now
     predictions = {
         "DWS (surface x kernel)": dws,
         "DWS, kernel rescaled on calibration": scale * dws,
+        **_proxies(labels, calibration, calib_truth, held_out),
+        "floor: true steps x kernel, rescaled": scale
+        * np.array([estimator.kernel.cost_of_run(p) for p in probes]),
+        "floor: a second timing of the same runs": retimed,
     }
-    for name, target in (
-        ("predicted output length", lambda lab: lab.output_tokens),
-        ("predicted total steps", lambda lab: lab.steps.sum(axis=1)),
-    ):
-        proxy = train_scalar(train, val, target, cfg)
-        a, b = np.polyfit(proxy(calibration), calib_truth, 1)  # scalar -> ms
-        predictions[name] = a * proxy(held_out) + b
-    perfect = np.array([estimator.kernel.cost_of_run(p) for p in probes])
-    predictions["floor: true steps x kernel, rescaled"] = scale * perfect
-    predictions["floor: a second timing of the same runs"] = retimed
     rows = [
         {
             "predictor": name,
@@ -104,6 +96,23 @@ def cost_error(args, log) -> tuple[list[dict], dict]:
     return rows, summary
 
 
+def _proxies(labels, calibration, calib_truth, held_out) -> dict[str, np.ndarray]:
+    """The scalar proxies' ms for the held-out prompts: each trained on the labels with the
+    same encoder, then mapped to ms by a linear fit on the calibration probes."""
+    from dilaserve.dws.train import DWSTrainConfig, split, train_scalar
+
+    train, val = split(labels, 0.2, 5)
+    out = {}
+    for name, target in (
+        ("predicted output length", lambda lab: lab.output_tokens),
+        ("predicted total steps", lambda lab: lab.steps.sum(axis=1)),
+    ):
+        proxy = train_scalar(train, val, target, DWSTrainConfig())
+        a, b = np.polyfit(proxy(calibration), calib_truth, 1)  # scalar -> ms
+        out[name] = a * proxy(held_out) + b
+    return out
+
+
 def _probes(llm, texts, run_probes) -> list:
     prompts = [llm.encode_prompt(t, chat=True) for t in texts]
     return run_probes(llm, prompts, GEN_LEN, natural=True)
@@ -111,15 +120,9 @@ def _probes(llm, texts, run_probes) -> list:
 
 def simulated_sjf(args, log) -> list[dict]:
     from dilaserve.config import BUNDLED_PROFILE
-    from dilaserve.control.decisions import InstanceSpec, SchedulerConfig
-    from dilaserve.control.policy import get_policy
     from dilaserve.control.profile import LatencyProfile
-    from dilaserve.control.scheduler import Scheduler
     from dilaserve.dws.estimate import DWSEstimator
     from dilaserve.dws.train import collect_labels
-    from dilaserve.request import Request
-    from dilaserve.sim.behaviour import BlockStepsBehaviour
-    from dilaserve.sim.simulator import SimConfig, Simulator
     from dilaserve.tasks import arith
 
     texts = [p.question for p in arith.generate(args.prompts, seed=78, split="test")]
@@ -141,19 +144,9 @@ def simulated_sjf(args, log) -> list[dict]:
     for rate in args.rates:
         rng = np.random.default_rng(3)
         arrivals = np.cumsum(rng.exponential(1 / rate, int(rate * args.seconds)))
-        picks = rng.integers(0, len(texts), len(arrivals))
+        picks = rng.integers(0, len(texts), len(arrivals)).tolist()
         for name, (policy, order) in orders.items():
-            requests, steps = [], {}
-            for i, (t, k) in enumerate(zip(arrivals.tolist(), picks.tolist())):
-                rid = f"r{i}"
-                steps[rid] = labels.steps[k]
-                prompt = (3,) * int(labels.prompt_tokens[k])
-                requests.append(Request(rid, prompt, GEN_LEN, 32, 1, 0.9, t, cost=order[k]))
-            config = SchedulerConfig(slo=1e6, max_batch_requests=args.batch)
-            scheduler = Scheduler(get_policy(policy), profile, None, config)
-            spec = InstanceSpec("i0", 0, 1, (0,), 65536)
-            sim = Simulator(scheduler, profile, BlockStepsBehaviour(steps), [spec], SimConfig())
-            done = sim.run(requests).requests
+            done = _simulate_one(args, profile, labels, policy, order, arrivals.tolist(), picks)
             latency = np.array([r.finish_time - r.arrival_time for r in done])
             first = np.array([r.first_block_time - r.arrival_time for r in done])
             mean = float(latency.mean())
@@ -172,6 +165,27 @@ def simulated_sjf(args, log) -> list[dict]:
             )
             log(rows[-1])
     return rows
+
+
+def _simulate_one(args, profile, labels, policy: str, costs, arrivals, picks) -> list:
+    """One TP-1 instance under `policy`, requests ordered by `costs`: the finished requests."""
+    from dilaserve.control.decisions import InstanceSpec, SchedulerConfig
+    from dilaserve.control.policy import get_policy
+    from dilaserve.control.scheduler import Scheduler
+    from dilaserve.request import Request
+    from dilaserve.sim.behaviour import BlockStepsBehaviour
+    from dilaserve.sim.simulator import SimConfig, Simulator
+
+    requests, steps = [], {}
+    for i, (t, k) in enumerate(zip(arrivals, picks)):
+        steps[f"r{i}"] = labels.steps[k]
+        prompt = (3,) * int(labels.prompt_tokens[k])
+        requests.append(Request(f"r{i}", prompt, GEN_LEN, 32, 1, 0.9, t, cost=costs[k]))
+    config = SchedulerConfig(slo=1e6, max_batch_requests=args.batch)
+    scheduler = Scheduler(get_policy(policy), profile, None, config)
+    spec = InstanceSpec("i0", 0, 1, (0,), 65536)
+    sim = Simulator(scheduler, profile, BlockStepsBehaviour(steps), [spec], SimConfig())
+    return sim.run(requests).requests
 
 
 def _true_cost_ms(profile, num_tokens: int, block_steps) -> float:
