@@ -104,3 +104,22 @@ def feature_matrix(states: np.ndarray, thresholds) -> np.ndarray:
     rep = np.repeat(states, len(ladder), axis=0)
     col = np.tile(ladder, len(states))[:, None]
     return np.hstack((col, rep))
+
+
+def request_states(requests) -> np.ndarray:
+    """`state_matrix` of `Request`s in flight, in one pass; shorter outputs are padded to the
+    longest."""
+    lengths = np.array([r.gen_len for r in requests])
+    width = int(lengths.max())
+    if (lengths == width).all():  # the usual round: stacked without padding
+        masks = np.array([[r.mask_id] for r in requests])
+        committed = np.stack([r.output_ids for r in requests]) != masks
+        confidences = np.stack([r.confidences for r in requests])
+    else:
+        committed = np.zeros((len(requests), width), dtype=bool)
+        confidences = np.zeros((len(requests), width), dtype=np.float32)
+        for i, r in enumerate(requests):
+            committed[i, : r.gen_len] = r.output_ids != r.mask_id
+            confidences[i, : r.gen_len] = r.confidences
+    steps = np.array([r.num_steps for r in requests])
+    return state_matrix(committed, confidences, steps, requests[0].block_len, lengths)

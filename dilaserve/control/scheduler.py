@@ -13,20 +13,17 @@ whose next step is a cache step stays where its cache is; it may move only befor
 step. Step predictions refresh every `refresh_every_tokens` newly committed tokens, in one
 predictor call for every request due at most once per `refresh_interval` (a new request is
 predicted at once), load control (Alg. 2/4) re-runs when arrivals or refreshes change the load
-picture, and the threshold
-is re-selected (Alg. 1/5) whenever a request moves or its predictions refresh, pricing the
-remaining steps at the load of everything assigned to its instance and fitting them into
-`slo_headroom` of the budget left.
+picture, and the threshold is re-selected (Alg. 1/5) whenever a request moves or its predictions
+refresh, pricing the remaining steps at the load of everything assigned to its instance and
+fitting them into `slo_headroom` of the budget left.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-import numpy as np
-
 from dilaserve.control.decisions import Decisions, SchedulerConfig, StepLaunch
-from dilaserve.control.features import state_matrix
+from dilaserve.control.features import request_states
 from dilaserve.control.layout import InstanceSlot
 from dilaserve.control.load_table import LoadTable
 from dilaserve.control.policy import Migration, Order, Placement, Policy
@@ -376,7 +373,7 @@ class Scheduler:
         self._unpredicted = {}
         tracked = [self.requests[rid] for rid in due]
         requests = [t.request for t in tracked]
-        rows = self.predictor.predict(due, _states(requests))[:, self._ladder_columns]
+        rows = self.predictor.predict(due, request_states(requests))[:, self._ladder_columns]
         for i, t in enumerate(tracked):
             r = t.request
             if r.num_steps == 0 and r.prior_steps is not None:  # the DWS one-shot prior
@@ -580,21 +577,3 @@ class Scheduler:
             t.request.num_tokens for t in self.requests.values() if t.bound == inst.instance_id
         )
         return tokens, inst.instance_id
-
-
-def _states(requests: list[Request]) -> np.ndarray:
-    """Feature states of requests in one pass; shorter outputs are padded to the longest."""
-    lengths = np.array([r.gen_len for r in requests])
-    width = int(lengths.max())
-    if (lengths == width).all():  # the usual round: stacked without padding
-        masks = np.array([[r.mask_id] for r in requests])
-        committed = np.stack([r.output_ids for r in requests]) != masks
-        confidences = np.stack([r.confidences for r in requests])
-    else:
-        committed = np.zeros((len(requests), width), dtype=bool)
-        confidences = np.zeros((len(requests), width), dtype=np.float32)
-        for i, r in enumerate(requests):
-            committed[i, : r.gen_len] = r.output_ids != r.mask_id
-            confidences[i, : r.gen_len] = r.confidences
-    steps = np.array([r.num_steps for r in requests])
-    return state_matrix(committed, confidences, steps, requests[0].block_len, lengths)
