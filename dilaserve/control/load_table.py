@@ -96,10 +96,9 @@ class LoadTable:
     def count_step(self, requests: Sequence) -> None:
         """One step done for each of `requests` (in the table): the estimates count down one
         step until the next refresh; recompute steps left are re-read."""
-        for r in requests:
-            slot = self._slots[r.request_id]
-            self._stepped.append(slot)
-            self._recompute_now[slot] = r.num_blocks_to_recompute
+        slots = [self._slots[r.request_id] for r in requests]
+        self._stepped += slots
+        self._recompute_now.update(zip(slots, [r.num_blocks_to_recompute for r in requests]))
 
     def _count(self) -> None:
         if self._stepped:

@@ -104,6 +104,10 @@ class Scheduler:
         )
         self._load = LoadTable(len(self._ladder))
         self._sjf = policy.order is Order.COST
+        # mid-block steps stay with their cache: with one, unless migration may happen anywhere
+        self._short_path = (
+            policy.migration is not Migration.ANY and config.kv_cache is not KVCacheMode.NONE
+        )
         self._max_batch_requests = config.max_batch_requests or float("inf")
         self._admitted = 0
         self._last_load_control = float("-inf")
@@ -324,12 +328,10 @@ class Scheduler:
         """The instance holding this request's cache when its next step is a cache step there
         and it may not move (migration only before recompute steps): the common case of every
         step-completion event, placed without the general search."""
-        if self.policy.migration is Migration.ANY or t.request.starts_block:
+        if not self._short_path or t.request.starts_block:
             return None
         home = self.instances.get(t.instance) if t.instance is not None else None
         if home is None or t.request.request_id not in home.holds:
-            return None
-        if self.config.kv_cache is KVCacheMode.NONE:
             return None
         return home
 
@@ -559,10 +561,13 @@ class Scheduler:
         for inst in self.instances.values():
             if inst.busy or not inst.pending:
                 continue
-            items, holds = [], inst.holds
-            for rid, kind in zip(inst.pending, inst.pending_kinds):
-                r = self.requests[rid].request
-                items.append(StepItem(rid, r.threshold, kind, None if rid in holds else r.spec()))
+            holds, requests = inst.holds, [self.requests[rid].request for rid in inst.pending]
+            items = [
+                StepItem(
+                    r.request_id, r.threshold, kind, None if r.request_id in holds else r.spec()
+                )
+                for r, kind in zip(requests, inst.pending_kinds)
+            ]
             latency = self._batch_latency(inst, inst.pending_full, inst.pending_cache)
             inst.busy_until = now + latency
             inst.holds.update(inst.pending)
