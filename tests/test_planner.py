@@ -36,6 +36,13 @@ def test_one_class_two_tp_degrees_picks_tp2_at_the_top_threshold():
     assert plan.utilisation[2] == pytest.approx(0.768, abs=1e-3)
 
 
+def test_every_gpu_runs_an_instance_even_when_one_carries_the_load():
+    # one TP-2 instance carries the class; the other three GPUs get instances too
+    plan = plan_capacity(one_class(), PROFILE, config(gpus_per_node=(2, 3)))
+    assert plan.counts().get(2, 0) >= 1 and plan.gpus == 5
+    assert plan.mean_threshold == pytest.approx(0.9, abs=1e-3)
+
+
 def test_node_capacity_rules_out_a_tp2_instance_across_two_one_gpu_nodes():
     plan = plan_capacity(one_class(), PROFILE, config(gpus_per_node=(1, 1)))
     assert plan.counts() == {1: 2}

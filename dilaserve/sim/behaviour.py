@@ -71,8 +71,9 @@ class ParametricBehaviour:
     def step(self, r: Request, threshold: float, kind: StepKind) -> RequestStepResult:
         difficulty, order, confidences = self._request(r)
         block = r.current_block
-        in_block = order[block]
-        masked = in_block[r.output_ids[in_block] == r.mask_id]
+        # this model is the request's only committer and commits each block in `order`, so
+        # the block's committed positions are a prefix of its order
+        masked = order[block, r.num_committed - block * r.block_len :]
         rate = self._rates.get(threshold)
         if rate is None:
             rate = self._rates[threshold] = self.tokens_per_step(threshold)
