@@ -101,3 +101,25 @@ def test_train_predictor_refits_from_recorded_trajectories_without_a_model(tmp_p
     [run] = (tmp_path / "runs").iterdir()
     assert not (run / "trajectories.npz").exists()  # they stay where they were recorded
     assert (run / "summary.json").exists()
+
+
+@pytest.mark.parametrize("lengths", [(64, 64, 64), (32, 96, 64)])
+def test_request_states_from_counters_match_the_features_read_from_masks(lengths):
+    from dilaserve.control.features import request_states, state_matrix
+    from dilaserve.protocol import StepKind
+    from dilaserve.request import Request
+    from dilaserve.sim.behaviour import ParametricBehaviour
+
+    behaviour = ParametricBehaviour(seed=3)
+    requests = [Request(f"r{i}", (3,) * 5, n, BLOCK, 1, 0.7) for i, n in enumerate(lengths)]
+    for steps, r in zip((2, 5, 9), requests):  # mid-block, block boundaries alike
+        for _ in range(steps):
+            r.apply(behaviour.step(r, r.threshold, StepKind.CACHE))
+    width = max(lengths)
+    masks = np.zeros((len(requests), width), bool)
+    confs = np.zeros((len(requests), width), np.float32)
+    for i, r in enumerate(requests):
+        masks[i, : r.gen_len], confs[i, : r.gen_len] = r.committed, r.confidences
+    steps = np.array([r.num_steps for r in requests])
+    expected = state_matrix(masks, confs, steps, BLOCK, np.array(lengths))
+    np.testing.assert_array_equal(request_states(requests), expected)

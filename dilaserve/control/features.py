@@ -61,22 +61,24 @@ def state_matrix(
     in_block = np.where(
         block < num_blocks, (counts[rows, end] - counts[rows, start]) / block_len, 1.0
     )
-    conf = np.where(pad, np.inf, confidences).astype(np.float64)
-    ordered = np.sort(conf, axis=1)
+    progress = (
+        np.asarray(steps_done, dtype=np.float64) / gen_len,
+        counts[:, -1] / gen_len,
+        block / num_blocks,
+        in_block,
+    )
+    return _with_confidences(gen_len, progress, confidences, pad)
+
+
+def _with_confidences(gen_len, progress, confidences: np.ndarray, pad) -> np.ndarray:
+    """The state rows: output length, the four progress columns, then the confidence
+    statistics over each row's first `gen_len` cells (`pad` marks the others, or is None)."""
+    conf = confidences.astype(np.float64)
+    ordered = np.sort(conf if pad is None else np.where(pad, np.inf, conf), axis=1)
     q25, median, q75 = _quartiles(ordered, gen_len)
+    total = (conf if pad is None else np.where(pad, 0.0, conf)).sum(axis=1)
     return np.column_stack(
-        (
-            gen_len.astype(np.float64),
-            np.asarray(steps_done, dtype=np.float64) / gen_len,
-            counts[:, -1] / gen_len,
-            block / num_blocks,
-            in_block,
-            ordered[:, 0],
-            q25,
-            median,
-            np.where(pad, 0.0, conf).sum(axis=1) / gen_len,
-            q75,
-        )
+        (gen_len.astype(np.float64), *progress, ordered[:, 0], q25, median, total / gen_len, q75)
     )
 
 
@@ -100,26 +102,32 @@ def feature_matrix(states: np.ndarray, thresholds) -> np.ndarray:
     Row order is state-major: the rows of state i are i*T .. i*T + T - 1.
     """
     states = np.atleast_2d(states)
-    ladder = np.asarray(thresholds, dtype=np.float64)
-    rep = np.repeat(states, len(ladder), axis=0)
-    col = np.tile(ladder, len(states))[:, None]
-    return np.hstack((col, rep))
+    n, width = states.shape
+    rows = np.empty((n, len(thresholds), width + 1))
+    rows[:, :, 0] = thresholds
+    rows[:, :, 1:] = states[:, None, :]
+    return rows.reshape(-1, width + 1)
 
 
 def request_states(requests) -> np.ndarray:
-    """`state_matrix` of `Request`s in flight, in one pass; shorter outputs are padded to the
-    longest."""
-    lengths = np.array([r.gen_len for r in requests])
-    width = int(lengths.max())
-    if (lengths == width).all():  # the usual round: stacked without padding
-        masks = np.array([[r.mask_id] for r in requests])
-        committed = np.stack([r.output_ids for r in requests]) != masks
-        confidences = np.stack([r.confidences for r in requests])
-    else:
-        committed = np.zeros((len(requests), width), dtype=bool)
-        confidences = np.zeros((len(requests), width), dtype=np.float32)
-        for i, r in enumerate(requests):
-            committed[i, : r.gen_len] = r.output_ids != r.mask_id
-            confidences[i, : r.gen_len] = r.confidences
-    steps = np.array([r.num_steps for r in requests])
-    return state_matrix(committed, confidences, steps, requests[0].block_len, lengths)
+    """`state_matrix` of `Request`s in flight, in one pass. Blocks complete in order, so the
+    progress columns come from each request's counters (the committed positions are the blocks
+    before `current_block` and part of it); only the confidences are read as arrays, shorter
+    outputs padded to the longest."""
+    gen_len = np.array([r.gen_len for r in requests])
+    block_len = requests[0].block_len
+    counters = np.array([(r.num_steps, r.num_committed, r.current_block) for r in requests])
+    steps, committed, block = counters.T
+    num_blocks = gen_len // block_len
+    in_block = np.where(block < num_blocks, (committed - block * block_len) / block_len, 1.0)
+    progress = (steps / gen_len, committed / gen_len, block / num_blocks, in_block)
+    width = int(gen_len.max())
+    if (gen_len == width).all():  # the usual round: stacked without padding
+        return _with_confidences(
+            gen_len, progress, np.stack([r.confidences for r in requests]), None
+        )
+    confidences = np.zeros((len(requests), width), dtype=np.float32)
+    for i, r in enumerate(requests):
+        confidences[i, : r.gen_len] = r.confidences
+    pad = np.arange(width)[None, :] >= gen_len[:, None]
+    return _with_confidences(gen_len, progress, confidences, pad)

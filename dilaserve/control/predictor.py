@@ -45,10 +45,13 @@ class GBMPredictor:
         self.booster = booster
         self.features = tuple(features)
         self.name = "full" if len(self.features) == len(FEATURE_NAMES) else "progress"
-        self._columns = [FEATURE_NAMES.index(f) for f in self.features]
+        columns = [FEATURE_NAMES.index(f) for f in self.features]
+        self._columns = None if columns == list(range(len(FEATURE_NAMES))) else columns
 
     def predict(self, request_ids: Sequence[str], states: np.ndarray) -> np.ndarray:
-        rows = feature_matrix(states, self.thresholds)[:, self._columns]
+        rows = feature_matrix(states, self.thresholds)
+        if self._columns is not None:
+            rows = rows[:, self._columns]
         pred = self.booster.predict(rows).reshape(-1, len(self.thresholds))
         return np.maximum(pred, MIN_STEPS)
 
