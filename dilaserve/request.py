@@ -58,6 +58,7 @@ class Request:
     finish_time: float | None = None
     prompt_len: int = field(init=False)
     num_tokens: int = field(init=False)  # prompt + output window: what a full-sequence step reads
+    num_blocks: int = field(init=False)
 
     def __post_init__(self):
         if self.gen_len <= 0 or self.gen_len % self.block_len:
@@ -69,6 +70,7 @@ class Request:
         self.confidences = np.zeros(self.gen_len, dtype=np.float32)
         self.prompt_len = len(self.prompt_ids)
         self.num_tokens = self.prompt_len + self.gen_len
+        self.num_blocks = self.gen_len // self.block_len
         if self.threshold_bounds is not None:
             lo, hi = self.threshold_bounds
             if not 0 < lo <= hi <= 1:
@@ -94,10 +96,6 @@ class Request:
             self.cost,
             self.prior_steps,
         )
-
-    @property
-    def num_blocks(self) -> int:
-        return self.gen_len // self.block_len
 
     @property
     def committed(self) -> np.ndarray:

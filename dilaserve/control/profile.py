@@ -23,6 +23,7 @@ from pathlib import Path
 from dilaserve.protocol import StepKind
 
 SCHEMA = 1
+MEMO_SIZE = 1 << 16  # batch sizes remembered per curve
 FALLBACK_KIND = {StepKind.FULL: StepKind.RECOMPUTE, StepKind.RECOMPUTE: StepKind.FULL}
 
 
@@ -32,6 +33,8 @@ class Curve:
 
     tokens: tuple[int, ...]
     seconds: tuple[float, ...]
+    # answers so far: placement asks every instance's curve at every candidate batch size
+    _memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
         if not self.tokens:
@@ -40,6 +43,14 @@ class Curve:
             raise ValueError(f"batch_tokens must be distinct and sorted: {self.tokens}")
 
     def at(self, batch_tokens: float) -> float:
+        seconds = self._memo.get(batch_tokens)
+        if seconds is None:
+            seconds = self._interpolate(batch_tokens)
+            if len(self._memo) < MEMO_SIZE:
+                self._memo[batch_tokens] = seconds
+        return seconds
+
+    def _interpolate(self, batch_tokens: float) -> float:
         xs, ys = self.tokens, self.seconds
         if batch_tokens <= xs[0] or len(xs) == 1:
             return ys[0] if batch_tokens <= xs[0] else ys[0] * batch_tokens / xs[0]

@@ -69,7 +69,7 @@ class ParametricBehaviour:
         return state
 
     def step(self, r: Request, threshold: float, kind: StepKind) -> RequestStepResult:
-        difficulty, order, confidences = self._request(r)
+        difficulty, order, confidences = self._state.get(r.request_id) or self._request(r)
         block = r.current_block
         # this model is the request's only committer and commits each block in `order`, so
         # the block's committed positions are a prefix of its order
@@ -80,7 +80,7 @@ class ParametricBehaviour:
         n = min(masked.size, 1 + int(self.rng.poisson(max(rate / difficulty - 1.0, 0.0))))
         positions = masked[:n]
         # committed positions keep a commit-time confidence at or above the threshold
-        confidences[positions] = self.rng.uniform(threshold, 1.0, n)
+        confidences[positions] = threshold + (1.0 - threshold) * self.rng.random(n)  # uniform
         block_done = n == masked.size
         return RequestStepResult(
             r.request_id,
