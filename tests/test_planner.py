@@ -160,3 +160,24 @@ def test_on_tick_returns_the_reconfiguration_each_period(policy, replans):
     [step] = move.steps
     assert step.stop == ("a", "b") and step.start.tp == 2 and step.start.gpus == (0, 1)
     assert s.on_tick(15.0).reconfiguration is None  # next round at 20 s
+
+
+def test_a_proposal_that_keeps_the_running_counts_costs_one_solve(monkeypatch):
+    import dilaserve.control.reconfigure as reconfigure
+
+    calls = []
+
+    def counting(*args, **kw):
+        calls.append(kw.get("fixed"))
+        return plan_capacity(*args, **kw)
+
+    monkeypatch.setattr(reconfigure, "plan_capacity", counting)
+    r = Reconfigurer(PROFILE, config(period=10.0), WorkloadMonitor(window=10.0, safety=1.0))
+    for i in range(8):  # 0.4 requests per second, as above
+        t = i * 2.5
+        r.record(Request(f"r{i}", tuple(range(3, 67)), 64, 32, 1, 0.9, t, t + 2.5), t)
+        if i == 3:
+            assert r.on_tick(10.0, [InstanceSlot("c", 0, 2, (0, 1))]) is None  # the plan runs
+            assert calls == [None] and r.history[-1]["current"] == {2: 1}
+    assert r.on_tick(20.0, [InstanceSlot("a", 0, 1, (0,)), InstanceSlot("b", 0, 1, (1,))])
+    assert calls == [None, None, {(0, 1): 2}]  # a change is weighed against what runs

@@ -2,10 +2,12 @@
 
 Every `period` (5 minutes by default) the workload monitor's classes go through Stage 1 twice:
 free (the proposal) and with instance counts pinned to what runs now (the current configuration
-under the same workload). The proposal is carried out only if it raises the mean threshold or
-the SLO slack by at least `improvement` (10%), or if the current configuration can no longer
-meet the SLOs at all. Stage 2 then places the proposal keeping as many running instances as it
-can, and `launch_order` sequences the moves. Called from `Scheduler.on_tick(now)`.
+under the same workload; skipped when the proposal keeps the running counts, since the
+objectives depend on instances per TP degree only). The proposal is carried out only if it
+raises the mean threshold or the SLO slack by at least `improvement` (10%), or if the current
+configuration can no longer meet the SLOs at all. Stage 2 then places the proposal keeping as
+many running instances as it can, and `launch_order` sequences the moves. Called from
+`Scheduler.on_tick(now)`.
 """
 
 from __future__ import annotations
@@ -31,6 +33,13 @@ def worth_applying(proposal: CapacityPlan, current: CapacityPlan, gain: float) -
         proposal.mean_threshold >= (1 + gain) * current.mean_threshold
         or proposal.slack >= (1 + gain) * current.slack
     )
+
+
+def _counts(running: Sequence[InstanceSlot]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for inst in running:
+        out[inst.tp] = out.get(inst.tp, 0) + 1
+    return dict(sorted(out.items()))
 
 
 class Reconfigurer:
@@ -63,7 +72,12 @@ class Reconfigurer:
         pinned: dict[tuple[int, int], int] = {}
         for inst in running:
             pinned[inst.node, inst.tp] = pinned.get((inst.node, inst.tp), 0) + 1
-        current = plan_capacity(classes, self.profile, self.config, fixed=pinned)
+        if proposal.counts() == _counts(running):
+            # nothing to change, and nothing to compare: the objectives depend on instances per
+            # TP degree, not their nodes, so the pinned optimum is the proposal's
+            current = proposal
+        else:
+            current = plan_capacity(classes, self.profile, self.config, fixed=pinned)
         apply = worth_applying(proposal, current, self.config.improvement)
         self.history.append(
             {
