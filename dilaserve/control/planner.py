@@ -334,11 +334,12 @@ def _fill_idle_gpus(
     instances: dict[tuple[int, int], int], gpus_per_node: Sequence[int], degrees: Sequence[int]
 ) -> None:
     """The last objective, GPUs in use (an idle GPU serves nobody), without a third solve: more
-    instances only loosen the stability constraints and leave both objectives as they are, so
-    each node's idle GPUs get the largest TP degrees that fit."""
+    instances only loosen the stability constraints and leave both objectives as they are. Each
+    node's idle GPUs get instances of the smallest TP degree: the most throughput per GPU for
+    load above the forecast, and the degree a cluster most likely runs already (fewer moves)."""
     for n, gpus in enumerate(gpus_per_node):
         idle = gpus - sum(d * instances.get((n, d), 0) for d in degrees)
-        for d in sorted(degrees, reverse=True):
+        for d in sorted(degrees):
             instances[n, d] = instances.get((n, d), 0) + idle // d
             idle %= d
 
