@@ -26,10 +26,11 @@ with one family of variables w_kdb >= 0, "the steps of class k on TP d at batch 
 
 where M_k bounds s_kd (a class never takes more steps than at its slowest threshold; with a
 cache, recompute steps are exactly O_k / B and cache steps at most M_k - O_k / B, the tighter
-big-Ms each family's w gets, which cut the solve time by about a tenth). Because
-exactly one z_db is 1, w_kdb equals s_kd at the chosen b and 0 elsewhere, so z_db L_db s_kd =
-sum_b L_db w_kdb (the SLO is linear). Stability is divided through by the chosen b / L_db, which
-is positive, giving the equivalent sum_k RPS_k (P_k + O_k) sum_b (L_db / b) w_kdb <= sum_n x_nd:
+big-Ms each family's w gets: 8% less solve time over the paper-sized simulation's plans).
+Because exactly one z_db is 1, w_kdb equals s_kd at the chosen b and 0 elsewhere, so
+z_db L_db s_kd = sum_b L_db w_kdb (the SLO is linear). Stability is divided through by the
+chosen b / L_db, which is positive, giving the equivalent
+sum_k RPS_k (P_k + O_k) sum_b (L_db / b) w_kdb <= sum_n x_nd:
 "GPU-seconds per second demanded <= instances", linear again, with no product of z and x.
 
 *With an approximate KV cache* (`cache_block` B set; papers.md 1.9): a class's steps are
@@ -99,15 +100,20 @@ class CapacityPlan:
 
     def counts(self) -> dict[int, int]:
         """Instances per TP degree over all nodes."""
-        out: dict[int, int] = {}
-        for (_, tp), n in self.instances.items():
-            if n:
-                out[tp] = out.get(tp, 0) + n
-        return dict(sorted(out.items()))
+        return counts_by_tp(self.instances)
 
     @property
     def gpus(self) -> int:
         return sum(tp * n for (_, tp), n in self.instances.items())
+
+
+def counts_by_tp(instances: Mapping[tuple[int, int], int]) -> dict[int, int]:
+    """(node, tp) -> instances, summed over nodes: tp -> instances (degrees with none left out)."""
+    out: dict[int, int] = {}
+    for (_, tp), n in instances.items():
+        if n:
+            out[tp] = out.get(tp, 0) + n
+    return dict(sorted(out.items()))
 
 
 # -- Stage 1 ---------------------------------------------------------------------------------

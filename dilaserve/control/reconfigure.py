@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dilaserve.control.decisions import Reconfiguration
 from dilaserve.control.layout import InstanceSlot, launch_order, plan_layout
 from dilaserve.control.monitor import WorkloadMonitor
-from dilaserve.control.planner import CapacityPlan, PlannerConfig, plan_capacity
+from dilaserve.control.planner import CapacityPlan, PlannerConfig, counts_by_tp, plan_capacity
 from dilaserve.control.profile import LatencyProfile
 from dilaserve.request import Request
 
@@ -33,13 +33,6 @@ def worth_applying(proposal: CapacityPlan, current: CapacityPlan, gain: float) -
         proposal.mean_threshold >= (1 + gain) * current.mean_threshold
         or proposal.slack >= (1 + gain) * current.slack
     )
-
-
-def _counts(running: Sequence[InstanceSlot]) -> dict[int, int]:
-    out: dict[int, int] = {}
-    for inst in running:
-        out[inst.tp] = out.get(inst.tp, 0) + 1
-    return dict(sorted(out.items()))
 
 
 class Reconfigurer:
@@ -72,7 +65,7 @@ class Reconfigurer:
         pinned: dict[tuple[int, int], int] = {}
         for inst in running:
             pinned[inst.node, inst.tp] = pinned.get((inst.node, inst.tp), 0) + 1
-        if proposal.counts() == _counts(running):
+        if proposal.counts() == counts_by_tp(pinned):
             # nothing to change, and nothing to compare: the objectives depend on instances per
             # TP degree, not their nodes, so the pinned optimum is the proposal's
             current = proposal
