@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 
+from dilaserve.control.instance import InstanceState
 from dilaserve.control.policy import get_policy
-from dilaserve.control.profile import LatencyProfile
+from dilaserve.control.profile import Curve, LatencyProfile
 from dilaserve.control.scheduler import Scheduler, SchedulerConfig
 from dilaserve.protocol import RequestStepResult, StepKind, StepOutput
 
@@ -369,3 +370,19 @@ def test_a_dws_prior_replaces_the_step_predictor_before_the_first_step():
         .threshold
         == 0.9
     )
+
+
+def test_an_instance_batch_counts_its_tokens_and_hands_them_over_at_launch():
+    inst = InstanceState("i", 1, 100, Curve((10, 100), (0.1, 1.0)), Curve((10,), (0.05,)))
+    assert inst.has_room(500, 8)  # an empty batch takes anything
+    inst.gather("a", StepKind.RECOMPUTE, 60)
+    inst.gather("b", StepKind.CACHE, 10)
+    assert (inst.pending_full, inst.pending_cache) == (60, 10)
+    assert inst.has_room(30, 8) and not inst.has_room(31, 8) and not inst.has_room(1, 2)
+    inst.ungather("a")
+    inst.ungather("gone")  # not there: nothing happens
+    assert inst.pending == ["b"] and (inst.pending_full, inst.pending_cache) == (0, 10)
+    inst.gather("c", StepKind.RECOMPUTE, 55)
+    inst.launch(now=2.0)
+    assert inst.busy and inst.busy_until == pytest.approx(2.0 + 0.55 + 0.05)
+    assert inst.holds == {"b", "c"} and inst.pending == [] and inst.pending_full == 0

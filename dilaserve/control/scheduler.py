@@ -20,14 +20,15 @@ fitting them into `slo_headroom` of the budget left.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from dilaserve.control.decisions import Decisions, SchedulerConfig, StepLaunch
 from dilaserve.control.features import request_states
+from dilaserve.control.instance import InstanceState
 from dilaserve.control.layout import InstanceSlot
 from dilaserve.control.load_table import LoadTable
 from dilaserve.control.policy import Migration, Order, Placement, Policy
-from dilaserve.control.profile import Curve, LatencyProfile
+from dilaserve.control.profile import LatencyProfile
 from dilaserve.control.reconfigure import Reconfigurer
 from dilaserve.control.thresholds import (
     InstanceLoad,
@@ -38,32 +39,6 @@ from dilaserve.control.thresholds import (
 )
 from dilaserve.protocol import KVCacheMode, StepBatch, StepItem, StepKind, StepOutput
 from dilaserve.request import Request, RequestStatus
-
-
-@dataclass
-class _Instance:
-    instance_id: str
-    tp: int
-    max_batch_tokens: int
-    node: int = 0
-    gpus: tuple[int, ...] = ()
-    draining: bool = False  # being stopped: finishes its running step, takes no new work
-    busy: bool = False
-    busy_until: float = 0.0  # predicted end of the running step
-    pending: list[str] = field(default_factory=list)
-    pending_kinds: list[StepKind] = field(default_factory=list)
-    pending_full: int = 0  # full-sequence tokens of the gathered batch
-    pending_cache: int = 0  # cache-step tokens of the gathered batch
-    holds: set[str] = field(default_factory=set)  # requests whose state lives here
-    residents: int = 0  # requests assigned here (running, waiting or held)
-    resident_tokens: int = 0  # their tokens: what a full-sequence step over them reads
-    # (tokens, step latency) last asked of each curve: placement asks every candidate, and
-    # within a round only the chosen instance's batch changes
-    full_memo: tuple[int, float] = (0, 0.0)
-    cache_memo: tuple[int, float] = (0, 0.0)
-    seconds_memo: tuple = (None, (0.0, 0.0))  # (InstanceLoad, its step_seconds)
-    full_curve: Curve | None = None  # latency of full / recompute steps on this TP degree
-    cache_curve: Curve | None = None  # latency of cache steps (with a KV cache)
 
 
 @dataclass
@@ -92,8 +67,8 @@ class Scheduler:
         self.predictor = predictor
         self.config = config
         self.reconfigurer = reconfigurer if policy.reconfigure else None
-        self.instances: dict[str, _Instance] = {}
-        self._open: list[_Instance] = []  # instances that take new work (not draining)
+        self.instances: dict[str, InstanceState] = {}
+        self._open: list[InstanceState] = []  # instances that take new work (not draining)
         self.requests: dict[str, _Tracked] = {}
         self._ready: list[str] = []
         self._unpredicted: dict[str, None] = {}  # admitted, no prediction yet (insertion order)
@@ -134,11 +109,13 @@ class Scheduler:
         """An instance is up and takes work. `node` and `gpus` tell the planner where it is."""
         if instance_id in self.instances:
             raise ValueError(f"instance {instance_id} already exists")
-        inst = _Instance(instance_id, tp, max_batch_tokens, node, gpus)
-        inst.full_curve = self.profile.curve(tp, self._full_kind)  # a missing TP fails here
+        full_curve = self.profile.curve(tp, self._full_kind)  # a missing TP fails here
+        cache_curve = None
         if self.config.kv_cache is not KVCacheMode.NONE:
-            inst.cache_curve = self.profile.curve(tp, StepKind.CACHE)
-        self.instances[instance_id] = inst
+            cache_curve = self.profile.curve(tp, StepKind.CACHE)
+        self.instances[instance_id] = InstanceState(
+            instance_id, tp, max_batch_tokens, full_curve, cache_curve, node, gpus
+        )
         self._open = self._open_instances()
 
     def remove_instance(self, instance_id: str, now: float) -> Decisions:
@@ -157,11 +134,9 @@ class Scheduler:
         inst = self.instances[instance_id]
         inst.draining = True
         self._open = self._open_instances()
-        for rid in inst.pending:
+        for rid in inst.clear():
             self._orphan(rid)
             inst.holds.discard(rid)
-        inst.pending, inst.pending_kinds = [], []
-        inst.pending_full = inst.pending_cache = 0
         return self._schedule(now, load_changed=True)
 
     def instances_by_tp(self) -> dict[int, int]:
@@ -184,7 +159,7 @@ class Scheduler:
             self.requests[rid].request.starts_block for rid in inst.holds if rid in self.requests
         )
 
-    def _move(self, t: _Tracked, to: _Instance | None) -> None:
+    def _move(self, t: _Tracked, to: InstanceState | None) -> None:
         """Re-home a request, keeping each instance's resident counts."""
         old = self.instances.get(t.instance) if t.instance is not None else None
         if old is not None:
@@ -203,7 +178,7 @@ class Scheduler:
         if rid not in self._ready:
             self._ready.append(rid)
 
-    def _open_instances(self) -> list[_Instance]:
+    def _open_instances(self) -> list[InstanceState]:
         return [i for i in self.instances.values() if not i.draining]
 
     # -- events ------------------------------------------------------------------------------
@@ -264,14 +239,7 @@ class Scheduler:
         self._forget(t)
         if inst is None:
             return Decisions()
-        if request_id in inst.pending:
-            i = inst.pending.index(request_id)
-            kind = inst.pending_kinds.pop(i)
-            del inst.pending[i]
-            if kind is StepKind.CACHE:
-                inst.pending_cache -= self.config.block_len
-            else:
-                inst.pending_full -= t.request.num_tokens
+        inst.ungather(request_id)
         if request_id not in inst.holds:
             return Decisions()
         inst.holds.discard(request_id)
@@ -310,9 +278,7 @@ class Scheduler:
                 if not self._has_room(home, block):
                     waiting.append(rid)
                     continue
-                home.pending.append(rid)
-                home.pending_kinds.append(StepKind.CACHE)
-                home.pending_cache += block
+                home.gather(rid, StepKind.CACHE, block)
                 if t.needs_threshold and self.policy.is_dynamic:  # its predictions refreshed
                     t.request.threshold = self._threshold(t, home, now)
                 continue
@@ -324,7 +290,7 @@ class Scheduler:
         self._ready = waiting
         return Decisions(tuple(self._launch(now)), tuple(releases))
 
-    def _cache_home(self, t: _Tracked) -> _Instance | None:
+    def _cache_home(self, t: _Tracked) -> InstanceState | None:
         """The instance holding this request's cache when its next step is a cache step there
         and it may not move (migration only before recompute steps): the common case of every
         step-completion event, placed without the general search."""
@@ -422,7 +388,9 @@ class Scheduler:
 
     # -- placement (Algorithm 3) -------------------------------------------------------------
 
-    def _candidates(self, t: _Tracked, home: _Instance | None, home_kind) -> list[_Instance]:
+    def _candidates(
+        self, t: _Tracked, home: InstanceState | None, home_kind
+    ) -> list[InstanceState]:
         if t.bound is not None:
             bound = self.instances.get(t.bound)
             if bound is not None and not bound.draining:
@@ -441,19 +409,7 @@ class Scheduler:
     def _tokens(self, t: _Tracked, kind: StepKind) -> int:
         return self.config.block_len if kind is StepKind.CACHE else t.request.num_tokens
 
-    def _batch_latency(self, inst: _Instance, full: int, cache: int) -> float:
-        seconds = 0.0
-        if full:
-            if inst.full_memo[0] != full:
-                inst.full_memo = (full, inst.full_curve.at(full))
-            seconds += inst.full_memo[1]
-        if cache:
-            if inst.cache_memo[0] != cache:
-                inst.cache_memo = (cache, inst.cache_curve.at(cache))
-            seconds += inst.cache_memo[1]
-        return seconds
-
-    def _place(self, t: _Tracked, now: float) -> tuple[_Instance, StepKind] | None:
+    def _place(self, t: _Tracked, now: float) -> tuple[InstanceState, StepKind] | None:
         """Algorithm 3: the candidate where this request's next step would finish first.
 
         A busy instance starts the gathered batch when its running step ends (predicted);
@@ -485,26 +441,20 @@ class Scheduler:
                 full += n
             if fastest:
                 start = inst.busy_until if inst.busy and inst.busy_until > now else now
-                cost = start + self._batch_latency(inst, full, cache)
+                cost = start + inst.latency(full, cache)
             else:
                 cost = full + cache + self._running_tokens(inst)
             if best_key is None or (cost, inst.busy, inst.instance_id) < best_key:
                 best, best_key = (inst, kind), (cost, inst.busy, inst.instance_id)
         return best
 
-    def _has_room(self, inst: _Instance, tokens: int) -> bool:
-        """A batch takes a request while within max batch tokens (and requests, if capped);
-        an empty one takes any."""
+    def _has_room(self, inst: InstanceState, tokens: int) -> bool:
         if inst.busy and self._sjf:
             return False  # SJF: requests wait, sorted, until the instance can take them
-        if not inst.pending:
-            return True
-        if len(inst.pending) >= self._max_batch_requests:
-            return False
-        return inst.pending_full + inst.pending_cache + tokens <= inst.max_batch_tokens
+        return inst.has_room(tokens, self._max_batch_requests)
 
     def _assign(
-        self, t: _Tracked, inst: _Instance, kind: StepKind, now: float
+        self, t: _Tracked, inst: InstanceState, kind: StepKind, now: float
     ) -> list[tuple[str, str]]:
         rid, releases = t.request.request_id, []
         if t.instance != inst.instance_id:
@@ -515,17 +465,12 @@ class Scheduler:
             if self.policy.migration is Migration.NONE and t.bound is None:
                 t.bound = inst.instance_id
             self._move(t, inst)
-        inst.pending.append(rid)
-        inst.pending_kinds.append(kind)
-        if kind is StepKind.CACHE:
-            inst.pending_cache += self.config.block_len
-        else:
-            inst.pending_full += t.request.num_tokens
+        inst.gather(rid, kind, self._tokens(t, kind))
         t.request.threshold = self._threshold(t, inst, now)
         t.request.status = RequestStatus.RUNNING
         return releases
 
-    def _threshold(self, t: _Tracked, inst: _Instance, now: float) -> float:
+    def _threshold(self, t: _Tracked, inst: InstanceState, now: float) -> float:
         """Alg. 1 over the thresholds load control allows and the request accepts; a request
         whose bounds exclude all of them gets the nearest it accepts."""
         r = t.request
@@ -549,7 +494,7 @@ class Scheduler:
             self._view(t), allowed, slo_left, load, self.profile, block, seconds
         )
 
-    def _running_tokens(self, inst: _Instance) -> int:
+    def _running_tokens(self, inst: InstanceState) -> int:
         return (
             sum(self.requests[rid].request.num_tokens for rid in inst.holds if rid in self.requests)
             if inst.busy
@@ -568,16 +513,11 @@ class Scheduler:
                 )
                 for r, kind in zip(requests, inst.pending_kinds)
             ]
-            latency = self._batch_latency(inst, inst.pending_full, inst.pending_cache)
-            inst.busy_until = now + latency
-            inst.holds.update(inst.pending)
-            inst.pending, inst.pending_kinds = [], []
-            inst.pending_full = inst.pending_cache = 0
-            inst.busy = True
+            inst.launch(now)
             launches.append(StepLaunch(inst.instance_id, StepBatch(tuple(items))))
         return launches
 
-    def _bound_tokens(self, inst: _Instance) -> tuple[int, str]:
+    def _bound_tokens(self, inst: InstanceState) -> tuple[int, str]:
         tokens = sum(
             t.request.num_tokens for t in self.requests.values() if t.bound == inst.instance_id
         )

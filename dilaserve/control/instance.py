@@ -1,0 +1,99 @@
+"""One instance as the scheduler sees it: where it runs, its running step, the batch gathered for
+its next step, and the requests whose state (tokens, KV cache) it holds.
+
+The scheduler decides what joins a batch (Algorithm 3); this is the batch's bookkeeping: the
+full-sequence and cache-step tokens gathered so far, whether another request fits, what the
+batch's step costs on this instance's latency curves, and handing the batch over at launch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dilaserve.control.profile import Curve
+from dilaserve.protocol import StepKind
+
+
+@dataclass
+class InstanceState:
+    instance_id: str
+    tp: int
+    max_batch_tokens: int
+    full_curve: Curve  # latency of full / recompute steps on this TP degree
+    cache_curve: Curve | None = None  # latency of cache steps (with a KV cache)
+    node: int = 0
+    gpus: tuple[int, ...] = ()
+    draining: bool = False  # being stopped: finishes its running step, takes no new work
+    busy: bool = False
+    busy_until: float = 0.0  # predicted end of the running step
+    pending: list[str] = field(default_factory=list)  # the gathered batch, in order
+    pending_kinds: list[StepKind] = field(default_factory=list)
+    pending_tokens: list[int] = field(default_factory=list)
+    pending_full: int = 0  # full-sequence tokens of the gathered batch
+    pending_cache: int = 0  # cache-step tokens of the gathered batch
+    holds: set[str] = field(default_factory=set)  # requests whose state lives here
+    residents: int = 0  # requests assigned here (running, waiting or held)
+    resident_tokens: int = 0  # their tokens: what a full-sequence step over them reads
+    # (tokens, step latency) last asked of each curve: placement asks every candidate, and
+    # within a round only the chosen instance's batch changes
+    full_memo: tuple[int, float] = (0, 0.0)
+    cache_memo: tuple[int, float] = (0, 0.0)
+    seconds_memo: tuple = (None, (0.0, 0.0))  # (InstanceLoad, its step_seconds)
+
+    def has_room(self, tokens: int, max_requests: float) -> bool:
+        """A batch takes a request while within max batch tokens and `max_requests`; an empty
+        one takes any."""
+        if not self.pending:
+            return True
+        if len(self.pending) >= max_requests:
+            return False
+        return self.pending_full + self.pending_cache + tokens <= self.max_batch_tokens
+
+    def gather(self, request_id: str, kind: StepKind, tokens: int) -> None:
+        """Add a request's next step (`tokens` processed) to the batch."""
+        self.pending.append(request_id)
+        self.pending_kinds.append(kind)
+        self.pending_tokens.append(tokens)
+        if kind is StepKind.CACHE:
+            self.pending_cache += tokens
+        else:
+            self.pending_full += tokens
+
+    def ungather(self, request_id: str) -> None:
+        """Take a request out of the batch, if it is there."""
+        if request_id not in self.pending:
+            return
+        i = self.pending.index(request_id)
+        kind, tokens = self.pending_kinds.pop(i), self.pending_tokens.pop(i)
+        del self.pending[i]
+        if kind is StepKind.CACHE:
+            self.pending_cache -= tokens
+        else:
+            self.pending_full -= tokens
+
+    def clear(self) -> list[str]:
+        """Empty the batch; returns the requests that were in it."""
+        gathered = self.pending
+        self.pending, self.pending_kinds, self.pending_tokens = [], [], []
+        self.pending_full = self.pending_cache = 0
+        return gathered
+
+    def latency(self, full: int, cache: int) -> float:
+        """Seconds of one step over `full` full-sequence and `cache` cache-step tokens."""
+        seconds = 0.0
+        if full:
+            if self.full_memo[0] != full:
+                self.full_memo = (full, self.full_curve.at(full))
+            seconds += self.full_memo[1]
+        if cache:
+            if self.cache_memo[0] != cache:
+                self.cache_memo = (cache, self.cache_curve.at(cache))
+            seconds += self.cache_memo[1]
+        return seconds
+
+    def launch(self, now: float) -> None:
+        """Start the gathered batch: the instance is busy until its predicted end and holds
+        every request in it."""
+        self.busy_until = now + self.latency(self.pending_full, self.pending_cache)
+        self.busy = True
+        self.holds.update(self.clear())
