@@ -75,24 +75,34 @@ def _with_confidences(gen_len, progress, confidences: np.ndarray, pad) -> np.nda
     statistics over each row's first `gen_len` cells (`pad` marks the others, or is None)."""
     conf = confidences.astype(np.float64)
     ordered = np.sort(conf if pad is None else np.where(pad, np.inf, conf), axis=1)
-    q25, median, q75 = _quartiles(ordered, gen_len)
+    q25, median, q75 = _quartiles(ordered, None if pad is None else gen_len)
     total = (conf if pad is None else np.where(pad, 0.0, conf)).sum(axis=1)
     return np.column_stack(
         (gen_len.astype(np.float64), *progress, ordered[:, 0], q25, median, total / gen_len, q75)
     )
 
 
-def _quartiles(ordered: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
-    """25th, 50th and 75th percentiles of each sorted row's first `lengths` cells, interpolated
-    linearly as numpy's default (a few times faster than np.quantile on small rows)."""
-    last = lengths - 1
-    rows = np.arange(ordered.shape[0])
+def _quartiles(ordered: np.ndarray, lengths: np.ndarray | None) -> list[np.ndarray]:
+    """25th, 50th and 75th percentiles of each sorted row's first `lengths` cells (None: whole
+    rows, read as columns), interpolated linearly as numpy's default (a few times faster than
+    np.quantile on small rows)."""
+    if lengths is None:
+        last = ordered.shape[1] - 1
+
+        def cells(i):
+            return ordered[:, i]
+    else:
+        last, rows = lengths - 1, np.arange(ordered.shape[0])
+
+        def cells(i):
+            return ordered[rows, i]
+
     out = []
     for q in (0.25, 0.5, 0.75):
         pos = q * last
         lo = np.floor(pos).astype(np.int64)
         hi = np.minimum(lo + 1, last)
-        out.append(ordered[rows, lo] + (ordered[rows, hi] - ordered[rows, lo]) * (pos - lo))
+        out.append(cells(lo) + (cells(hi) - cells(lo)) * (pos - lo))
     return out
 
 
