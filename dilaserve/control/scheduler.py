@@ -13,9 +13,10 @@ whose next step is a cache step stays where its cache is; it may move only befor
 step. Step predictions refresh every `refresh_every_tokens` newly committed tokens, in one
 predictor call for every request due at most once per `refresh_interval` (a new request is
 predicted at once), load control (Alg. 2/4) re-runs when arrivals or refreshes change the load
-picture, and the threshold is re-selected (Alg. 1/5) whenever a request moves or its predictions
-refresh, pricing the remaining steps at the load of everything assigned to its instance and
-fitting them into `slo_headroom` of the budget left.
+picture (both in `load_control.py`), and the threshold is re-selected (Alg. 1/5) whenever a
+request moves or its predictions refresh, pricing the remaining steps at the load of everything
+assigned to its instance and fitting them into `slo_headroom` of the budget left. Each
+instance's gathered batch keeps its own books (`instance.py`).
 """
 
 from __future__ import annotations
@@ -23,17 +24,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from dilaserve.control.decisions import Decisions, SchedulerConfig, StepLaunch
-from dilaserve.control.features import request_states
 from dilaserve.control.instance import InstanceState
 from dilaserve.control.layout import InstanceSlot
-from dilaserve.control.load_table import LoadTable
+from dilaserve.control.load_control import LoadControl
 from dilaserve.control.policy import Migration, Order, Placement, Policy
 from dilaserve.control.profile import LatencyProfile
 from dilaserve.control.reconfigure import Reconfigurer
 from dilaserve.control.thresholds import (
     InstanceLoad,
-    LoadView,
-    instance_capacity,
     select_threshold,
     step_seconds,
 )
@@ -64,20 +62,16 @@ class Scheduler:
     ):
         self.policy = policy
         self.profile = profile
-        self.predictor = predictor
         self.config = config
         self.reconfigurer = reconfigurer if policy.reconfigure else None
         self.instances: dict[str, InstanceState] = {}
         self._open: list[InstanceState] = []  # instances that take new work (not draining)
         self.requests: dict[str, _Tracked] = {}
         self._ready: list[str] = []
-        self._unpredicted: dict[str, None] = {}  # admitted, no prediction yet (insertion order)
-        self._due: dict[str, None] = {}  # `refresh_every_tokens` committed since the last one
         self._ladder = tuple(sorted(policy.candidates, reverse=True))
         self._full_kind = (
             StepKind.FULL if config.kv_cache is KVCacheMode.NONE else StepKind.RECOMPUTE
         )
-        self._load = LoadTable(len(self._ladder))
         self._sjf = policy.order is Order.COST
         # mid-block steps stay with their cache: with one, unless migration may happen anywhere
         self._short_path = (
@@ -85,16 +79,19 @@ class Scheduler:
         )
         self._max_batch_requests = config.max_batch_requests or float("inf")
         self._admitted = 0
-        self._last_load_control = float("-inf")
-        self._last_refresh = float("-inf")
-        if policy.is_dynamic:
-            missing = set(self._ladder) - set(predictor.thresholds)
-            if missing:
-                raise ValueError(
-                    f"the step predictor has no predictions for thresholds "
-                    f"{sorted(missing)} (it covers {predictor.thresholds})"
-                )
-            self._ladder_columns = [list(predictor.thresholds).index(g) for g in self._ladder]
+        # predictions and load control: dynamic thresholds only (a fixed one needs neither)
+        self._loads = (
+            LoadControl(
+                self._ladder,
+                predictor,
+                profile,
+                config,
+                self.requests,
+                policy.load_control,
+            )
+            if policy.is_dynamic
+            else None
+        )
 
     # -- instances ---------------------------------------------------------------------------
 
@@ -198,15 +195,14 @@ class Scheduler:
             tracked.bound = min(self._open, key=self._bound_tokens).instance_id
         self.requests[request.request_id] = tracked
         self._ready.append(request.request_id)
-        if self.policy.is_dynamic:
-            self._unpredicted[request.request_id] = None
+        if self._loads is not None:
+            self._loads.admit(request.request_id)
         return self._schedule(now, load_changed=True)
 
     def on_step_done(self, instance_id: str, output: StepOutput, now: float) -> Decisions:
         inst = self.instances[instance_id]
         inst.busy = False
-        finished, predicted = [], []
-        k = self.config.refresh_every_tokens
+        finished, going_on = [], []
         for result in output.results:
             rid = result.request_id
             t = self.requests.get(rid)
@@ -220,11 +216,9 @@ class Scheduler:
                 self._forget(t)
                 continue
             self._ready.append(rid)
-            if t.refreshed_at >= 0:  # predicted, so in the load table
-                predicted.append(r)
-                if r.num_committed - t.refreshed_at >= k:
-                    self._due[rid] = None
-        self._load.count_step(predicted)
+            going_on.append(t)
+        if self._loads is not None:
+            self._loads.stepped(going_on)
         decisions = self._schedule(now, load_changed=bool(finished))
         return Decisions(decisions.launches, decisions.releases, tuple(finished))
 
@@ -249,9 +243,8 @@ class Scheduler:
         rid = t.request.request_id
         self._move(t, None)
         del self.requests[rid]
-        self._load.remove(rid)
-        self._unpredicted.pop(rid, None)
-        self._due.pop(rid, None)
+        if self._loads is not None:
+            self._loads.forget(rid)
 
     def on_tick(self, now: float) -> Decisions:
         """Periodic: retry deferred requests; every planning period, maybe reconfigure."""
@@ -267,9 +260,9 @@ class Scheduler:
 
     def _schedule(self, now: float, load_changed: bool) -> Decisions:
         ready = sorted(self._ready, key=self._service_key(now))
-        refreshed = self._refresh_predictions(now)
-        if self._load_control_due(now, load_changed, refreshed):
-            self._update_allowed(now)
+        if self._loads is not None:
+            refreshed = self._loads.refresh(now)
+            self._loads.run_if_due(now, load_changed, refreshed, self.instances.values())
         releases, waiting, block = [], [], self.config.block_len
         for rid in ready:
             t = self.requests[rid]
@@ -301,12 +294,6 @@ class Scheduler:
             return None
         return home
 
-    def _load_control_due(self, now: float, load_changed: bool, refreshed: bool) -> bool:
-        if not (self.policy.is_dynamic and self.policy.load_control) or not self.requests:
-            return False
-        stale = now - self._last_load_control >= self.config.load_control_interval
-        return load_changed or (refreshed and stale)
-
     def _order(self, rid: str) -> tuple[float, float, int]:
         return self.requests[rid].order
 
@@ -326,65 +313,6 @@ class Scheduler:
             return (1, cost, r.arrival_time, self.requests[rid].seq)
 
         return key
-
-    def _refresh_predictions(self, now: float) -> bool:
-        """Predict for every request that has none yet and, at most once per
-        `refresh_interval`, for every request `refresh_every_tokens` past its last refresh
-        (running or not): one batched predictor call."""
-        due = list(self._unpredicted)
-        if self._due and now - self._last_refresh >= self.config.refresh_interval:
-            self._last_refresh = now
-            due += self._due
-            self._due = {}
-        if not due:
-            return False
-        self._unpredicted = {}
-        tracked = [self.requests[rid] for rid in due]
-        requests = [t.request for t in tracked]
-        rows = self.predictor.predict(due, request_states(requests))[:, self._ladder_columns]
-        for i, t in enumerate(tracked):
-            r = t.request
-            if r.num_steps == 0 and r.prior_steps is not None:  # the DWS one-shot prior
-                rows[i] = [r.prior_steps[g] for g in self._ladder]
-            t.refreshed_at = r.num_committed
-            t.needs_threshold = True
-            if r.request_id not in self._load:
-                self._load.add(r.request_id, t.order, r.num_tokens)
-        self._load.set_rows(due, rows, [r.num_blocks_to_recompute for r in requests])
-        return True
-
-    def _update_allowed(self, now: float) -> None:
-        self._last_load_control = now
-        for rid, rank in self._load.run(self._cluster_capacity(), self.config.cache_block):
-            t = self.requests[rid]
-            t.allowed = self._ladder[rank:]
-            t.needs_threshold = True
-
-    def _cluster_capacity(self) -> float:
-        per_request = self._load.mean_tokens()
-        per_tp = {
-            tp: instance_capacity(
-                self.profile,
-                tp,
-                self.config.slo,
-                self.config.cache_block,
-                per_request,
-                self.config.max_requests_per_instance,
-            )
-            for tp in {inst.tp for inst in self.instances.values()}
-        }
-        return sum(per_tp[inst.tp] for inst in self.instances.values())
-
-    def _view(self, t: _Tracked) -> LoadView:
-        r = t.request
-        return LoadView(
-            r.request_id,
-            r.arrival_time,
-            r.num_tokens,
-            dict(zip(self._ladder, self._load.steps_of(r.request_id))),
-            r.num_blocks_to_recompute,
-            r.priority,
-        )
 
     # -- placement (Algorithm 3) -------------------------------------------------------------
 
@@ -491,7 +419,7 @@ class Scheduler:
         slo_left = (r.deadline - now) * self.config.slo_headroom
         block, seconds = self.config.cache_block, inst.seconds_memo[1]
         return select_threshold(
-            self._view(t), allowed, slo_left, load, self.profile, block, seconds
+            self._loads.view(t), allowed, slo_left, load, self.profile, block, seconds
         )
 
     def _running_tokens(self, inst: InstanceState) -> int:

@@ -1,0 +1,142 @@
+"""What each request may run at: step-predictor refreshes and adaptive load control (Alg. 2/4).
+
+The scheduler hands over the requests it tracks (objects with `request`, `order`,
+`refreshed_at`, `allowed` and `needs_threshold`); this keeps their predicted remaining steps in
+a `LoadTable` and decides when to refresh them and when to re-run load control:
+
+- a new request is predicted at once; a request `refresh_every_tokens` past its last refresh is
+  due, and every due request is predicted together, at most once per `refresh_interval`, in one
+  predictor call (a DWS step prior stands in before a request's first step);
+- load control re-runs when requests come or go, and when refreshes change the picture at most
+  once per `load_control_interval`; a request whose highest allowed threshold changes, or whose
+  predictions refresh, is marked for threshold selection (Alg. 1/5, in the scheduler).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from dilaserve.control.decisions import SchedulerConfig
+from dilaserve.control.features import request_states
+from dilaserve.control.load_table import LoadTable
+from dilaserve.control.profile import LatencyProfile
+from dilaserve.control.thresholds import LoadView, instance_capacity
+
+
+class LoadControl:
+    def __init__(
+        self,
+        ladder: tuple[float, ...],
+        predictor,
+        profile: LatencyProfile,
+        config: SchedulerConfig,
+        tracked: Mapping,  # request id -> the scheduler's record of it, kept by the scheduler
+        enabled: bool,  # Alg. 2/4 runs (the policy's load control, with dynamic thresholds)
+    ):
+        missing = set(ladder) - set(predictor.thresholds)
+        if missing:
+            raise ValueError(
+                f"the step predictor has no predictions for thresholds "
+                f"{sorted(missing)} (it covers {predictor.thresholds})"
+            )
+        self.ladder = ladder  # candidate thresholds, descending
+        self.predictor = predictor
+        self.profile = profile
+        self.config = config
+        self.enabled = enabled
+        self._tracked = tracked
+        self._columns = [list(predictor.thresholds).index(g) for g in ladder]
+        self._table = LoadTable(len(ladder))
+        self._unpredicted: dict[str, None] = {}  # admitted, no prediction yet (insertion order)
+        self._due: dict[str, None] = {}  # `refresh_every_tokens` committed since the last one
+        self._last_refresh = float("-inf")
+        self._last_run = float("-inf")
+
+    def admit(self, request_id: str) -> None:
+        self._unpredicted[request_id] = None
+
+    def stepped(self, tracked: Sequence) -> None:
+        """One step done for each of `tracked` (requests that go on): predicted ones count down
+        a step, and those `refresh_every_tokens` past their last refresh fall due."""
+        k = self.config.refresh_every_tokens
+        predicted = []
+        for t in tracked:
+            if t.refreshed_at >= 0:  # predicted, so in the table
+                r = t.request
+                predicted.append(r)
+                if r.num_committed - t.refreshed_at >= k:
+                    self._due[r.request_id] = None
+        self._table.count_step(predicted)
+
+    def forget(self, request_id: str) -> None:
+        self._table.remove(request_id)
+        self._unpredicted.pop(request_id, None)
+        self._due.pop(request_id, None)
+
+    def refresh(self, now: float) -> bool:
+        """Predict for every request that has none yet and, at most once per
+        `refresh_interval`, for every request due (running or not): one batched predictor
+        call. Returns whether anything was predicted."""
+        due = list(self._unpredicted)
+        if self._due and now - self._last_refresh >= self.config.refresh_interval:
+            self._last_refresh = now
+            due += self._due
+            self._due = {}
+        if not due:
+            return False
+        self._unpredicted = {}
+        tracked = [self._tracked[rid] for rid in due]
+        requests = [t.request for t in tracked]
+        rows = self.predictor.predict(due, request_states(requests))[:, self._columns]
+        for i, t in enumerate(tracked):
+            r = t.request
+            if r.num_steps == 0 and r.prior_steps is not None:  # the DWS one-shot prior
+                rows[i] = [r.prior_steps[g] for g in self.ladder]
+            t.refreshed_at = r.num_committed
+            t.needs_threshold = True
+            if r.request_id not in self._table:
+                self._table.add(r.request_id, t.order, r.num_tokens)
+        self._table.set_rows(due, rows, [r.num_blocks_to_recompute for r in requests])
+        return True
+
+    def run_if_due(self, now: float, load_changed: bool, refreshed: bool, instances) -> None:
+        """Alg. 2/4 over every request in flight, when requests came or went (`load_changed`)
+        or refreshes changed the picture and the last run is `load_control_interval` old."""
+        if not self.enabled or not self._tracked:
+            return
+        stale = now - self._last_run >= self.config.load_control_interval
+        if not (load_changed or (refreshed and stale)):
+            return
+        self._last_run = now
+        capacity = self._cluster_capacity(instances)
+        for rid, rank in self._table.run(capacity, self.config.cache_block):
+            t = self._tracked[rid]
+            t.allowed = self.ladder[rank:]
+            t.needs_threshold = True
+
+    def _cluster_capacity(self, instances) -> float:
+        per_request = self._table.mean_tokens()
+        per_tp = {
+            tp: instance_capacity(
+                self.profile,
+                tp,
+                self.config.slo,
+                self.config.cache_block,
+                per_request,
+                self.config.max_requests_per_instance,
+            )
+            for tp in {inst.tp for inst in instances}
+        }
+        return sum(per_tp[inst.tp] for inst in instances)
+
+    def view(self, t) -> LoadView:
+        """What threshold selection reads of a request: its steps left per threshold now."""
+        r = t.request
+        return LoadView(
+            r.request_id,
+            r.arrival_time,
+            r.num_tokens,
+            dict(zip(self.ladder, self._table.steps_of(r.request_id))),
+            r.num_blocks_to_recompute,
+            r.priority,
+        )
