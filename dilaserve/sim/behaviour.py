@@ -53,23 +53,22 @@ class ParametricBehaviour:
     def forget(self, request_id: str) -> None:
         self._state.pop(request_id, None)
 
-    def _request(self, r: Request) -> tuple[float, np.ndarray, np.ndarray]:
+    def _draw(self, r: Request) -> tuple[float, np.ndarray, np.ndarray]:
         """Difficulty, commit order within each block, and the confidences masked positions
-        report: drawn from the request id, so a prompt id run at several thresholds (predictor
-        training) is the same prompt each time. Harder requests report lower confidences."""
-        state = self._state.get(r.request_id)
-        if state is None:
-            rng = np.random.default_rng([self.seed, zlib.crc32(r.request_id.encode())])
-            difficulty = float(rng.lognormal(0.0, self.sigma))
-            blocks = r.gen_len // r.block_len
-            order = np.argsort(rng.random((blocks, r.block_len)), axis=1)  # intp: fast indexing
-            order += (np.arange(blocks) * r.block_len)[:, None]
-            confidences = rng.beta(2.0, 2.0 * difficulty, r.gen_len).astype(np.float32)
-            state = self._state[r.request_id] = (difficulty, order, confidences)
+        report, kept for the request's later steps: drawn from the request id, so a prompt id
+        run at several thresholds (predictor training) is the same prompt each time. Harder
+        requests report lower confidences."""
+        rng = np.random.default_rng([self.seed, zlib.crc32(r.request_id.encode())])
+        difficulty = float(rng.lognormal(0.0, self.sigma))
+        blocks = r.gen_len // r.block_len
+        order = np.argsort(rng.random((blocks, r.block_len)), axis=1)  # intp: fast indexing
+        order += (np.arange(blocks) * r.block_len)[:, None]
+        confidences = rng.beta(2.0, 2.0 * difficulty, r.gen_len).astype(np.float32)
+        state = self._state[r.request_id] = (difficulty, order, confidences)
         return state
 
     def step(self, r: Request, threshold: float, kind: StepKind) -> RequestStepResult:
-        difficulty, order, confidences = self._state.get(r.request_id) or self._request(r)
+        difficulty, order, confidences = self._state.get(r.request_id) or self._draw(r)
         block = r.current_block
         # this model is the request's only committer and commits each block in `order`, so
         # the block's committed positions are a prefix of its order
