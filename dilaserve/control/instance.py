@@ -38,7 +38,7 @@ class InstanceState:
     # within a round only the chosen instance's batch changes
     full_memo: tuple[int, float] = (0, 0.0)
     cache_memo: tuple[int, float] = (0, 0.0)
-    seconds_memo: tuple = (None, (0.0, 0.0))  # (InstanceLoad, its step_seconds)
+    seconds_memo: tuple = (None, (0.0, 0.0))  # ((resident tokens, residents), step_seconds)
 
     def has_room(self, tokens: int, max_requests: float) -> bool:
         """A batch takes a request while within max batch tokens and `max_requests`; an empty

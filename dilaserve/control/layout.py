@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from dilaserve.control.decisions import InstanceSpec, LaunchStep, Reconfiguration
-from dilaserve.control.planner import CapacityPlan, new_model, solved
+from dilaserve.control.planner import CapacityPlan, new_model, solution_reader, solved
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,11 +85,12 @@ def plan_layout(
         h.run()
     if not solved(h):
         raise ValueError(f"no placement of {dict(counts)} fits nodes with {gpus_per_node} GPUs")
-    kept = {(n, d, slot): rid for (rid, n, d, slot), var in keep.items() if h.val(var) > 0.5}
+    val = solution_reader(h)
+    kept = {(n, d, slot): rid for (rid, n, d, slot), var in keep.items() if val(var) > 0.5}
     out = []
     for (n, d, slot), var in u.items():
-        if h.val(var) > 0.5:
-            gpus = tuple(g for g in range(gpus_per_node[n]) if h.val(a[n, d, slot, g]) > 0.5)
+        if val(var) > 0.5:
+            gpus = tuple(g for g in range(gpus_per_node[n]) if val(a[n, d, slot, g]) > 0.5)
             out.append(SlotPlacement(n, d, gpus, kept.get((n, d, slot))))
     return out
 

@@ -20,7 +20,7 @@ from dilaserve.control.decisions import SchedulerConfig
 from dilaserve.control.features import request_states
 from dilaserve.control.load_table import LoadTable
 from dilaserve.control.profile import LatencyProfile
-from dilaserve.control.thresholds import LoadView, instance_capacity
+from dilaserve.control.thresholds import instance_capacity
 
 
 class LoadControl:
@@ -40,6 +40,7 @@ class LoadControl:
                 f"{sorted(missing)} (it covers {predictor.thresholds})"
             )
         self.ladder = ladder  # candidate thresholds, descending
+        self._rank = {g: i for i, g in enumerate(ladder)}
         self.predictor = predictor
         self.profile = profile
         self.config = config
@@ -129,14 +130,8 @@ class LoadControl:
         }
         return sum(per_tp[inst.tp] for inst in instances)
 
-    def view(self, t) -> LoadView:
-        """What threshold selection reads of a request: its steps left per threshold now."""
-        r = t.request
-        return LoadView(
-            r.request_id,
-            r.arrival_time,
-            r.num_tokens,
-            dict(zip(self.ladder, self._table.steps_of(r.request_id))),
-            r.num_blocks_to_recompute,
-            r.priority,
-        )
+    def steps_left(self, request_id: str, thresholds: Sequence[float]) -> list[float]:
+        """What threshold selection reads: the request's predicted steps left now at each of
+        `thresholds` (ladder thresholds, in any order)."""
+        steps = self._table.steps_of(request_id)
+        return [steps[self._rank[g]] for g in thresholds]

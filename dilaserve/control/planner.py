@@ -260,6 +260,15 @@ def solved(h) -> bool:
     return h.getInfo().primal_solution_status == 2
 
 
+def solution_reader(h):
+    """The solved model's value of a variable or expression, the solution read once
+    (`h.val` copies the whole solution on every call: 8 s of a paper-sized simulation)."""
+    import highspy
+
+    solution = h.getSolution().col_value
+    return lambda item: highspy.Highs.internal_get_value(solution, item)
+
+
 def _maximise_in_order(h, objectives, tolerance: float) -> list[float] | None:
     """Lexicographic: maximise each objective, then hold it near its optimum for the next."""
     values = []
@@ -308,20 +317,20 @@ def plan_capacity(
     values = _maximise_in_order(m.h, objectives, cfg.tolerance)
     if values is None:
         return _infeasible(classes, cfg, fixed)
-    h = m.h
-    instances = {key: round(h.val(v)) for key, v in m.x.items()}
+    val = solution_reader(m.h)
+    instances = {key: round(val(v)) for key, v in m.x.items()}
     if fixed is None:
         _fill_idle_gpus(instances, cfg.gpus_per_node, degrees)
-    chosen = {key for key, v in m.z.items() if h.val(v) > 0.5}
+    chosen = {key for key, v in m.z.items() if val(v) > 0.5}
     mix = []
     for k, cls in enumerate(classes):
-        tokens = {c: cfg.tokens_per_step[c] * h.val(m.thr_steps[k, c]) for c in cfg.thresholds}
+        tokens = {c: cfg.tokens_per_step[c] * val(m.thr_steps[k, c]) for c in cfg.thresholds}
         mix.append({c: t / cls.output_len for c, t in tokens.items() if t > 1e-9})
     total_rate = sum(cls.rate for cls in classes)
     utilisation = {}
     for d in degrees:
         available = sum(n for (_, tp), n in instances.items() if tp == d)
-        used = sum(h.val(term) for term in demand[d])
+        used = sum(val(term) for term in demand[d])
         if available:
             utilisation[d] = used / available
     return CapacityPlan(
@@ -330,7 +339,7 @@ def plan_capacity(
         cache_batch_tokens={d: b for fam, d, b in sorted(chosen) if fam == "cache"},
         mean_threshold=values[0],
         slack=values[1] * total_rate,
-        latency=tuple(h.val(t) for t in t_exprs),
+        latency=tuple(val(t) for t in t_exprs),
         threshold_mix=tuple(mix),
         utilisation=utilisation,
     )

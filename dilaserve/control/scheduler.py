@@ -32,7 +32,7 @@ from dilaserve.control.profile import LatencyProfile
 from dilaserve.control.reconfigure import Reconfigurer
 from dilaserve.control.thresholds import (
     InstanceLoad,
-    select_threshold,
+    highest_fitting,
     step_seconds,
 )
 from dilaserve.protocol import KVCacheMode, StepBatch, StepItem, StepKind, StepOutput
@@ -413,13 +413,19 @@ class Scheduler:
         if len(allowed) == 1:  # load control left one choice (often, under load)
             return allowed[0]
         # the instance as the request's later steps will find it: everything assigned there
-        load = InstanceLoad(inst.tp, inst.resident_tokens, inst.residents)
-        if inst.seconds_memo[0] != load:  # the same for every request placed there this round
-            inst.seconds_memo = (load, step_seconds(load, self.profile, self.config.cache_block))
+        key = (inst.resident_tokens, inst.residents)
+        if inst.seconds_memo[0] != key:  # the same for every request placed there this round
+            load = InstanceLoad(inst.tp, *key)
+            inst.seconds_memo = (key, step_seconds(load, self.profile, self.config.cache_block))
         slo_left = (r.deadline - now) * self.config.slo_headroom
-        block, seconds = self.config.cache_block, inst.seconds_memo[1]
-        return select_threshold(
-            self._loads.view(t), allowed, slo_left, load, self.profile, block, seconds
+        steps = self._loads.steps_left(r.request_id, allowed)
+        return highest_fitting(
+            allowed,
+            steps,
+            r.num_blocks_to_recompute,
+            slo_left,
+            inst.seconds_memo[1],
+            self.config.cache_block,
         )
 
     def _running_tokens(self, inst: InstanceState) -> int:

@@ -191,7 +191,28 @@ def select_threshold(
     caller already has them."""
     ladder = sorted(allowed, reverse=True)
     seconds = seconds or step_seconds(instance, profile, block_len)
-    for threshold in ladder:
-        if predicted_time_left(req, threshold, instance, profile, block_len, seconds) <= slo_left:
+    steps = [req.steps_left[g] for g in ladder]
+    return highest_fitting(ladder, steps, req.recompute_steps_left, slo_left, seconds, block_len)
+
+
+def highest_fitting(
+    ladder: Sequence[float],
+    steps_left: Sequence[float],
+    recompute_left: int,
+    slo_left: float,
+    seconds: tuple[float, float],
+    block_len: int | None,
+) -> float:
+    """`select_threshold` on plain lists (the scheduler's hot path): `ladder` descending,
+    `steps_left` the predicted steps at each, `seconds` the instance's `step_seconds`.
+    The same arithmetic as `predicted_time_left`."""
+    cache_s, full_s = seconds
+    for threshold, steps in zip(ladder, steps_left):
+        if block_len is None:
+            left = steps * full_s
+        else:
+            recompute = min(recompute_left, steps)
+            left = (steps - recompute) * cache_s + recompute * full_s
+        if left <= slo_left:
             return threshold
     return ladder[-1]
