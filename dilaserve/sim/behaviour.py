@@ -78,15 +78,17 @@ class ParametricBehaviour:
             rate = self._rates[threshold] = self.tokens_per_step(threshold)
         n = min(masked.size, 1 + int(self.rng.poisson(max(rate / difficulty - 1.0, 0.0))))
         positions = masked[:n]
-        # committed positions keep a commit-time confidence at or above the threshold
-        confidences[positions] = threshold + (1.0 - threshold) * self.rng.random(n)  # uniform
+        # committed positions keep a commit-time confidence, uniform in [threshold, 1)
+        span = 1.0 - threshold  # a few positions a step: scalars beat array arithmetic
+        for position, u in zip(positions.tolist(), self.rng.random(n).tolist()):
+            confidences[position] = threshold + span * u
         block_done = n == masked.size
         return RequestStepResult(
             r.request_id,
             kind,
             positions,
             _TOKENS[:n] if n <= _TOKENS.size else np.full(n, 7, np.int32),
-            confidences.copy(),
+            confidences,  # not a copy: the request's latest; its next step changes what commits
             block,
             block_done,
             block_done and block == r.gen_len // r.block_len - 1,
