@@ -74,9 +74,17 @@ def _with_confidences(gen_len, progress, confidences: np.ndarray, pad) -> np.nda
     """The state rows: output length, the four progress columns, then the confidence
     statistics over each row's first `gen_len` cells (`pad` marks the others, or is None)."""
     conf = confidences.astype(np.float64)
-    ordered = np.sort(conf if pad is None else np.where(pad, np.inf, conf), axis=1)
-    q25, median, q75 = _quartiles(ordered, None if pad is None else gen_len)
-    total = (conf if pad is None else np.where(pad, 0.0, conf)).sum(axis=1)
+    if pad is None:  # sorted before widening (faster for float32; the same values)
+        ordered = np.sort(confidences, axis=1).astype(np.float64)
+        return _state_rows(gen_len, progress, ordered, conf.sum(axis=1), None)
+    ordered = np.sort(np.where(pad, np.inf, conf), axis=1)
+    return _state_rows(gen_len, progress, ordered, np.where(pad, 0.0, conf).sum(axis=1), gen_len)
+
+
+def _state_rows(gen_len, progress, ordered: np.ndarray, total: np.ndarray, lengths) -> np.ndarray:
+    """Rows from each row's confidences sorted ascending (float64) and their sum; `lengths`:
+    the cells of each sorted row that count (the rest sort after them), or None for all."""
+    q25, median, q75 = _quartiles(ordered, lengths)
     return np.column_stack(
         (gen_len.astype(np.float64), *progress, ordered[:, 0], q25, median, total / gen_len, q75)
     )
@@ -132,12 +140,15 @@ def request_states(requests) -> np.ndarray:
     in_block = np.where(block < num_blocks, (committed - block * block_len) / block_len, 1.0)
     progress = (steps / gen_len, committed / gen_len, block / num_blocks, in_block)
     width = int(gen_len.max())
-    if (gen_len == width).all():  # the usual round: stacked without padding
+    if (gen_len == width).all():  # one length: stacked without padding
         return _with_confidences(
             gen_len, progress, np.stack([r.confidences for r in requests]), None
         )
-    confidences = np.zeros((len(requests), width), dtype=np.float32)
+    # padded twice: with zeros to sum (the same sums as `state_matrix`), with +inf to sort
+    # (after every real cell); sorted as float32, then widened: the same order and values
+    zeros = np.zeros((len(requests), width), dtype=np.float32)
+    infs = np.full((len(requests), width), np.inf, dtype=np.float32)
     for i, r in enumerate(requests):
-        confidences[i, : r.gen_len] = r.confidences
-    pad = np.arange(width)[None, :] >= gen_len[:, None]
-    return _with_confidences(gen_len, progress, confidences, pad)
+        zeros[i, : r.gen_len] = infs[i, : r.gen_len] = r.confidences
+    ordered = np.sort(infs, axis=1).astype(np.float64)
+    return _state_rows(gen_len, progress, ordered, zeros.astype(np.float64).sum(axis=1), gen_len)
