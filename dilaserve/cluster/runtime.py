@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dilaserve.cluster.backends import Backend, LocalBackend, WorkerEvent
+from dilaserve.cluster.intake import Intake
 from dilaserve.cluster.requests import (
     Closed,
     InvalidRequest,
@@ -40,12 +41,10 @@ from dilaserve.cluster.requests import (
     RequestResult,
 )
 from dilaserve.cluster.worker import WorkerConfig
-from dilaserve.config import DEFAULT_THRESHOLD
 from dilaserve.control.build import ControlSpec, build_scheduler
 from dilaserve.control.decisions import DecisionLog, Decisions, InstanceSpec
 from dilaserve.control.rollout import Rollout
 from dilaserve.protocol import StepBatch, StepOutput
-from dilaserve.request import Request
 
 log = logging.getLogger("dilaserve.cluster")
 
@@ -102,8 +101,8 @@ class Cluster:
 
         self.config = config
         model = Path(config.worker.model)
-        self.model_config = LLaDAConfig.from_file(model / "config.json")
-        self.tokenizer = Tokenizer(model, self.model_config)
+        model_config = LLaDAConfig.from_file(model / "config.json")
+        self.tokenizer = Tokenizer(model, model_config)
         self.scheduler = build_scheduler(config.control)
         self.block_len = config.control.scheduler.block_len
         if config.worker.engine.block_len != self.block_len:
@@ -112,11 +111,19 @@ class Cluster:
                 f"scheduler's block_len={self.block_len}"
             )
         self.backend = backend or _make_backend(config)
-        self.dws = None
+        dws = None
         if config.dws is not None:
             from dilaserve.dws.estimate import DWSEstimator
 
-            self.dws = DWSEstimator.load(config.dws, config.dws_cost, config.control.predictor)
+            dws = DWSEstimator.load(config.dws, config.dws_cost, config.control.predictor)
+        self.intake = Intake(
+            self.tokenizer,
+            self.block_len,
+            model_config.max_sequence_length,
+            config.max_tokens,
+            dws,
+            config.dws_prior,
+        )
         self.observer = observer
         self.rollout = Rollout(self.scheduler, self, config.max_batch_tokens)
         self.log = DecisionLog(keep_lines=config.record)
@@ -235,13 +242,8 @@ class Cluster:
 
         Raises ValueError naming a bad argument, `Overloaded` when admission control refuses
         work, and `Closed` when the cluster is not serving."""
-        bounds = _threshold_bounds(threshold, min_threshold, max_threshold)
-        ids = self._prompt_ids(prompt, chat)
-        gen_len = self._window(max_tokens, len(ids))
-        if slo is not None and slo <= 0:
-            raise InvalidRequest("slo", f"slo={slo} must be positive")
-        cost, prior = self._estimate(
-            text or (prompt if isinstance(prompt, str) else None), ids, gen_len
+        submission = self.intake.check(
+            prompt, max_tokens, slo, priority, chat, threshold, min_threshold, max_threshold, text
         )
         with self._lock:
             if not self._accepting:
@@ -253,58 +255,14 @@ class Cluster:
             if rid in self._handles:
                 raise InvalidRequest("request_id", f"request_id {rid!r} is already in flight")
             submitted = self.now()
-            request = Request(
-                rid,
-                tuple(ids),
-                gen_len,
-                self.block_len,
-                self.tokenizer.special.mask,
-                DEFAULT_THRESHOLD,  # the policy sets it before the first step
-                deadline=None if slo is None else submitted + slo,
-                priority=priority,
-                threshold_bounds=bounds,
-                cost=cost,
-                prior_steps=prior if self.config.dws_prior else None,
+            request = submission.request(
+                rid, submitted, self.block_len, self.tokenizer.special.mask
             )
             handle = RequestHandle(request, submitted)
             self._handles[rid] = handle
             self._arrivals.append(handle)
         self.backend.wake()
         return handle
-
-    def _prompt_ids(self, prompt: str | list[int], chat: bool) -> list[int]:
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode(prompt)
-        else:
-            ids = [int(i) for i in prompt]
-        if not ids:
-            raise InvalidRequest("prompt", "prompt is empty")
-        return ids
-
-    def _window(self, max_tokens: int | None, prompt_tokens: int) -> int:
-        """The output window: `max_tokens` rounded up to whole blocks, within the context."""
-        window = max_tokens if max_tokens is not None else self.config.max_tokens
-        if window <= 0:
-            raise InvalidRequest("max_tokens", f"max_tokens={window} must be positive")
-        gen_len = -(-window // self.block_len) * self.block_len
-        limit = self.model_config.max_sequence_length
-        if gen_len >= limit:
-            raise InvalidRequest(
-                "max_tokens", f"max_tokens={window} leaves no room in a context of {limit} tokens"
-            )
-        if prompt_tokens + gen_len > limit:
-            raise InvalidRequest(
-                "prompt",
-                f"prompt ({prompt_tokens} tokens) + max_tokens ({gen_len}, whole blocks) exceeds "
-                f"the model's context of {limit} tokens",
-            )
-        return gen_len
-
-    def _estimate(self, text: str | None, ids: list[int], gen_len: int):
-        """DWS's expected cost and step prior for a new request (None, None without DWS)."""
-        if self.dws is None or text is None:
-            return None, None
-        return self.dws.estimate([text], [len(ids)], gen_len)[0]
 
     def cancel(self, request_id: str) -> None:
         """Stop working on a request (thread-safe; e.g. its client went away)."""
@@ -489,22 +447,6 @@ class Cluster:
                 self.observer.request_failed(handle.request_id, type(error).__name__)
             handle.future.set_exception(error)
             handle._push(error)
-
-
-def _threshold_bounds(
-    threshold: float | None, lo: float | None, hi: float | None
-) -> tuple[float, float] | None:
-    for name, value in (("threshold", threshold), ("min_threshold", lo), ("max_threshold", hi)):
-        if value is not None and not 0 < value <= 1:
-            raise InvalidRequest(name, f"{name}={value} must be in (0, 1]")
-    if threshold is not None:
-        return (threshold, threshold)
-    if lo is None and hi is None:
-        return None
-    lo, hi = lo or 1e-6, hi or 1.0
-    if lo > hi:
-        raise InvalidRequest("min_threshold", f"min_threshold={lo} exceeds max_threshold={hi}")
-    return (lo, hi)
 
 
 def _make_backend(config: ClusterConfig) -> Backend:

@@ -1,0 +1,126 @@
+"""A submission checked before it is queued: prompt ids (through the chat template or plain),
+the output window in whole blocks within the model's context, threshold bounds, the SLO, and
+DWS's expected cost and step prior. Every check raises `InvalidRequest` naming the argument,
+so one bad request is refused alone; `Cluster.submit` then queues what passed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dilaserve.cluster.requests import InvalidRequest
+from dilaserve.config import DEFAULT_THRESHOLD
+from dilaserve.request import Request
+
+
+@dataclass(frozen=True)
+class Submission:
+    """A checked submission; `request` makes it a `Request` once it has an id and a time."""
+
+    prompt_ids: tuple[int, ...]
+    gen_len: int
+    slo: float | None
+    priority: int
+    bounds: tuple[float, float] | None
+    cost: float | None  # DWS's expected cost (None without DWS)
+    prior_steps: dict[float, float] | None  # DWS's expected steps, when the prior is on
+
+    def request(self, request_id: str, submitted: float, block_len: int, mask_id: int) -> Request:
+        return Request(
+            request_id,
+            self.prompt_ids,
+            self.gen_len,
+            block_len,
+            mask_id,
+            DEFAULT_THRESHOLD,  # the policy sets it before the first step
+            deadline=None if self.slo is None else submitted + self.slo,
+            priority=self.priority,
+            threshold_bounds=self.bounds,
+            cost=self.cost,
+            prior_steps=self.prior_steps,
+        )
+
+
+@dataclass(frozen=True)
+class Intake:
+    tokenizer: object  # models.tokenizer.Tokenizer
+    block_len: int
+    context: int  # the model's maximum sequence length
+    default_max_tokens: int  # the output window of requests that name none
+    dws: object | None = None  # dws.estimate.DWSEstimator
+    dws_prior: bool = False  # pass DWS's expected steps on as the step predictor's prior
+
+    def check(
+        self,
+        prompt: str | list[int],
+        max_tokens: int | None,
+        slo: float | None,
+        priority: int,
+        chat: bool,
+        threshold: float | None,
+        min_threshold: float | None,
+        max_threshold: float | None,
+        text: str | None,
+    ) -> Submission:
+        """See `Cluster.submit` for the arguments."""
+        bounds = threshold_bounds(threshold, min_threshold, max_threshold)
+        ids = self._prompt_ids(prompt, chat)
+        gen_len = self._window(max_tokens, len(ids))
+        if slo is not None and slo <= 0:
+            raise InvalidRequest("slo", f"slo={slo} must be positive")
+        cost, prior = self._estimate(
+            text or (prompt if isinstance(prompt, str) else None), ids, gen_len
+        )
+        prior = prior if self.dws_prior else None
+        return Submission(tuple(ids), gen_len, slo, priority, bounds, cost, prior)
+
+    def _prompt_ids(self, prompt: str | list[int], chat: bool) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode(prompt)
+        else:
+            ids = [int(i) for i in prompt]
+        if not ids:
+            raise InvalidRequest("prompt", "prompt is empty")
+        return ids
+
+    def _window(self, max_tokens: int | None, prompt_tokens: int) -> int:
+        """The output window: `max_tokens` rounded up to whole blocks, within the context."""
+        window = max_tokens if max_tokens is not None else self.default_max_tokens
+        if window <= 0:
+            raise InvalidRequest("max_tokens", f"max_tokens={window} must be positive")
+        gen_len = -(-window // self.block_len) * self.block_len
+        if gen_len >= self.context:
+            raise InvalidRequest(
+                "max_tokens",
+                f"max_tokens={window} leaves no room in a context of {self.context} tokens",
+            )
+        if prompt_tokens + gen_len > self.context:
+            raise InvalidRequest(
+                "prompt",
+                f"prompt ({prompt_tokens} tokens) + max_tokens ({gen_len}, whole blocks) exceeds "
+                f"the model's context of {self.context} tokens",
+            )
+        return gen_len
+
+    def _estimate(self, text: str | None, ids: list[int], gen_len: int):
+        """DWS's expected cost and step prior for a new request (None, None without DWS)."""
+        if self.dws is None or text is None:
+            return None, None
+        return self.dws.estimate([text], [len(ids)], gen_len)[0]
+
+
+def threshold_bounds(
+    threshold: float | None, lo: float | None, hi: float | None
+) -> tuple[float, float] | None:
+    """A fixed `threshold` or bounds (`lo`, `hi`) as the request's (low, high); None: any."""
+    for name, value in (("threshold", threshold), ("min_threshold", lo), ("max_threshold", hi)):
+        if value is not None and not 0 < value <= 1:
+            raise InvalidRequest(name, f"{name}={value} must be in (0, 1]")
+    if threshold is not None:
+        return (threshold, threshold)
+    if lo is None and hi is None:
+        return None
+    lo, hi = lo or 1e-6, hi or 1.0
+    if lo > hi:
+        raise InvalidRequest("min_threshold", f"min_threshold={lo} exceeds max_threshold={hi}")
+    return (lo, hi)

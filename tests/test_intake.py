@@ -1,0 +1,80 @@
+"""A submission's checks, before the cluster queues it: each bad argument is named."""
+
+import pytest
+
+from dilaserve.cluster.intake import Intake, threshold_bounds
+from dilaserve.cluster.requests import InvalidRequest
+
+
+class WordTokenizer:
+    def encode(self, text):
+        return [len(w) for w in text.split()]
+
+    def encode_chat(self, text):
+        return [1, *self.encode(text), 2]
+
+
+class FixedEstimate:
+    def estimate(self, texts, prompt_lengths, gen_len):
+        return [(float(gen_len), {0.9: 3.0})]
+
+
+def intake(**kw):
+    args = dict(tokenizer=WordTokenizer(), block_len=8, context=64, default_max_tokens=16)
+    return Intake(**{**args, **kw})
+
+
+def check(it, prompt="two words", **kw):
+    args = dict(
+        max_tokens=None,
+        slo=None,
+        priority=0,
+        chat=True,
+        threshold=None,
+        min_threshold=None,
+        max_threshold=None,
+        text=None,
+    )
+    return it.check(prompt, **{**args, **kw})
+
+
+def test_window_rounds_up_to_whole_blocks_and_defaults():
+    assert check(intake(), max_tokens=9).gen_len == 16
+    assert check(intake()).gen_len == 16  # the default window
+    assert check(intake(), chat=False).prompt_ids == (3, 5)
+    assert check(intake()).prompt_ids == (1, 3, 5, 2)
+
+
+@pytest.mark.parametrize(
+    "kw, param",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=64), "max_tokens"),  # no room left for the prompt
+        (dict(max_tokens=56, prompt="a b c d e f g"), "prompt"),  # 9 + 56 > 64
+        (dict(prompt="", chat=False), "prompt"),
+        (dict(slo=0.0), "slo"),
+        (dict(threshold=1.5), "threshold"),
+        (dict(min_threshold=0.8, max_threshold=0.6), "min_threshold"),
+    ],
+)
+def test_bad_arguments_are_named(kw, param):
+    with pytest.raises(InvalidRequest) as e:
+        check(intake(), **kw)
+    assert e.value.param == param
+
+
+def test_threshold_bounds():
+    assert threshold_bounds(None, None, None) is None
+    assert threshold_bounds(0.7, None, None) == (0.7, 0.7)
+    assert threshold_bounds(None, 0.6, None) == (0.6, 1.0)
+    assert threshold_bounds(None, None, 0.8) == (1e-6, 0.8)
+
+
+def test_request_carries_the_checked_fields():
+    it = intake(dws=FixedEstimate(), dws_prior=True)
+    sub = check(it, slo=2.0, priority=3, min_threshold=0.6)
+    r = sub.request("r1", submitted=10.0, block_len=8, mask_id=9)
+    assert (r.gen_len, r.deadline, r.priority, r.threshold_bounds) == (16, 12.0, 3, (0.6, 1.0))
+    assert (r.cost, r.prior_steps) == (16.0, {0.9: 3.0})
+    without_prior = check(intake(dws=FixedEstimate()))
+    assert (without_prior.cost, without_prior.prior_steps) == (16.0, None)
