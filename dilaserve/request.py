@@ -111,11 +111,9 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def spec(self) -> SequenceSpec:
-        return SequenceSpec(
-            tuple(self.prompt_ids),
-            tuple(self.output_ids.tolist()),
-            tuple(self.confidences.tolist()),
-        )
+        """The whole state an instance needs to take this request on (copies: the request
+        goes on changing)."""
+        return SequenceSpec(self.prompt_ids, self.output_ids.copy(), self.confidences.copy())
 
     def within_bounds(self, thresholds: tuple[float, ...]) -> tuple[float, ...]:
         """The thresholds this request accepts, in the given order."""
