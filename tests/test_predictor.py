@@ -123,3 +123,13 @@ def test_request_states_from_counters_match_the_features_read_from_masks(lengths
     steps = np.array([r.num_steps for r in requests])
     expected = state_matrix(masks, confs, steps, BLOCK, np.array(lengths))
     np.testing.assert_array_equal(request_states(requests), expected)
+
+
+@pytest.mark.parametrize("length", [1, 2, 7, 32])
+def test_confidence_statistics_are_numpys(length):
+    conf = np.random.default_rng(length).random(length).astype(np.float32)
+    committed = np.zeros(length, bool)
+    row = state_features(committed, conf, steps_done=0, block_len=1)
+    wide = conf.astype(np.float64)
+    expected = [wide.min(), *np.quantile(wide, [0.25, 0.5]), wide.mean(), np.quantile(wide, 0.75)]
+    np.testing.assert_allclose(row[5:], expected, rtol=1e-12)

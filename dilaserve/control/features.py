@@ -84,34 +84,34 @@ def _with_confidences(gen_len, progress, confidences: np.ndarray, pad) -> np.nda
 def _state_rows(gen_len, progress, ordered: np.ndarray, total: np.ndarray, lengths) -> np.ndarray:
     """Rows from each row's confidences sorted ascending (float64) and their sum; `lengths`:
     the cells of each sorted row that count (the rest sort after them), or None for all."""
-    q25, median, q75 = _quartiles(ordered, lengths)
-    return np.column_stack(
-        (gen_len.astype(np.float64), *progress, ordered[:, 0], q25, median, total / gen_len, q75)
-    )
+    q = _quartiles(ordered, lengths)
+    mean = total / gen_len
+    columns = [
+        gen_len.astype(np.float64),
+        *progress,
+        ordered[:, 0],
+        q[:, 0],
+        q[:, 1],
+        mean,
+        q[:, 2],
+    ]
+    return np.column_stack(columns)
 
 
-def _quartiles(ordered: np.ndarray, lengths: np.ndarray | None) -> list[np.ndarray]:
-    """25th, 50th and 75th percentiles of each sorted row's first `lengths` cells (None: whole
-    rows, read as columns), interpolated linearly as numpy's default (a few times faster than
+_QUARTILES = np.array([0.25, 0.5, 0.75])
+
+
+def _quartiles(ordered: np.ndarray, lengths: np.ndarray | None) -> np.ndarray:
+    """[n, 3]: the 25th, 50th and 75th percentiles of each sorted row's first `lengths` cells
+    (None: whole rows), interpolated linearly as numpy's default (a few times faster than
     np.quantile on small rows)."""
-    if lengths is None:
-        last = ordered.shape[1] - 1
-
-        def cells(i):
-            return ordered[:, i]
-    else:
-        last, rows = lengths - 1, np.arange(ordered.shape[0])
-
-        def cells(i):
-            return ordered[rows, i]
-
-    out = []
-    for q in (0.25, 0.5, 0.75):
-        pos = q * last
-        lo = np.floor(pos).astype(np.int64)
-        hi = np.minimum(lo + 1, last)
-        out.append(cells(lo) + (cells(hi) - cells(lo)) * (pos - lo))
-    return out
+    n, width = ordered.shape
+    last = (np.full(n, width - 1) if lengths is None else lengths - 1)[:, None]
+    pos = last * _QUARTILES
+    lo = np.floor(pos).astype(np.int64)
+    rows = np.arange(n)[:, None]
+    below, above = ordered[rows, lo], ordered[rows, np.minimum(lo + 1, last)]
+    return below + (above - below) * (pos - lo)
 
 
 def feature_matrix(states: np.ndarray, thresholds) -> np.ndarray:
