@@ -1,19 +1,87 @@
 """Simulator speed: the paper-sized experiment (2-hour diurnal trace, ~64k requests, 16 GPUs).
 
     python benchmarks/simulator.py [--policies dilaserve,infaas] [--minutes-per-hour 5]
+                                   [--breakdown]
 
 Runs the whole trace through the simulator (one core) for each policy and prints wall-clock
 seconds, simulator events per second and simulated request-steps per second; writes them to a
 run folder. The issue's target is under 3 minutes for the 2-hour, ~64k-request experiment.
+
+`--breakdown` also times the parts of each run (`PARTS`: disjoint, so what is left is the event
+loop and the scheduler's own bookkeeping) and writes them to `breakdown.csv`; the timers slow a
+run by a few percent, so its wall time is not the speed figure.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import sys
+import time
 
-from dilaserve.runs import write_table_run
+from dilaserve.control.decisions import DecisionLog
+from dilaserve.control.load_control import LoadControl
+from dilaserve.control.reconfigure import Reconfigurer
+from dilaserve.control.scheduler import Scheduler
+from dilaserve.request import Request
+from dilaserve.runs import markdown_table, write_records, write_table_run
+from dilaserve.sim.behaviour import ParametricBehaviour
 from dilaserve.sim.run import SimulationSpec, simulate
+
+PARTS = {  # what --breakdown times: no part calls another
+    "planner (monitor, Stage 1 and 2)": (Reconfigurer, "on_tick"),
+    "step-predictor refreshes": (LoadControl, "refresh"),
+    "load control (Alg. 2/4)": (LoadControl, "run_if_due"),
+    "threshold selection (Alg. 1/5)": (Scheduler, "_threshold"),
+    "placement search (Alg. 3)": (Scheduler, "_place"),
+    "launching batches": (Scheduler, "_launch"),
+    "simulated steps (behaviour model)": (ParametricBehaviour, "step"),
+    "applying step results": (Request, "apply"),
+    "decision log": (DecisionLog, "record"),
+}
+
+
+@contextlib.contextmanager
+def timed_parts(totals: dict[str, list]):
+    """Wrap each part's method with a timer adding to totals[part] = [seconds, calls]."""
+
+    def timer(part, method):
+        @functools.wraps(method)
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                totals[part][0] += time.perf_counter() - start
+                totals[part][1] += 1
+
+        return timed
+
+    originals = {part: getattr(cls, name) for part, (cls, name) in PARTS.items()}
+    for part, (cls, name) in PARTS.items():
+        totals[part] = [0.0, 0]
+        setattr(cls, name, timer(part, originals[part]))
+    try:
+        yield
+    finally:
+        for part, (cls, name) in PARTS.items():
+            setattr(cls, name, originals[part])
+
+
+def breakdown_rows(policy: str, totals: dict[str, list], wall: float) -> list[dict]:
+    rows = [
+        {"policy": policy, "part": part, "seconds": round(seconds, 1)}
+        | {"share": f"{seconds / wall:.1%}", "calls": calls}
+        | {"us_per_call": round(1e6 * seconds / max(calls, 1), 1)}
+        for part, (seconds, calls) in totals.items()
+    ]
+    rest = wall - sum(seconds for seconds, _ in totals.values())
+    rows.append(
+        {"policy": policy, "part": "everything else", "seconds": round(rest, 1)}
+        | {"share": f"{rest / wall:.1%}", "calls": "", "us_per_call": ""}
+    )
+    return rows
 
 
 def main() -> None:
@@ -21,9 +89,10 @@ def main() -> None:
     ap.add_argument("--policies", default="dilaserve,infaas")
     ap.add_argument("--peak-rps", type=float, default=14.0)
     ap.add_argument("--minutes-per-hour", type=float, default=5.0)
+    ap.add_argument("--breakdown", action="store_true", help="time the parts of each run")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
-    records = []
+    records, breakdown = [], []
     for policy in args.policies.split(","):
         spec = SimulationSpec(
             policy=policy, peak_rps=args.peak_rps, minutes_per_hour=args.minutes_per_hour
@@ -38,7 +107,11 @@ def main() -> None:
                     flush=True,
                 )
 
-        run = simulate(spec, progress)
+        totals: dict[str, list] = {}
+        with timed_parts(totals) if args.breakdown else contextlib.nullcontext():
+            run = simulate(spec, progress)
+        if totals:
+            breakdown += breakdown_rows(policy, totals, run.timing["wall_seconds"])
         steps = sum(row["steps"] for row in run.rows)
         records.append(
             {
@@ -53,7 +126,13 @@ def main() -> None:
             }
         )
         print(f"\n{records[-1]}", flush=True)
-    write_table_run(args.out, "simulator", vars(args), records, "simulator speed")
+    folder = write_table_run(args.out, "simulator", vars(args), records, "simulator speed")
+    if breakdown:
+        table = markdown_table(breakdown, list(breakdown[0]))
+        write_records(folder / "breakdown.csv", breakdown)
+        with open(folder / "report.md", "a") as report:
+            report.write(f"\n## Where the time went (instrumented runs)\n\n{table}\n")
+        print(table)
 
 
 if __name__ == "__main__":
