@@ -7,16 +7,16 @@ requests finished, and (from `on_tick`, every planning period) a cluster `Reconf
 It never reads a clock and never does I/O; the simulator and the cluster runtime drive it alike.
 
 On every event the requests that are ready (new, or whose step just finished) are placed
-(Algorithm 3): each goes to the instance where its next step is predicted to finish soonest,
-given that instance's TP degree and the batch already gathered for it. With a KV cache a request
-whose next step is a cache step stays where its cache is; it may move only before a recompute
-step. Step predictions refresh every `refresh_every_tokens` newly committed tokens, in one
-predictor call for every request due at most once per `refresh_interval` (a new request is
-predicted at once), load control (Alg. 2/4) re-runs when arrivals or refreshes change the load
-picture (both in `load_control.py`), and the threshold is re-selected (Alg. 1/5) whenever a
-request moves or its predictions refresh, pricing the remaining steps at the load of everything
-assigned to its instance and fitting them into `slo_headroom` of the budget left. Each
-instance's gathered batch keeps its own books (`instance.py`).
+(Algorithm 3, in `placement.py`): each goes to the instance where its next step is predicted
+to finish soonest, given that instance's TP degree and the batch already gathered for it. With
+a KV cache a request whose next step is a cache step stays where its cache is; it may move only
+before a recompute step. Step predictions refresh every `refresh_every_tokens` newly committed
+tokens, in one predictor call for every request due at most once per `refresh_interval` (a new
+request is predicted at once), load control (Alg. 2/4) re-runs when arrivals or refreshes
+change the load picture (both in `load_control.py`), and the threshold is re-selected
+(Alg. 1/5) whenever a request moves or its predictions refresh, pricing the remaining steps at
+the load of everything assigned to its instance and fitting them into `slo_headroom` of the
+budget left. Each instance's gathered batch keeps its own books (`instance.py`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from dilaserve.control.decisions import Decisions, SchedulerConfig, StepLaunch
 from dilaserve.control.instance import InstanceState
 from dilaserve.control.layout import InstanceSlot
 from dilaserve.control.load_control import LoadControl
+from dilaserve.control.placement import Placer
 from dilaserve.control.policy import Migration, Order, Placement, Policy
 from dilaserve.control.profile import LatencyProfile
 from dilaserve.control.reconfigure import Reconfigurer
@@ -72,12 +73,11 @@ class Scheduler:
         self._full_kind = (
             StepKind.FULL if config.kv_cache is KVCacheMode.NONE else StepKind.RECOMPUTE
         )
-        self._sjf = policy.order is Order.COST
         # mid-block steps stay with their cache: with one, unless migration may happen anywhere
         self._short_path = (
             policy.migration is not Migration.ANY and config.kv_cache is not KVCacheMode.NONE
         )
-        self._max_batch_requests = config.max_batch_requests or float("inf")
+        self._placer = Placer(policy, config, self.instances, self.requests)
         self._admitted = 0
         # predictions and load control: dynamic thresholds only (a fixed one needs neither)
         self._loads = (
@@ -192,7 +192,7 @@ class Scheduler:
         tracked.order = (-request.priority, request.arrival_time, self._admitted)
         self._admitted += 1
         if self.policy.placement is Placement.ON_ARRIVAL and self._open:
-            tracked.bound = min(self._open, key=self._bound_tokens).instance_id
+            tracked.bound = self._placer.bind(self._open)
         self.requests[request.request_id] = tracked
         self._ready.append(request.request_id)
         if self._loads is not None:
@@ -267,15 +267,15 @@ class Scheduler:
         for rid in ready:
             t = self.requests[rid]
             home = self._cache_home(t)
-            if home is not None:  # Alg. 3's only candidate; what _place and _assign would do
-                if not self._has_room(home, block):
+            if home is not None:  # Alg. 3's only candidate; what place and _assign would do
+                if not self._placer.has_room(home, block):
                     waiting.append(rid)
                     continue
                 home.gather(rid, StepKind.CACHE, block)
                 if t.needs_threshold and self.policy.is_dynamic:  # its predictions refreshed
                     t.request.threshold = self._threshold(t, home, now)
                 continue
-            placed = self._place(t, now)
+            placed = self._placer.place(t, now, self._open)
             if placed is None:
                 waiting.append(rid)
                 continue
@@ -314,72 +314,7 @@ class Scheduler:
 
         return key
 
-    # -- placement (Algorithm 3) -------------------------------------------------------------
-
-    def _candidates(
-        self, t: _Tracked, home: InstanceState | None, home_kind
-    ) -> list[InstanceState]:
-        if t.bound is not None:
-            bound = self.instances.get(t.bound)
-            if bound is not None and not bound.draining:
-                return [bound]
-            t.bound = None  # its instance went away: bind again where it lands
-        if home is not None and self.policy.migration is Migration.NONE:
-            return [home]
-        if (
-            home is not None
-            and self.policy.migration is Migration.RECOMPUTE
-            and home_kind is StepKind.CACHE
-        ):
-            return [home]
-        return self._open
-
-    def _tokens(self, t: _Tracked, kind: StepKind) -> int:
-        return self.config.block_len if kind is StepKind.CACHE else t.request.num_tokens
-
-    def _place(self, t: _Tracked, now: float) -> tuple[InstanceState, StepKind] | None:
-        """Algorithm 3: the candidate where this request's next step would finish first.
-
-        A busy instance starts the gathered batch when its running step ends (predicted);
-        ties go to an idle instance. Least-tokens placement compares batch tokens instead.
-        """
-        r, mode = t.request, self.config.kv_cache
-        home = self.instances.get(t.instance) if t.instance is not None else None
-        home_kind = r.next_kind(mode, r.request_id in home.holds) if home is not None else None
-        if home is not None and home.draining:
-            if home_kind is not StepKind.CACHE or self.policy.migration is Migration.ANY:
-                home, home_kind = None, None  # leave now; a cache step stays with its cache
-        candidates = self._candidates(t, home, home_kind)
-        away = r.next_kind(mode, has_cache=False)
-        if len(candidates) == 1:  # no choice (cache step at home, bound request): room only
-            inst = candidates[0]
-            kind = home_kind if inst is home else away
-            return (inst, kind) if self._has_room(inst, self._tokens(t, kind)) else None
-        fastest = self.policy.placement is Placement.FASTEST_STEP
-        best, best_key = None, None
-        for inst in candidates:
-            kind = home_kind if inst is home else away
-            n = self._tokens(t, kind)
-            if not self._has_room(inst, n):
-                continue
-            full, cache = inst.pending_full, inst.pending_cache
-            if kind is StepKind.CACHE:
-                cache += n
-            else:
-                full += n
-            if fastest:
-                start = inst.busy_until if inst.busy and inst.busy_until > now else now
-                cost = start + inst.latency(full, cache)
-            else:
-                cost = full + cache + self._running_tokens(inst)
-            if best_key is None or (cost, inst.busy, inst.instance_id) < best_key:
-                best, best_key = (inst, kind), (cost, inst.busy, inst.instance_id)
-        return best
-
-    def _has_room(self, inst: InstanceState, tokens: int) -> bool:
-        if inst.busy and self._sjf:
-            return False  # SJF: requests wait, sorted, until the instance can take them
-        return inst.has_room(tokens, self._max_batch_requests)
+    # -- assignment and threshold selection ----------------------------------------------
 
     def _assign(
         self, t: _Tracked, inst: InstanceState, kind: StepKind, now: float
@@ -393,7 +328,7 @@ class Scheduler:
             if self.policy.migration is Migration.NONE and t.bound is None:
                 t.bound = inst.instance_id
             self._move(t, inst)
-        inst.gather(rid, kind, self._tokens(t, kind))
+        inst.gather(rid, kind, self._placer.tokens(t, kind))
         t.request.threshold = self._threshold(t, inst, now)
         t.request.status = RequestStatus.RUNNING
         return releases
@@ -428,13 +363,6 @@ class Scheduler:
             self.config.cache_block,
         )
 
-    def _running_tokens(self, inst: InstanceState) -> int:
-        return (
-            sum(self.requests[rid].request.num_tokens for rid in inst.holds if rid in self.requests)
-            if inst.busy
-            else 0
-        )
-
     def _launch(self, now: float) -> list[StepLaunch]:
         launches = []
         for inst in self.instances.values():
@@ -450,9 +378,3 @@ class Scheduler:
             inst.launch(now)
             launches.append(StepLaunch(inst.instance_id, StepBatch(tuple(items))))
         return launches
-
-    def _bound_tokens(self, inst: InstanceState) -> tuple[int, str]:
-        tokens = sum(
-            t.request.num_tokens for t in self.requests.values() if t.bound == inst.instance_id
-        )
-        return tokens, inst.instance_id

@@ -1,0 +1,112 @@
+"""Placement (Algorithm 3): the instance a request's next step runs on.
+
+The candidates are every instance taking new work, unless the request may not move: a request
+bound to one instance (no migration, or bound at arrival), or, with migration only before
+recompute steps, a request whose next step is a cache step where its cache lives. Among the
+candidates with room, the request goes where its step is predicted to finish first (a busy
+instance starts the gathered batch when its running step ends; ties go to an idle one), or, for
+least-tokens placement, where the batch has the fewest tokens. The scheduler owns the state;
+this reads it (the instances and the tracked requests, shared mappings) and decides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from dilaserve.control.decisions import SchedulerConfig
+from dilaserve.control.instance import InstanceState
+from dilaserve.control.policy import Migration, Order, Placement, Policy
+from dilaserve.protocol import StepKind
+
+
+class Placer:
+    def __init__(
+        self,
+        policy: Policy,
+        config: SchedulerConfig,
+        instances: Mapping[str, InstanceState],
+        tracked: Mapping,  # request id -> the scheduler's record (request, instance, bound)
+    ):
+        self.policy, self.config = policy, config
+        self.instances, self.tracked = instances, tracked
+        self._sjf = policy.order is Order.COST
+        self._max_requests = config.max_batch_requests or float("inf")
+
+    def tokens(self, t, kind: StepKind) -> int:
+        """Tokens the request's step of `kind` processes."""
+        return self.config.block_len if kind is StepKind.CACHE else t.request.num_tokens
+
+    def has_room(self, inst: InstanceState, tokens: int) -> bool:
+        if inst.busy and self._sjf:
+            return False  # SJF: requests wait, sorted, until the instance can take them
+        return inst.has_room(tokens, self._max_requests)
+
+    def place(
+        self, t, now: float, open_instances: Sequence[InstanceState]
+    ) -> tuple[InstanceState, StepKind] | None:
+        """The instance for the request's next step and that step's kind; None: no room."""
+        r, mode = t.request, self.config.kv_cache
+        home = self.instances.get(t.instance) if t.instance is not None else None
+        home_kind = r.next_kind(mode, r.request_id in home.holds) if home is not None else None
+        if home is not None and home.draining:
+            if home_kind is not StepKind.CACHE or self.policy.migration is Migration.ANY:
+                home, home_kind = None, None  # leave now; a cache step stays with its cache
+        candidates = self._candidates(t, home, home_kind, open_instances)
+        away = r.next_kind(mode, has_cache=False)
+        if len(candidates) == 1:  # no choice (cache step at home, bound request): room only
+            inst = candidates[0]
+            kind = home_kind if inst is home else away
+            return (inst, kind) if self.has_room(inst, self.tokens(t, kind)) else None
+        fastest = self.policy.placement is Placement.FASTEST_STEP
+        best, best_key = None, None
+        for inst in candidates:
+            kind = home_kind if inst is home else away
+            n = self.tokens(t, kind)
+            if not self.has_room(inst, n):
+                continue
+            full, cache = inst.pending_full, inst.pending_cache
+            if kind is StepKind.CACHE:
+                cache += n
+            else:
+                full += n
+            if fastest:
+                start = inst.busy_until if inst.busy and inst.busy_until > now else now
+                cost = start + inst.latency(full, cache)
+            else:
+                cost = full + cache + self._running_tokens(inst)
+            if best_key is None or (cost, inst.busy, inst.instance_id) < best_key:
+                best, best_key = (inst, kind), (cost, inst.busy, inst.instance_id)
+        return best
+
+    def bind(self, open_instances: Sequence[InstanceState]) -> str:
+        """On-arrival placement (INFaaS): the instance with the fewest tokens bound to it."""
+        return min(open_instances, key=self._bound_tokens).instance_id
+
+    def _candidates(self, t, home, home_kind, open_instances) -> Sequence[InstanceState]:
+        if t.bound is not None:
+            bound = self.instances.get(t.bound)
+            if bound is not None and not bound.draining:
+                return [bound]
+            t.bound = None  # its instance went away: bind again where it lands
+        if home is not None and self.policy.migration is Migration.NONE:
+            return [home]
+        if (
+            home is not None
+            and self.policy.migration is Migration.RECOMPUTE
+            and home_kind is StepKind.CACHE
+        ):
+            return [home]
+        return open_instances
+
+    def _running_tokens(self, inst: InstanceState) -> int:
+        if not inst.busy:
+            return 0
+        return sum(
+            self.tracked[rid].request.num_tokens for rid in inst.holds if rid in self.tracked
+        )
+
+    def _bound_tokens(self, inst: InstanceState) -> tuple[int, str]:
+        tokens = sum(
+            t.request.num_tokens for t in self.tracked.values() if t.bound == inst.instance_id
+        )
+        return tokens, inst.instance_id
