@@ -78,8 +78,11 @@ class Placer:
                 best, best_key = (inst, kind), (cost, inst.busy, inst.instance_id)
         return best
 
-    def bind(self, open_instances: Sequence[InstanceState]) -> str:
-        """On-arrival placement (INFaaS): the instance with the fewest tokens bound to it."""
+    def bind(self, open_instances: Sequence[InstanceState]) -> str | None:
+        """On-arrival placement (INFaaS): the instance a new request is bound to, the one with
+        the fewest tokens bound to it; None for the other placements (or no instance)."""
+        if self.policy.placement is not Placement.ON_ARRIVAL or not open_instances:
+            return None
         return min(open_instances, key=self._bound_tokens).instance_id
 
     def _candidates(self, t, home, home_kind, open_instances) -> Sequence[InstanceState]:

@@ -28,7 +28,7 @@ from dilaserve.control.instance import InstanceState
 from dilaserve.control.layout import InstanceSlot
 from dilaserve.control.load_control import LoadControl
 from dilaserve.control.placement import Placer
-from dilaserve.control.policy import Migration, Order, Placement, Policy
+from dilaserve.control.policy import Migration, Order, Policy
 from dilaserve.control.profile import LatencyProfile
 from dilaserve.control.reconfigure import Reconfigurer
 from dilaserve.control.thresholds import (
@@ -191,8 +191,7 @@ class Scheduler:
         tracked = _Tracked(request, self._admitted, allowed=self._ladder)
         tracked.order = (-request.priority, request.arrival_time, self._admitted)
         self._admitted += 1
-        if self.policy.placement is Placement.ON_ARRIVAL and self._open:
-            tracked.bound = self._placer.bind(self._open)
+        tracked.bound = self._placer.bind(self._open)
         self.requests[request.request_id] = tracked
         self._ready.append(request.request_id)
         if self._loads is not None:

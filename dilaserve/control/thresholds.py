@@ -169,11 +169,18 @@ def predicted_time_left(
 
     `seconds` are the instance's `step_seconds`, when the caller already has them.
     """
-    cache_s, full_s = seconds or step_seconds(instance, profile, block_len)
-    steps = req.steps_left[threshold]
+    seconds = seconds or step_seconds(instance, profile, block_len)
+    return _seconds_left(req.steps_left[threshold], req.recompute_steps_left, seconds, block_len)
+
+
+def _seconds_left(
+    steps: float, recompute_left: int, seconds: tuple[float, float], block_len: int | None
+) -> float:
+    """`steps` more steps, the first `recompute_left` of them (at most) recompute steps."""
+    cache_s, full_s = seconds
     if block_len is None:
         return steps * full_s
-    recompute = min(req.recompute_steps_left, steps)
+    recompute = min(recompute_left, steps)
     return (steps - recompute) * cache_s + recompute * full_s
 
 
@@ -204,15 +211,8 @@ def highest_fitting(
     block_len: int | None,
 ) -> float:
     """`select_threshold` on plain lists (the scheduler's hot path): `ladder` descending,
-    `steps_left` the predicted steps at each, `seconds` the instance's `step_seconds`.
-    The same arithmetic as `predicted_time_left`."""
-    cache_s, full_s = seconds
+    `steps_left` the predicted steps at each, `seconds` the instance's `step_seconds`."""
     for threshold, steps in zip(ladder, steps_left):
-        if block_len is None:
-            left = steps * full_s
-        else:
-            recompute = min(recompute_left, steps)
-            left = (steps - recompute) * cache_s + recompute * full_s
-        if left <= slo_left:
+        if _seconds_left(steps, recompute_left, seconds, block_len) <= slo_left:
             return threshold
     return ladder[-1]

@@ -60,9 +60,8 @@ class ParametricBehaviour:
         requests report lower confidences."""
         rng = np.random.default_rng([self.seed, zlib.crc32(r.request_id.encode())])
         difficulty = float(rng.lognormal(0.0, self.sigma))
-        blocks = r.gen_len // r.block_len
-        order = np.argsort(rng.random((blocks, r.block_len)), axis=1)  # intp: fast indexing
-        order += (np.arange(blocks) * r.block_len)[:, None]
+        order = np.argsort(rng.random((r.num_blocks, r.block_len)), axis=1)  # intp: fast indexing
+        order += (np.arange(r.num_blocks) * r.block_len)[:, None]
         confidences = rng.beta(2.0, 2.0 * difficulty, r.gen_len).astype(np.float32)
         state = self._state[r.request_id] = (difficulty, order, confidences)
         return state
@@ -91,7 +90,7 @@ class ParametricBehaviour:
             confidences,  # not a copy: the request's latest; its next step changes what commits
             block,
             block_done,
-            block_done and block == r.gen_len // r.block_len - 1,
+            block_done and block == r.num_blocks - 1,
         )
 
 
