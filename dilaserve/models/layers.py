@@ -121,10 +121,15 @@ class Rotary(nn.Module):
         """Recompute the frequencies (after a model built on the meta device is materialised)."""
         self.inv_freq = self._inv_freq().to(self.inv_freq.device)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [batch, heads, seq, head_dim]; positions: [batch, seq]."""
+    def angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of positions [batch, seq], shaped [batch, 1, seq, head_dim / 2]: computed
+        once per forward pass and shared by every layer's queries and keys."""
         angles = positions.float()[:, None, :, None] * self.inv_freq
-        cos, sin = angles.cos(), angles.sin()
+        return angles.cos(), angles.sin()
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [batch, heads, seq, head_dim], rotated by `angles`' (cos, sin)."""
         x1, x2 = x.float().chunk(2, dim=-1)
         rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         return rotated.to(x.dtype)

@@ -66,9 +66,9 @@ class LLaDABlock(nn.Module):
         b, s, _ = x.shape
         return x.view(b, s, heads, self.head_dim).transpose(1, 2)
 
-    def attention(self, x, positions, key_valid, rotary, ctx_k, ctx_v):
-        q = rotary(self._split(self.q_proj(x), self.num_heads), positions)
-        k = rotary(self._split(self.k_proj(x), self.num_kv_heads), positions)
+    def attention(self, x, angles, key_valid, ctx_k, ctx_v):
+        q = Rotary.rotate(self._split(self.q_proj(x), self.num_heads), *angles)
+        k = Rotary.rotate(self._split(self.k_proj(x), self.num_kv_heads), *angles)
         v = self._split(self.v_proj(x), self.num_kv_heads)
         new_k, new_v = k, v
         if ctx_k is not None:
@@ -81,8 +81,9 @@ class LLaDABlock(nn.Module):
         b, _, s, _ = out.shape
         return self.attn_out(out.transpose(1, 2).reshape(b, s, -1)), new_k, new_v
 
-    def forward(self, x, positions, key_valid, rotary, ctx_k=None, ctx_v=None):
-        h, k, v = self.attention(self.attn_norm(x), positions, key_valid, rotary, ctx_k, ctx_v)
+    def forward(self, x, angles, key_valid, ctx_k=None, ctx_v=None):
+        """angles: the rotary (cos, sin) of the queried positions (`Rotary.angles`)."""
+        h, k, v = self.attention(self.attn_norm(x), angles, key_valid, ctx_k, ctx_v)
         x = x + h
         y = self.ff_norm(x)
         x = x + self.ff_out(F.silu(self.ff_proj(y)) * self.up_proj(y))
@@ -121,11 +122,12 @@ class LLaDAModel(nn.Module):
         t = self.transformer
         x = t.wte(input_ids)
         key_valid = valid if context is None else torch.cat((context.valid, valid), dim=1)
+        angles = self.rotary.angles(positions)
         keys, values = ([], []) if keep_kv else (None, None)
         for i, block in enumerate(t.blocks):
             ctx_k = context.keys[i] if context is not None else None
             ctx_v = context.values[i] if context is not None else None
-            x, k, v = block(x, positions, key_valid, self.rotary, ctx_k, ctx_v)
+            x, k, v = block(x, angles, key_valid, ctx_k, ctx_v)
             if keep_kv:
                 keys.append(k)
                 values.append(v)
@@ -156,7 +158,7 @@ class LLaDAModelLM(nn.Module):
 
     def init_weights(self, seed: int = 0, std: float = 0.02) -> None:
         """Random initialisation (for training from scratch and for tests)."""
-        gen = torch.Generator().manual_seed(seed)
+        gen = torch.Generator(next(self.parameters()).device).manual_seed(seed)
         for name, p in self.named_parameters():
             if name.endswith("norm.weight") or name.endswith("ln_f.weight"):
                 p.data.fill_(1.0)
