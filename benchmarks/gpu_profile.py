@@ -3,12 +3,23 @@
     python benchmarks/gpu_profile.py --out profiles/llada-8b-<gpu>-bf16.json
     python benchmarks/gpu_profile.py --shape tiny --device cpu --out /tmp/p.json   # smoke test
 
-Builds the model with random bf16 weights (no download), then times with CUDA events:
-- recompute steps (full sequence, K/V kept) for batch token counts 256..16384;
-- dual-cache steps (one 32-token block per request against cached K/V) for 1..256 requests;
-- one request's step mix at gen 256 with dual cache on a ~1000-token prompt (8 blocks, each a
-  recompute step plus cache steps), reported as ms per block for a given number of steps per
-  block, since random weights say nothing about how many tokens a step commits.
+Builds the model with random bf16 weights (no download), then measures, with CUDA events:
+- recompute steps (full sequences, K/V kept) for batch token counts 256..16384;
+- dual-cache steps (one 32-token block per request against cached K/V) for 1..256 requests, at
+  the simulator's reference context (`REF_CONTEXT` cached tokens per request), plus a sweep of
+  the cached length at 1 and 32 requests;
+- one request on a ~1000-token prompt with gen 256 (a 5-shot GSM8K-length request): its
+  recompute and cache steps at the request's own length, composed into tokens/s for a given
+  number of tokens per step, since random weights say nothing about how many tokens a step
+  commits;
+- launch overhead of small steps: the host's time to issue a step's kernels, and the step
+  replayed as a CUDA graph.
+Then it runs the real `Engine` (batch 1 and 32, the same request, early finish off) and times
+every step on the wall clock: what the serving path adds to the model's forward passes. Random
+weights never reach threshold 0.9, so the engine commits one token a step (top-1 fallback).
+
+The `entries` are the latency profile (`dilaserve.control.profile`); the other keys are kept as
+metadata. `dilaserve.sim.latency` fits its analytic model to such a file.
 """
 
 from __future__ import annotations
@@ -16,14 +27,21 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from dilaserve.config import EngineConfig
 from dilaserve.control.profile import SCHEMA
+from dilaserve.engine.engine import Engine
 from dilaserve.models.config import LLaDAConfig
 from dilaserve.models.llada import KVContext, LLaDAModelLM
+from dilaserve.models.tokenizer import SpecialIds
+from dilaserve.protocol import StepBatch, StepKind
+from dilaserve.request import Request
+from dilaserve.sim.latency import REF_CONTEXT, TOKENS_PER_STEP_0_9
 
 SHAPES = {
     "llada-8b": dict(
@@ -33,10 +51,29 @@ SHAPES = {
         mlp_hidden_size=12288,
         vocab_size=126464,
         rope_theta=500000.0,
+        mask_token_id=126336,
+        eos_token_id=126081,
     ),
-    "tiny": dict(d_model=64, n_heads=4, n_layers=2, mlp_hidden_size=128, vocab_size=512),
+    "tiny": dict(
+        d_model=64,
+        n_heads=4,
+        n_layers=2,
+        mlp_hidden_size=128,
+        vocab_size=512,
+        mask_token_id=511,
+        eos_token_id=510,
+    ),
 }
 BLOCK = 32
+RECOMPUTE_TOKENS = (256, 512, 1024, 2048, 4096, 8192, 16384)
+CACHE_REQUESTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+SWEEP_CONTEXTS = (256, 768, 1224, 2048, 4096)
+ENGINE_BATCHES = (1, 32)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def timed(fn, device: torch.device, repeats: int) -> float:
@@ -55,30 +92,85 @@ def timed(fn, device: torch.device, repeats: int) -> float:
             t0 = time.perf_counter()
             fn()
             samples.append(1000 * (time.perf_counter() - t0))
-    return sorted(samples)[len(samples) // 2]
+    return round(statistics.median(samples), 4)
 
 
-def recompute_ms(model, rows: int, seq: int, device, repeats: int) -> float:
+def enqueue_ms(fn, device: torch.device, repeats: int) -> float:
+    """Median milliseconds the host spends issuing fn() (the GPU idle beforehand)."""
+    samples = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        samples.append(1000 * (time.perf_counter() - t0))
+    sync(device)
+    return round(statistics.median(samples), 4)
+
+
+def graph_ms(fn, device: torch.device, repeats: int) -> float | None:
+    """Median milliseconds of fn() replayed as one CUDA graph (no per-kernel launch cost)."""
+    if device.type != "cuda":
+        return None
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return timed(graph.replay, device, repeats)
+
+
+def recompute_step(model, rows: int, seq: int, device):
     ids = torch.randint(0, model.config.vocab_size, (rows, seq), device=device)
     pos = torch.arange(seq, device=device).expand(rows, seq)
     valid = torch.ones(rows, seq, dtype=torch.bool, device=device)
-    return timed(
-        lambda: model.logits(model(ids, pos, valid, keep_kv=True).hidden[:, -256:]), device, repeats
-    )
+    return lambda: model.logits(model(ids, pos, valid, keep_kv=True).hidden[:, -256:])
 
 
-def cache_ms(model, rows: int, context: int, device, repeats: int) -> float:
+def recompute_ms(model, rows: int, seq: int, device, repeats: int) -> float:
+    return timed(recompute_step(model, rows, seq, device), device, repeats)
+
+
+def cache_step(model, rows: int, context: int, device):
+    """One cache step; every layer reads the same K/V tensors (each is far larger than L2)."""
     cfg = model.config
     dtype = next(model.parameters()).dtype
-    kv = [
-        torch.randn(rows, cfg.num_kv_heads, context, cfg.head_dim, device=device, dtype=dtype)
-        for _ in range(cfg.n_layers)
-    ]
-    ctx = KVContext(kv, kv, torch.ones(rows, context, dtype=torch.bool, device=device))
+    shape = (rows, cfg.num_kv_heads, context, cfg.head_dim)
+    k = torch.randn(shape, device=device, dtype=dtype)
+    v = torch.randn(shape, device=device, dtype=dtype)
+    ctx = KVContext(
+        [k] * cfg.n_layers,
+        [v] * cfg.n_layers,
+        torch.ones(rows, context, dtype=torch.bool, device=device),
+    )
     ids = torch.randint(0, cfg.vocab_size, (rows, BLOCK), device=device)
     pos = (context + torch.arange(BLOCK, device=device)).expand(rows, BLOCK)
     valid = torch.ones(rows, BLOCK, dtype=torch.bool, device=device)
-    return timed(lambda: model.logits(model(ids, pos, valid, context=ctx).hidden), device, repeats)
+    return lambda: model.logits(model(ids, pos, valid, context=ctx).hidden)
+
+
+def cache_ms(model, rows: int, context: int, device, repeats: int) -> float:
+    return timed(cache_step(model, rows, context, device), device, repeats)
+
+
+def launch_overhead(model, device, repeats: int) -> list[dict]:
+    """Where small steps go: GPU time as run (eager), the host's time to issue the kernels, and
+    the same step replayed as a CUDA graph. Eager time near the issue time means launch-bound."""
+    steps = [("cache", rows, cache_step(model, rows, REF_CONTEXT, device)) for rows in (1, 8, 32)]
+    steps += [("recompute", 1, recompute_step(model, 1, REF_CONTEXT, device))]
+    out = []
+    for kind, rows, fn in steps:
+        row = {"kind": kind, "num_requests": rows, "eager_ms": timed(fn, device, repeats)}
+        row["issue_ms"] = enqueue_ms(fn, device, repeats)
+        try:
+            row["graph_ms"] = graph_ms(fn, device, repeats)
+        except RuntimeError as err:  # a capture failure is a finding, not a crash
+            row["graph_error"] = str(err).splitlines()[0]
+        out.append(row)
+        print({"launch": row}, flush=True)
+    return out
 
 
 def build_model(shape: str, device: torch.device, dtype: torch.dtype) -> LLaDAModelLM:
@@ -89,22 +181,22 @@ def build_model(shape: str, device: torch.device, dtype: torch.dtype) -> LLaDAMo
     return model.eval()
 
 
-def measure_grid(model, device, repeats: int, context: int) -> list[dict]:
+def measure_grid(model, device, repeats: int) -> list[dict]:
     entries = []
-    for tokens in (256, 512, 1024, 2048, 4096, 8192, 16384):
+    for tokens in RECOMPUTE_TOKENS:
         seq = min(tokens, 1024)
         ms = recompute_ms(model, tokens // seq, seq, device, repeats)
         entries.append({"tp": 1, "kind": "recompute", "batch_tokens": tokens, "ms": ms})
         print(entries[-1], flush=True)
-    for rows in (1, 2, 4, 8, 16, 32, 64, 128, 256):
-        ms = cache_ms(model, rows, context, device, repeats)
+    for rows in CACHE_REQUESTS:
+        ms = cache_ms(model, rows, REF_CONTEXT, device, repeats)
         entries.append(
             {
                 "tp": 1,
                 "kind": "cache",
                 "batch_tokens": rows * BLOCK,
                 "num_requests": rows,
-                "context_len": context,
+                "context_len": REF_CONTEXT,
                 "ms": ms,
             }
         )
@@ -112,21 +204,89 @@ def measure_grid(model, device, repeats: int, context: int) -> list[dict]:
     return entries
 
 
+def context_sweep(model, device, repeats: int) -> list[dict]:
+    out = []
+    for rows in (1, 32):
+        for context in SWEEP_CONTEXTS:
+            ms = cache_ms(model, rows, context, device, repeats)
+            out.append({"num_requests": rows, "context_len": context, "ms": ms})
+            print({"cache_context_sweep": out[-1]}, flush=True)
+    return out
+
+
+def tokens_per_s(gen: int, recompute: float, cache: float, tokens_per_step: float) -> float:
+    """One dual-cache request: a recompute step per block, the rest cache steps (ms in)."""
+    blocks = gen // BLOCK
+    steps = max(gen / tokens_per_step, blocks)
+    return round(gen / ((blocks * recompute + (steps - blocks) * cache) / 1e3), 1)
+
+
 def single_request(model, device, repeats: int, prompt_len: int, gen: int) -> dict:
     recompute = recompute_ms(model, 1, prompt_len + gen, device, repeats)
     cache = cache_ms(model, 1, prompt_len + gen - BLOCK, device, repeats)
-    blocks = gen // BLOCK
-    per_s = {
-        k: round(gen / (blocks * (recompute + (k - 1) * cache) / 1e3), 1)
-        for k in (4, 8, 12, 16, 32)
-    }
+    per_s = {k: tokens_per_s(gen, recompute, cache, k) for k in (1, 2, TOKENS_PER_STEP_0_9, 4, 8)}
     return {
         "prompt_len": prompt_len,
         "gen": gen,
         "recompute_ms": recompute,
         "cache_ms": cache,
-        "tokens_per_s_by_steps_per_block": per_s,
+        "tokens_per_s_by_tokens_per_step": per_s,
+        "tokens_per_step_at_0.9": TOKENS_PER_STEP_0_9,
     }
+
+
+def engine_run(model, shape: str, device, batch: int, prompt_len: int, gen: int) -> dict:
+    """The serving path: `Engine.execute` on `batch` copies of one request, each step timed."""
+    cfg = SHAPES[shape]
+    special = SpecialIds(mask=cfg["mask_token_id"], eos=cfg["eos_token_id"], eot=None)
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    config = EngineConfig(kv_cache="dual", dtype=dtype, device=str(device), early_finish=False)
+    engine = Engine(model, special, config)
+    prompt = tuple(torch.randint(0, special.mask, (prompt_len,)).tolist())
+    requests = [Request(f"r{i}", prompt, gen, BLOCK, special.mask, 0.9) for i in range(batch)]
+    ms: dict[str, list[float]] = {}
+    committed = 0
+    total = time.perf_counter()
+    while requests:
+        items = tuple(
+            r.step_item(config.kv_cache, engine.has_request(r.request_id)) for r in requests
+        )
+        sync(device)
+        t0 = time.perf_counter()
+        out = engine.execute(StepBatch(items))
+        sync(device)
+        ms.setdefault(out.results[0].kind.value, []).append(1000 * (time.perf_counter() - t0))
+        for r, res in zip(requests, out.results):
+            r.apply(res)
+            committed += len(res.positions)
+        requests = [r for r in requests if not r.is_finished]
+    seconds = time.perf_counter() - total
+    for i in range(batch):
+        engine.release(f"r{i}")
+    return {
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "gen": gen,
+        "steps": {k: len(v) for k, v in ms.items()},
+        "median_ms": {k: round(statistics.median(v[1:] or v), 3) for k, v in ms.items()},
+        "tokens": committed,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(committed / seconds, 1),
+    }
+
+
+def engine_section(model, shape, device, prompt_len: int, gen: int) -> list[dict]:
+    engine_run(model, shape, device, 1, prompt_len, 2 * BLOCK)  # warm-up
+    runs = []
+    for batch in ENGINE_BATCHES:
+        run = engine_run(model, shape, device, batch, prompt_len, gen)
+        med = run["median_ms"]
+        run["request_tokens_per_s_at_0.9"] = tokens_per_s(
+            gen, med[StepKind.RECOMPUTE.value], med[StepKind.CACHE.value], TOKENS_PER_STEP_0_9
+        )
+        runs.append(run)
+        print({"engine": run}, flush=True)
+    return runs
 
 
 def main() -> None:
@@ -136,14 +296,26 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--prompt-len", type=int, default=1000)
     ap.add_argument("--gen", type=int, default=256)
+    ap.add_argument("--no-engine", action="store_true", help="skip the Engine.execute runs")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    t0 = time.perf_counter()
     model = build_model(args.shape, device, dtype)
+    print(f"model built in {time.perf_counter() - t0:.1f} s", flush=True)
     with torch.inference_mode():
-        entries = measure_grid(model, device, args.repeats, args.prompt_len + args.gen - BLOCK)
+        entries = measure_grid(model, device, args.repeats)
+        sweep = context_sweep(model, device, args.repeats)
         single = single_request(model, device, args.repeats, args.prompt_len, args.gen)
+    print(json.dumps(single), flush=True)
+    engine = (
+        []
+        if args.no_engine
+        else engine_section(model, args.shape, device, args.prompt_len, args.gen)
+    )
+    with torch.inference_mode():
+        launch = launch_overhead(model, device, args.repeats)  # last: it captures CUDA graphs
     hardware = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor()
     profile = {
         "schema": SCHEMA,
@@ -151,13 +323,18 @@ def main() -> None:
         "dtype": str(dtype).removeprefix("torch."),
         "block_len": BLOCK,
         "hardware": hardware,
+        "source": "benchmarks/gpu_profile.py, random weights",
         "versions": {"torch": torch.__version__, "cuda": torch.version.cuda},
         "entries": entries,
+        "cache_context_sweep": sweep,
+        "launch_overhead": launch,
         "single_request": single,
+        "engine": engine,
+        "wall_s": round(time.perf_counter() - t0, 1),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(profile, indent=2) + "\n")
-    print(json.dumps(single, indent=2))
+    print(f"wrote {args.out} after {profile['wall_s']} s", flush=True)
 
 
 if __name__ == "__main__":

@@ -216,7 +216,22 @@ def test_load_profile_by_name_and_by_path(tmp_path, profiles):
         assert by_path.step_latency(1, 32, StepKind.CACHE) == pytest.approx(
             profiles["llada-8b-h100"].step_latency(1, 32, StepKind.CACHE), rel=1e-5
         )
-    with pytest.raises(ValueError, match="neither a latency-profile file nor a preset"):
+    with pytest.raises(ValueError, match="neither a latency-profile file nor a profile"):
         load_profile(tmp_path / "missing.json")
-    with pytest.raises(ValueError, match="llada-8b-gh200"):
+    with pytest.raises(ValueError, match="llada-8b-gh200.*llada-8b-h200"):
         load_profile("llada-8b")
+
+
+def test_measured_h200_profile_loads_by_name():
+    """benchmarks/gpu_profile.py's output ships in the package and serves as a latency model."""
+    p = load_profile("llada-8b-h200")
+    assert p.tp_degrees == (1,)
+    assert "H200" in p.meta["hardware"] and p.meta["dtype"] == "bfloat16"
+    assert {"single_request", "engine", "launch_overhead"} <= set(p.meta)
+    recompute = p.curve(1, StepKind.RECOMPUTE)
+    assert recompute.tokens[0] == 256 and recompute.tokens[-1] == 16384
+    assert p.curve(1, StepKind.FULL) is recompute  # no-cache steps fall back to recompute points
+    assert p.max_batch_tokens(1, StepKind.CACHE) == 256 * p.block_len
+    # the largest batches are compute-bound: 64x the tokens of the smallest cost over 10x more
+    assert recompute.seconds[-1] > 10 * recompute.seconds[0]
+    assert 0 < request_seconds(p) < request_seconds(load_profile("llada-8b-h100"))

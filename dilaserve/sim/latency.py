@@ -5,7 +5,13 @@ latencies from somewhere. These presets derive them from the model shapes and th
 sheet, then fix three free constants against published numbers.
 
     load_profile("llada-8b-h100")            # a preset ...
+    load_profile("llada-8b-h200")            # ... the measured H200 profile the package ships ...
     load_profile("profiles/measured.json")   # ... or a profile file, same call
+
+The measured H200 profile (TP-1 only; docs/engine.md) is 1.9-3.6x faster per step than the H100
+preset: the presets run at Fast-dLLM's research implementation's speed (see Calibration), and
+its small steps are launch-bound (~21 ms for 1-8 requests' cache steps) rather than priced by
+the roofline below.
 
 Cost of one step
 ----------------
@@ -103,6 +109,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dilaserve.config import ASSETS
 from dilaserve.control.profile import Curve, LatencyProfile
 from dilaserve.protocol import StepKind
 from dilaserve.sim.behaviour import TOKENS_PER_STEP_09
@@ -182,6 +189,8 @@ PRESETS: dict[str, tuple[ModelShape, GPUSpec]] = {
     "dream-7b-h100": (DREAM_7B, H100_SXM),
     "dream-7b-gh200": (DREAM_7B, GH200),
 }
+# Measured profiles shipped with the package (benchmarks/gpu_profile.py; TP-1 only).
+MEASURED = {"llada-8b-h200": ASSETS / "llada-8b-h200-profile.json"}
 
 # Batch-token grids: powers of two and the midpoints 3 x 2^e between them.
 FULL_GRID = tuple(sorted({2**e for e in range(7, 17)} | {3 * 2**e for e in range(6, 15)}))
@@ -369,14 +378,14 @@ def preset_profile(name: str, tp_degrees=(1, 2, 4, 8)) -> LatencyProfile:
 
 
 def load_profile(spec: str | Path) -> LatencyProfile:
-    """A preset by name (`PRESETS`) or a latency-profile JSON file by path."""
+    """A preset (`PRESETS`) or shipped measured profile (`MEASURED`) by name, or a
+    latency-profile JSON file by path."""
     if isinstance(spec, str) and spec in PRESETS:
         return preset_profile(spec)
-    path = Path(spec)
+    path = MEASURED.get(spec, Path(spec)) if isinstance(spec, str) else Path(spec)
     if not path.is_file():
-        raise ValueError(
-            f"{str(spec)!r} is neither a latency-profile file nor a preset ({', '.join(PRESETS)})"
-        )
+        names = ", ".join([*PRESETS, *MEASURED])
+        raise ValueError(f"{str(spec)!r} is neither a latency-profile file nor a profile ({names})")
     return LatencyProfile.from_file(path)
 
 
