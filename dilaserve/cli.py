@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dilaserve.cli_args import engine_args, model_arg, parse_thresholds
+from dilaserve.cli_args import engine_args, model_arg, parse_thresholds, precision_args
 from dilaserve.cli_serving import add_serving_commands
 from dilaserve.config import DEFAULT_THRESHOLD
 
@@ -17,7 +17,7 @@ def cmd_generate(args) -> None:
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
         raise ValueError("give --prompt TEXT (repeatable) or prompts on standard input")
-    llm = LLM(args.model, EngineConfig(kv_cache=args.kv_cache, dtype=args.dtype))
+    llm = LLM(args.model, EngineConfig(args.kv_cache, dtype=args.dtype, device=args.device))
     params = SamplingParams(threshold=args.threshold, max_tokens=args.max_tokens)
     for out in llm.generate(prompts, params, chat=not args.raw):
         print(
@@ -38,6 +38,7 @@ def cmd_eval(args) -> None:
             max_tokens=args.max_tokens,
             kv_cache=args.kv_cache,
             dtype=args.dtype,
+            device=args.device,
             block_len=args.block_len,
             max_batch=args.max_batch,
             data=args.data,
@@ -72,6 +73,7 @@ def cmd_profile(args) -> None:
                 num_probes=args.dws_probes,
                 gen_len=args.gen_len,
                 dtype=args.dtype,
+                device=args.device,
                 out=args.out,
                 kernel_out=args.dws_out,
             )
@@ -88,6 +90,7 @@ def cmd_profile(args) -> None:
             requests=requests,
             repeats=args.repeats,
             dtype=args.dtype,
+            device=args.device,
             out=args.out,
             profile_out=args.profile_out,
         )
@@ -266,7 +269,7 @@ def _add_measurement_commands(sub) -> None:
     pr.add_argument("--gen-len", type=int, default=64)
     pr.add_argument("--requests", default="1,2,4,8,16,32,64,128", help="batch sizes to measure")
     pr.add_argument("--repeats", type=int, default=3)
-    pr.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    precision_args(pr)
     pr.add_argument("--out", default="runs", help="folder for run folders")
     pr.add_argument("--profile-out", default=None, help="where to write the profile JSON")
     pr.add_argument(

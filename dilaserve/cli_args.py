@@ -16,9 +16,17 @@ def model_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def precision_args(p: argparse.ArgumentParser) -> None:
+    """Where the model runs and in what precision."""
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument(
+        "--device", default="cpu", help="torch device of the model: cpu, cuda, cuda:1, ..."
+    )
+
+
 def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache", choices=["none", "prefix", "dual"], default="dual")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    precision_args(p)
     p.add_argument(
         "--max-tokens",
         type=int,

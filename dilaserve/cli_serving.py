@@ -9,7 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from dilaserve.cli_args import model_arg, parse_thresholds
+from dilaserve.cli_args import model_arg, parse_thresholds, precision_args
 
 
 def _cluster_config(args, record: bool = False):
@@ -24,7 +24,7 @@ def _cluster_config(args, record: bool = False):
 
     meta = Path(args.predictor) / "gbm-full.json"
     k = json.loads(meta.read_text()).get("refresh_every_tokens", 8) if meta.exists() else 8
-    engine = EngineConfig(args.kv_cache, dtype=args.dtype)
+    engine = EngineConfig(args.kv_cache, dtype=args.dtype, device=args.device)
     scheduler = SchedulerConfig(
         kv_cache=args.kv_cache,
         slo=args.slo,
@@ -82,7 +82,7 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
 
     model_arg(p)
     p.add_argument("--kv-cache", choices=["none", "prefix", "dual"], default="dual")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    precision_args(p)
     p.add_argument(
         "--max-tokens", type=int, default=64, help="default output window (whole 32-token blocks)"
     )

@@ -87,6 +87,9 @@ def test_cli_generate_and_clear_errors(tiny_checkpoint, capsys):
     assert "threshold" in capsys.readouterr().err
     assert main(["generate", "--model", "/no/such/model", "--prompt", "x"]) == 2
     assert "does not exist" in capsys.readouterr().err
+    bad_device = ["generate", "--model", str(tiny_checkpoint), "--prompt", "x", "--device", "gpu"]
+    assert main(bad_device) == 2
+    assert "device 'gpu' is not a torch device" in capsys.readouterr().err
 
 
 def test_cli_generate_in_bfloat16(tiny_checkpoint, capsys):

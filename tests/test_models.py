@@ -119,6 +119,14 @@ def test_missing_folder_config_and_shard_are_clear(tiny_checkpoint, tmp_path):
         load_model(folder)
 
 
+def test_unusable_device_is_a_clear_error(tiny_checkpoint):
+    with pytest.raises(ValueError, match="'gpu' is not a torch device"):
+        load_model(tiny_checkpoint, device="gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="'cuda'.*sees no CUDA GPU"):
+            load_model(tiny_checkpoint, device="cuda")
+
+
 def test_config_errors_name_the_key():
     with pytest.raises(ValueError, match="missing required key.*n_layers"):
         LLaDAConfig.from_dict({"d_model": 8, "n_heads": 2, "mlp_hidden_size": 8, "vocab_size": 9})

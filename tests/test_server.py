@@ -196,7 +196,11 @@ class _RefusingCluster:
 
     def __init__(self, error):
         self.error = error
-        self.config = SimpleNamespace(control=SimpleNamespace(policy="fcfs"), instances=(1,))
+        self.config = SimpleNamespace(
+            control=SimpleNamespace(policy="fcfs"),
+            instances=(1,),
+            worker=SimpleNamespace(engine=SimpleNamespace(device="cpu")),
+        )
         self.accepting, self.in_flight, self.stats = False, 0, {}
 
     def submit(self, *args, **kwargs):

@@ -30,6 +30,7 @@ class DWSProfileConfig:
     gen_len: int = 64
     threshold: float = DEFAULT_THRESHOLD
     dtype: str = "float32"
+    device: str = "cpu"
     seed: int = 0
     out: str = "runs"
     kernel_out: str = "dws-cost.json"
@@ -75,7 +76,7 @@ def profile_dws(cfg: DWSProfileConfig, log=print) -> CostKernel:
     from dilaserve.runs import create_run_dir, environment, write_json, write_records
     from dilaserve.tasks import arith
 
-    llm = LLM(cfg.model, EngineConfig(kv_cache="dual", dtype=cfg.dtype))
+    llm = LLM(cfg.model, EngineConfig("dual", dtype=cfg.dtype, device=cfg.device))
     problems = arith.generate(cfg.num_probes, seed=cfg.seed, split="test")
     prompts = [llm.encode_prompt(p.question, chat=True) for p in problems]
     half = (len(prompts) + 1) // 2

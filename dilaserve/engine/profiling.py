@@ -30,6 +30,7 @@ class ProfileConfig:
     requests: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
     repeats: int = 3
     dtype: str = "float32"
+    device: str = "cpu"
     out: str = "runs"
     profile_out: str | None = None
 
@@ -80,7 +81,8 @@ def measure(engine: Engine, cfg: ProfileConfig, n: int) -> list[dict]:
 
 
 def profile(cfg: ProfileConfig, log=print) -> Path:
-    engine = Engine.from_checkpoint(cfg.model, EngineConfig(kv_cache="dual", dtype=cfg.dtype))
+    config = EngineConfig("dual", dtype=cfg.dtype, device=cfg.device)
+    engine = Engine.from_checkpoint(cfg.model, config)
     run = create_run_dir(cfg.out, "profile")
     write_json(run / "config.json", {**asdict(cfg), "environment": environment()})
     entries = []

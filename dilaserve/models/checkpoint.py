@@ -57,6 +57,16 @@ def _module_for(model: torch.nn.Module, key: str):
     return model.get_submodule(owner_name), attr
 
 
+def check_device(device: str) -> None:
+    """A clear error for a device string torch cannot use here."""
+    try:
+        kind = torch.device(device).type
+    except RuntimeError as err:
+        raise ValueError(f"device {device!r} is not a torch device ({err})") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: torch {torch.__version__} sees no CUDA GPU here")
+
+
 def load_model(
     folder: str | Path,
     dtype: str | torch.dtype = "float32",
@@ -66,6 +76,7 @@ def load_model(
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"checkpoint folder {folder} does not exist")
+    check_device(device)
     cfg = LLaDAConfig.from_file(folder / "config.json")
     with torch.device("meta"):
         model = LLaDAModelLM(cfg, tp)

@@ -70,11 +70,12 @@ def create_app(
             await run_in_threadpool(cluster.start)
         metrics.watch(cluster)
         log.info(
-            "dilaserve serving %s at %s (policy %s, instances %s)",
+            "dilaserve serving %s at %s (policy %s, instances %s, device %s)",
             settings.model_name,
             settings.address,
             cluster.config.control.policy,
             list(cluster.config.instances),
+            cluster.config.worker.engine.device,
         )
         yield
         if manage:

@@ -36,6 +36,7 @@ class EvalConfig:
     max_tokens: int = 64
     kv_cache: str = "dual"
     dtype: str = "float32"
+    device: str = "cpu"
     block_len: int = 32  # semi-autoregressive block size (the output window is whole blocks)
     max_batch: int = 128
     data: str | None = None  # GSM8K jsonl
@@ -66,9 +67,8 @@ def load_problems(cfg: EvalConfig) -> list[tuple[str, int]]:
 
 
 def evaluate(cfg: EvalConfig, log=print) -> Path:
-    llm = LLM(
-        cfg.model, EngineConfig(kv_cache=cfg.kv_cache, dtype=cfg.dtype, block_len=cfg.block_len)
-    )
+    engine = EngineConfig(cfg.kv_cache, cfg.block_len, dtype=cfg.dtype, device=cfg.device)
+    llm = LLM(cfg.model, engine)
     problems = load_problems(cfg)
     run = create_run_dir(cfg.out, f"eval-{cfg.task}")
     write_json(run / "config.json", {**asdict(cfg), "environment": environment()})
