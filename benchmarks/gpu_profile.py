@@ -19,7 +19,8 @@ every step on the wall clock: what the serving path adds to the model's forward 
 weights never reach threshold 0.9, so the engine commits one token a step (top-1 fallback).
 
 The `entries` are the latency profile (`dilaserve.control.profile`); the other keys are kept as
-metadata. `dilaserve.sim.latency` fits its analytic model to such a file.
+metadata. `dilaserve.sim.latency.load_profile` reads such a file; the package ships one
+(`llada-8b-h200`).
 """
 
 from __future__ import annotations

@@ -59,6 +59,12 @@ def error(status: int, message: str, param: str | None = None, headers=None) -> 
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+def _describe(config) -> str:
+    """The start-up line's summary of a cluster: policy, instances and device."""
+    policy, device = config.control.policy, config.worker.engine.device
+    return f"policy {policy}, instances {list(config.instances)}, device {device}"
+
+
 def create_app(
     cluster: Cluster, settings: ServerSettings, metrics: ServerMetrics, manage: bool = True
 ) -> FastAPI:
@@ -70,12 +76,10 @@ def create_app(
             await run_in_threadpool(cluster.start)
         metrics.watch(cluster)
         log.info(
-            "dilaserve serving %s at %s (policy %s, instances %s, device %s)",
+            "dilaserve serving %s at %s (%s)",
             settings.model_name,
             settings.address,
-            cluster.config.control.policy,
-            list(cluster.config.instances),
-            cluster.config.worker.engine.device,
+            _describe(cluster.config),
         )
         yield
         if manage:
