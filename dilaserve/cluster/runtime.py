@@ -1,13 +1,13 @@
 """The cluster runtime: the control plane driven by the wall clock and real model instances.
 
-`Cluster` owns a scheduler (`control.build`), a backend of model instances (`backends`), and
-one controller thread. The thread turns what happens into the scheduler's events, one at a
-time and each at its own clock reading: requests submitted from any thread (`on_arrival`),
-steps that instances report done (`on_step_done`), ticks every `tick` seconds (`on_tick`:
-deferred requests, planner rounds) and instances coming up or dying. It carries out the
-decisions: step commands to instances (sent without waiting, so steps on different instances
-overlap), releases, finished requests, and reconfigurations through the same `Rollout` as the
-simulator. The clock starts at zero once the initial instances are up.
+`Cluster` (configured by `config.ClusterConfig`) owns a scheduler (`control.build`), a backend
+of model instances (`backends`), and one controller thread. The thread turns what happens into
+the scheduler's events, one at a time and each at its own clock reading: requests submitted from
+any thread (`on_arrival`), steps that instances report done (`on_step_done`), ticks every `tick`
+seconds (`on_tick`: deferred requests, planner rounds) and instances coming up or dying. It
+carries out the decisions: step commands to instances (sent without waiting, so steps on
+different instances overlap), releases, finished requests, and reconfigurations through the same
+`Rollout` as the simulator. The clock starts at zero once the initial instances are up.
 
 Because the simulator drives the same scheduler and rollout, a run here, recorded
 (`Recording`: each admitted request, each launch with its clock times and outcome), replays in
@@ -26,10 +26,10 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from dilaserve.cluster.backends import Backend, LocalBackend, WorkerEvent
+from dilaserve.cluster.backends import Backend, WorkerEvent
+from dilaserve.cluster.config import ClusterConfig, make_backend
 from dilaserve.cluster.intake import Intake
 from dilaserve.cluster.requests import (
     Closed,
@@ -40,53 +40,12 @@ from dilaserve.cluster.requests import (
     RequestHandle,
     RequestResult,
 )
-from dilaserve.cluster.worker import WorkerConfig
-from dilaserve.control.build import ControlSpec, build_scheduler
+from dilaserve.control.build import build_scheduler
 from dilaserve.control.decisions import DecisionLog, Decisions, InstanceSpec
 from dilaserve.control.rollout import Rollout
 from dilaserve.protocol import StepBatch, StepOutput
 
 log = logging.getLogger("dilaserve.cluster")
-
-
-@dataclass(frozen=True)
-class ClusterConfig:
-    worker: WorkerConfig = field(default_factory=WorkerConfig)
-    control: ControlSpec = field(default_factory=ControlSpec)
-    instances: tuple[int, ...] = (1, 1)  # the TP degree of each instance at start
-    gpus_per_node: int | None = None  # None: every instance's GPUs on one node
-    backend: str = "local"  # "local" | "ray"
-    ray_address: str | None = None
-    tick: float = 0.5  # seconds between scheduler ticks
-    max_tokens: int = 64  # the output window of requests that name none
-    max_batch_tokens: int = 8192  # per instance and step
-    replace_failed: bool = True
-    start_timeout: float = 300.0  # seconds to wait for the initial instances to load
-    record: bool = False  # keep a `Recording` (for replay in the simulator)
-    max_in_flight: int = 1024  # admission control: more waiting or running requests are refused
-    dws: str | None = None  # a DWS predictor folder: expected cost and step prior at admission
-    dws_cost: str | None = None  # its cost kernel (`dilaserve profile --dws`); None: unit cost
-    dws_prior: bool = False  # give the step predictor DWS's expected steps before step 1
-
-    def __post_init__(self):
-        if not self.instances or min(self.instances) < 1:
-            raise ValueError(f"{self.instances=} must list at least one TP degree >= 1")
-        if self.backend not in ("local", "ray"):
-            raise ValueError(f"{self.backend=} must be 'local' or 'ray'")
-        if self.tick <= 0:
-            raise ValueError(f"{self.tick=} must be positive")
-
-    def initial_specs(self) -> list[InstanceSpec]:
-        """Instances laid out in order over nodes of `gpus_per_node` GPUs."""
-        per_node = self.gpus_per_node or sum(self.instances)
-        specs, node, used = [], 0, 0
-        for k, tp in enumerate(self.instances):
-            if used + tp > per_node:
-                node, used = node + 1, 0
-            gpus = tuple(range(used, used + tp))
-            specs.append(InstanceSpec(f"i{k}", node, tp, gpus, self.max_batch_tokens))
-            used += tp
-        return specs
 
 
 class Cluster:
@@ -105,23 +64,13 @@ class Cluster:
         self.tokenizer = Tokenizer(model, model_config)
         self.scheduler = build_scheduler(config.control)
         self.block_len = config.control.scheduler.block_len
-        if config.worker.engine.block_len != self.block_len:
-            raise ValueError(
-                f"engine block_len={config.worker.engine.block_len} differs from the "
-                f"scheduler's block_len={self.block_len}"
-            )
-        self.backend = backend or _make_backend(config)
-        dws = None
-        if config.dws is not None:
-            from dilaserve.dws.estimate import DWSEstimator
-
-            dws = DWSEstimator.load(config.dws, config.dws_cost, config.control.predictor)
+        self.backend = backend or make_backend(config)
         self.intake = Intake(
             self.tokenizer,
             self.block_len,
             model_config.max_sequence_length,
             config.max_tokens,
-            dws,
+            config.dws_estimator(),
             config.dws_prior,
         )
         self.observer = observer
@@ -447,11 +396,3 @@ class Cluster:
                 self.observer.request_failed(handle.request_id, type(error).__name__)
             handle.future.set_exception(error)
             handle._push(error)
-
-
-def _make_backend(config: ClusterConfig) -> Backend:
-    if config.backend == "ray":
-        from dilaserve.cluster.ray_backend import RayBackend
-
-        return RayBackend(config.worker, address=config.ray_address)
-    return LocalBackend(config.worker)

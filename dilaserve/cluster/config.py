@@ -1,0 +1,71 @@
+"""A cluster's configuration: its instances at start, their layout over nodes, the backend that
+runs them, and the control plane it drives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dilaserve.cluster.backends import Backend, LocalBackend
+from dilaserve.cluster.worker import WorkerConfig
+from dilaserve.control.build import ControlSpec
+from dilaserve.control.decisions import InstanceSpec
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    control: ControlSpec = field(default_factory=ControlSpec)
+    instances: tuple[int, ...] = (1, 1)  # the TP degree of each instance at start
+    gpus_per_node: int | None = None  # None: every instance's GPUs on one node
+    backend: str = "local"  # "local" | "ray"
+    ray_address: str | None = None
+    tick: float = 0.5  # seconds between scheduler ticks
+    max_tokens: int = 64  # the output window of requests that name none
+    max_batch_tokens: int = 8192  # per instance and step
+    replace_failed: bool = True
+    start_timeout: float = 300.0  # seconds to wait for the initial instances to load
+    record: bool = False  # keep a `Recording` (for replay in the simulator)
+    max_in_flight: int = 1024  # admission control: more waiting or running requests are refused
+    dws: str | None = None  # a DWS predictor folder: expected cost and step prior at admission
+    dws_cost: str | None = None  # its cost kernel (`dilaserve profile --dws`); None: unit cost
+    dws_prior: bool = False  # give the step predictor DWS's expected steps before step 1
+
+    def __post_init__(self):
+        if not self.instances or min(self.instances) < 1:
+            raise ValueError(f"{self.instances=} must list at least one TP degree >= 1")
+        if self.backend not in ("local", "ray"):
+            raise ValueError(f"{self.backend=} must be 'local' or 'ray'")
+        if self.tick <= 0:
+            raise ValueError(f"{self.tick=} must be positive")
+        engine, scheduler = self.worker.engine.block_len, self.control.scheduler.block_len
+        if engine != scheduler:
+            raise ValueError(f"engine block_len={engine} differs from the scheduler's {scheduler}")
+
+    def dws_estimator(self):
+        """The DWS estimator `dws` names (expected cost and step prior at admission), or None."""
+        if self.dws is None:
+            return None
+        from dilaserve.dws.estimate import DWSEstimator
+
+        return DWSEstimator.load(self.dws, self.dws_cost, self.control.predictor)
+
+    def initial_specs(self) -> list[InstanceSpec]:
+        """Instances laid out in order over nodes of `gpus_per_node` GPUs."""
+        per_node = self.gpus_per_node or sum(self.instances)
+        specs, node, used = [], 0, 0
+        for k, tp in enumerate(self.instances):
+            if used + tp > per_node:
+                node, used = node + 1, 0
+            gpus = tuple(range(used, used + tp))
+            specs.append(InstanceSpec(f"i{k}", node, tp, gpus, self.max_batch_tokens))
+            used += tp
+        return specs
+
+
+def make_backend(config: ClusterConfig) -> Backend:
+    """The backend `config` names: local worker processes or Ray actors."""
+    if config.backend == "ray":
+        from dilaserve.cluster.ray_backend import RayBackend
+
+        return RayBackend(config.worker, address=config.ray_address)
+    return LocalBackend(config.worker)
