@@ -44,26 +44,20 @@ from dilaserve.protocol import StepBatch, StepKind
 from dilaserve.request import Request
 from dilaserve.sim.latency import REF_CONTEXT, TOKENS_PER_STEP_0_9
 
+LLADA_8B = dict(
+    d_model=4096,
+    n_heads=32,
+    n_layers=32,
+    mlp_hidden_size=12288,
+    vocab_size=126464,
+    rope_theta=500000.0,
+    mask_token_id=126336,
+    eos_token_id=126081,
+)
+TINY = {"d_model": 64, "n_heads": 4, "n_layers": 2, "mlp_hidden_size": 128, "vocab_size": 512}
 SHAPES = {
-    "llada-8b": dict(
-        d_model=4096,
-        n_heads=32,
-        n_layers=32,
-        mlp_hidden_size=12288,
-        vocab_size=126464,
-        rope_theta=500000.0,
-        mask_token_id=126336,
-        eos_token_id=126081,
-    ),
-    "tiny": dict(
-        d_model=64,
-        n_heads=4,
-        n_layers=2,
-        mlp_hidden_size=128,
-        vocab_size=512,
-        mask_token_id=511,
-        eos_token_id=510,
-    ),
+    "llada-8b": LLADA_8B,
+    "tiny": {**LLADA_8B, **TINY, "mask_token_id": 511, "eos_token_id": 510},
 }
 BLOCK = 32
 RECOMPUTE_TOKENS = (256, 512, 1024, 2048, 4096, 8192, 16384)
