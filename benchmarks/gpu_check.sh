@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The bundled model's whole serving path on a GPU (`--device cuda`): generate, the accuracy and
-# steps table in float32 and bfloat16, and the HTTP server answering plain and streaming
-# requests, then shutting down gracefully. Prepared for a machine with one GPU, run from the
-# repository root without installing (PYTHONPATH); logs go to $OUT (default gpu-check/).
+# steps table in float32, bfloat16 and with CUDA graphs, and the HTTP server (CUDA graphs on)
+# answering plain and streaming requests, then shutting down gracefully. Prepared for a machine
+# with one GPU, run from the repository root without installing (PYTHONPATH); logs go to $OUT
+# (default gpu-check/).
 #
 #     bash benchmarks/gpu_check.sh
 set -u
@@ -17,13 +18,15 @@ ds() { python3 -m dilaserve.cli "$@"; }
 echo "== generate"
 ds generate --device "$DEVICE" --prompt "Tom has 12 apples. Tom buys 5 more. Then Tom gives away 3. How many apples does Tom have now?"
 
-for dtype in float32 bfloat16; do
-    echo "== eval, $dtype"
-    ds eval --device "$DEVICE" --dtype "$dtype" --num "$NUM" --thresholds 0.5,0.7,0.9 --out /tmp/gpu-runs
+for run in "float32 0" "bfloat16 0" "float32 8"; do
+    set -- $run
+    echo "== eval, $1, --cuda-graphs $2"
+    ds eval --device "$DEVICE" --dtype "$1" --cuda-graphs "$2" --num "$NUM" \
+        --thresholds 0.5,0.7,0.9 --out /tmp/gpu-runs
 done
 
 echo "== serve"
-ds serve --device "$DEVICE" --instances 1 --port "$PORT" >"$OUT/serve.log" 2>&1 &
+ds serve --device "$DEVICE" --cuda-graphs 8 --instances 1 --port "$PORT" >"$OUT/serve.log" 2>&1 &
 server=$!
 python3 - "$PORT" <<'PY'
 import json, sys, time

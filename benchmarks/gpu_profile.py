@@ -14,8 +14,9 @@ Builds the model with random bf16 weights (no download), then measures, with CUD
   commits;
 - launch overhead of small steps: the host's time to issue a step's kernels, and the step
   replayed as a CUDA graph.
-Then it runs the real `Engine` (batch 1 and 32, the same request, early finish off) and times
-every step on the wall clock: what the serving path adds to the model's forward passes. Random
+Then it runs the real `Engine` (batch 1 and 32, early finish off) and times every step on the
+wall clock: what the serving path adds to the model's forward passes; and batch 1 and 8 with and
+without CUDA graphs for the cache steps (`--cuda-graphs 8`), comparing the tokens. Random
 weights never reach threshold 0.9, so the engine commits one token a step (top-1 fallback).
 
 The `entries` are the latency profile (`dilaserve.control.profile`); the other keys are kept as
@@ -32,6 +33,7 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from dilaserve.config import EngineConfig
@@ -230,15 +232,21 @@ def single_request(model, device, repeats: int, prompt_len: int, gen: int) -> di
     }
 
 
-def engine_run(model, shape: str, device, batch: int, prompt_len: int, gen: int) -> dict:
-    """The serving path: `Engine.execute` on `batch` copies of one request, each step timed."""
+def engine_run(model, shape: str, device, batch: int, prompt_len: int, gen: int, graphs: int = 0):
+    """The serving path: `Engine.execute` on `batch` requests (random prompts, seeded), each
+    step timed; the record and every request's output tokens."""
     cfg = SHAPES[shape]
     special = SpecialIds(mask=cfg["mask_token_id"], eos=cfg["eos_token_id"], eot=None)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    config = EngineConfig(kv_cache="dual", dtype=dtype, device=str(device), early_finish=False)
+    config = EngineConfig(
+        "dual", dtype=dtype, device=str(device), early_finish=False, cuda_graphs=graphs
+    )
     engine = Engine(model, special, config)
-    prompt = tuple(torch.randint(0, special.mask, (prompt_len,)).tolist())
-    requests = [Request(f"r{i}", prompt, gen, BLOCK, special.mask, 0.9) for i in range(batch)]
+    requests = [
+        Request(f"r{i}", random_prompt(prompt_len, special.mask, i), gen, BLOCK, special.mask, 0.9)
+        for i in range(batch)
+    ]
+    finished = list(requests)
     ms: dict[str, list[float]] = {}
     committed = 0
     total = time.perf_counter()
@@ -258,8 +266,9 @@ def engine_run(model, shape: str, device, batch: int, prompt_len: int, gen: int)
     seconds = time.perf_counter() - total
     for i in range(batch):
         engine.release(f"r{i}")
-    return {
+    record = {
         "batch": batch,
+        "cuda_graphs": graphs,
         "prompt_len": prompt_len,
         "gen": gen,
         "steps": {k: len(v) for k, v in ms.items()},
@@ -268,13 +277,40 @@ def engine_run(model, shape: str, device, batch: int, prompt_len: int, gen: int)
         "seconds": round(seconds, 3),
         "tokens_per_s": round(committed / seconds, 1),
     }
+    return record, [r.output_ids for r in finished]
+
+
+def random_prompt(length: int, vocab: int, seed: int) -> tuple[int, ...]:
+    generator = torch.Generator().manual_seed(seed)
+    return tuple(torch.randint(0, vocab, (length,), generator=generator).tolist())
+
+
+def graph_section(model, shape, device, prompt_len: int, gen: int) -> list[dict]:
+    """The engine with and without CUDA graphs for its cache steps (engine/graphs.py)."""
+    rows = []
+    for batch in (1, 8):
+        eager, eager_out = engine_run(model, shape, device, batch, prompt_len, gen)
+        graphed, graphed_out = engine_run(model, shape, device, batch, prompt_len, gen, 8)
+        same = sum(np.array_equal(a, b) for a, b in zip(eager_out, graphed_out))
+        rows.append(
+            {
+                "batch": batch,
+                "eager_cache_ms": eager["median_ms"][StepKind.CACHE.value],
+                "graphed_cache_ms": graphed["median_ms"][StepKind.CACHE.value],
+                "eager_tokens_per_s": eager["tokens_per_s"],
+                "graphed_tokens_per_s": graphed["tokens_per_s"],
+                "requests_with_identical_tokens": f"{same}/{batch}",
+            }
+        )
+        print({"cuda_graphs": rows[-1]}, flush=True)
+    return rows
 
 
 def engine_section(model, shape, device, prompt_len: int, gen: int) -> list[dict]:
     engine_run(model, shape, device, 1, prompt_len, 2 * BLOCK)  # warm-up
     runs = []
     for batch in ENGINE_BATCHES:
-        run = engine_run(model, shape, device, batch, prompt_len, gen)
+        run, _ = engine_run(model, shape, device, batch, prompt_len, gen)
         med = run["median_ms"]
         run["request_tokens_per_s_at_0.9"] = tokens_per_s(
             gen, med[StepKind.RECOMPUTE.value], med[StepKind.CACHE.value], TOKENS_PER_STEP_0_9
@@ -304,11 +340,10 @@ def main() -> None:
         sweep = context_sweep(model, device, args.repeats)
         single = single_request(model, device, args.repeats, args.prompt_len, args.gen)
     print(json.dumps(single), flush=True)
-    engine = (
-        []
-        if args.no_engine
-        else engine_section(model, args.shape, device, args.prompt_len, args.gen)
-    )
+    engine, graphs = [], []
+    if not args.no_engine:
+        engine = engine_section(model, args.shape, device, args.prompt_len, args.gen)
+        graphs = graph_section(model, args.shape, device, args.prompt_len, args.gen)
     with torch.inference_mode():
         launch = launch_overhead(model, device, args.repeats)  # last: it captures CUDA graphs
     hardware = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor()
@@ -325,6 +360,7 @@ def main() -> None:
         "launch_overhead": launch,
         "single_request": single,
         "engine": engine,
+        "cuda_graphs": graphs,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,10 @@ def cmd_generate(args) -> None:
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
         raise ValueError("give --prompt TEXT (repeatable) or prompts on standard input")
-    llm = LLM(args.model, EngineConfig(args.kv_cache, dtype=args.dtype, device=args.device))
+    engine = EngineConfig(
+        args.kv_cache, dtype=args.dtype, device=args.device, cuda_graphs=args.cuda_graphs
+    )
+    llm = LLM(args.model, engine)
     params = SamplingParams(threshold=args.threshold, max_tokens=args.max_tokens)
     for out in llm.generate(prompts, params, chat=not args.raw):
         print(
@@ -39,6 +42,7 @@ def cmd_eval(args) -> None:
             kv_cache=args.kv_cache,
             dtype=args.dtype,
             device=args.device,
+            cuda_graphs=args.cuda_graphs,
             block_len=args.block_len,
             max_batch=args.max_batch,
             data=args.data,
@@ -74,6 +78,7 @@ def cmd_profile(args) -> None:
                 gen_len=args.gen_len,
                 dtype=args.dtype,
                 device=args.device,
+                cuda_graphs=args.cuda_graphs,
                 out=args.out,
                 kernel_out=args.dws_out,
             )
@@ -91,6 +96,7 @@ def cmd_profile(args) -> None:
             repeats=args.repeats,
             dtype=args.dtype,
             device=args.device,
+            cuda_graphs=args.cuda_graphs,
             out=args.out,
             profile_out=args.profile_out,
         )

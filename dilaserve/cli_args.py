@@ -22,6 +22,13 @@ def precision_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--device", default="cpu", help="torch device of the model: cpu, cuda, cuda:1, ..."
     )
+    p.add_argument(
+        "--cuda-graphs",
+        type=int,
+        default=0,
+        metavar="N",
+        help="replay CUDA graphs for dual-cache steps of up to N requests (GPU; 0: off)",
+    )
 
 
 def engine_args(p: argparse.ArgumentParser) -> None:

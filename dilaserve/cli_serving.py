@@ -24,7 +24,9 @@ def _cluster_config(args, record: bool = False):
 
     meta = Path(args.predictor) / "gbm-full.json"
     k = json.loads(meta.read_text()).get("refresh_every_tokens", 8) if meta.exists() else 8
-    engine = EngineConfig(args.kv_cache, dtype=args.dtype, device=args.device)
+    engine = EngineConfig(
+        args.kv_cache, dtype=args.dtype, device=args.device, cuda_graphs=args.cuda_graphs
+    )
     scheduler = SchedulerConfig(
         kv_cache=args.kv_cache,
         slo=args.slo,

@@ -24,7 +24,9 @@ class EngineConfig:
 
     kv_cache: "none" (every step a full forward), "prefix" or "dual" (Fast-dLLM-style approximate
     cache, refreshed at each block's first step). early_finish: a request ends once it has
-    committed an end-of-sequence token and everything before it.
+    committed an end-of-sequence token and everything before it. cuda_graphs: dual-cache steps of
+    up to this many requests, each with at most `cuda_graph_context` cached tokens, replay CUDA
+    graphs (engine/graphs.py; 0: off; on a CPU the same path runs without graphs).
     """
 
     kv_cache: KVCacheMode = KVCacheMode.DUAL
@@ -33,6 +35,8 @@ class EngineConfig:
     device: str = "cpu"
     early_finish: bool = True
     max_batch_tokens: int = 65_536
+    cuda_graphs: int = 0
+    cuda_graph_context: int = 2048
 
     def __post_init__(self):
         object.__setattr__(self, "kv_cache", KVCacheMode(self.kv_cache))
@@ -42,6 +46,10 @@ class EngineConfig:
             raise ValueError(f"{self.block_len=} must be positive")
         if self.max_batch_tokens <= 0:
             raise ValueError(f"{self.max_batch_tokens=} must be positive")
+        if self.cuda_graphs < 0 or self.cuda_graph_context <= 0:
+            raise ValueError(
+                f"{self.cuda_graphs=} must be >= 0 and {self.cuda_graph_context=} positive"
+            )
 
 
 @dataclass(frozen=True, slots=True)

@@ -215,3 +215,30 @@ def test_migrated_request_continues_from_its_committed_tokens(tiny_checkpoint, t
     first.release(moved.request_id)
     run_to_end(second, moved)  # second sees the spec: prompt + committed tokens so far
     assert np.array_equal(stay.output_ids, moved.output_ids)
+
+
+@pytest.mark.parametrize("graph_requests", [1, 3, 8])
+def test_static_buffer_cache_steps_commit_the_same_tokens(
+    tiny_checkpoint, tiny_tokenizer, graph_requests
+):
+    """engine/graphs.py's path (eager here: graphs are captured only on CUDA) matches the plain
+    one, with padding rows (3 -> 4), fallbacks (4 requests > 1) and rows reused across steps."""
+    thresholds = [0.3, 0.5, 0.7, 0.9]
+    plain = _requests(tiny_tokenizer, thresholds)
+    run_to_end(tiny_engine(tiny_checkpoint, "dual"), *plain)
+    graphed = _requests(tiny_tokenizer, thresholds)
+    engine = tiny_engine(tiny_checkpoint, "dual", cuda_graphs=graph_requests)
+    calls = []
+    hidden = engine._graphs.hidden
+    engine._graphs.hidden = lambda seqs, *a: calls.append(len(seqs)) or hidden(seqs, *a)
+    run_to_end(engine, *graphed)
+    for a, b in zip(plain, graphed):
+        assert np.array_equal(a.output_ids, b.output_ids)
+        assert a.num_steps == b.num_steps
+    assert calls and max(calls) <= graph_requests
+
+
+def test_cache_steps_beyond_the_graph_context_run_eagerly(tiny_checkpoint, tiny_tokenizer):
+    engine = tiny_engine(tiny_checkpoint, "dual", cuda_graphs=4, cuda_graph_context=8)
+    engine._graphs.hidden = None  # any use would fail
+    run_to_end(engine, *_requests(tiny_tokenizer, [0.5, 0.9]))

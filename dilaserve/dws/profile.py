@@ -31,6 +31,7 @@ class DWSProfileConfig:
     threshold: float = DEFAULT_THRESHOLD
     dtype: str = "float32"
     device: str = "cpu"
+    cuda_graphs: int = 0  # EngineConfig.cuda_graphs
     seed: int = 0
     out: str = "runs"
     kernel_out: str = "dws-cost.json"
@@ -76,7 +77,8 @@ def profile_dws(cfg: DWSProfileConfig, log=print) -> CostKernel:
     from dilaserve.runs import create_run_dir, environment, write_json, write_records
     from dilaserve.tasks import arith
 
-    llm = LLM(cfg.model, EngineConfig("dual", dtype=cfg.dtype, device=cfg.device))
+    engine = EngineConfig("dual", dtype=cfg.dtype, device=cfg.device, cuda_graphs=cfg.cuda_graphs)
+    llm = LLM(cfg.model, engine)
     problems = arith.generate(cfg.num_probes, seed=cfg.seed, split="test")
     prompts = [llm.encode_prompt(p.question, chat=True) for p in problems]
     half = (len(prompts) + 1) // 2

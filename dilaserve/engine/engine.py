@@ -17,6 +17,7 @@ import torch
 
 from dilaserve.config import EngineConfig
 from dilaserve.engine import kv_cache
+from dilaserve.engine.graphs import CacheStepGraphs
 from dilaserve.engine.sequence import Sequence
 from dilaserve.engine.unmask import select_unmask
 from dilaserve.models.llada import LLaDAModelLM
@@ -56,6 +57,11 @@ class Engine:
         self.config = config
         self.device = torch.device(config.device)
         self._seqs: dict[str, Sequence] = {}
+        self._graphs = None
+        if config.cuda_graphs and config.kv_cache is KVCacheMode.DUAL:
+            self._graphs = CacheStepGraphs(
+                model, config.cuda_graphs, config.cuda_graph_context, config.block_len
+            )
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, config: EngineConfig = EngineConfig()) -> Engine:
@@ -144,6 +150,17 @@ class Engine:
 
     def _run(self, rows: list[_Row], cached: bool) -> dict[str, RequestStepResult]:
         ids, positions, valid = self._inputs(rows)
+        seqs = [r.seq for r in rows]
+        graphs = self._graphs
+        if cached and graphs is not None and graphs.fits(seqs, [r.q_end - r.q_start for r in rows]):
+            hidden = graphs.hidden(seqs, ids, positions, valid)
+        else:
+            hidden = self._forward(rows, ids, positions, valid, cached)
+        conf, top = self._top1(rows, hidden)
+        return self._decide(rows, conf, top)
+
+    def _forward(self, rows: list[_Row], ids, positions, valid, cached: bool) -> torch.Tensor:
+        """Eager forward pass; a recompute step's rows store their K/V."""
         context = kv_cache.build_context([r.seq for r in rows]) if cached else None
         keep_kv = any(r.kind is StepKind.RECOMPUTE for r in rows)
         out = self.model(ids, positions, valid, context=context, keep_kv=keep_kv)
@@ -151,8 +168,7 @@ class Engine:
             for i, row in enumerate(rows):
                 if row.kind is StepKind.RECOMPUTE:
                     kv_cache.store(self.config.kv_cache, row.seq, out.keys, out.values, i)
-        conf, top = self._top1(rows, out.hidden)
-        return self._decide(rows, conf, top)
+        return out.hidden
 
     def _inputs(self, rows: list[_Row]):
         longest = max(r.q_end - r.q_start for r in rows)

@@ -31,6 +31,7 @@ class ProfileConfig:
     repeats: int = 3
     dtype: str = "float32"
     device: str = "cpu"
+    cuda_graphs: int = 0  # EngineConfig.cuda_graphs
     out: str = "runs"
     profile_out: str | None = None
 
@@ -81,7 +82,7 @@ def measure(engine: Engine, cfg: ProfileConfig, n: int) -> list[dict]:
 
 
 def profile(cfg: ProfileConfig, log=print) -> Path:
-    config = EngineConfig("dual", dtype=cfg.dtype, device=cfg.device)
+    config = EngineConfig("dual", dtype=cfg.dtype, device=cfg.device, cuda_graphs=cfg.cuda_graphs)
     engine = Engine.from_checkpoint(cfg.model, config)
     run = create_run_dir(cfg.out, "profile")
     write_json(run / "config.json", {**asdict(cfg), "environment": environment()})

@@ -37,6 +37,7 @@ class EvalConfig:
     kv_cache: str = "dual"
     dtype: str = "float32"
     device: str = "cpu"
+    cuda_graphs: int = 0  # EngineConfig.cuda_graphs
     block_len: int = 32  # semi-autoregressive block size (the output window is whole blocks)
     max_batch: int = 128
     data: str | None = None  # GSM8K jsonl
@@ -67,7 +68,9 @@ def load_problems(cfg: EvalConfig) -> list[tuple[str, int]]:
 
 
 def evaluate(cfg: EvalConfig, log=print) -> Path:
-    engine = EngineConfig(cfg.kv_cache, cfg.block_len, dtype=cfg.dtype, device=cfg.device)
+    engine = EngineConfig(
+        cfg.kv_cache, cfg.block_len, cfg.dtype, cfg.device, cuda_graphs=cfg.cuda_graphs
+    )
     llm = LLM(cfg.model, engine)
     problems = load_problems(cfg)
     run = create_run_dir(cfg.out, f"eval-{cfg.task}")
