@@ -26,7 +26,8 @@ class EngineConfig:
     cache, refreshed at each block's first step). early_finish: a request ends once it has
     committed an end-of-sequence token and everything before it. cuda_graphs: dual-cache steps of
     up to this many requests, each with at most `cuda_graph_context` cached tokens, replay CUDA
-    graphs (engine/graphs.py; 0: off; on a CPU the same path runs without graphs).
+    graphs (engine/graphs.py; 0: off; tensor-parallel instances and CPUs run the same steps without
+    graphs).
     """
 
     kv_cache: KVCacheMode = KVCacheMode.DUAL

@@ -58,7 +58,7 @@ class Engine:
         self.device = torch.device(config.device)
         self._seqs: dict[str, Sequence] = {}
         self._graphs = None
-        if config.cuda_graphs and config.kv_cache is KVCacheMode.DUAL:
+        if config.cuda_graphs and config.kv_cache is KVCacheMode.DUAL and _single_gpu(model):
             self._graphs = CacheStepGraphs(
                 model, config.cuda_graphs, config.cuda_graph_context, config.block_len
             )
@@ -236,3 +236,8 @@ class Engine:
         if finished:
             self.release(seq.request_id)
         return result
+
+
+def _single_gpu(model: LLaDAModelLM) -> bool:
+    """Whether the model is whole on this device (no tensor-parallel shards)."""
+    return model.model.transformer.blocks[0].q_proj.tp.size == 1

@@ -13,8 +13,9 @@ A request's cached K/V is copied into its static row only when that row last hel
 else: between two recompute steps a request's cache does not change, so a request stepping on
 the same row copies nothing.
 
-Graphs are captured only on CUDA. Elsewhere the same static-buffer path runs eagerly, which is
-how the tests check it against the plain path.
+Graphs are captured only on CUDA, and only for single-GPU instances (the engine does not use them
+under tensor parallelism, whose all-reduces it does not capture). On a CPU the same static-buffer
+path runs eagerly, which is how the tests check it against the plain path.
 """
 
 from __future__ import annotations
