@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from dilaserve.protocol import KVCacheMode, StepBatch
+from dilaserve.protocol import KVCacheMode, StepBatch, StepKind
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +81,19 @@ class Decisions:
     reconfiguration: Reconfiguration | None = None
 
 
+_KIND_TEXT = {kind: kind.value for kind in StepKind}
+_THRESHOLD_TEXT: dict[float, str] = {}  # str() of the thresholds seen: a log line names many
+
+
+def _text(threshold: float) -> str:
+    text = _THRESHOLD_TEXT.get(threshold)
+    if text is None:
+        text = str(threshold)
+        if len(_THRESHOLD_TEXT) < 4096:
+            _THRESHOLD_TEXT[threshold] = text
+    return text
+
+
 class DecisionLog:
     """The decisions a driver carried out, one line per event that decided anything, and
     their digest. Two drivers that fed the scheduler the same events have equal logs: this is
@@ -96,7 +109,10 @@ class DecisionLog:
         parts = [f"{now:.6f}", event]
         for launch in d.launches:
             items = ",".join(
-                f"{i.request_id}:{i.threshold}:{i.kind.value}" for i in launch.batch.items
+                [
+                    f"{i.request_id}:{_text(i.threshold)}:{_KIND_TEXT[i.kind]}"
+                    for i in launch.batch.items
+                ]
             )
             parts.append(f"{launch.instance_id}[{items}]")
         parts += [f"r{i}/{r}" for i, r in d.releases]
