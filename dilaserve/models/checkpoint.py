@@ -9,6 +9,7 @@ the wrong shape. Each parameter takes its own tensor-parallel shard (`load_full`
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -64,7 +65,9 @@ def check_device(device: str) -> None:
     except RuntimeError as err:
         raise ValueError(f"device {device!r} is not a torch device ({err})") from None
     if kind == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r}: torch {torch.__version__} sees no CUDA GPU here")
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        where = "here" if visible is None else f"with CUDA_VISIBLE_DEVICES={visible!r}"
+        raise ValueError(f"device {device!r}: torch {torch.__version__} sees no CUDA GPU {where}")
 
 
 def load_model(
