@@ -240,5 +240,8 @@ def test_static_buffer_cache_steps_commit_the_same_tokens(
 
 def test_cache_steps_beyond_the_graph_context_run_eagerly(tiny_checkpoint, tiny_tokenizer):
     engine = tiny_engine(tiny_checkpoint, "dual", cuda_graphs=4, cuda_graph_context=8)
-    engine._graphs.hidden = None  # any use would fail
-    run_to_end(engine, *_requests(tiny_tokenizer, [0.5, 0.9]))
+    calls = []
+    engine._graphs.hidden = lambda seqs, *a: calls.append(len(seqs))
+    requests = _requests(tiny_tokenizer, [0.5, 0.9])
+    run_to_end(engine, *requests)
+    assert calls == [] and all(r.steps_by_kind[StepKind.CACHE] > 0 for r in requests)
