@@ -44,19 +44,21 @@ from dilaserve.models.llada import KVContext, LLaDAModelLM
 from dilaserve.models.tokenizer import SpecialIds
 from dilaserve.protocol import StepBatch, StepKind
 from dilaserve.request import Request
+from dilaserve.sim.hardware import LLADA_8B as PUBLISHED
 from dilaserve.sim.latency import REF_CONTEXT, TOKENS_PER_STEP_0_9
 
-LLADA_8B = dict(
-    d_model=4096,
-    n_heads=32,
-    n_layers=32,
-    mlp_hidden_size=12288,
-    vocab_size=126464,
+LLADA_8B = dict(  # the shapes the simulator's presets price, and LLaDA's special ids
+    d_model=PUBLISHED.hidden,
+    n_heads=PUBLISHED.n_heads,
+    n_kv_heads=PUBLISHED.n_kv_heads,
+    n_layers=PUBLISHED.n_layers,
+    mlp_hidden_size=PUBLISHED.mlp_hidden,
+    vocab_size=PUBLISHED.vocab,
     rope_theta=500000.0,
     mask_token_id=126336,
     eos_token_id=126081,
 )
-TINY = {"d_model": 64, "n_heads": 4, "n_layers": 2, "mlp_hidden_size": 128, "vocab_size": 512}
+TINY = dict(d_model=64, n_heads=4, n_kv_heads=4, n_layers=2, mlp_hidden_size=128, vocab_size=512)
 SHAPES = {
     "llada-8b": LLADA_8B,
     "tiny": {**LLADA_8B, **TINY, "mask_token_id": 511, "eos_token_id": 510},

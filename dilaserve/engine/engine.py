@@ -155,13 +155,13 @@ class Engine:
         if cached and graphs is not None and graphs.fits(seqs, [r.q_end - r.q_start for r in rows]):
             hidden = graphs.hidden(seqs, ids, positions, valid)
         else:
-            hidden = self._forward(rows, ids, positions, valid, cached)
+            context = kv_cache.build_context(seqs) if cached else None
+            hidden = self._forward(rows, ids, positions, valid, context)
         conf, top = self._top1(rows, hidden)
         return self._decide(rows, conf, top)
 
-    def _forward(self, rows: list[_Row], ids, positions, valid, cached: bool) -> torch.Tensor:
+    def _forward(self, rows: list[_Row], ids, positions, valid, context) -> torch.Tensor:
         """Eager forward pass; a recompute step's rows store their K/V."""
-        context = kv_cache.build_context([r.seq for r in rows]) if cached else None
         keep_kv = any(r.kind is StepKind.RECOMPUTE for r in rows)
         out = self.model(ids, positions, valid, context=context, keep_kv=keep_kv)
         if keep_kv:
