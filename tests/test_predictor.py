@@ -133,3 +133,22 @@ def test_confidence_statistics_are_numpys(length):
     wide = conf.astype(np.float64)
     expected = [wide.min(), *np.quantile(wide, [0.25, 0.5]), wide.mean(), np.quantile(wide, 0.75)]
     np.testing.assert_allclose(row[5:], expected, rtol=1e-12)
+
+
+def test_gbm_predictions_through_the_c_api_equal_lightgbms_own():
+    from dilaserve.config import BUNDLED_PREDICTOR
+    from dilaserve.control.features import feature_matrix
+
+    model = load_gbm(BUNDLED_PREDICTOR, "full")
+    rng = np.random.default_rng(0)
+    states = [
+        state_features(rng.random(GEN) < p, rng.random(GEN).astype(np.float32), s, BLOCK)
+        for p, s in ((0.0, 0), (0.3, 3), (0.8, 9))
+    ]
+    rows = feature_matrix(np.stack(states), model.thresholds)
+    pred = model.predict(["a", "b", "c"], np.stack(states))
+    expected = np.maximum(model.booster.predict(rows), 1.0).reshape(3, -1)
+    np.testing.assert_array_equal(pred, expected)
+    assert len(set(pred.ravel().round(6))) > 1  # the rows differ, so the check has teeth
+    with pytest.raises(ValueError, match="features given"):
+        model._trees.predict(rows[:, :3])

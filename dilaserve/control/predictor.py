@@ -10,6 +10,7 @@ Variants behind one interface, `predict(request_ids, states) -> [n, len(threshol
 
 from __future__ import annotations
 
+import ctypes
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -39,10 +40,47 @@ class OneShotPredictor:
         return np.maximum(gen_len[:, None] * rates[None, :] - done[:, None], MIN_STEPS)
 
 
+class _Trees:
+    """`Booster.predict` on a float64 matrix, straight through LightGBM's C API: the same
+    numbers without the Python wrapper's checks, which cost about 25 us a call (half the
+    refresh of a few requests; a paper-sized simulation refreshes about 900k times)."""
+
+    def __init__(self, booster):
+        from lightgbm.basic import _LIB
+
+        self._lib, self._booster = _LIB, booster
+        self._num_features = booster.num_feature()
+        self._out_len = ctypes.c_int64()
+
+    def predict(self, rows: np.ndarray) -> np.ndarray:
+        rows = np.ascontiguousarray(rows, dtype=np.float64)
+        if rows.shape[1] != self._num_features:
+            raise ValueError(f"{rows.shape[1]} features given, the trees read {self._num_features}")
+        out = np.empty(len(rows))
+        status = self._lib.LGBM_BoosterPredictForMat(
+            self._booster._handle,
+            rows.ctypes.data_as(ctypes.c_void_p),
+            1,  # float64
+            len(rows),
+            rows.shape[1],
+            1,  # row-major
+            0,  # normal prediction
+            0,  # from the first iteration
+            -1,  # through the last
+            b"",
+            ctypes.byref(self._out_len),
+            out.ctypes.data_as(ctypes.POINTER(ctypes.c_double)),
+        )
+        if status != 0:
+            raise RuntimeError(self._lib.LGBM_GetLastError().decode())
+        return out
+
+
 class GBMPredictor:
     def __init__(self, thresholds: Sequence[float], booster, features: Sequence[str]):
         self.thresholds = tuple(thresholds)
         self.booster = booster
+        self._trees = _Trees(booster)
         self.features = tuple(features)
         self.name = "full" if len(self.features) == len(FEATURE_NAMES) else "progress"
         columns = [FEATURE_NAMES.index(f) for f in self.features]
@@ -52,7 +90,7 @@ class GBMPredictor:
         rows = feature_matrix(states, self.thresholds)
         if self._columns is not None:
             rows = rows[:, self._columns]
-        pred = self.booster.predict(rows).reshape(-1, len(self.thresholds))
+        pred = self._trees.predict(rows).reshape(-1, len(self.thresholds))
         return np.maximum(pred, MIN_STEPS)
 
 
