@@ -22,6 +22,7 @@ import time
 
 from dilaserve.control.decisions import DecisionLog
 from dilaserve.control.load_control import LoadControl
+from dilaserve.control.placement import Placer
 from dilaserve.control.reconfigure import Reconfigurer
 from dilaserve.control.scheduler import Scheduler
 from dilaserve.request import Request
@@ -34,7 +35,7 @@ PARTS = {  # what --breakdown times: no part calls another
     "step-predictor refreshes": (LoadControl, "refresh"),
     "load control (Alg. 2/4)": (LoadControl, "run_if_due"),
     "threshold selection (Alg. 1/5)": (Scheduler, "_threshold"),
-    "placement search (Alg. 3)": (Scheduler, "_place"),
+    "placement search (Alg. 3)": (Placer, "place"),
     "launching batches": (Scheduler, "_launch"),
     "simulated steps (behaviour model)": (ParametricBehaviour, "step"),
     "applying step results": (Request, "apply"),
