@@ -44,6 +44,7 @@ from dilaserve.models.llada import KVContext, LLaDAModelLM
 from dilaserve.models.tokenizer import SpecialIds
 from dilaserve.protocol import StepBatch, StepKind
 from dilaserve.request import Request
+from dilaserve.runs import write_json
 from dilaserve.sim.hardware import LLADA_8B as PUBLISHED
 from dilaserve.sim.latency import REF_CONTEXT, TOKENS_PER_STEP_0_9
 
@@ -365,9 +366,14 @@ def main() -> None:
         "cuda_graphs": graphs,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(profile, indent=2) + "\n")
-    print(f"wrote {args.out} after {profile['wall_s']} s", flush=True)
+    write_result(args.out, profile)
+
+
+def write_result(out: str, result: dict) -> None:
+    """A benchmark's JSON file (its folder made if needed), announced with its wall time."""
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    write_json(Path(out), result)
+    print(f"wrote {out} after {result['wall_s']} s", flush=True)
 
 
 if __name__ == "__main__":

@@ -23,11 +23,10 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from gpu_profile import BLOCK, SHAPES, build_model
+from gpu_profile import BLOCK, SHAPES, build_model, write_result
 
 from dilaserve.engine.graphs import CacheStepGraphs
 from dilaserve.engine.sequence import CachedKV
@@ -131,9 +130,7 @@ def main() -> None:
         "records": records,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out} after {result['wall_s']} s", flush=True)
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":
