@@ -316,7 +316,7 @@ def live_sjf(args, log) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=300)
     parser.add_argument("--calibration", type=int, default=100)
@@ -333,49 +333,37 @@ def main() -> None:
     parser.add_argument("--skip", default="", help="parts to skip: cost,sim,chat,prior")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
-    args.rates = [float(r) for r in args.rates.split(",")]
-    args.live_rates = [float(r) for r in args.live_rates.split(",")]
-    args.chat_rates = [float(r) for r in args.chat_rates.split(",")]
+    for name in ("rates", "live_rates", "chat_rates"):
+        setattr(args, name, [float(r) for r in getattr(args, name).split(",")])
+    return args
+
+
+# the report's parts: (name, what runs it, its records file, its heading); `--skip NAME`
+# leaves one out, and the live part runs only with `--live`
+PARTS = (
+    ("cost", cost_error, "cost_error.csv", "Cost prediction"),
+    ("sim", simulated_sjf, "sim_sjf.csv", "DWS-SJF vs FCFS (simulator)"),
+    ("chat", chat_sjf, "chat_sjf.csv", "SJF on chat-shaped work (simulator)"),
+    ("prior", step_prior, "prior.csv", "The DWS step prior (live cluster)"),
+    ("live", live_sjf, "live_sjf.csv", "DWS-SJF vs FCFS (live server)"),
+)
+
+
+def main() -> None:
+    args = parse_args()
     folder = create_run_dir(args.out, "dws")
     write_json(folder / "config.json", {**vars(args), "environment": environment()})
     lines, summary = ["# DWS evaluation", ""], {}
-    if "cost" not in args.skip:
-        rows, summary["cost"] = cost_error(args, print)
-        write_records(folder / "cost_error.csv", rows)
-        lines += [
-            "## Cost prediction",
-            "",
-            str(summary["cost"]),
-            "",
-            markdown_table(rows, list(rows[0])),
-            "",
-        ]
-    if "sim" not in args.skip:
-        rows = simulated_sjf(args, print)
-        write_records(folder / "sim_sjf.csv", rows)
-        lines += ["## DWS-SJF vs FCFS (simulator)", "", markdown_table(rows, list(rows[0])), ""]
-    if "chat" not in args.skip:
-        rows = chat_sjf(args, print)
-        write_records(folder / "chat_sjf.csv", rows)
-        lines += [
-            "## SJF on chat-shaped work (simulator)",
-            "",
-            markdown_table(rows, list(rows[0])),
-            "",
-        ]
-    if "prior" not in args.skip:
-        rows = step_prior(args, print)
-        write_records(folder / "prior.csv", rows)
-        lines += [
-            "## The DWS step prior (live cluster)",
-            "",
-            markdown_table(rows, list(rows[0])),
-            "",
-        ]
-    if args.live:
-        rows = live_sjf(args, print)
-        write_records(folder / "live_sjf.csv", rows)
-        lines += ["## DWS-SJF vs FCFS (live server)", "", markdown_table(rows, list(rows[0])), ""]
+    for name, run, records, heading in PARTS:
+        if (not args.live) if name == "live" else name in args.skip:
+            continue
+        rows = run(args, print)
+        lines += [f"## {heading}", ""]
+        if isinstance(rows, tuple):  # the cost part also returns its summary
+            rows, summary[name] = rows
+            lines += [str(summary[name]), ""]
+        write_records(folder / records, rows)
+        lines += [markdown_table(rows, list(rows[0])), ""]
     write_json(folder / "summary.json", summary)
     (folder / "report.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
