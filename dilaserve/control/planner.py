@@ -53,6 +53,11 @@ from dilaserve.control.monitor import WorkloadClass
 from dilaserve.control.profile import LatencyProfile
 from dilaserve.protocol import StepKind
 
+# HiGHS's MIP search, and so which of several near-equal plans it returns, depends on its number
+# of threads, by default the machine's cores: with one thread 3 of the paper-sized simulation's
+# 40 planning rounds pick another plan. A fixed count gives every machine the same plans (and the
+# simulator the same decision log); 2 reproduces the published runs, made on two cores.
+HIGHS_THREADS = 2
 # stability terms below HiGHS's matrix tolerance (instance-seconds per second per step) are
 # dropped, as HiGHS would drop them; a request class that small adds no measurable load
 NEGLIGIBLE = 1e-9
@@ -244,6 +249,7 @@ def new_model(time_limit: float, gap: float | None = None):
 
     h = highspy.Highs()
     h.silent()
+    h.setOptionValue("threads", HIGHS_THREADS)
     h.setOptionValue("time_limit", time_limit)
     if gap is not None:
         h.setOptionValue("mip_rel_gap", gap)
