@@ -54,9 +54,9 @@ from dilaserve.control.profile import LatencyProfile
 from dilaserve.protocol import StepKind
 
 # HiGHS's MIP search, and so which of several near-equal plans it returns, depends on its number
-# of threads, by default the machine's cores: with one thread 3 of the paper-sized simulation's
-# 40 planning rounds pick another plan. A fixed count gives every machine the same plans (and the
-# simulator the same decision log); 2 reproduces the published runs, made on two cores.
+# of threads, by default derived from the machine's hardware threads: with one thread 3 of the
+# paper-sized simulation's 40 planning rounds pick another plan. A fixed count gives every machine
+# the same search (and the simulator the same decision log); 2 reproduces the published runs.
 HIGHS_THREADS = 2
 # stability terms below HiGHS's matrix tolerance (instance-seconds per second per step) are
 # dropped, as HiGHS would drop them; a request class that small adds no measurable load
