@@ -21,9 +21,10 @@
    replayed steps priced by the profile at batch 1): the most any cost predictor could gain on
    this workload. Reported: mean and p99 latency and mean time to first block per policy and
    load, and each SJF's mean-latency ratio over FCFS.
-   `--chat-rates` adds the same comparison on chat-shaped work (`chat_sjf`: ShareGPT lengths on
-   the LLaDA-8B H100 preset), ordered by true costs with log-normal error of several widths:
-   the headroom SJF has where costs spread as chat's do (there is no prompt text to run DWS on).
+   The chat part (`chat_sjf`, `--chat-rates`) runs the same comparison on chat-shaped work:
+   ShareGPT first turns (real prompt texts and answer lengths; per-block steps from the
+   simulator's LLaDA model) on the LLaDA-8B H100 preset, ordered by DWS trained on the other
+   chat prompts, and by true costs with log-normal error of several widths.
 3. The DWS step prior: `dilaserve` on an in-process cluster with and without DWS's expected
    steps as the step predictor's prior before the first step (SLO attainment).
 4. With `--live`: DWS-SJF against FCFS on `dilaserve serve` (the same sweep through HTTP).
@@ -201,53 +202,113 @@ def _latency_row(rate: float, name: str, done: list, fcfs_mean: float | None) ->
     }
 
 
-# lognormal widths of the chat experiment's cost estimates; 0 is the true cost
+# lognormal widths of the chat experiment's noisy true costs; 0 is the true cost itself
 CHAT_NOISE = (0.0, 0.17, 0.4, 0.8)
+CHAT_HELD_OUT = 400  # chat prompts kept out of DWS's training, the simulated requests
+
+
+def chat_workload(seed: int = 11):
+    """ShareGPT first turns as DWS labels: real prompt texts and answer lengths (filtered as the
+    paper does), each block taking the steps the simulator's LLaDA model gives at threshold 0.9
+    for a drawn difficulty (log-normal, as in `ParametricBehaviour`): no chat dLLM runs here to
+    label the steps themselves."""
+    from dilaserve.dws.train import Labels
+    from dilaserve.sim import traces
+    from dilaserve.sim.behaviour import llada_tokens_per_step
+
+    texts, prompts, outputs = traces.load_first_turns()
+    keep = traces.kept_pairs(prompts, outputs)
+    blocks = traces.rounded_outputs(outputs[keep]) // 32
+    difficulty = np.random.default_rng(seed).lognormal(0.0, 0.35, len(keep))
+    per_block = np.maximum(np.round(32 * difficulty / llada_tokens_per_step(0.9)), 1)
+    steps = np.zeros((len(keep), int(blocks.max())), dtype=np.int64)
+    for i, (n, t) in enumerate(zip(blocks, per_block.astype(np.int64))):
+        steps[i, :n] = t
+    return Labels([texts[i] for i in keep], prompts[keep], steps, 32 * blocks, 32, 0.9)
+
+
+def _chat_probe(labels, i: int, profile):
+    """Request i alone on the instance, priced by the profile: each block's recompute step over
+    prompt and output, then its cache steps over one block."""
+    from dilaserve.dws.cost import ProbeRun
+    from dilaserve.protocol import StepKind
+
+    num_tokens = int(labels.prompt_tokens[i] + labels.output_tokens[i])
+    recompute = 1e3 * profile.step_latency(1, num_tokens, StepKind.RECOMPUTE)
+    cache = 1e3 * profile.step_latency(1, labels.block_len, StepKind.CACHE)
+    cells = [(b, s) for b, t in enumerate(labels.steps[i]) for s in range(int(t))]
+    step_ms = [(b, s, recompute if s == 0 else cache) for b, s in cells]
+    return ProbeRun(int(labels.prompt_tokens[i]), labels.block_len, step_ms)
+
+
+def chat_costs(labels, profile, log):
+    """DWS (hashed encoder) trained on all but `CHAT_HELD_OUT` chat prompts, its kernel fitted
+    on 400 training probes priced by the profile: (held-out indices, their DWS costs, their
+    true costs)."""
+    from dilaserve.dws.cost import fit_cost_kernel
+    from dilaserve.dws.estimate import DWSEstimator
+    from dilaserve.dws.train import DWSTrainConfig, split, train_dws
+
+    order = np.random.default_rng(0).permutation(len(labels))
+    held, rest = order[:CHAT_HELD_OUT], order[CHAT_HELD_OUT:]
+    predictor = train_dws(*split(labels.subset(rest), 0.1, 0), DWSTrainConfig(), log=log)
+    probes = [_chat_probe(labels, i, profile) for i in rest[:400]]
+    kernel = fit_cost_kernel(probes, labels.steps.shape[1], labels.block_len)
+    test = labels.subset(held)
+    window = labels.block_len * labels.steps.shape[1]
+    estimates = DWSEstimator(predictor, kernel).estimate(
+        test.texts, test.prompt_tokens.tolist(), window
+    )
+    true = np.array([_chat_probe(labels, i, profile).total_ms for i in held])
+    return held, np.array([c for c, _ in estimates]), true
 
 
 def chat_sjf(args, log) -> list[dict]:
-    """How much shortest-cost-first can win on chat-shaped work, by the cost estimate's error.
+    """Shortest-cost-first on chat-shaped work, with DWS's costs and with noisy true costs.
 
-    ShareGPT first-turn lengths (filtered as the paper does), Poisson arrivals, one TP-1
-    LLaDA-8B instance on the H100 preset taking `--batch` requests per step, every block taking
-    the steps the simulator's LLaDA model gives at threshold 0.9 for the request's difficulty
-    (log-normal, as in `ParametricBehaviour`). `dws-sjf` orders by each request's true cost
-    (alone on the instance) times log-normal noise of width sigma; sigma 0.17 errs about as much
-    as DWS does on the bundled task (13% mean relative error). No prompt text exists for these
-    lengths, so DWS itself cannot run here: this measures the workload's headroom for SJF."""
+    `chat_workload`'s held-out prompts arrive as Poisson requests at one TP-1 LLaDA-8B instance
+    on the H100 preset taking `--batch` requests per step. `dws-sjf` orders them by DWS trained
+    on the other chat prompts; `sjf, sigma s` by each request's true cost (alone on the
+    instance) times log-normal noise of width s (sigma 0.17 errs about as much as DWS does on
+    the bundled task): how much ordering by cost can win here, and how much error it bears."""
     from dilaserve.request import Request
-    from dilaserve.sim import traces
-    from dilaserve.sim.behaviour import llada_tokens_per_step
     from dilaserve.sim.latency import load_profile
 
     profile = load_profile("llada-8b-h100")
-    prompts, outputs = traces.filter_lengths(*traces.load_first_turn_lengths())
-    tokens_per_step = llada_tokens_per_step(0.9)
+    labels = chat_workload()
+    held, dws, true = chat_costs(labels, profile, log)
+    orders = [("fcfs", "fcfs", None), ("dws-sjf", "dws-sjf", dws)]
+    for sigma in CHAT_NOISE:
+        noise = np.random.default_rng(7).lognormal(0.0, sigma, len(held))
+        orders.append((f"sjf, sigma {sigma}", "dws-sjf", true * noise))
     rows = []
     for rate in args.chat_rates:
         rng = np.random.default_rng(5)
         n = int(rate * args.chat_seconds)
         arrivals = np.cumsum(rng.exponential(1 / rate, n)).tolist()
-        picks = rng.integers(0, len(prompts), n)
-        difficulty = rng.lognormal(0.0, 0.35, n)
-        steps, true = {}, []
-        for i, k in enumerate(picks):
-            per_block = max(1, round(32 * difficulty[i] / tokens_per_step))
-            steps[f"r{i}"] = np.full(int(outputs[k]) // 32, per_block)
-            true.append(_true_cost_ms(profile, int(prompts[k] + outputs[k]), steps[f"r{i}"]))
+        picks = rng.integers(0, len(held), n).tolist()
+        steps = {f"r{i}": labels.steps[held[k]] for i, k in enumerate(picks)}
         fcfs_mean = None
-        for sigma in (None, *CHAT_NOISE):  # None: fcfs
-            noise = np.random.default_rng(7).lognormal(0.0, sigma or 0.0, n)
-            costs = np.array(true) * noise
+        for name, policy, costs in orders:
+            order = dws if costs is None else costs  # fcfs reads no cost
             requests = [
-                Request(f"r{i}", (3,) * int(prompts[k]), int(outputs[k]), 32, 1, 0.9, t, cost=c)
-                for i, (t, k, c) in enumerate(zip(arrivals, picks, costs.tolist()))
+                Request(
+                    f"r{i}",
+                    (3,) * int(labels.prompt_tokens[held[k]]),
+                    int(labels.output_tokens[held[k]]),
+                    32,
+                    1,
+                    0.9,
+                    t,
+                    cost=float(order[k]),
+                )
+                for i, (t, k) in enumerate(zip(arrivals, picks))
             ]
-            policy = "fcfs" if sigma is None else "dws-sjf"
-            done = _simulate(profile, policy, requests, steps, args.batch)
-            name = "fcfs" if sigma is None else f"sjf, sigma {sigma}"
-            row = _latency_row(rate, name, done, fcfs_mean)
-            row["cost_error"] = round(float(np.mean(np.abs(noise - 1.0))), 3)
+            row = _latency_row(
+                rate, name, _simulate(profile, policy, requests, steps, args.batch), fcfs_mean
+            )
+            error = None if costs is None else np.mean(np.abs(costs / true - 1.0))
+            row["cost_error"] = "" if error is None else round(float(error), 3)
             fcfs_mean = fcfs_mean or row["latency_mean"]
             rows.append(row)
             log(row)

@@ -178,21 +178,30 @@ def load_first_turn_lengths(
     what the paper's length table looks like (median prompt 28 tokens); tokens are estimated as
     characters / CHARS_PER_TOKEN, since the Llama-2 tokenizer is not available here.
     """
+    _, prompts, outputs = load_first_turns(path)
+    return prompts, outputs
+
+
+def load_first_turns(
+    path: str | Path = SHAREGPT_FIRST_TURNS,
+) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """The first turns' prompt texts with their (prompt_tokens, output_tokens), as above."""
     import json
 
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"first-turn sample {path} does not exist")
-    prompts, outputs = [], []
+    texts, prompts, outputs = [], [], []
     with path.open() as f:
         for line, text in enumerate(f, start=1):
             try:
                 row = json.loads(text)
                 prompts.append(round(int(row["prompt_chars"]) / CHARS_PER_TOKEN))
                 outputs.append(round(int(row["first_response_chars"] or 0) / CHARS_PER_TOKEN))
+                texts.append(str(row.get("prompt", "")))
             except (KeyError, TypeError, ValueError) as err:
                 raise ValueError(f"first-turn sample {path}, line {line}: {err!r}") from None
-    return np.asarray(prompts, dtype=np.int64), np.asarray(outputs, dtype=np.int64)
+    return texts, np.asarray(prompts, dtype=np.int64), np.asarray(outputs, dtype=np.int64)
 
 
 def load_lengths(path: str | Path = SHAREGPT_LENGTHS) -> tuple[np.ndarray, np.ndarray]:
@@ -251,11 +260,20 @@ def filter_lengths(
     the rounded output fits in max_total, the context the model serves.
     """
     prompt, output = length_pairs(prompt, output)
+    keep = kept_pairs(prompt, output, max_total, block_len)
+    return prompt[keep], rounded_outputs(output[keep], block_len)
+
+
+def rounded_outputs(output, block_len: int = 32) -> np.ndarray:
+    """Outputs rounded up to whole blocks (an output of 0 still denoises one)."""
+    return np.maximum(-(-np.asarray(output) // block_len), 1) * block_len
+
+
+def kept_pairs(prompt, output, max_total: int = 4096, block_len: int = 32) -> np.ndarray:
+    """Indices of the pairs `filter_lengths` keeps."""
     if max_total <= 0 or block_len <= 0:
         raise ValueError(f"max_total and block_len must be positive, got {max_total}, {block_len}")
-    rounded = np.maximum(-(-output // block_len), 1) * block_len
-    keep = prompt + rounded <= max_total
-    return prompt[keep], rounded[keep]
+    return np.flatnonzero(np.asarray(prompt) + rounded_outputs(output, block_len) <= max_total)
 
 
 def length_stats(values) -> dict[str, float]:
