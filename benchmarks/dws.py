@@ -39,7 +39,7 @@ import time
 
 import numpy as np
 from dws_chat import chat_sjf
-from sjf_sim import latency_row, simulate
+from sjf_sim import alone_ms, latency_row, simulate
 
 from dilaserve.config import BUNDLED_DWS, BUNDLED_DWS_COST, BUNDLED_MODEL
 from dilaserve.runs import create_run_dir, environment, markdown_table, write_json, write_records
@@ -142,7 +142,7 @@ def simulated_sjf(args, log) -> list[dict]:
     ]
     profile = LatencyProfile.from_file(BUNDLED_PROFILE)
     true_costs = [
-        _true_cost_ms(profile, int(tokens) + GEN_LEN, steps)
+        alone_ms(profile, int(tokens) + GEN_LEN, steps)
         for tokens, steps in zip(labels.prompt_tokens, labels.steps)
     ]
     orders = {"fcfs": ("fcfs", costs), "dws-sjf": ("dws-sjf", costs)}
@@ -171,17 +171,6 @@ def _simulate_one(args, profile, labels, policy: str, costs, arrivals, picks) ->
         prompt = (3,) * int(labels.prompt_tokens[k])
         requests.append(Request(f"r{i}", prompt, GEN_LEN, 32, 1, 0.9, t, cost=costs[k]))
     return simulate(profile, policy, requests, steps, args.batch)
-
-
-def _true_cost_ms(profile, num_tokens: int, block_steps) -> float:
-    """A request's time alone on the instance: each block's recompute step over the whole
-    sequence, then its cache steps over one block, priced by the latency profile."""
-    from dilaserve.protocol import StepKind
-
-    recompute = profile.step_latency(1, num_tokens, StepKind.RECOMPUTE)
-    cache = profile.step_latency(1, profile.block_len, StepKind.CACHE)
-    steps = [int(n) for n in block_steps if n > 0]
-    return 1e3 * (len(steps) * recompute + (sum(steps) - len(steps)) * cache)
 
 
 def step_prior(args, log) -> list[dict]:

@@ -8,11 +8,13 @@ simulator ordered by DWS and by noisy true costs.
 from __future__ import annotations
 
 import numpy as np
-from sjf_sim import latency_row, simulate
+from sjf_sim import alone_step_ms, latency_row, simulate
 
 # lognormal widths of the chat experiment's noisy true costs; 0 is the true cost itself
 CHAT_NOISE = (0.0, 0.17, 0.4, 0.8)
 CHAT_HELD_OUT = 400  # chat prompts kept out of DWS's training, the simulated requests
+CHAT_PROBES = 400  # training requests the cost kernel is fitted on
+BLOCK = 32
 
 
 def chat_workload(seed: int = 11):
@@ -25,34 +27,29 @@ def chat_workload(seed: int = 11):
     from dilaserve.sim.behaviour import llada_tokens_per_step
 
     texts, prompts, outputs = traces.load_first_turns()
-    keep = traces.kept_pairs(prompts, outputs)
-    blocks = traces.rounded_outputs(outputs[keep]) // 32
+    keep = traces.kept_pairs(prompts, outputs, block_len=BLOCK)
+    blocks = traces.rounded_outputs(outputs[keep], BLOCK) // BLOCK
     difficulty = np.random.default_rng(seed).lognormal(0.0, 0.35, len(keep))
-    per_block = np.maximum(np.round(32 * difficulty / llada_tokens_per_step(0.9)), 1)
+    per_block = np.maximum(np.round(BLOCK * difficulty / llada_tokens_per_step(0.9)), 1)
     steps = np.zeros((len(keep), int(blocks.max())), dtype=np.int64)
     for i, (n, t) in enumerate(zip(blocks, per_block.astype(np.int64))):
         steps[i, :n] = t
-    return Labels([texts[i] for i in keep], prompts[keep], steps, 32 * blocks, 32, 0.9)
+    return Labels([texts[i] for i in keep], prompts[keep], steps, BLOCK * blocks, BLOCK, 0.9)
 
 
 def _chat_probe(labels, i: int, profile):
-    """Request i alone on the instance, priced by the profile: each block's recompute step over
-    prompt and output, then its cache steps over one block."""
+    """Request i alone on the instance, priced by the profile (`alone_step_ms`)."""
     from dilaserve.dws.cost import ProbeRun
-    from dilaserve.protocol import StepKind
 
     num_tokens = int(labels.prompt_tokens[i] + labels.output_tokens[i])
-    recompute = 1e3 * profile.step_latency(1, num_tokens, StepKind.RECOMPUTE)
-    cache = 1e3 * profile.step_latency(1, labels.block_len, StepKind.CACHE)
-    cells = [(b, s) for b, t in enumerate(labels.steps[i]) for s in range(int(t))]
-    step_ms = [(b, s, recompute if s == 0 else cache) for b, s in cells]
+    step_ms = alone_step_ms(profile, num_tokens, labels.steps[i])
     return ProbeRun(int(labels.prompt_tokens[i]), labels.block_len, step_ms)
 
 
 def chat_costs(labels, profile, log):
     """DWS (hashed encoder) trained on all but `CHAT_HELD_OUT` chat prompts, its kernel fitted
-    on 400 training probes priced by the profile: (held-out indices, their DWS costs, their
-    true costs)."""
+    on `CHAT_PROBES` training probes priced by the profile: (held-out indices, their DWS costs,
+    their true costs)."""
     from dilaserve.dws.cost import fit_cost_kernel
     from dilaserve.dws.estimate import DWSEstimator
     from dilaserve.dws.train import DWSTrainConfig, split, train_dws
@@ -60,7 +57,7 @@ def chat_costs(labels, profile, log):
     order = np.random.default_rng(0).permutation(len(labels))
     held, rest = order[:CHAT_HELD_OUT], order[CHAT_HELD_OUT:]
     predictor = train_dws(*split(labels.subset(rest), 0.1, 0), DWSTrainConfig(), log=log)
-    probes = [_chat_probe(labels, i, profile) for i in rest[:400]]
+    probes = [_chat_probe(labels, i, profile) for i in rest[:CHAT_PROBES]]
     kernel = fit_cost_kernel(probes, labels.steps.shape[1], labels.block_len)
     test = labels.subset(held)
     window = labels.block_len * labels.steps.shape[1]
@@ -104,7 +101,7 @@ def chat_sjf(args, log) -> list[dict]:
                     f"r{i}",
                     (3,) * int(labels.prompt_tokens[held[k]]),
                     int(labels.output_tokens[held[k]]),
-                    32,
+                    BLOCK,
                     1,
                     0.9,
                     t,

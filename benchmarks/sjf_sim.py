@@ -35,3 +35,20 @@ def latency_row(rate: float, name: str, done: list, fcfs_mean: float | None) -> 
         "first_block_mean": round(float(first.mean()), 4),
         "fcfs_over_this": round((fcfs_mean or mean) / mean, 3),
     }
+
+
+def alone_step_ms(profile, num_tokens: int, block_steps) -> list[tuple[int, int, float]]:
+    """A request's steps alone on the instance, (block, step, ms): each block's recompute step
+    over the whole sequence of `num_tokens`, then its cache steps over one block, priced by the
+    latency profile. Blocks with no steps are not run."""
+    from dilaserve.protocol import StepKind
+
+    recompute = 1e3 * profile.step_latency(1, num_tokens, StepKind.RECOMPUTE)
+    cache = 1e3 * profile.step_latency(1, profile.block_len, StepKind.CACHE)
+    cells = [(b, s) for b, n in enumerate(block_steps) for s in range(int(n))]
+    return [(b, s, recompute if s == 0 else cache) for b, s in cells]
+
+
+def alone_ms(profile, num_tokens: int, block_steps) -> float:
+    """The request's time alone on the instance (`alone_step_ms`, summed)."""
+    return sum(ms for _, _, ms in alone_step_ms(profile, num_tokens, block_steps))
