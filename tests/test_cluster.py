@@ -54,6 +54,17 @@ def test_a_fixed_threshold_cluster_answers_as_the_offline_engine_does_and_stream
     assert all(r.num_steps >= 2 and r.mean_threshold == pytest.approx(0.9) for r in results)
 
 
+def test_a_stop_string_ends_a_request_as_soon_as_it_is_committed():
+    expected = LLM().generate(QUESTIONS[:1], SamplingParams(0.9, 64))[0]
+    with Cluster(config(control=ControlSpec(policy="fcfs"))) as cluster:
+        stopped = cluster.submit(QUESTIONS[0], stop=[" "])
+        whole = cluster.submit(QUESTIONS[0])
+        stopped, whole = stopped.result(60), whole.result(60)
+    assert (stopped.text, stopped.finish_reason) == (expected.text.split(" ")[0], "stop")
+    assert stopped.num_steps < whole.num_steps  # not worked on past the stop string
+    assert (whole.text, whole.finish_reason) == (expected.text, "stop")
+
+
 def test_a_recorded_run_replays_in_the_simulator_to_the_same_decisions():
     cfg = config(record=True)
     with Cluster(cfg) as cluster:

@@ -3,7 +3,7 @@
 import pytest
 
 from dilaserve.cluster.intake import Intake, threshold_bounds
-from dilaserve.cluster.requests import InvalidRequest
+from dilaserve.cluster.requests import InvalidRequest, RequestHandle
 
 
 class WordTokenizer:
@@ -55,6 +55,9 @@ def test_window_rounds_up_to_whole_blocks_and_defaults():
         (dict(slo=0.0), "slo"),
         (dict(threshold=1.5), "threshold"),
         (dict(min_threshold=0.8, max_threshold=0.6), "min_threshold"),
+        (dict(stop=["a", "b", "c", "d", "e"]), "stop"),  # at most 4
+        (dict(stop=["a", ""]), "stop"),
+        (dict(stop=[3]), "stop"),
     ],
 )
 def test_bad_arguments_are_named(kw, param):
@@ -78,3 +81,31 @@ def test_request_carries_the_checked_fields():
     assert (r.cost, r.prior_steps) == (16.0, {0.9: 3.0})
     without_prior = check(intake(dws=FixedEstimate()))
     assert (without_prior.cost, without_prior.prior_steps) == (16.0, None)
+
+
+def test_stop_strings_one_or_a_list():
+    assert check(intake()).stop == ()
+    assert check(intake(), stop="\n").stop == ("\n",)
+    assert check(intake(), stop=["##", "."]).stop == ("##", ".")
+
+
+def streamed(stop, commits, final):
+    """What a handle with `stop` streams as its committed text grows through `commits`, then
+    once more as the final text; and whether a stop string came."""
+    r = check(intake()).request("r", 0.0, block_len=8, mask_id=9)
+    handle = RequestHandle(r, 0.0, stop)
+    stopped = [handle.extend_text(text) for text in commits]
+    stopped.append(handle.extend_text(final, final=True))
+    handle._push(None)
+    return list(handle), stopped
+
+
+def test_a_stream_holds_back_what_may_start_a_stop_string_and_ends_before_one():
+    # "4 #" may be the start of "###": held back until the text shows it is not
+    deltas, stopped = streamed(("###",), ["1 + 3 = 4 #", "1 + 3 = 4 # 5"], "1 + 3 = 4 # 5")
+    assert deltas == ["1 + 3 = 4 ", "# 5"] and stopped == [False, False, False]
+    deltas, stopped = streamed(("###",), ["1 + 3 = 4\n#", "1 + 3 = 4\n### 4"], "")
+    assert deltas == ["1 + 3 = 4\n"] and stopped == [False, True, False]
+    # the first of several stop strings wins; without stop strings nothing is held back
+    assert streamed(("=", "+"), ["1 + 3 = 4"], "")[0] == ["1 "]
+    assert streamed((), ["1 + 3 =", "1 + 3 = 4"], "1 + 3 = 4")[0] == ["1 + 3 =", " 4"]

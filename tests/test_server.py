@@ -138,6 +138,43 @@ def test_bad_requests_get_400_naming_the_field(live, fields, param):
     assert param in err.value.body["message"] or param == "messages"
 
 
+def test_stop_strings_end_the_answer_plain_and_streamed(live, offline):
+    question = next(q for q in QUESTIONS if "\n####" in offline[q])
+    before = offline[question].split("\n####")[0]
+    messages = [{"role": "user", "content": question}]
+    args = dict(model=MODEL, messages=messages, stop=["\n####"], extra_body=PINNED)
+    reply = live.client.chat.completions.create(**args)
+    assert reply.choices[0].message.content == before
+    assert reply.choices[0].finish_reason == "stop"
+    chunks = list(live.client.chat.completions.create(**args, stream=True))
+    deltas = [c.choices[0].delta.content or "" for c in chunks]
+    assert "".join(deltas) == before and not any("#" in d for d in deltas)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"logprobs": 2}, "logprobs"),
+        ({"echo": True}, "echo"),
+        ({"suffix": "x"}, "suffix"),
+        ({"best_of": 3}, "best_of"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"prompt": ["one", "two"]}, "prompt"),
+        ({"prompt": None}, "prompt"),
+    ],
+)
+def test_completion_fields_this_server_cannot_honour_get_400(live, body, param):
+    r = httpx.post(f"{live.url}/v1/completions", json={"model": MODEL, "prompt": "1 + 1", **body})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == param and param in error["message"]
+
+
+def test_a_body_that_is_not_an_object_is_a_400_saying_so(live):
+    r = httpx.post(f"{live.url}/v1/completions", json=[1, 2])
+    assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"]
+
+
 def test_malformed_json_is_a_400_in_openai_shape(live):
     r = httpx.post(
         f"{live.url}/v1/chat/completions",

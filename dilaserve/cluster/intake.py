@@ -1,11 +1,12 @@
 """A submission checked before it is queued: prompt ids (through the chat template or plain),
-the output window in whole blocks within the model's context, threshold bounds, the SLO, and
-DWS's expected cost and step prior. Every check raises `InvalidRequest` naming the argument,
-so one bad request is refused alone; `Cluster.submit` then queues what passed.
+the output window in whole blocks within the model's context, threshold bounds, the SLO, stop
+strings, and DWS's expected cost and step prior. Every check raises `InvalidRequest` naming the
+argument, so one bad request is refused alone; `Cluster.submit` then queues what passed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dilaserve.cluster.requests import InvalidRequest
@@ -24,6 +25,7 @@ class Submission:
     bounds: tuple[float, float] | None
     cost: float | None  # DWS's expected cost (None without DWS)
     prior_steps: dict[float, float] | None  # DWS's expected steps, when the prior is on
+    stop: tuple[str, ...] = ()  # the answer ends before the first of these strings
 
     def request(self, request_id: str, submitted: float, block_len: int, mask_id: int) -> Request:
         return Request(
@@ -61,9 +63,11 @@ class Intake:
         min_threshold: float | None,
         max_threshold: float | None,
         text: str | None,
+        stop: str | Sequence[str] | None = None,
     ) -> Submission:
         """See `Cluster.submit` for the arguments."""
         bounds = threshold_bounds(threshold, min_threshold, max_threshold)
+        stop = stop_strings(stop)
         ids = self._prompt_ids(prompt, chat)
         gen_len = self._window(max_tokens, len(ids))
         if slo is not None and slo <= 0:
@@ -72,7 +76,7 @@ class Intake:
             text or (prompt if isinstance(prompt, str) else None), ids, gen_len
         )
         prior = prior if self.dws_prior else None
-        return Submission(tuple(ids), gen_len, slo, priority, bounds, cost, prior)
+        return Submission(tuple(ids), gen_len, slo, priority, bounds, cost, prior, stop)
 
     def _prompt_ids(self, prompt: str | list[int], chat: bool) -> list[int]:
         if isinstance(prompt, str):
@@ -124,3 +128,18 @@ def threshold_bounds(
     if lo > hi:
         raise InvalidRequest("min_threshold", f"min_threshold={lo} exceeds max_threshold={hi}")
     return (lo, hi)
+
+
+MAX_STOP_STRINGS = 4  # as OpenAI's API
+
+
+def stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
+    """A request's stop strings: one string, or up to `MAX_STOP_STRINGS`, none empty."""
+    if stop is None:
+        return ()
+    strings = (stop,) if isinstance(stop, str) else tuple(stop)
+    if len(strings) > MAX_STOP_STRINGS:
+        raise InvalidRequest("stop", f"stop has {len(strings)} strings; at most {MAX_STOP_STRINGS}")
+    if not all(isinstance(s, str) and s for s in strings):
+        raise InvalidRequest("stop", "stop strings must be non-empty strings")
+    return strings

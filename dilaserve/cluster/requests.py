@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import queue
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -51,16 +52,34 @@ class RequestResult:
     first_block_latency: float | None
     mean_threshold: float
     met_slo: bool
+    finish_reason: str = "length"  # "stop": the model ended its answer, or a stop string came
+
+
+def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
+    """`text` before the first occurrence of any of the `stop` strings, and whether one occurs."""
+    cut = min((i for s in stop if (i := text.find(s)) >= 0), default=-1)
+    return (text, False) if cut < 0 else (text[:cut], True)
+
+
+def held_back(text: str, stop: Sequence[str]) -> int:
+    """How many characters at the end of `text` may be the start of a stop string (and so
+    may not be streamed until more text is committed)."""
+    return max(
+        (n for s in stop for n in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:n])),
+        default=0,
+    )
 
 
 class RequestHandle:
     """A submitted request: a future of its `RequestResult`, and its committed text as it
     grows (iterate it, or `async for` over it). Deltas are text whose every token and every
-    token before it is committed, in order."""
+    token before it is committed, in order; with `stop` strings, text before the first of them
+    only (the request ends there), and nothing that may be the start of one."""
 
-    def __init__(self, request: Request, submitted: float):
+    def __init__(self, request: Request, submitted: float, stop: Sequence[str] = ()):
         self.request = request
         self.submitted = submitted
+        self.stop = tuple(stop)
         self.future: concurrent.futures.Future[RequestResult] = concurrent.futures.Future()
         self._deltas: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -80,11 +99,17 @@ class RequestHandle:
     def result(self, timeout: float | None = None) -> RequestResult:
         return self.future.result(timeout)
 
-    def extend_text(self, text: str) -> None:
-        """Stream what `text` adds to the text already sent (committed text only grows)."""
+    def extend_text(self, text: str, final: bool = False) -> bool:
+        """Stream what committed `text` adds to the text already sent (committed text only
+        grows), up to the first stop string, holding back a possible start of one unless
+        `final`. Returns whether a stop string has come."""
+        text, stopped = cut_at_stop(text, self.stop)
+        if not (stopped or final):
+            text = text[: len(text) - held_back(text, self.stop)]
         if text.startswith(self.sent_text) and len(text) > len(self.sent_text):
             self._push(text[len(self.sent_text) :])
             self.sent_text = text
+        return stopped
 
     def _push(self, item) -> None:
         self._deltas.put(item)

@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 
 from dilaserve.cluster.backends import Backend, WorkerEvent
@@ -39,6 +40,7 @@ from dilaserve.cluster.requests import (
     Recording,
     RequestHandle,
     RequestResult,
+    cut_at_stop,
 )
 from dilaserve.control.build import build_scheduler
 from dilaserve.control.decisions import DecisionLog, Decisions, InstanceSpec
@@ -183,16 +185,28 @@ class Cluster:
         min_threshold: float | None = None,
         max_threshold: float | None = None,
         text: str | None = None,
+        stop: str | Sequence[str] | None = None,
     ) -> RequestHandle:
         """Queue a request (thread-safe). `max_tokens` is the output window, rounded up to
         whole blocks; `slo` seconds from now (default: the scheduler's). `threshold` pins the
         confidence threshold; `min_threshold`/`max_threshold` bound what the policy may pick.
         `text`: the user's prompt text for the DWS predictor (default: `prompt` if a string).
+        `stop`: up to 4 strings; the answer ends before the first of them, and the request
+        stops being worked on once one is committed.
 
         Raises ValueError naming a bad argument, `Overloaded` when admission control refuses
         work, and `Closed` when the cluster is not serving."""
         submission = self.intake.check(
-            prompt, max_tokens, slo, priority, chat, threshold, min_threshold, max_threshold, text
+            prompt,
+            max_tokens,
+            slo,
+            priority,
+            chat,
+            threshold,
+            min_threshold,
+            max_threshold,
+            text,
+            stop,
         )
         with self._lock:
             if not self._accepting:
@@ -207,7 +221,7 @@ class Cluster:
             request = submission.request(
                 rid, submitted, self.block_len, self.tokenizer.special.mask
             )
-            handle = RequestHandle(request, submitted)
+            handle = RequestHandle(request, submitted, submission.stop)
             self._handles[rid] = handle
             self._arrivals.append(handle)
         self.backend.wake()
@@ -292,7 +306,7 @@ class Cluster:
         for result in event.output.results:
             handle = self._handles.get(result.request_id)
             if handle is not None and not handle.request.is_finished:
-                self._stream(handle)
+                self._stream(handle, now)
         self.rollout.on_step_done(iid, now)
 
     def _step_failed(self, iid: str, error: str, now: float) -> None:
@@ -358,12 +372,17 @@ class Cluster:
 
     # -- results -----------------------------------------------------------------------------
 
-    def _stream(self, handle: RequestHandle) -> None:
-        """Send the text whose tokens, and all before them, are committed (when it grew)."""
+    def _stream(self, handle: RequestHandle, now: float) -> None:
+        """Send the text whose tokens, and all before them, are committed (when it grew); a
+        request whose committed text reaches a stop string is done."""
         prefix = handle.request.generated_ids(self.tokenizer.special.stop_ids)
-        if len(prefix) > handle.sent_tokens:
-            handle.extend_text(self.tokenizer.decode(prefix))
-            handle.sent_tokens = len(prefix)
+        if len(prefix) <= handle.sent_tokens:
+            return
+        handle.sent_tokens = len(prefix)
+        if handle.extend_text(self.tokenizer.decode(prefix)):
+            rid = handle.request_id
+            self.apply(self.scheduler.cancel(rid), now, f"c{rid}")
+            self._finish(rid, now)
 
     def _finish(self, rid: str, now: float) -> None:
         handle = self._handles.pop(rid, None)
@@ -372,18 +391,19 @@ class Cluster:
         r = handle.request
         ids = r.generated_ids(self.tokenizer.special.stop_ids)
         text = self.tokenizer.decode(ids)
-        handle.extend_text(text)
+        stopped = handle.extend_text(text, final=True)
         handle._push(None)
         first = None if r.first_block_time is None else r.first_block_time - handle.submitted
         result = RequestResult(
             rid,
-            text,
+            cut_at_stop(text, handle.stop)[0],
             tuple(ids),
             r.num_steps,
             now - handle.submitted,
             first,
             r.mean_threshold,
             now <= r.deadline,
+            "stop" if stopped or len(ids) < r.gen_len else "length",
         )
         if self.observer is not None:
             self.observer.request_done(result, r.threshold_steps)

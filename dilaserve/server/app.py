@@ -134,12 +134,27 @@ def _add_error_handlers(app: FastAPI) -> None:
         first = exc.errors()[0]
         if first.get("type") == "json_invalid":
             return error(400, "the request body is not valid JSON")
-        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+        param = _param(first.get("loc", ()))
+        if param is None:
+            return error(400, f"the request body must be a JSON object: {first.get('msg')}")
         return error(400, f"{param}: {first.get('msg')}", param)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
         return error(exc.status_code, str(exc.detail))
+
+
+def _param(loc) -> str | None:
+    """The field a validation error's location names: `messages.0.content`, without the body
+    and pydantic's tags of union members (`str`, `list[int]`, ...)."""
+    names = [str(p) for p in loc if p != "body" and not _is_type_tag(p)]
+    return ".".join(names) or None
+
+
+def _is_type_tag(part) -> bool:
+    return isinstance(part, str) and (
+        part in ("str", "int", "float", "bool", "dict", "list") or "[" in part
+    )
 
 
 class _Api:
@@ -158,6 +173,9 @@ class _Api:
                 f"{self.settings.model_name!r})",
                 "model",
             )
+        unsupported = body.unsupported()
+        if unsupported is not None:
+            return error(400, f"{unsupported} is not supported by this server", unsupported)
         slo = body.slo_ms / 1000 if body.slo_ms is not None else None
         if body.deadline is not None:
             slo = body.deadline - time.time()
@@ -174,6 +192,7 @@ class _Api:
                 min_threshold=body.min_threshold,
                 max_threshold=body.max_threshold,
                 text=text,
+                stop=body.stop,
             )
         except InvalidRequest as e:
             return error(400, str(e), "messages" if chat and e.param == "prompt" else e.param)
@@ -202,7 +221,7 @@ class _Api:
             async for delta in handle:
                 yield _sse(shape.chunk(handle, name, delta=delta))
             result = handle.future.result()
-            yield _sse(shape.chunk(handle, name, finish=_finish_reason(handle, result)))
+            yield _sse(shape.chunk(handle, name, finish=result.finish_reason))
             if include_usage:
                 yield _sse(
                     {**shape.head(handle, name), "choices": [], "usage": _usage(handle, result)}
@@ -217,11 +236,6 @@ class _Api:
 
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
-
-
-def _finish_reason(handle: RequestHandle, result: RequestResult) -> str:
-    """ "stop" when the model ended its answer, "length" when the window ran out."""
-    return "stop" if len(result.token_ids) < handle.request.gen_len else "length"
 
 
 def _usage(handle: RequestHandle, result: RequestResult) -> dict:
@@ -254,7 +268,7 @@ class _CompletionShape:
 
     def response(self, handle, result, model) -> dict:
         choice = {"index": 0, "text": result.text, "logprobs": None}
-        choice["finish_reason"] = _finish_reason(handle, result)
+        choice["finish_reason"] = result.finish_reason
         usage = _usage(handle, result)
         return {
             **self.head(handle, model),
@@ -284,7 +298,7 @@ class _ChatShape:
     def response(self, handle, result, model) -> dict:
         message = {"role": "assistant", "content": result.text}
         choice = {"index": 0, "message": message, "logprobs": None}
-        choice["finish_reason"] = _finish_reason(handle, result)
+        choice["finish_reason"] = result.finish_reason
         usage = _usage(handle, result)
         head = self.head(handle, model, final=True)
         return {**head, "choices": [choice], "usage": usage, "dilaserve": _extras(result)}

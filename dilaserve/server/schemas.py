@@ -1,8 +1,11 @@
 """Request bodies of the OpenAI-compatible API, with dilaserve's extension fields.
 
-Fields OpenAI clients commonly send that do not apply to a diffusion model's step-level
-decoding (temperature, top_p, stop, user, ...) are accepted and ignored, so existing clients
-work unchanged. Extension fields:
+`stop` (a string, or up to 4) ends the answer before the first of them; the request stops
+being worked on once one is committed. Sampling fields OpenAI clients commonly send that do not
+apply to confidence-threshold decoding (temperature, top_p, seed, user, ...) are accepted and
+ignored, so existing clients work unchanged. Fields asking for what this server cannot give
+(`logprobs`, `top_logprobs`, `echo`, `best_of` above 1, `suffix`) get a 400 naming them, rather
+than a silently different answer. Extension fields:
 
 - `slo_ms`: the latency SLO in milliseconds from submission, or `deadline`: a Unix time in
   seconds; default: the server's `--slo`;
@@ -14,7 +17,7 @@ work unchanged. Extension fields:
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class _Generation(BaseModel):
@@ -31,14 +34,34 @@ class _Generation(BaseModel):
     threshold: float | None = Field(None, gt=0, le=1)
     min_threshold: float | None = Field(None, gt=0, le=1)
     max_threshold: float | None = Field(None, gt=0, le=1)
+    stop: str | list[str] | None = None
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
 
+    def unsupported(self) -> str | None:
+        """The first field asking for what this server cannot give, if any."""
+        return next((name for name in _UNSUPPORTED if getattr(self, name, None)), None)
+
+
+_UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix")  # each refused when set (truthy)
+
 
 class CompletionRequest(_Generation):
     prompt: str | list[int] = Field(min_length=1)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int = Field(1, ge=1, le=1)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value):
+        if isinstance(value, list) and any(isinstance(item, str) for item in value):
+            raise ValueError("one prompt per request (a list of strings is several prompts)")
+        return value
 
 
 class ChatMessage(BaseModel):
