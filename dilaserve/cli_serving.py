@@ -6,6 +6,7 @@ Kept apart from `cli.py` (the offline commands and the entry point), which regis
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -175,7 +176,14 @@ def _add_run_trace_command(sub) -> None:
 def cmd_serve(args) -> None:
     from dilaserve.server.main import serve
 
-    serve(_cluster_config(args), args.host, args.port, args.served_model_name, args.drain_timeout)
+    serve(
+        _cluster_config(args),
+        args.host,
+        args.port,
+        args.served_model_name,
+        args.drain_timeout,
+        args.api_key,
+    )
 
 
 def _add_serve_command(sub) -> None:
@@ -191,7 +199,16 @@ def _add_serve_command(sub) -> None:
     sv.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds to finish requests at shutdown"
     )
+    _add_api_key(sv, "clients of /v1/ must send it as 'Authorization: Bearer KEY'")
     sv.set_defaults(func=cmd_serve)
+
+
+def _add_api_key(parser, meaning: str) -> None:
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("DILASERVE_API_KEY"),
+        help=f"{meaning} (default: $DILASERVE_API_KEY; none: no key)",
+    )
 
 
 def cmd_bench(args) -> None:
@@ -213,6 +230,7 @@ def cmd_bench(args) -> None:
         seed=args.seed,
         timeout=args.timeout,
         extra=extra,
+        api_key=args.api_key,
     )
     try:
         records, summary = run_bench(spec, progress=sys.stderr)
@@ -237,6 +255,7 @@ def _add_bench_command(sub) -> None:
     b.add_argument("--threshold", type=float, default=None, help="pin every request's threshold")
     b.add_argument("--model", default=None, help="default: the server's first model")
     b.add_argument("--timeout", type=float, default=60.0, help="seconds per request")
+    _add_api_key(b, "sent as 'Authorization: Bearer KEY'")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--out", default="runs", help="folder for run folders")
     b.set_defaults(func=cmd_bench)

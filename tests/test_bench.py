@@ -41,7 +41,7 @@ def stub_app(problems, bodies: list[dict]) -> FastAPI:
 
     async def answer(request: Request, chat: bool):
         body = await request.json()
-        bodies.append(body)
+        bodies.append({**body, "authorization": request.headers.get("authorization")})
         if not (body.get("stream") and body.get("stream_options", {}).get("include_usage")):
             return JSONResponse({"error": {"message": "stream with usage expected"}}, 400)
         question = body["messages"][-1]["content"] if chat else body["prompt"]
@@ -124,6 +124,7 @@ def test_bench_against_stub(server, trace_csv, tmp_path, endpoint):
         seed=SEED,
         timeout=10,
         extra={"threshold": 0.9},
+        api_key="sekret",
     )
     records, summary = run_bench(spec)
 
@@ -138,6 +139,7 @@ def test_bench_against_stub(server, trace_csv, tmp_path, endpoint):
     assert len(bodies) == n
     assert {b["model"] for b in bodies} == {"stub-model"}
     assert all(b["threshold"] == 0.9 and b["slo_ms"] == SLO_MS for b in bodies)
+    assert {b["authorization"] for b in bodies} == {"Bearer sekret"}
 
     for i, r in enumerate(records):
         if i == REJECTED:
@@ -165,6 +167,7 @@ def test_bench_against_stub(server, trace_csv, tmp_path, endpoint):
         "summary.json",
     ]
     assert json.loads((folder / "config.json").read_text())["bench"]["endpoint"] == endpoint
+    assert "sekret" not in (folder / "config.json").read_text()  # a key is never saved
     assert json.loads((folder / "summary.json").read_text())["ok"] == n - 1
 
 

@@ -238,13 +238,17 @@ class _RefusingCluster:
             instances=(1,),
             worker=SimpleNamespace(engine=SimpleNamespace(device="cpu")),
         )
-        self.accepting, self.in_flight, self.stats = False, 0, {}
+        self.accepting, self.in_flight = False, 0
+        self.stats = {"migrations": 0, "reconfigurations": 0, "failures": 0}
 
     def submit(self, *args, **kwargs):
         raise self.error
 
     def instances_by_tp(self):
         return {}
+
+    def queue_length(self):
+        return 0
 
 
 @pytest.mark.parametrize("error, status", [(Overloaded("full"), 429), (Closed("bye"), 503)])
@@ -255,6 +259,23 @@ def test_refused_work_gets_retry_after(error, status):
         assert r.status_code == status and int(r.headers["retry-after"]) >= 1
         assert r.json()["error"]["message"] == str(error)
         assert client.get("/health").status_code == 503
+
+
+def test_an_api_key_guards_the_v1_endpoints_only():
+    cluster = _RefusingCluster(Overloaded("full"))
+    settings = ServerSettings(MODEL, api_key="sekret")
+    app = create_app(cluster, settings, ServerMetrics(), manage=False)
+    body = {"model": MODEL, "prompt": "hi"}
+    with TestClient(app) as client:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
+            r = client.post("/v1/completions", json=body, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert client.get("/v1/models").status_code == 401
+        good = {"Authorization": "Bearer sekret"}
+        assert client.post("/v1/completions", json=body, headers=good).status_code == 429
+        assert client.get("/v1/models", headers=good).status_code == 200
+        assert client.get("/metrics").status_code == 200  # probes and scrapers need no key
+        assert client.get("/health").status_code == 503  # (this cluster is not accepting)
 
 
 def test_shutdown_finishes_a_stream_in_flight(offline):

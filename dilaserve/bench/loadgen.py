@@ -47,6 +47,7 @@ class BenchSpec:
     seed: int = 0
     timeout: float = 60.0  # seconds per request, send to [DONE]
     extra: dict = field(default_factory=dict)  # more request fields, e.g. {"threshold": 0.9}
+    api_key: str | None = field(default=None, repr=False)  # sent as a bearer token; never saved
 
     def __post_init__(self):
         if not self.url.startswith(("http://", "https://")):
@@ -133,7 +134,10 @@ async def bench(spec: BenchSpec, progress: TextIO | None = None) -> tuple[list[d
     # One connection per request: an open loop must never queue behind the client's own pool.
     limits = httpx.Limits(max_connections=len(arrivals), max_keepalive_connections=64)
     timeout = httpx.Timeout(spec.timeout)
-    async with httpx.AsyncClient(base_url=spec.url, limits=limits, timeout=timeout) as client:
+    headers = {} if spec.api_key is None else {"Authorization": f"Bearer {spec.api_key}"}
+    async with httpx.AsyncClient(
+        base_url=spec.url, limits=limits, timeout=timeout, headers=headers
+    ) as client:
         model = spec.model or await _first_model(client, spec.url)
         bar = ProgressBar(len(arrivals), progress)
         loop = asyncio.get_running_loop()
@@ -318,7 +322,8 @@ def write_bench_run(records: list[dict], summary: dict, spec: BenchSpec, root) -
     """A run folder: config.json (spec and environment), records.csv (answers cut to
     TEXT_IN_CSV characters), summary.json and report.md."""
     folder = create_run_dir(root, "bench")
-    write_json(folder / "config.json", {"bench": asdict(spec), "environment": environment()})
+    config = {k: v for k, v in asdict(spec).items() if k != "api_key"}
+    write_json(folder / "config.json", {"bench": config, "environment": environment()})
     write_records(folder / "records.csv", [{**r, "text": r["text"][:TEXT_IN_CSV]} for r in records])
     write_json(folder / "summary.json", summary)
     rows = [{"metric": k, "value": v} for k, v in summary.items()]

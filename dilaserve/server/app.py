@@ -7,7 +7,9 @@ text goes out once it and everything before it is committed. `usage` counts gene
 only. Errors have OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`): 400
 naming the bad field, 429 (too many requests in flight) and 503 (shutting down) with
 Retry-After. One bad request never touches another: validation happens before the request
-reaches the cluster, and a failed request fails alone.
+reaches the cluster, and a failed request fails alone. With an API key set, `/v1/` endpoints
+answer only requests carrying `Authorization: Bearer KEY` (401 otherwise); `/health` and
+`/metrics` stay open to probes and scrapers.
 
 The app starts the cluster when it starts and, on shutdown, stops taking requests, lets those
 in flight finish (up to `drain_timeout` seconds), then stops the instances.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -49,13 +52,16 @@ class ServerSettings:
     address: str = ""  # for the start-up log line
     drain_timeout: float = 30.0  # seconds in-flight requests may take at shutdown
     retry_after: int = 1  # seconds a refused client should wait (429)
+    api_key: str | None = None  # clients of /v1/ must send it as a bearer token
 
 
-def error(status: int, message: str, param: str | None = None, headers=None) -> JSONResponse:
+def error(
+    status: int, message: str, param: str | None = None, headers=None, code: str | None = None
+) -> JSONResponse:
     kind = {429: "rate_limit_error", 503: "service_unavailable"}.get(
         status, "invalid_request_error" if status < 500 else "server_error"
     )
-    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -91,6 +97,8 @@ def create_app(
     api = _Api(cluster, settings, metrics)
 
     _add_error_handlers(app)
+    if settings.api_key:
+        _require_api_key(app, settings.api_key)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
@@ -142,6 +150,17 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
         return error(exc.status_code, str(exc.detail))
+
+
+def _require_api_key(app: FastAPI, key: str) -> None:
+    expected = f"Bearer {key}".encode()
+
+    @app.middleware("http")
+    async def authorise(request: Request, call_next):
+        sent = request.headers.get("authorization", "").encode()
+        if request.url.path.startswith("/v1/") and not secrets.compare_digest(sent, expected):
+            return error(401, "a valid API key is required", code="invalid_api_key")
+        return await call_next(request)
 
 
 def _param(loc) -> str | None:

@@ -31,11 +31,13 @@ def serve(
     port: int = 8000,
     model_name: str | None = None,
     drain_timeout: float = 30.0,
+    api_key: str | None = None,
 ) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     address = f"http://{host}:{port}"
     name = model_name or Path(config.worker.model).name
-    app, _ = build_app(config, ServerSettings(name, address, drain_timeout))
+    settings = ServerSettings(name, address, drain_timeout, api_key=api_key)
+    app, _ = build_app(config, settings)
     uvicorn.run(
         app,
         host=host,
