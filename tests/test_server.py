@@ -210,6 +210,19 @@ def test_a_bad_request_among_good_ones_affects_none(live, offline):
     assert results == offline and bad == [400, 400, 400]
 
 
+def test_a_client_that_gives_up_on_a_plain_request_frees_the_cluster(live):
+    # not an arithmetic question, so no early answer: 448 steps of one token at threshold 1.0
+    body = {"model": MODEL, "prompt": "0 0 0", "max_tokens": 448, "threshold": 1.0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{live.url}/v1/completions", json=body, timeout=0.5)
+    deadline = time.monotonic() + 10
+    while live.cluster.in_flight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert live.cluster.in_flight == 0
+    metrics = httpx.get(f"{live.url}/metrics").text
+    assert 'dilaserve_requests_total{outcome="cancelled"} 1.0' in metrics
+
+
 def test_metrics_expose_outcomes_thresholds_instances_and_steps(live):
     live.client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": QUESTIONS[0]}]

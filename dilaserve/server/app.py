@@ -7,7 +7,8 @@ text goes out once it and everything before it is committed. `usage` counts gene
 only. Errors have OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`): 400
 naming the bad field, 429 (too many requests in flight) and 503 (shutting down) with
 Retry-After. One bad request never touches another: validation happens before the request
-reaches the cluster, and a failed request fails alone. With an API key set, `/v1/` endpoints
+reaches the cluster, and a failed request fails alone. A client that disconnects, streaming
+or not, has its request cancelled. With an API key set, `/v1/` endpoints
 answer only requests carrying `Authorization: Bearer KEY` (401 otherwise); `/health` and
 `/metrics` stay open to probes and scrapers.
 
@@ -101,11 +102,11 @@ def create_app(
         _require_api_key(app, settings.api_key)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
-        return await api.generate(body, body.prompt, body.max_tokens, chat=False)
+    async def completions(body: CompletionRequest, request: Request):
+        return await api.generate(request, body, body.prompt, body.max_tokens, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest):
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
             text = cluster.tokenizer.apply_chat_template(messages)
@@ -113,7 +114,7 @@ def create_app(
             return error(400, f"messages: {e}", "messages")
         ids = cluster.tokenizer.encode(text)
         user = next((m["content"] for m in reversed(messages) if m["role"] == "user"), text)
-        return await api.generate(body, ids, body.window, chat=True, text=user)
+        return await api.generate(request, body, ids, body.window, chat=True, text=user)
 
     @app.get("/v1/models")
     async def models():
@@ -184,7 +185,9 @@ class _Api:
         self.settings = settings
         self.metrics = metrics
 
-    async def generate(self, body, prompt, max_tokens: int | None, chat: bool, text=None):
+    async def generate(
+        self, request: Request, body, prompt, max_tokens: int | None, chat: bool, text=None
+    ):
         if body.model != self.settings.model_name:
             return error(
                 400,
@@ -227,10 +230,26 @@ class _Api:
                 self._events(handle, shape, body.include_usage), media_type="text/event-stream"
             )
         try:
-            result = await asyncio.wrap_future(handle.future)
+            result = await self._answer_or_cancel(handle, request)
         except Exception as e:
             return error(500, f"request {handle.request_id} failed: {e}")
+        if result is None:  # the client went away; nobody reads this
+            return Response(status_code=499)
         return shape.response(handle, result, self.settings.model_name)
+
+    async def _answer_or_cancel(self, handle: RequestHandle, request: Request):
+        """The request's result, or None once its client disconnects, after which the cluster
+        stops working on it (a client that timed out must not keep holding capacity)."""
+        answer = asyncio.wrap_future(handle.future)
+        gone = asyncio.ensure_future(_disconnected(request))
+        await asyncio.wait((answer, gone), return_when=asyncio.FIRST_COMPLETED)
+        gone.cancel()
+        if answer.done():
+            return answer.result()
+        # not answer.cancel(): that would cancel the handle's future under the controller
+        answer.add_done_callback(lambda f: f.cancelled() or f.exception())  # read: no warning
+        self.cluster.cancel(handle.request_id)
+        return None
 
     async def _events(self, handle: RequestHandle, shape, include_usage: bool):
         name = self.settings.model_name
@@ -251,6 +270,12 @@ class _Api:
             if not handle.future.done():  # the client went away: stop working on it
                 self.cluster.cancel(handle.request_id)
         yield "data: [DONE]\n\n"
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read: what comes next is that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _sse(payload: dict) -> str:
