@@ -1,6 +1,7 @@
 """What a caller of the cluster holds: a request's handle (a future of its result and a stream
-of its committed text), the errors `Cluster.submit` raises, the observer interface monitors
-implement, and a run's recording for replay in the simulator. No torch, no processes.
+of its committed text), what fills it (`Answers`: streamed text, stop strings, the result or the
+error), the errors `Cluster.submit` raises, the observer interface monitors implement, and a
+run's recording for replay in the simulator. No torch, no processes.
 """
 
 from __future__ import annotations
@@ -53,6 +54,26 @@ class RequestResult:
     mean_threshold: float
     met_slo: bool
     finish_reason: str = "length"  # "stop": the model ended its answer, or a stop string came
+
+    @classmethod
+    def of(
+        cls, handle: RequestHandle, ids: list[int], text: str, stopped: bool, now: float
+    ) -> RequestResult:
+        """A finished request's answer: `ids` its generated tokens, `text` their text (cut
+        before its first stop string), `stopped` whether one came."""
+        r = handle.request
+        first = None if r.first_block_time is None else r.first_block_time - handle.submitted
+        return cls(
+            handle.request_id,
+            cut_at_stop(text, handle.stop)[0],
+            tuple(ids),
+            r.num_steps,
+            now - handle.submitted,
+            first,
+            r.mean_threshold,
+            now <= r.deadline,
+            "stop" if stopped or len(ids) < r.gen_len else "length",
+        )
 
 
 def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
@@ -129,6 +150,43 @@ class RequestHandle:
             if isinstance(item, BaseException):
                 raise item
             yield item
+
+
+class Answers:
+    """What callers see of their requests: committed text streamed as it grows, the result
+    when a request finishes, the error when it fails; the observer hears of each outcome."""
+
+    def __init__(self, tokenizer, observer: Observer | None = None):
+        self.tokenizer = tokenizer  # models.tokenizer.Tokenizer
+        self.observer = observer
+
+    def stream(self, handle: RequestHandle) -> bool:
+        """Send the text whose tokens, and all before them, are committed (when it grew).
+        Returns whether it has reached a stop string: the request is done."""
+        prefix = handle.request.generated_ids(self.tokenizer.special.stop_ids)
+        if len(prefix) <= handle.sent_tokens:
+            return False
+        handle.sent_tokens = len(prefix)
+        return handle.extend_text(self.tokenizer.decode(prefix))
+
+    def finish(self, handle: RequestHandle, now: float) -> None:
+        r = handle.request
+        ids = r.generated_ids(self.tokenizer.special.stop_ids)
+        text = self.tokenizer.decode(ids)
+        stopped = handle.extend_text(text, final=True)
+        handle._push(None)
+        result = RequestResult.of(handle, ids, text, stopped, now)
+        if self.observer is not None:
+            self.observer.request_done(result, r.threshold_steps)
+        handle.future.set_result(result)
+
+    def fail(self, handle: RequestHandle, error: BaseException) -> None:
+        if handle.future.done():
+            return
+        if self.observer is not None:
+            self.observer.request_failed(handle.request_id, type(error).__name__)
+        handle.future.set_exception(error)
+        handle._push(error)
 
 
 @dataclass

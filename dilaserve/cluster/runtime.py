@@ -33,14 +33,13 @@ from dilaserve.cluster.backends import Backend, WorkerEvent
 from dilaserve.cluster.config import ClusterConfig, make_backend
 from dilaserve.cluster.intake import Intake
 from dilaserve.cluster.requests import (
+    Answers,
     Closed,
     InvalidRequest,
     Observer,
     Overloaded,
     Recording,
     RequestHandle,
-    RequestResult,
-    cut_at_stop,
 )
 from dilaserve.control.build import build_scheduler
 from dilaserve.control.decisions import DecisionLog, Decisions, InstanceSpec
@@ -76,6 +75,7 @@ class Cluster:
             config.dws_prior,
         )
         self.observer = observer
+        self.answers = Answers(self.tokenizer, observer)
         self.rollout = Rollout(self.scheduler, self, config.max_batch_tokens)
         self.log = DecisionLog(keep_lines=config.record)
         self.recording = Recording() if config.record else None
@@ -303,10 +303,13 @@ class Cluster:
             self.recording.launches.append((iid, launched, now, event.output.results))
         decisions = self.scheduler.on_step_done(iid, event.output, now)
         self.apply(decisions, now, f"d{iid}")
-        for result in event.output.results:
-            handle = self._handles.get(result.request_id)
-            if handle is not None and not handle.request.is_finished:
-                self._stream(handle, now)
+        for result in event.output.results:  # stream what they committed
+            rid = result.request_id
+            handle = self._handles.get(rid)
+            if handle is None or handle.request.is_finished or not self.answers.stream(handle):
+                continue
+            self.apply(self.scheduler.cancel(rid), now, f"c{rid}")  # a stop string came
+            self._finish(rid, now)
         self.rollout.on_step_done(iid, now)
 
     def _step_failed(self, iid: str, error: str, now: float) -> None:
@@ -372,47 +375,11 @@ class Cluster:
 
     # -- results -----------------------------------------------------------------------------
 
-    def _stream(self, handle: RequestHandle, now: float) -> None:
-        """Send the text whose tokens, and all before them, are committed (when it grew); a
-        request whose committed text reaches a stop string is done."""
-        prefix = handle.request.generated_ids(self.tokenizer.special.stop_ids)
-        if len(prefix) <= handle.sent_tokens:
-            return
-        handle.sent_tokens = len(prefix)
-        if handle.extend_text(self.tokenizer.decode(prefix)):
-            rid = handle.request_id
-            self.apply(self.scheduler.cancel(rid), now, f"c{rid}")
-            self._finish(rid, now)
-
     def _finish(self, rid: str, now: float) -> None:
         handle = self._handles.pop(rid, None)
-        if handle is None:
-            return
-        r = handle.request
-        ids = r.generated_ids(self.tokenizer.special.stop_ids)
-        text = self.tokenizer.decode(ids)
-        stopped = handle.extend_text(text, final=True)
-        handle._push(None)
-        first = None if r.first_block_time is None else r.first_block_time - handle.submitted
-        result = RequestResult(
-            rid,
-            cut_at_stop(text, handle.stop)[0],
-            tuple(ids),
-            r.num_steps,
-            now - handle.submitted,
-            first,
-            r.mean_threshold,
-            now <= r.deadline,
-            "stop" if stopped or len(ids) < r.gen_len else "length",
-        )
-        if self.observer is not None:
-            self.observer.request_done(result, r.threshold_steps)
-        handle.future.set_result(result)
+        if handle is not None:
+            self.answers.finish(handle, now)
 
     def _fail(self, handle: RequestHandle, error: BaseException) -> None:
         self._handles.pop(handle.request_id, None)
-        if not handle.future.done():
-            if self.observer is not None:
-                self.observer.request_failed(handle.request_id, type(error).__name__)
-            handle.future.set_exception(error)
-            handle._push(error)
+        self.answers.fail(handle, error)

@@ -107,14 +107,7 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            text = cluster.tokenizer.apply_chat_template(messages)
-        except Exception as e:  # the checkpoint's template rejected the conversation
-            return error(400, f"messages: {e}", "messages")
-        ids = cluster.tokenizer.encode(text)
-        user = next((m["content"] for m in reversed(messages) if m["role"] == "user"), text)
-        return await api.generate(request, body, ids, body.window, chat=True, text=user)
+        return await api.chat(request, body)
 
     @app.get("/v1/models")
     async def models():
@@ -184,6 +177,17 @@ class _Api:
         self.cluster = cluster
         self.settings = settings
         self.metrics = metrics
+
+    async def chat(self, request: Request, body: ChatCompletionRequest):
+        """A conversation through the checkpoint's chat template; DWS reads the last user turn."""
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            text = self.cluster.tokenizer.apply_chat_template(messages)
+        except Exception as e:  # the checkpoint's template rejected the conversation
+            return error(400, f"messages: {e}", "messages")
+        ids = self.cluster.tokenizer.encode(text)
+        user = next((m["content"] for m in reversed(messages) if m["role"] == "user"), text)
+        return await self.generate(request, body, ids, body.window, chat=True, text=user)
 
     async def generate(
         self, request: Request, body, prompt, max_tokens: int | None, chat: bool, text=None
