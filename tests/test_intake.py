@@ -1,5 +1,7 @@
 """A submission's checks, before the cluster queues it: each bad argument is named."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from dilaserve.cluster.intake import Intake, threshold_bounds
@@ -7,6 +9,8 @@ from dilaserve.cluster.requests import InvalidRequest, RequestHandle
 
 
 class WordTokenizer:
+    special = SimpleNamespace(mask=9)
+
     def encode(self, text):
         return [len(w) for w in text.split()]
 
@@ -20,7 +24,9 @@ class FixedEstimate:
 
 
 def intake(**kw):
-    args = dict(tokenizer=WordTokenizer(), block_len=8, context=64, default_max_tokens=16)
+    args = dict(
+        tokenizer=WordTokenizer(), block_len=8, context=64, default_max_tokens=16, vocab_size=50
+    )
     return Intake(**{**args, **kw})
 
 
@@ -52,6 +58,10 @@ def test_window_rounds_up_to_whole_blocks_and_defaults():
         (dict(max_tokens=64), "max_tokens"),  # no room left for the prompt
         (dict(max_tokens=56, prompt="a b c d e f g"), "prompt"),  # 9 + 56 > 64
         (dict(prompt="", chat=False), "prompt"),
+        (dict(prompt=[3, 50]), "prompt"),  # outside the vocabulary
+        (dict(prompt=[-1]), "prompt"),
+        (dict(prompt=[3, 9]), "prompt"),  # the mask token
+        (dict(prompt="a 123456789"), "prompt"),  # the mask token spelled in text
         (dict(slo=0.0), "slo"),
         (dict(threshold=1.5), "threshold"),
         (dict(min_threshold=0.8, max_threshold=0.6), "min_threshold"),

@@ -162,6 +162,9 @@ def test_stop_strings_end_the_answer_plain_and_streamed(live, offline):
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"prompt": ["one", "two"]}, "prompt"),
         ({"prompt": None}, "prompt"),
+        ({"prompt": [7, 999_999]}, "prompt"),  # outside the vocabulary
+        ({"prompt": [True]}, "prompt"),
+        ({"prompt": "1 + <|mdm_mask|>"}, "prompt"),  # the mask token, spelled
     ],
 )
 def test_completion_fields_this_server_cannot_honour_get_400(live, body, param):

@@ -49,6 +49,7 @@ class Intake:
     block_len: int
     context: int  # the model's maximum sequence length
     default_max_tokens: int  # the output window of requests that name none
+    vocab_size: int  # token ids a prompt may hold: 0 .. vocab_size - 1
     dws: object | None = None  # dws.estimate.DWSEstimator
     dws_prior: bool = False  # pass DWS's expected steps on as the step predictor's prior
 
@@ -83,8 +84,18 @@ class Intake:
             ids = self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode(prompt)
         else:
             ids = [int(i) for i in prompt]
+            bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
+            if bad is not None:  # the model could not read it, and its whole batch would fail
+                raise InvalidRequest(
+                    "prompt",
+                    f"prompt token id {bad} is outside the vocabulary (0 to {self.vocab_size - 1})",
+                )
         if not ids:
             raise InvalidRequest("prompt", "prompt is empty")
+        if self.tokenizer.special.mask in ids:  # (text can spell it too) not a prompt token
+            raise InvalidRequest(
+                "prompt", f"the prompt holds the mask token (id {self.tokenizer.special.mask})"
+            )
         return ids
 
     def _window(self, max_tokens: int | None, prompt_tokens: int) -> int:

@@ -71,6 +71,7 @@ class Cluster:
             self.block_len,
             model_config.max_sequence_length,
             config.max_tokens,
+            model_config.vocab_size,
             config.dws_estimator(),
             config.dws_prior,
         )

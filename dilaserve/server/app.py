@@ -235,8 +235,8 @@ class _Api:
             )
         try:
             result = await self._answer_or_cancel(handle, request)
-        except Exception as e:
-            return error(500, f"request {handle.request_id} failed: {e}")
+        except Exception as e:  # its step failed (the message names the request)
+            return error(500, str(e))
         if result is None:  # the client went away; nobody reads this
             return Response(status_code=499)
         return shape.response(handle, result, self.settings.model_name)

@@ -17,7 +17,7 @@ than a silently different answer. Extension fields:
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 
 class _Generation(BaseModel):
@@ -51,7 +51,7 @@ _UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix")  # each refused wh
 
 
 class CompletionRequest(_Generation):
-    prompt: str | list[int] = Field(min_length=1)
+    prompt: str | list[StrictInt] = Field(min_length=1)
     echo: bool = False
     suffix: str | None = None
     best_of: int = Field(1, ge=1, le=1)
