@@ -47,6 +47,7 @@ from dilaserve.control.rollout import Rollout
 from dilaserve.protocol import StepBatch, StepOutput
 
 log = logging.getLogger("dilaserve.cluster")
+STEP_TIMES_KEPT = 100_000  # steps whose timings a cluster keeps (the latest)
 
 
 class Cluster:
@@ -81,7 +82,9 @@ class Cluster:
         self.log = DecisionLog(keep_lines=config.record)
         self.recording = Recording() if config.record else None
         self.stats = {"failures": 0, "failed_steps": 0, "migrations": 0, "reconfigurations": 0}
-        self.step_times: list[tuple[float, float]] = []  # (round trip, engine seconds)
+        # (round trip, engine seconds) of the latest steps: bounded, for a server that runs on
+        self.step_times: deque[tuple[float, float]] = deque(maxlen=STEP_TIMES_KEPT)
+        self.steps_run = 0
         self.instance_log: list[tuple[float, dict[int, int]]] = []
         self._handles: dict[str, RequestHandle] = {}
         self._specs: dict[str, InstanceSpec] = {}  # starting or running
@@ -297,6 +300,7 @@ class Cluster:
             return  # removed meanwhile; its requests already moved on
         launched, _ = self._inflight.pop(iid)
         self.step_times.append((now - launched, event.seconds))
+        self.steps_run += 1
         if self.observer is not None:
             tp = self.scheduler.instances[iid].tp
             self.observer.step_done(iid, tp, event.output, event.seconds)
