@@ -63,6 +63,9 @@ def test_window_rounds_up_to_whole_blocks_and_defaults():
         (dict(prompt=[3, 9]), "prompt"),  # the mask token
         (dict(prompt="a 123456789"), "prompt"),  # the mask token spelled in text
         (dict(slo=0.0), "slo"),
+        (dict(slo=float("nan")), "slo"),
+        (dict(priority=2**31), "priority"),  # as a float key it would be inexact, or overflow
+        (dict(priority=1.5), "priority"),
         (dict(threshold=1.5), "threshold"),
         (dict(min_threshold=0.8, max_threshold=0.6), "min_threshold"),
         (dict(stop=["a", "b", "c", "d", "e"]), "stop"),  # at most 4

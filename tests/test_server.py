@@ -165,10 +165,16 @@ def test_stop_strings_end_the_answer_plain_and_streamed(live, offline):
         ({"prompt": [7, 999_999]}, "prompt"),  # outside the vocabulary
         ({"prompt": [True]}, "prompt"),
         ({"prompt": "1 + <|mdm_mask|>"}, "prompt"),  # the mask token, spelled
+        ({"priority": 10**400}, "priority"),  # once stopped the controller
+        ({"slo_ms": float("nan")}, "slo_ms"),
+        ({"deadline": float("inf")}, "deadline"),
     ],
 )
 def test_completion_fields_this_server_cannot_honour_get_400(live, body, param):
-    r = httpx.post(f"{live.url}/v1/completions", json={"model": MODEL, "prompt": "1 + 1", **body})
+    body = json.dumps({"model": MODEL, "prompt": "1 + 1", **body})  # NaN, Infinity allowed
+    r = httpx.post(
+        f"{live.url}/v1/completions", content=body, headers={"content-type": "application/json"}
+    )
     error = r.json()["error"]
     assert r.status_code == 400 and error["param"] == param and param in error["message"]
 

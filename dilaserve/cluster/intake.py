@@ -71,8 +71,12 @@ class Intake:
         stop = stop_strings(stop)
         ids = self._prompt_ids(prompt, chat)
         gen_len = self._window(max_tokens, len(ids))
-        if slo is not None and slo <= 0:
+        if slo is not None and not slo > 0:  # (NaN is not)
             raise InvalidRequest("slo", f"slo={slo} must be positive")
+        if not isinstance(priority, int) or not PRIORITIES[0] <= priority <= PRIORITIES[1]:
+            raise InvalidRequest(
+                "priority", f"priority={priority} must be an integer in {list(PRIORITIES)}"
+            )
         cost, prior = self._estimate(
             text or (prompt if isinstance(prompt, str) else None), ids, gen_len
         )
@@ -142,6 +146,7 @@ def threshold_bounds(
 
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
+PRIORITIES = (-(2**31), 2**31 - 1)  # the range a priority may take (32-bit, as a float exactly)
 
 
 def stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:

@@ -261,8 +261,11 @@ class Cluster:
                 else:
                     self._events.extend(self.backend.poll(self._next_tick - now))
         except Exception as e:  # a controller bug: fail loudly, never hang clients
-            log.exception("controller stopped")
-            for handle in list(self._handles.values()):
+            log.exception("controller stopped; the cluster takes no more requests")
+            with self._lock:  # no request slips in after the last is failed
+                self._accepting = False  # /health says so, and new requests get 503
+                handles = list(self._handles.values())
+            for handle in handles:
                 self._fail(handle, e)
 
     def _tick(self, now: float) -> None:
