@@ -183,6 +183,7 @@ def cmd_serve(args) -> None:
         args.served_model_name,
         args.drain_timeout,
         args.api_key,
+        args.log_interval,
     )
 
 
@@ -200,6 +201,12 @@ def _add_serve_command(sub) -> None:
         "--drain-timeout", type=float, default=30.0, help="seconds to finish requests at shutdown"
     )
     _add_api_key(sv, "clients of /v1/ must send it as 'Authorization: Bearer KEY'")
+    sv.add_argument(
+        "--log-interval",
+        type=float,
+        default=10.0,
+        help="seconds between log lines of what the server did (0: none)",
+    )
     sv.set_defaults(func=cmd_serve)
 
 

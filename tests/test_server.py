@@ -13,6 +13,7 @@ import pytest
 import uvicorn
 from fastapi.testclient import TestClient
 
+from dilaserve.cluster.requests import RequestResult
 from dilaserve.cluster.runtime import Closed, ClusterConfig, Overloaded
 from dilaserve.cluster.worker import WorkerConfig
 from dilaserve.config import SamplingParams
@@ -281,6 +282,20 @@ def test_refused_work_gets_retry_after(error, status):
         assert r.status_code == status and int(r.headers["retry-after"]) >= 1
         assert r.json()["error"]["message"] == str(error)
         assert client.get("/health").status_code == 503
+
+
+def test_the_log_line_sums_up_what_finished_since_the_last():
+    metrics = ServerMetrics()
+    assert metrics.interval_line(10, in_flight=0, waiting=0) is None  # nothing happened
+    for met, tokens in ((True, 30), (False, 10)):
+        result = RequestResult("r", "", tuple(range(tokens)), 4, 0.2, 0.1, 0.8, met, "stop")
+        metrics.request_done(result, [0.9, 0.9, 0.7, 0.7])
+    line = metrics.interval_line(10, in_flight=3, waiting=1)
+    assert line == (
+        "last 10 s: 2 requests done (50.0% within their SLO), 4.0 generated tokens/s, "
+        "mean step threshold 0.800; 3 in flight, 1 waiting"
+    )
+    assert metrics.interval_line(10, in_flight=3, waiting=1) is None  # a new window
 
 
 def test_an_api_key_guards_the_v1_endpoints_only():

@@ -54,6 +54,7 @@ class ServerSettings:
     drain_timeout: float = 30.0  # seconds in-flight requests may take at shutdown
     retry_after: int = 1  # seconds a refused client should wait (429)
     api_key: str | None = None  # clients of /v1/ must send it as a bearer token
+    log_interval: float = 10.0  # seconds between the log's activity lines (0: none)
 
 
 def error(
@@ -64,6 +65,15 @@ def error(
     )
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+async def _report(cluster: Cluster, metrics: ServerMetrics, seconds: float) -> None:
+    """Every `seconds`, a log line of what the server did (when it did anything)."""
+    while seconds > 0:
+        await asyncio.sleep(seconds)
+        line = metrics.interval_line(seconds, cluster.in_flight, cluster.queue_length())
+        if line is not None:
+            log.info(line)
 
 
 def _describe(config) -> str:
@@ -88,7 +98,9 @@ def create_app(
             settings.address,
             _describe(cluster.config),
         )
+        reporter = asyncio.create_task(_report(cluster, metrics, settings.log_interval))
         yield
+        reporter.cancel()
         if manage:
             drained = await run_in_threadpool(cluster.drain, settings.drain_timeout)
             log.info("shutting down (%s)", "drained" if drained else "drain timed out")

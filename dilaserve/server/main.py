@@ -32,11 +32,14 @@ def serve(
     model_name: str | None = None,
     drain_timeout: float = 30.0,
     api_key: str | None = None,
+    log_interval: float = 10.0,
 ) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     address = f"http://{host}:{port}"
     name = model_name or Path(config.worker.model).name
-    settings = ServerSettings(name, address, drain_timeout, api_key=api_key)
+    settings = ServerSettings(
+        name, address, drain_timeout, api_key=api_key, log_interval=log_interval
+    )
     app, _ = build_app(config, settings)
     uvicorn.run(
         app,

@@ -48,6 +48,7 @@ class ServerMetrics:
             registry=self.registry,
         )
         self.met = self.finished = 0
+        self._window = _Window()  # since the last `interval_line`
 
     def watch(self, cluster: Cluster) -> None:
         """Read the cluster's gauges and counters at every scrape."""
@@ -63,6 +64,7 @@ class ServerMetrics:
     def request_done(self, result: RequestResult, thresholds: list[float]) -> None:
         self.finished += 1
         self.met += result.met_slo
+        self._window.add(result, thresholds)
         self.requests.labels("met_slo" if result.met_slo else "missed_slo").inc()
         self.latency.observe(result.latency)
         for threshold in thresholds:
@@ -76,6 +78,18 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def interval_line(self, seconds: float, in_flight: int, waiting: int) -> str | None:
+        """The server log's periodic line: what finished in the last `seconds` (None if
+        nothing did), and the requests in flight and waiting now."""
+        w, self._window = self._window, _Window()
+        if not w.finished:
+            return None
+        return (
+            f"last {seconds:.0f} s: {w.finished} requests done ({w.met / w.finished:.1%} within "
+            f"their SLO), {w.tokens / seconds:.1f} generated tokens/s, mean step threshold "
+            f"{w.threshold_sum / max(w.steps, 1):.3f}; {in_flight} in flight, {waiting} waiting"
+        )
 
 
 class _ClusterCollector:
@@ -105,3 +119,18 @@ class _ClusterCollector:
 
 def _gauge(name: str, text: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, text, value=value)
+
+
+class _Window:
+    """What finished since the last log line."""
+
+    def __init__(self):
+        self.finished = self.met = self.tokens = self.steps = 0
+        self.threshold_sum = 0.0
+
+    def add(self, result: RequestResult, thresholds: list[float]) -> None:
+        self.finished += 1
+        self.met += result.met_slo
+        self.tokens += len(result.token_ids)
+        self.steps += len(thresholds)
+        self.threshold_sum += sum(thresholds)
