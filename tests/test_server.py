@@ -247,6 +247,7 @@ def test_metrics_expose_outcomes_thresholds_instances_and_steps(live):
         "dilaserve_slo_attainment",
         "dilaserve_migrations_total",
         "dilaserve_reconfigurations_total",
+        "dilaserve_generated_tokens_total",
     ):
         assert name in text, name
 

@@ -29,6 +29,11 @@ class ServerMetrics:
             ["outcome"],
             registry=self.registry,
         )
+        self.tokens = Counter(
+            "dilaserve_generated_tokens",
+            "Tokens generated (answers only, as `usage.completion_tokens`)",
+            registry=self.registry,
+        )
         self.latency = Histogram(
             "dilaserve_request_latency_seconds",
             "Submission to last committed token",
@@ -67,6 +72,7 @@ class ServerMetrics:
         self._window.add(result, thresholds)
         self.requests.labels("met_slo" if result.met_slo else "missed_slo").inc()
         self.latency.observe(result.latency)
+        self.tokens.inc(len(result.token_ids))
         for threshold in thresholds:
             self.thresholds.observe(threshold)
 
