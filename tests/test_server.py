@@ -180,6 +180,17 @@ def test_completion_fields_this_server_cannot_honour_get_400(live, body, param):
     assert r.status_code == 400 and error["param"] == param and param in error["message"]
 
 
+def test_chat_content_parts_are_text_only(live):
+    question = {"role": "user", "content": [{"type": "text", "text": QUESTIONS[0]}]}
+    reply = live.client.chat.completions.create(model=MODEL, messages=[question])
+    assert "####" in reply.choices[0].message.content
+    image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+    question["content"].append(image)
+    with pytest.raises(openai.BadRequestError) as err:
+        live.client.chat.completions.create(model=MODEL, messages=[question])
+    assert err.value.body["param"] == "messages.0.content" and "image_url" in str(err.value)
+
+
 def test_a_body_that_is_not_an_object_is_a_400_saying_so(live):
     r = httpx.post(f"{live.url}/v1/completions", json=[1, 2])
     assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"]

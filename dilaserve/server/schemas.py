@@ -70,11 +70,20 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[dict]
 
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, content):
+        for part in content if isinstance(content, list) else ():
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type")
+                raise ValueError(f"content parts of type {kind!r} are not supported (text only)")
+        return content
+
     def text(self) -> str:
-        """The message's text; content parts other than text are refused upstream."""
+        """The message's text (its text parts joined)."""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.get("text", "") for part in self.content)
+        return "".join(part["text"] for part in self.content)
 
 
 class ChatCompletionRequest(_Generation):
