@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from dilaserve.cluster.backends import LocalBackend
+from dilaserve.cluster.backends import LocalBackend, WorkerEvent
 from dilaserve.cluster.runtime import Closed, Cluster, ClusterConfig, Overloaded
 from dilaserve.cluster.worker import WorkerConfig
 from dilaserve.config import BUNDLED_MODEL, BUNDLED_PROFILE, SamplingParams
@@ -63,6 +63,34 @@ def test_a_stop_string_ends_a_request_as_soon_as_it_is_committed():
     assert (stopped.text, stopped.finish_reason) == (expected.text.split(" ")[0], "stop")
     assert stopped.num_steps < whole.num_steps  # not worked on past the stop string
     assert (whole.text, whole.finish_reason) == (expected.text, "stop")
+
+
+class OneAtATime(LocalBackend):
+    """Every step of more than one request fails, as a batch too big for memory would."""
+
+    def __init__(self, worker):
+        super().__init__(worker)
+        self.refused: list[WorkerEvent] = []
+
+    def step(self, instance_id, batch):
+        if len(batch.items) == 1:
+            return super().step(instance_id, batch)
+        self.refused.append(WorkerEvent("failed", instance_id, error="OutOfMemoryError"))
+
+    def poll(self, timeout):
+        refused, self.refused = self.refused, []
+        return refused or super().poll(timeout)
+
+
+def test_requests_of_a_failed_batch_retry_alone_and_finish():
+    cfg = config(control=ControlSpec(policy="fcfs"), instances=(1,))
+    with Cluster(cfg, backend=OneAtATime(WORKER)) as cluster:
+        results = [h.result(60) for h in submit_all(cluster, QUESTIONS[:4], gap=0.0)]
+        failed_steps = cluster.stats["failed_steps"]
+    # each finishes its answer (one restarted mid-block recomputes what a cache step would
+    # have approximated, so its words may differ from an uninterrupted run's)
+    assert all("####" in r.text and r.finish_reason == "stop" for r in results)
+    assert failed_steps >= 1  # they were batched, failed together, then ran alone
 
 
 def test_a_recorded_run_replays_in_the_simulator_to_the_same_decisions():

@@ -197,6 +197,26 @@ def test_a_cancelled_request_leaves_its_instance_and_its_running_step_is_ignored
     assert launch.batch.items[0].threshold == 0.9 and predictor.calls == 0
 
 
+def test_requests_of_a_failed_step_resume_alone_and_no_one_joins_them():
+    s = scheduler("fcfs", instances=(("a", 1),))
+    r1, r2, r3 = (make_request(f"r{i}") for i in (1, 2, 3))
+    s.on_arrival(r1, 0.0)
+    s.on_arrival(r2, 0.0)  # gathered for a's next step
+    together = only_launch(done(s, "a", result(r1, [0, 1]), now=0.1))
+    assert [i.request_id for i in together.batch.items] == ["r2", "r1"]
+    retry = s.retry_alone("a", ["r2", "r1"], 0.2)  # that step failed
+    assert retry.releases == (("a", "r2"), ("a", "r1"))  # their state there is dropped
+    [item] = only_launch(retry).batch.items  # r1 first (service order), alone
+    assert item.request_id == "r1" and item.kind is StepKind.RECOMPUTE
+    assert list(item.spec.output_ids[:2] != r1.mask_id) == [True, True]  # its 2 commits kept
+    assert not s.on_arrival(r3, 0.3).launches
+    assert s.instances["a"].pending == ["r2"]  # alone: r3, arriving later, waits
+    [item] = only_launch(
+        done(s, "a", result(r1, [2], kind=StepKind.RECOMPUTE), now=0.4)
+    ).batch.items
+    assert item.request_id == "r2"
+
+
 def test_full_instance_defers_the_request_until_its_step_ends():
     s = scheduler(instances=(("a", 1),), max_tokens=30)
     r1, r2 = make_request("r1", prompt_len=8), make_request("r2", prompt_len=8)  # 24 each

@@ -6,7 +6,8 @@ commands are sent without waiting, and `poll` returns whatever any instance has 
 
 - "up": the instance has loaded its model and takes work;
 - "done": a step finished (`output`, and `seconds` the engine took, measured in the worker);
-- "failed": a step raised (its requests fail; the instance lives on), or loading failed;
+- "failed": a step raised (its requests retry alone, and one that fails alone fails; the
+  instance lives on), or loading failed;
 - "died": the instance's process is gone (killed, crashed, out of memory).
 """
 

@@ -15,7 +15,9 @@ the simulator to the same decision log (`sim.replay`); that parity is tested.
 
 Faults: if an instance's process dies, its requests continue elsewhere from their last
 committed tokens (the step it was running is lost), the failure is counted and logged, and a
-replacement with the same GPUs is started (`replace_failed`).
+replacement with the same GPUs is started (`replace_failed`). If the engine raises on a step
+(a batch too big for memory, a request that breaks it), the step's requests resume from their
+last committed tokens, each alone from then on; one whose step fails alone fails.
 """
 
 from __future__ import annotations
@@ -321,16 +323,21 @@ class Cluster:
         self.rollout.on_step_done(iid, now)
 
     def _step_failed(self, iid: str, error: str, now: float) -> None:
-        """The engine rejected a batch: its requests fail; the instance goes on."""
+        """The engine rejected a batch; the instance goes on. Which request broke it is
+        unknown, so each of a batch retries alone, and a request that fails alone fails."""
         _, batch = self._inflight.pop(iid)
         self.stats["failed_steps"] += 1
         log.error("step on instance %s failed: %s", iid, error)
-        for item in batch.items:
-            if item.request_id in self.scheduler.requests:  # not cancelled meanwhile
-                self.apply(self.scheduler.cancel(item.request_id), now, f"c{item.request_id}")
-            handle = self._handles.get(item.request_id)
+        live = [i.request_id for i in batch.items if i.request_id in self.scheduler.requests]
+        if len(live) > 1:
+            self.apply(self.scheduler.retry_alone(iid, live, now), now, f"r{iid}")
+            self.rollout.on_step_done(iid, now)
+            return
+        for rid in live:
+            self.apply(self.scheduler.cancel(rid), now, f"c{rid}")
+            handle = self._handles.get(rid)
             if handle is not None:
-                self._fail(handle, RuntimeError(f"request {item.request_id} failed: {error}"))
+                self._fail(handle, RuntimeError(f"request {rid} failed: {error}"))
         self.apply(self.scheduler.on_step_done(iid, StepOutput((), 0), now), now, f"d{iid}")
         self.rollout.on_step_done(iid, now)
 

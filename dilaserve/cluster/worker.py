@@ -114,7 +114,7 @@ def serve_pipe(conn) -> None:
             continue
         try:
             output, seconds = worker.step(command[1])
-        except Exception as e:  # a bad batch fails its requests, never the worker
+        except Exception as e:  # a bad batch fails, never the worker
             if rank == 0:
                 conn.send(("failed", f"{type(e).__name__}: {e}"))
             continue

@@ -31,6 +31,7 @@ class InstanceState:
     pending_tokens: list[int] = field(default_factory=list)
     pending_full: int = 0  # full-sequence tokens of the gathered batch
     pending_cache: int = 0  # cache-step tokens of the gathered batch
+    solo: bool = False  # the gathered batch is one request that must run alone
     holds: set[str] = field(default_factory=set)  # requests whose state lives here
     residents: int = 0  # requests assigned here (running, waiting or held)
     resident_tokens: int = 0  # their tokens: what a full-sequence step over them reads
@@ -45,12 +46,14 @@ class InstanceState:
         one takes any."""
         if not self.pending:
             return True
-        if len(self.pending) >= max_requests:
+        if self.solo or len(self.pending) >= max_requests:
             return False
         return self.pending_full + self.pending_cache + tokens <= self.max_batch_tokens
 
-    def gather(self, request_id: str, kind: StepKind, tokens: int) -> None:
-        """Add a request's next step (`tokens` processed) to the batch."""
+    def gather(self, request_id: str, kind: StepKind, tokens: int, solo: bool = False) -> None:
+        """Add a request's next step (`tokens` processed) to the batch; `solo`: it runs alone
+        (the batch is empty, and takes no one else)."""
+        self.solo = solo
         self.pending.append(request_id)
         self.pending_kinds.append(kind)
         self.pending_tokens.append(tokens)
@@ -66,6 +69,7 @@ class InstanceState:
         i = self.pending.index(request_id)
         kind, tokens = self.pending_kinds.pop(i), self.pending_tokens.pop(i)
         del self.pending[i]
+        self.solo = self.solo and bool(self.pending)
         if kind is StepKind.CACHE:
             self.pending_cache -= tokens
         else:
@@ -76,6 +80,7 @@ class InstanceState:
         gathered = self.pending
         self.pending, self.pending_kinds, self.pending_tokens = [], [], []
         self.pending_full = self.pending_cache = 0
+        self.solo = False
         return gathered
 
     def latency(self, full: int, cache: int) -> float:

@@ -11,7 +11,7 @@ this reads it (the instances and the tracked requests, shared mappings) and deci
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 
 from dilaserve.control.decisions import SchedulerConfig
 from dilaserve.control.instance import InstanceState
@@ -26,9 +26,10 @@ class Placer:
         config: SchedulerConfig,
         instances: Mapping[str, InstanceState],
         tracked: Mapping,  # request id -> the scheduler's record (request, instance, bound)
+        solo: Set[str] = frozenset(),  # requests whose steps run alone (the scheduler's set)
     ):
         self.policy, self.config = policy, config
-        self.instances, self.tracked = instances, tracked
+        self.instances, self.tracked, self.solo = instances, tracked, solo
         self._sjf = policy.order is Order.COST
         self._max_requests = config.max_batch_requests or float("inf")
 
@@ -36,9 +37,12 @@ class Placer:
         """Tokens the request's step of `kind` processes."""
         return self.config.block_len if kind is StepKind.CACHE else t.request.num_tokens
 
-    def has_room(self, inst: InstanceState, tokens: int) -> bool:
+    def has_room(self, inst: InstanceState, tokens: int, solo: bool = False) -> bool:
+        """Whether the batch gathered there takes the request (`solo`: one that runs alone)."""
         if inst.busy and self._sjf:
             return False  # SJF: requests wait, sorted, until the instance can take them
+        if solo and inst.pending:
+            return False
         return inst.has_room(tokens, self._max_requests)
 
     def place(
@@ -53,16 +57,17 @@ class Placer:
                 home, home_kind = None, None  # leave now; a cache step stays with its cache
         candidates = self._candidates(t, home, home_kind, open_instances)
         away = r.next_kind(mode, has_cache=False)
+        solo = r.request_id in self.solo
         if len(candidates) == 1:  # no choice (cache step at home, bound request): room only
             inst = candidates[0]
             kind = home_kind if inst is home else away
-            return (inst, kind) if self.has_room(inst, self.tokens(t, kind)) else None
+            return (inst, kind) if self.has_room(inst, self.tokens(t, kind), solo) else None
         fastest = self.policy.placement is Placement.FASTEST_STEP
         best, best_key = None, None
         for inst in candidates:
             kind = home_kind if inst is home else away
             n = self.tokens(t, kind)
-            if not self.has_room(inst, n):
+            if not self.has_room(inst, n, solo):
                 continue
             full, cache = inst.pending_full, inst.pending_cache
             if kind is StepKind.CACHE:

@@ -69,6 +69,7 @@ class Scheduler:
         self._open: list[InstanceState] = []  # instances that take new work (not draining)
         self.requests: dict[str, _Tracked] = {}
         self._ready: list[str] = []
+        self._solo: set[str] = set()  # requests whose steps run alone (after a failed batch)
         self._ladder = tuple(sorted(policy.candidates, reverse=True))
         self._full_kind = (
             StepKind.FULL if config.kv_cache is KVCacheMode.NONE else StepKind.RECOMPUTE
@@ -77,7 +78,7 @@ class Scheduler:
         self._short_path = (
             policy.migration is not Migration.ANY and config.kv_cache is not KVCacheMode.NONE
         )
-        self._placer = Placer(policy, config, self.instances, self.requests)
+        self._placer = Placer(policy, config, self.instances, self.requests, self._solo)
         self._admitted = 0
         # predictions and load control: dynamic thresholds only (a fixed one needs neither)
         self._loads = (
@@ -221,6 +222,24 @@ class Scheduler:
         decisions = self._schedule(now, load_changed=bool(finished))
         return Decisions(decisions.launches, decisions.releases, tuple(finished))
 
+    def retry_alone(self, instance_id: str, request_ids: list[str], now: float) -> Decisions:
+        """The step of `request_ids` on the instance failed (the engine raised): nothing it did
+        counts, and which of them broke it is unknown. Each resumes from its last committed
+        tokens with its state dropped there, and from now on runs alone, in a batch of its own,
+        so that a request whose step fails alone can be failed alone (by the driver) and the
+        others finish."""
+        inst = self.instances[instance_id]
+        inst.busy = False
+        releases = []
+        for rid in request_ids:
+            if rid in self.requests:
+                self._solo.add(rid)
+                inst.holds.discard(rid)
+                releases.append((instance_id, rid))
+                self._orphan(rid)
+        decisions = self._schedule(now, load_changed=False)
+        return Decisions(decisions.launches, tuple(releases) + decisions.releases)
+
     def cancel(self, request_id: str) -> Decisions:
         """Stop scheduling a request (it failed, or its client went away); the instance
         holding its state is told to drop it. A step of it that is running is ignored."""
@@ -242,6 +261,7 @@ class Scheduler:
         rid = t.request.request_id
         self._move(t, None)
         del self.requests[rid]
+        self._solo.discard(rid)
         if self._loads is not None:
             self._loads.forget(rid)
 
@@ -267,10 +287,11 @@ class Scheduler:
             t = self.requests[rid]
             home = self._cache_home(t)
             if home is not None:  # Alg. 3's only candidate; what place and _assign would do
-                if not self._placer.has_room(home, block):
+                solo = rid in self._solo
+                if not self._placer.has_room(home, block, solo):
                     waiting.append(rid)
                     continue
-                home.gather(rid, StepKind.CACHE, block)
+                home.gather(rid, StepKind.CACHE, block, solo)
                 if t.needs_threshold and self.policy.is_dynamic:  # its predictions refreshed
                     t.request.threshold = self._threshold(t, home, now)
                 continue
@@ -327,7 +348,7 @@ class Scheduler:
             if self.policy.migration is Migration.NONE and t.bound is None:
                 t.bound = inst.instance_id
             self._move(t, inst)
-        inst.gather(rid, kind, self._placer.tokens(t, kind))
+        inst.gather(rid, kind, self._placer.tokens(t, kind), rid in self._solo)
         t.request.threshold = self._threshold(t, inst, now)
         t.request.status = RequestStatus.RUNNING
         return releases
