@@ -243,6 +243,8 @@ def test_a_bad_batch_fails_alone_and_the_instance_serves_on(local_backend):
 
 
 def test_submit_rejects_bad_requests_naming_what_is_wrong():
+    with pytest.raises(ValueError, match="tensor-parallel size 3 does not divide"):
+        Cluster(config(instances=(1, 3)))  # refused before any worker starts
     cluster = Cluster(config())
     with pytest.raises(ValueError, match="context of 512 tokens"):
         cluster.submit("x " * 600)

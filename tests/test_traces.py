@@ -12,6 +12,7 @@ from dilaserve.sim.synthetic import (
     gamma_arrivals,
     load_hourly_profile,
     paper_trace,
+    parse_poisson,
     poisson_arrivals,
     synthesize_trace,
 )
@@ -322,3 +323,10 @@ def test_paper_trace_can_draw_from_the_sharegpt_length_table():
     stats = length_stats(trace.output_tokens)
     assert stats["p99"] == 1024.0 and 400 < stats["mean"] < 480
     assert 1000 < length_stats(trace.prompt_tokens)["p50"] < 1120
+
+
+def test_a_poisson_trace_name_gives_its_rate_and_seconds_or_says_what_it_must_be():
+    assert parse_poisson("poisson:2.5:30") == (2.5, 30.0)
+    for bad in ("poisson:abc:10", "poisson:5", "poisson:1:2:3"):
+        with pytest.raises(ValueError, match="poisson:RPS:SECONDS"):
+            parse_poisson(bad)

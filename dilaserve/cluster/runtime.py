@@ -65,6 +65,8 @@ class Cluster:
         self.config = config
         model = Path(config.worker.model)
         model_config = LLaDAConfig.from_file(model / "config.json")
+        for tp in sorted(set(config.instances)):
+            model_config.check_tensor_parallel(tp)
         self.tokenizer = Tokenizer(model, model_config)
         self.scheduler = build_scheduler(config.control)
         self.block_len = config.control.scheduler.block_len

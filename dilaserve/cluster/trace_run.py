@@ -37,9 +37,8 @@ class TraceRunSpec:
 
 def trace_arrivals(spec: TraceRunSpec) -> np.ndarray:
     if spec.trace.startswith("poisson:"):
-        _, rate, seconds = spec.trace.split(":")
-        rng = np.random.default_rng(spec.seed)
-        arrival = synthetic.poisson_arrivals(float(rate), float(seconds), rng)
+        rate, seconds = synthetic.parse_poisson(spec.trace)
+        arrival = synthetic.poisson_arrivals(rate, seconds, np.random.default_rng(spec.seed))
     else:
         arrival = traces.load_trace(spec.trace).arrival
     arrival = (arrival - arrival.min()) / spec.rate_scale if len(arrival) else arrival

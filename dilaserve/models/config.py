@@ -48,6 +48,18 @@ class LLaDAConfig:
                 "config.json: include_bias=true is not supported (LLaDA has no biases)"
             )
 
+    def check_tensor_parallel(self, size: int) -> None:
+        """Raise ValueError if `size` ranks cannot split the model (heads and MLP width)."""
+        for name, n in (
+            ("n_heads", self.n_heads),
+            ("n_kv_heads", self.num_kv_heads),
+            ("mlp_hidden_size", self.mlp_hidden_size),
+        ):
+            if n % size:
+                raise ValueError(
+                    f"tensor-parallel size {size} does not divide the model's {name}={n}"
+                )
+
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads

@@ -91,11 +91,11 @@ def make_trace(spec: SimulationSpec) -> traces.Trace:
             block_len=spec.block_len,
         )
     elif spec.trace.startswith("poisson:"):
-        _, rate, seconds = spec.trace.split(":")
+        rate, seconds = synthetic.parse_poisson(spec.trace)
         prompt, output = traces.filter_lengths(
             *traces.load_first_turn_lengths(), block_len=spec.block_len
         )
-        arrivals = synthetic.poisson_arrivals(float(rate), float(seconds), rng)
+        arrivals = synthetic.poisson_arrivals(rate, seconds, rng)
         trace = synthetic.synthesize_trace(arrivals, prompt, output, rng, source=spec.trace)
     else:
         trace = traces.load_trace(spec.trace)

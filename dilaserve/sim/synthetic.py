@@ -48,6 +48,15 @@ def _check_rate(rate: float, duration: float) -> None:
         raise ValueError(f"duration must be a finite number >= 0 seconds, got {duration}")
 
 
+def parse_poisson(trace: str) -> tuple[float, float]:
+    """(rate, seconds) of a `poisson:RPS:SECONDS` trace name."""
+    try:
+        _, rate, seconds = trace.split(":")
+        return float(rate), float(seconds)
+    except ValueError:
+        raise ValueError(f"trace={trace!r} must be poisson:RPS:SECONDS, two numbers") from None
+
+
 def poisson_arrivals(rate: float, duration: float, rng: np.random.Generator) -> np.ndarray:
     """Sorted arrival times in [0, duration) of a Poisson process with `rate` requests/s.
 
