@@ -54,3 +54,16 @@ def test_malformed_profiles_are_named():
         )
     with pytest.raises(ValueError, match="no entries"):
         LatencyProfile.from_dict({"entries": []})
+    for raw in ([1], {"entries": 5}):
+        with pytest.raises(ValueError, match="a list of 'entries'"):
+            LatencyProfile.from_dict(raw)
+    for entry in (5, {"tp": 1, "kind": "cache", "batch_tokens": 8, "ms": -1.0}):
+        with pytest.raises(ValueError, match="entry 0"):
+            LatencyProfile.from_dict({"entries": [entry]})
+
+
+def test_a_profile_file_that_is_not_json_is_named(tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_text("tp,ms\n1,2\n")
+    with pytest.raises(ValueError, match=f"{path} is not JSON"):
+        LatencyProfile.from_file(path)

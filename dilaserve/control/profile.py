@@ -94,15 +94,20 @@ class LatencyProfile:
 
     @classmethod
     def from_dict(cls, raw: dict) -> LatencyProfile:
+        if not isinstance(raw, dict) or not isinstance(raw.get("entries", []), list):
+            raise ValueError("a latency profile is an object with a list of 'entries'")
         if raw.get("schema", SCHEMA) != SCHEMA:
             raise ValueError(f"latency profile schema {raw.get('schema')} is not {SCHEMA}")
         points: dict[tuple[int, StepKind], list[tuple[int, float]]] = {}
         for i, e in enumerate(raw.get("entries", ())):
             try:
                 key = (int(e["tp"]), StepKind(e["kind"]))
-                points.setdefault(key, []).append((int(e["batch_tokens"]), float(e["ms"]) / 1e3))
-            except (KeyError, ValueError) as err:
-                raise ValueError(f"latency profile entry {i} is malformed: {err}") from None
+                point = (int(e["batch_tokens"]), float(e["ms"]) / 1e3)
+            except (KeyError, TypeError, ValueError) as err:
+                raise ValueError(f"latency profile entry {i} is malformed: {err!r}") from None
+            if key[0] < 1 or point[0] < 1 or not point[1] > 0:
+                raise ValueError(f"latency profile entry {i}: tp, batch_tokens and ms must be > 0")
+            points.setdefault(key, []).append(point)
         if not points:
             raise ValueError("latency profile has no entries")
         curves = {k: Curve(*map(tuple, zip(*sorted(v)))) for k, v in points.items()}
@@ -111,7 +116,11 @@ class LatencyProfile:
 
     @classmethod
     def from_file(cls, path: str | Path) -> LatencyProfile:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        try:
+            raw = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"latency profile {path} is not JSON: {e}") from None
+        return cls.from_dict(raw)
 
     def to_dict(self) -> dict:
         entries = [

@@ -73,6 +73,8 @@ class SimulationSpec:
             raise ValueError(f"{self.rate_scale=} must be positive")
         if self.slo is not None and self.slo <= 0:
             raise ValueError(f"{self.slo=} must be positive")
+        if self.slo_multiple <= 0:
+            raise ValueError(f"{self.slo_multiple=} must be positive")
 
 
 def load_profile(spec: str) -> LatencyProfile:
