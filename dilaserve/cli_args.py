@@ -47,4 +47,4 @@ def parse_thresholds(text: str) -> tuple[float, ...]:
     try:
         return tuple(float(t) for t in text.replace(",", " ").split())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--thresholds: not a list of numbers: {text!r}") from None
+        raise argparse.ArgumentTypeError(f"not a list of numbers: {text!r}") from None

@@ -65,7 +65,12 @@ def _nodes(text: str | None, instances: tuple[int, ...]) -> tuple[int, ...]:
     node; "0" turns the planner off."""
     if text is None:
         return (sum(instances),)
-    nodes = tuple(int(n) for n in text.split(","))
+    try:
+        nodes = tuple(int(n) for n in text.split(","))
+    except ValueError:
+        raise ValueError(
+            f"--nodes {text!r} must be GPUs per node, e.g. 8,8 (0: no planner)"
+        ) from None
     return () if nodes == (0,) else nodes
 
 

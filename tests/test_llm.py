@@ -1,3 +1,5 @@
+import pytest
+
 from dilaserve.config import EngineConfig, SamplingParams
 from dilaserve.engine.llm import LLM
 from dilaserve.tasks import arith
@@ -19,3 +21,10 @@ def test_generate_accepts_one_string_and_raw_prompts(tiny_checkpoint):
     [out] = llm.generate("Tom has 3 apples.", SamplingParams(max_tokens=8), chat=False)
     assert out.prompt == "Tom has 3 apples." and 1 <= out.num_steps <= 8
     assert set(out.steps_by_kind) == {"full"}
+
+
+def test_a_window_past_the_context_is_refused_before_any_step(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint, EngineConfig(block_len=8))
+    context = llm.engine.model.config.max_sequence_length
+    with pytest.raises(ValueError, match=f"context of {context} tokens"):
+        llm.generate("Tom has 3 apples.", SamplingParams(max_tokens=context))

@@ -39,18 +39,20 @@ class LLM:
         self, prompts: list[str], params: SamplingParams, chat: bool = True
     ) -> list[Request]:
         gen_len = params.gen_len(self.config.block_len)
-        mask = self.tokenizer.special.mask
-        return [
-            Request(
-                str(i),
-                tuple(self.encode_prompt(p, chat)),
-                gen_len,
-                self.config.block_len,
-                mask,
-                params.threshold,
+        context = self.engine.model.config.max_sequence_length
+        requests = []
+        for i, prompt in enumerate(prompts):
+            ids = tuple(self.encode_prompt(prompt, chat))
+            if len(ids) + gen_len > context:
+                raise ValueError(
+                    f"prompt {i} ({len(ids)} tokens) + max_tokens ({gen_len}, whole blocks) "
+                    f"exceeds the model's context of {context} tokens"
+                )
+            mask = self.tokenizer.special.mask
+            requests.append(
+                Request(str(i), ids, gen_len, self.config.block_len, mask, params.threshold)
             )
-            for i, p in enumerate(prompts)
-        ]
+        return requests
 
     def generate(
         self,
