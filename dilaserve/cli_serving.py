@@ -55,6 +55,7 @@ def _cluster_config(args, record: bool = False):
         tick=args.tick,
         max_tokens=args.max_tokens,
         max_in_flight=args.max_in_flight,
+        step_timeout=args.step_timeout,
         record=record,
         **_dws_args(args),
     )
@@ -117,6 +118,12 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
         help="the thresholds a dynamic policy chooses from (default 0.5,0.6,0.7,0.8,0.9)",
     )
     p.add_argument("--max-in-flight", type=int, default=1024, help="admission control limit")
+    p.add_argument(
+        "--step-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a step may run before its instance counts as hung (killed and replaced)",
+    )
     p.add_argument(
         "--nodes",
         default=None,

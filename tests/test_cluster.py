@@ -93,6 +93,29 @@ def test_requests_of_a_failed_batch_retry_alone_and_finish():
     assert failed_steps >= 1  # they were batched, failed together, then ran alone
 
 
+class HangsOnce(LocalBackend):
+    """The first step sent is swallowed: its instance never answers, as a hung GPU would."""
+
+    def __init__(self, worker):
+        super().__init__(worker)
+        self.swallowed = False
+
+    def step(self, instance_id, batch):
+        if self.swallowed:
+            return super().step(instance_id, batch)
+        self.swallowed = True
+
+
+def test_an_instance_whose_step_hangs_is_killed_and_its_request_served_elsewhere():
+    expected = LLM().generate(QUESTIONS[:1], SamplingParams(0.9, 64))[0].text
+    cfg = config(control=ControlSpec(policy="fcfs"), instances=(1,), step_timeout=1.0)
+    with Cluster(cfg, backend=HangsOnce(WORKER)) as cluster:
+        result = cluster.submit(QUESTIONS[0]).result(60)
+        failures, instances = cluster.stats["failures"], cluster.instances_by_tp()
+    assert result.text == expected  # nothing was committed before the hang: a clean restart
+    assert failures == 1 and instances == {1: 1}  # killed, and replaced
+
+
 def test_a_recorded_run_replays_in_the_simulator_to_the_same_decisions():
     cfg = config(record=True)
     with Cluster(cfg) as cluster:

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from multiprocessing import Pipe
 from multiprocessing.connection import wait
@@ -64,6 +65,24 @@ class Backend(Protocol):
         ...
 
     def shutdown(self) -> None: ...
+
+
+def start_all(backend: Backend, specs: list[InstanceSpec], timeout: float) -> None:
+    """Start instances and wait until every one is up; if one fails or `timeout` seconds pass,
+    shut the backend down and raise."""
+    for spec in specs:
+        backend.start(spec)
+    waiting = {s.instance_id for s in specs}
+    deadline = time.monotonic() + timeout
+    while waiting:
+        if time.monotonic() > deadline:
+            backend.shutdown()
+            raise TimeoutError(f"instances {sorted(waiting)} did not load in time")
+        for event in backend.poll(0.5):
+            if event.kind != "up":
+                backend.shutdown()
+                raise RuntimeError(f"instance {event.instance_id} failed: {event.error}")
+            waiting.discard(event.instance_id)
 
 
 def free_port() -> int:

@@ -23,6 +23,7 @@ class ClusterConfig:
     max_tokens: int = 64  # the output window of requests that name none
     max_batch_tokens: int = 8192  # per instance and step
     replace_failed: bool = True
+    step_timeout: float = 120.0  # seconds a step may run before its instance counts as hung
     start_timeout: float = 300.0  # seconds to wait for the initial instances to load
     record: bool = False  # keep a `Recording` (for replay in the simulator)
     max_in_flight: int = 1024  # admission control: more waiting or running requests are refused
@@ -35,8 +36,8 @@ class ClusterConfig:
             raise ValueError(f"{self.instances=} must list at least one TP degree >= 1")
         if self.backend not in ("local", "ray"):
             raise ValueError(f"{self.backend=} must be 'local' or 'ray'")
-        if self.tick <= 0:
-            raise ValueError(f"{self.tick=} must be positive")
+        if self.tick <= 0 or self.step_timeout <= 0:
+            raise ValueError(f"{self.tick=} and {self.step_timeout=} must be positive")
         engine, scheduler = self.worker.engine.block_len, self.control.scheduler.block_len
         if engine != scheduler:
             raise ValueError(f"engine block_len={engine} differs from the scheduler's {scheduler}")

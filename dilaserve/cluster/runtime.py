@@ -15,7 +15,8 @@ the simulator to the same decision log (`sim.replay`); that parity is tested.
 
 Faults: if an instance's process dies, its requests continue elsewhere from their last
 committed tokens (the step it was running is lost), the failure is counted and logged, and a
-replacement with the same GPUs is started (`replace_failed`). If the engine raises on a step
+replacement with the same GPUs is started (`replace_failed`); an instance whose step runs past
+`step_timeout` is taken for hung and killed, to the same end. If the engine raises on a step
 (a batch too big for memory, a request that breaks it), the step's requests resume from their
 last committed tokens, each alone from then on; one whose step fails alone fails.
 """
@@ -31,7 +32,7 @@ from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
-from dilaserve.cluster.backends import Backend, WorkerEvent
+from dilaserve.cluster.backends import Backend, WorkerEvent, start_all
 from dilaserve.cluster.config import ClusterConfig, make_backend
 from dilaserve.cluster.intake import Intake
 from dilaserve.cluster.requests import (
@@ -93,6 +94,7 @@ class Cluster:
         self._handles: dict[str, RequestHandle] = {}
         self._specs: dict[str, InstanceSpec] = {}  # starting or running
         self._inflight: dict[str, tuple[float, StepBatch]] = {}
+        self._hung: set[str] = set()  # killed for a step past `step_timeout`, death not yet seen
         self._arrivals: deque[RequestHandle] = deque()
         self._cancels: deque[str] = deque()
         self._accepting = False
@@ -110,19 +112,7 @@ class Cluster:
     def start(self) -> Cluster:
         """Load the initial instances (waiting until all are up), then start serving."""
         specs = self.config.initial_specs()
-        for spec in specs:
-            self.backend.start(spec)
-        waiting = {s.instance_id for s in specs}
-        deadline = time.monotonic() + self.config.start_timeout
-        while waiting:
-            if time.monotonic() > deadline:
-                self.backend.shutdown()
-                raise TimeoutError(f"instances {sorted(waiting)} did not load in time")
-            for event in self.backend.poll(0.5):
-                if event.kind != "up":
-                    self.backend.shutdown()
-                    raise RuntimeError(f"instance {event.instance_id} failed: {event.error}")
-                waiting.discard(event.instance_id)
+        start_all(self.backend, specs, self.config.start_timeout)
         self._t0 = time.perf_counter()
         for spec in specs:
             self._specs[spec.instance_id] = spec
@@ -274,6 +264,13 @@ class Cluster:
 
     def _tick(self, now: float) -> None:
         self.apply(self.scheduler.on_tick(now), now, "t")
+        for iid, (launched, _) in self._inflight.items():
+            if now - launched > self.config.step_timeout and iid not in self._hung:
+                log.error(
+                    "instance %s: a step has run %.0f s; killing it as hung", iid, now - launched
+                )
+                self._hung.add(iid)  # its death is reported, and handled, as any other
+                self.backend.kill(iid)
 
     def _admit(self, handle: RequestHandle, now: float) -> None:
         request = handle.request
@@ -349,6 +346,7 @@ class Cluster:
         self.stats["failures"] += 1
         log.error("instance %s failed: %s", iid, error)
         self._inflight.pop(iid, None)
+        self._hung.discard(iid)
         spec = self._specs.pop(iid, None)
         was_serving = iid in self.scheduler.instances  # not one that failed to load
         self.rollout.on_failed(iid, now)
