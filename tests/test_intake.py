@@ -71,6 +71,7 @@ def test_window_rounds_up_to_whole_blocks_and_defaults():
         (dict(stop=["a", "b", "c", "d", "e"]), "stop"),  # at most 4
         (dict(stop=["a", ""]), "stop"),
         (dict(stop=[3]), "stop"),
+        (dict(stop="x" * 257), "stop"),
     ],
 )
 def test_bad_arguments_are_named(kw, param):

@@ -146,16 +146,18 @@ def threshold_bounds(
 
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
+MAX_STOP_CHARS = 256  # each; a stream checks every suffix of its text up to this length
 PRIORITIES = (-(2**31), 2**31 - 1)  # the range a priority may take (32-bit, as a float exactly)
 
 
 def stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
-    """A request's stop strings: one string, or up to `MAX_STOP_STRINGS`, none empty."""
+    """A request's stop strings: one string, or up to `MAX_STOP_STRINGS`, none empty or longer
+    than `MAX_STOP_CHARS`."""
     if stop is None:
         return ()
     strings = (stop,) if isinstance(stop, str) else tuple(stop)
     if len(strings) > MAX_STOP_STRINGS:
         raise InvalidRequest("stop", f"stop has {len(strings)} strings; at most {MAX_STOP_STRINGS}")
-    if not all(isinstance(s, str) and s for s in strings):
-        raise InvalidRequest("stop", "stop strings must be non-empty strings")
+    if not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in strings):
+        raise InvalidRequest("stop", f"stop strings must be strings of 1 to {MAX_STOP_CHARS} chars")
     return strings

@@ -85,10 +85,13 @@ def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
 def held_back(text: str, stop: Sequence[str]) -> int:
     """How many characters at the end of `text` may be the start of a stop string (and so
     may not be streamed until more text is committed)."""
-    return max(
-        (n for s in stop for n in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:n])),
-        default=0,
-    )
+    longest = 0
+    for s in stop:  # the longest proper prefix of s that `text` ends with
+        n = min(len(s) - 1, len(text))
+        while n > longest and not text.endswith(s[:n]):
+            n -= 1
+        longest = max(longest, n)
+    return longest
 
 
 class RequestHandle:

@@ -1,11 +1,11 @@
 """Request bodies of the OpenAI-compatible API, with dilaserve's extension fields.
 
-`stop` (a string, or up to 4) ends the answer before the first of them; the request stops
-being worked on once one is committed. Sampling fields OpenAI clients commonly send that do not
-apply to confidence-threshold decoding (temperature, top_p, seed, user, ...) are accepted and
-ignored, so existing clients work unchanged. Fields asking for what this server cannot give
-(`logprobs`, `top_logprobs`, `echo`, `best_of` above 1, `suffix`) get a 400 naming them, rather
-than a silently different answer. Extension fields:
+`stop` (a string, or up to 4, each at most 256 characters) ends the answer before the first of
+them; the request stops being worked on once one is committed. Sampling fields OpenAI clients
+commonly send that do not apply to confidence-threshold decoding (temperature, top_p, seed,
+user, ...) are accepted and ignored, so existing clients work unchanged. Fields asking for what
+this server cannot give (`logprobs`, `top_logprobs`, `echo`, `best_of` above 1, `suffix`) get a
+400 naming them, rather than a silently different answer. Extension fields:
 
 - `slo_ms`: the latency SLO in milliseconds from submission, or `deadline`: a Unix time in
   seconds; default: the server's `--slo`;
