@@ -59,13 +59,13 @@ class RequestResult:
     def of(
         cls, handle: RequestHandle, ids: list[int], text: str, stopped: bool, now: float
     ) -> RequestResult:
-        """A finished request's answer: `ids` its generated tokens, `text` their text (cut
-        before its first stop string), `stopped` whether one came."""
+        """A finished request's answer: `ids` its generated tokens, `text` the answer (their
+        text before any stop string), `stopped` whether a stop string came."""
         r = handle.request
         first = None if r.first_block_time is None else r.first_block_time - handle.submitted
         return cls(
             handle.request_id,
-            cut_at_stop(text, handle.stop)[0],
+            text,
             tuple(ids),
             r.num_steps,
             now - handle.submitted,
@@ -175,8 +175,8 @@ class Answers:
     def finish(self, handle: RequestHandle, now: float) -> None:
         r = handle.request
         ids = r.generated_ids(self.tokenizer.special.stop_ids)
-        text = self.tokenizer.decode(ids)
-        stopped = handle.extend_text(text, final=True)
+        text, stopped = cut_at_stop(self.tokenizer.decode(ids), handle.stop)
+        handle.extend_text(text, final=True)
         handle._push(None)
         result = RequestResult.of(handle, ids, text, stopped, now)
         if self.observer is not None:

@@ -330,14 +330,13 @@ class Cluster:
         live = [i.request_id for i in batch.items if i.request_id in self.scheduler.requests]
         if len(live) > 1:
             self.apply(self.scheduler.retry_alone(iid, live, now), now, f"r{iid}")
-            self.rollout.on_step_done(iid, now)
-            return
-        for rid in live:
-            self.apply(self.scheduler.cancel(rid), now, f"c{rid}")
-            handle = self._handles.get(rid)
-            if handle is not None:
-                self._fail(handle, RuntimeError(f"request {rid} failed: {error}"))
-        self.apply(self.scheduler.on_step_done(iid, StepOutput((), 0), now), now, f"d{iid}")
+        else:
+            for rid in live:
+                self.apply(self.scheduler.cancel(rid), now, f"c{rid}")
+                handle = self._handles.get(rid)
+                if handle is not None:
+                    self._fail(handle, RuntimeError(f"request {rid} failed: {error}"))
+            self.apply(self.scheduler.on_step_done(iid, StepOutput((), 0), now), now, f"d{iid}")
         self.rollout.on_step_done(iid, now)
 
     def _instance_failed(self, iid: str, error: str, now: float) -> None:

@@ -41,12 +41,13 @@ class InstanceState:
     cache_memo: tuple[int, float] = (0, 0.0)
     seconds_memo: tuple = (None, (0.0, 0.0))  # ((resident tokens, residents), step_seconds)
 
-    def has_room(self, tokens: int, max_requests: float) -> bool:
+    def has_room(self, tokens: int, max_requests: float, solo: bool = False) -> bool:
         """A batch takes a request while within max batch tokens and `max_requests`; an empty
-        one takes any."""
+        one takes any. A request that runs alone (`solo`) needs an empty batch, and a batch
+        holding one takes no one else."""
         if not self.pending:
             return True
-        if self.solo or len(self.pending) >= max_requests:
+        if solo or self.solo or len(self.pending) >= max_requests:
             return False
         return self.pending_full + self.pending_cache + tokens <= self.max_batch_tokens
 

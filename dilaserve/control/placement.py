@@ -41,9 +41,7 @@ class Placer:
         """Whether the batch gathered there takes the request (`solo`: one that runs alone)."""
         if inst.busy and self._sjf:
             return False  # SJF: requests wait, sorted, until the instance can take them
-        if solo and inst.pending:
-            return False
-        return inst.has_room(tokens, self._max_requests)
+        return inst.has_room(tokens, self._max_requests, solo)
 
     def place(
         self, t, now: float, open_instances: Sequence[InstanceState]

@@ -40,6 +40,7 @@ class LLM:
     ) -> list[Request]:
         gen_len = params.gen_len(self.config.block_len)
         context = self.engine.model.config.max_sequence_length
+        mask = self.tokenizer.special.mask
         requests = []
         for i, prompt in enumerate(prompts):
             ids = tuple(self.encode_prompt(prompt, chat))
@@ -48,7 +49,6 @@ class LLM:
                     f"prompt {i} ({len(ids)} tokens) + max_tokens ({gen_len}, whole blocks) "
                     f"exceeds the model's context of {context} tokens"
                 )
-            mask = self.tokenizer.special.mask
             requests.append(
                 Request(str(i), ids, gen_len, self.config.block_len, mask, params.threshold)
             )

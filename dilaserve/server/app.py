@@ -8,9 +8,9 @@ only. Errors have OpenAI's shape (`{"error": {"message", "type", "param", "code"
 naming the bad field, 429 (too many requests in flight) and 503 (shutting down) with
 Retry-After. One bad request never touches another: validation happens before the request
 reaches the cluster, and a failed request fails alone. A client that disconnects, streaming
-or not, has its request cancelled. With an API key set, `/v1/` endpoints
-answer only requests carrying `Authorization: Bearer KEY` (401 otherwise); `/health` and
-`/metrics` stay open to probes and scrapers.
+or not, has its request cancelled. With an API key set, `/v1/` endpoints answer only requests
+carrying `Authorization: Bearer KEY` (401 otherwise); `/health` and `/metrics` stay open to
+probes and scrapers.
 
 The app starts the cluster when it starts and, on shutdown, stops taking requests, lets those
 in flight finish (up to `drain_timeout` seconds), then stops the instances.
