@@ -108,7 +108,7 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--slo-headroom",
         type=float,
-        default=0.5,
+        default=1.0,
         help="share of a request's remaining SLO its predicted time must fit (docs/control.md)",
     )
     p.add_argument(

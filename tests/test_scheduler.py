@@ -154,6 +154,17 @@ def test_headroom_sizes_the_threshold_for_a_share_of_the_budget():
     assert launch.batch.items[0].threshold == 0.5
 
 
+def test_the_headroom_extension_policy_overrides_the_papers_rule():
+    # the paper's rule is the config's default (1.0): 0.9 fits the 50 ms budget; the named
+    # extension `dilaserve-headroom` fits half of it, whatever the config says
+    assert SchedulerConfig().slo_headroom == 1.0
+    paper = scheduler(instances=(("b", 2),), slo=0.05)
+    tuned = scheduler("dilaserve-headroom", instances=(("b", 2),), slo=0.05)
+    for s, expected in ((paper, 0.9), (tuned, 0.5)):
+        launch = only_launch(s.on_arrival(make_request("r", gen_len=2 * BLOCK), 0.0))
+        assert launch.batch.items[0].threshold == expected
+
+
 def test_nothing_fits_falls_through_to_the_lowest_threshold():
     s = scheduler(instances=(("b", 2),), slo=1e-6)
     launch = only_launch(s.on_arrival(make_request("r", gen_len=2 * BLOCK), 0.0))

@@ -11,6 +11,9 @@ A policy is a small frozen value; the one `Scheduler` reads it. DESIGN section 3
   stays where it started), `infaas` (dispatch on arrival to the least-loaded instance by
   tokens, no migration) and `llumnix` (step-level load balancing, migration only at recompute
   steps);
+- extensions, tuned deviations from the paper's algorithms, named so that they never pass
+  for it: `dilaserve-headroom` (Alg. 1 fits the predicted time into half the remaining
+  budget, not all of it: `slo_headroom` 0.5, see docs/control.md);
 - `dws-sjf`: `fcfs` whose waiting requests are served in order of their DWS expected cost
   (papers.md 2.8): shortest first, non-preemptive (a request that has started goes ahead of
   every waiting one), each waiting request's cost aged by 10% per 30 s waited.
@@ -55,12 +58,16 @@ class Policy:
     order: Order = Order.ARRIVAL  # the service order of waiting requests
     aging: float = 0.10  # DWS-SJF: a waiting request's cost shrinks this much ...
     aging_period: float = 30.0  # ... per this many seconds waited
+    # Alg. 1's share of the remaining budget; None: the SchedulerConfig's (1.0, the paper's)
+    slo_headroom: float | None = None
 
     def __post_init__(self):
         if self.fixed_threshold is not None and not 0 < self.fixed_threshold <= 1:
             raise ValueError(f"{self.fixed_threshold=} must be in (0, 1]")
         if not self.candidates or not all(0 < c <= 1 for c in self.candidates):
             raise ValueError(f"{self.candidates=} must be thresholds in (0, 1]")
+        if self.slo_headroom is not None and not 0 < self.slo_headroom <= 1:
+            raise ValueError(f"{self.slo_headroom=} must be in (0, 1]")
 
     @property
     def is_dynamic(self) -> bool:
@@ -87,6 +94,7 @@ POLICIES = {
     "oracle-predictor": replace(_DILASERVE, name="oracle-predictor", predictor="oracle"),
     "no-reconfig": replace(_DILASERVE, name="no-reconfig", reconfigure=False),
     "migrate-any-step": replace(_DILASERVE, name="migrate-any-step", migration=Migration.ANY),
+    "dilaserve-headroom": replace(_DILASERVE, name="dilaserve-headroom", slo_headroom=0.5),
     "fcfs": _FCFS,
     "infaas": replace(_FCFS, name="infaas", placement=Placement.ON_ARRIVAL),
     "llumnix": replace(_FCFS, name="llumnix", migration=Migration.RECOMPUTE),

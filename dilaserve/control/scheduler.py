@@ -16,7 +16,8 @@ request is predicted at once), load control (Alg. 2/4) re-runs when arrivals or 
 change the load picture (both in `load_control.py`), and the threshold is re-selected
 (Alg. 1/5) whenever a request moves or its predictions refresh, pricing the remaining steps at
 the load of everything assigned to its instance and fitting them into `slo_headroom` of the
-budget left. Each instance's gathered batch keeps its own books (`instance.py`).
+budget left (the policy's, else the config's: 1.0, the paper's rule). Each instance's
+gathered batch keeps its own books (`instance.py`).
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class Scheduler:
         self._ready: list[str] = []
         self._solo: set[str] = set()  # requests whose steps run alone (after a failed batch)
         self._ladder = tuple(sorted(policy.candidates, reverse=True))
+        self._headroom = policy.slo_headroom or config.slo_headroom
         self._full_kind = (
             StepKind.FULL if config.kv_cache is KVCacheMode.NONE else StepKind.RECOMPUTE
         )
@@ -372,7 +374,7 @@ class Scheduler:
         if inst.seconds_memo[0] != key:  # the same for every request placed there this round
             load = InstanceLoad(inst.tp, *key)
             inst.seconds_memo = (key, step_seconds(load, self.profile, self.config.cache_block))
-        slo_left = (r.deadline - now) * self.config.slo_headroom
+        slo_left = (r.deadline - now) * self._headroom
         steps = self._loads.steps_left(r.request_id, allowed)
         return highest_fitting(
             allowed,

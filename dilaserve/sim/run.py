@@ -54,7 +54,7 @@ class SimulationSpec:
     max_batch_tokens: int = 65536
     max_requests_per_instance: int = 64
     refresh_every_tokens: int = 8
-    slo_headroom: float = 0.5  # see SchedulerConfig
+    slo_headroom: float = 1.0  # the paper's Alg. 1; see SchedulerConfig
     refresh_interval: float = 0.05  # see SchedulerConfig
     planner_period: float = 300.0
     startup_delay: float = 30.0
