@@ -9,8 +9,9 @@ from dilaserve.protocol import KVCacheMode
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 BUNDLED_MODEL = ASSETS / "tiny-llada"  # the small dLLM this project trains and ships
-BUNDLED_PREDICTOR = ASSETS / "tiny-llada-predictor"  # its step predictor
-BUNDLED_PROFILE = ASSETS / "tiny-llada-profile.json"  # its latency on a 2-core CPU (TP 1)
+BUNDLED_CALIBRATION = BUNDLED_MODEL / "dilaserve-calibration" / "cpu-float32"  # `calibrate`
+BUNDLED_PREDICTOR = BUNDLED_CALIBRATION / "predictor"  # its step predictor
+BUNDLED_PROFILE = BUNDLED_CALIBRATION / "profile.json"  # its latency on a 2-core CPU
 BUNDLED_DWS = ASSETS / "tiny-llada-dws"  # its DWS cost predictor (dilaserve train-dws)
 BUNDLED_DWS_COST = ASSETS / "tiny-llada-dws-cost.json"  # the DWS cost kernel on that CPU
 DEFAULT_BLOCK_LEN = 32
