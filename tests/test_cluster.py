@@ -151,16 +151,6 @@ def test_pinned_thresholds_cancellation_and_admission_control():
         assert cluster.in_flight == 0
 
 
-def test_a_controller_that_stops_fails_its_requests_and_takes_no_more():
-    with Cluster(config()) as cluster:
-        cluster.scheduler.on_arrival = lambda request, now: 1 / 0  # a controller bug
-        with pytest.raises(ZeroDivisionError):
-            cluster.submit(QUESTIONS[0]).result(60)
-        assert not cluster.accepting
-        with pytest.raises(Closed):
-            cluster.submit(QUESTIONS[1])
-
-
 def test_every_request_completes_when_a_worker_is_killed_mid_trace():
     with Cluster(config()) as cluster:
         handles = submit_all(cluster, QUESTIONS, gap=0.0)

@@ -160,7 +160,8 @@ class LocalBackend:
             conn.close()
 
     def kill(self, instance_id: str) -> None:
-        for p in self._gangs[instance_id].processes:
+        gang = self._gangs.get(instance_id)
+        for p in gang.processes if gang is not None else ():
             p.kill()
 
     def wake(self) -> None:

@@ -18,7 +18,9 @@ committed tokens (the step it was running is lost), the failure is counted and l
 replacement with the same GPUs is started (`replace_failed`); an instance whose step runs past
 `step_timeout` is taken for hung and killed, to the same end. If the engine raises on a step
 (a batch too big for memory, a request that breaks it), the step's requests resume from their
-last committed tokens, each alone from then on; one whose step fails alone fails.
+last committed tokens, each alone from then on; one whose step fails alone fails. An exception
+in the controller itself (a bug) fails only what the event it was handling concerned: one
+request, or one instance (taken out and replaced); the controller goes on (`_survive`).
 """
 
 from __future__ import annotations
@@ -86,7 +88,13 @@ class Cluster:
         self.rollout = Rollout(self.scheduler, self, config.max_batch_tokens)
         self.log = DecisionLog(keep_lines=config.record)
         self.recording = Recording() if config.record else None
-        self.stats = {"failures": 0, "failed_steps": 0, "migrations": 0, "reconfigurations": 0}
+        self.stats = {
+            "failures": 0,
+            "failed_steps": 0,
+            "migrations": 0,
+            "reconfigurations": 0,
+            "controller_errors": 0,  # exceptions in the controller (survived: see `_survive`)
+        }
         # (round trip, engine seconds) of the latest steps: bounded, for a server that runs on
         self.step_times: deque[tuple[float, float]] = deque(maxlen=STEP_TIMES_KEPT)
         self.steps_run = 0
@@ -106,6 +114,7 @@ class Cluster:
         self._last = 0.0
         self._next_id = 0
         self._replacements = 0
+        self._handling: tuple[str, object] = ("start", None)  # what the controller is handling
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -239,28 +248,59 @@ class Cluster:
         return now
 
     def _run(self) -> None:
+        while not self._closing.is_set():
+            try:
+                self._next_event()
+            except Exception as e:  # a controller bug: fail what it concerned, never the rest
+                self._survive(e)
+
+    def _next_event(self) -> None:
+        now = self._clock()
+        if now >= self._next_tick:
+            self._handling = ("tick", None)
+            self._last = self._next_tick
+            self._next_tick += self.config.tick
+            self._tick(self._last)
+        elif self._arrivals:
+            self._handling = ("arrival", self._arrivals.popleft())
+            self._admit(self._handling[1], now)
+        elif self._cancels:
+            self._handling = ("cancel", self._cancels.popleft())
+            self._cancel(self._handling[1], now)
+        elif self._events:
+            self._handling = ("event", self._events.popleft())
+            self._on_event(self._handling[1], now)
+        else:
+            self._handling = ("poll", None)
+            self._events.extend(self.backend.poll(self._next_tick - now))
+
+    def _survive(self, error: Exception) -> None:
+        """An exception while handling one event fails only what the event concerned: an
+        arrival's or a cancellation's request fails; an instance's event takes the instance out
+        (killed: its requests resume elsewhere and it is replaced, as when it dies); a tick's
+        round is skipped. The controller goes on."""
+        self.stats["controller_errors"] += 1
+        kind, what = self._handling
+        log.exception("controller error handling a %s (survived)", kind)
+        if kind == "arrival":
+            self._drop(what.request_id, error)
+        elif kind == "cancel":
+            self._drop(what, error)
+        elif kind == "event" and what.instance_id in self._specs:
+            self._hung.add(what.instance_id)
+            self.backend.kill(what.instance_id)
+
+    def _drop(self, rid: str, error: Exception) -> None:
+        """Fail one request after a controller error, forgetting it in the scheduler."""
         try:
-            while not self._closing.is_set():
-                now = self._clock()
-                if now >= self._next_tick:
-                    self._last = self._next_tick
-                    self._tick(self._next_tick)
-                    self._next_tick += self.config.tick
-                elif self._arrivals:
-                    self._admit(self._arrivals.popleft(), now)
-                elif self._cancels:
-                    self._cancel(self._cancels.popleft(), now)
-                elif self._events:
-                    self._on_event(self._events.popleft(), now)
-                else:
-                    self._events.extend(self.backend.poll(self._next_tick - now))
-        except Exception as e:  # a controller bug: fail loudly, never hang clients
-            log.exception("controller stopped; the cluster takes no more requests")
-            with self._lock:  # no request slips in after the last is failed
-                self._accepting = False  # /health says so, and new requests get 503
-                handles = list(self._handles.values())
-            for handle in handles:
-                self._fail(handle, e)
+            if rid in self.scheduler.requests:
+                self.apply(self.scheduler.cancel(rid), self._last, f"c{rid}")
+        except Exception:
+            log.exception("could not cancel request %s", rid)
+        handle = self._handles.get(rid)
+        if handle is not None:
+            message = f"request {rid} failed: internal error ({type(error).__name__}: {error})"
+            self._fail(handle, RuntimeError(message))
 
     def _tick(self, now: float) -> None:
         self.apply(self.scheduler.on_tick(now), now, "t")

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 DEFAULT_INPUT_EDGES = (128, 256, 512, 1024, 2048)  # tokens; a bucket is [edge_i, edge_i+1)
 DEFAULT_OUTPUT_EDGES = (64, 128, 256, 512)
+MIN_SLO = 0.001  # seconds: SLO classes are kept to the millisecond; a request admitted at or past
+# its deadline, or with a sub-millisecond SLO, falls in the tightest class (never zero or less)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +65,7 @@ class WorkloadMonitor:
         key = (
             bisect.bisect_right(self.input_edges, prompt_len),
             bisect.bisect_right(self.output_edges, output_len),
-            round(slo, 3),
+            max(round(slo, 3), MIN_SLO),
         )
         self._arrivals.append(_Arrival(now, key, prompt_len, output_len))
         if self._first is None:
