@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from dilaserve.cli_args import engine_args, model_arg, parse_thresholds, precision_args
-from dilaserve.cli_serving import add_serving_commands
+from dilaserve.cli_args import (
+    engine_args,
+    model_arg,
+    parse_thresholds,
+    precision_args,
+    resolve_model,
+    show_defaults,
+)
+from dilaserve.cli_serving import add_serving_commands, tp_list
 from dilaserve.config import DEFAULT_THRESHOLD
 
 
@@ -84,21 +92,41 @@ def cmd_profile(args) -> None:
             )
         )
         return
-    from dilaserve.engine.profiling import ProfileConfig, profile
+    from dilaserve.calibration.run import CalibrateConfig, profile_command
 
-    requests = tuple(int(n) for n in args.requests.split(","))
-    profile(
-        ProfileConfig(
-            model=args.model,
-            seq_len=args.seq_len,
-            gen_len=args.gen_len,
-            requests=requests,
+    cfg = CalibrateConfig(
+        args.model,
+        args.device,
+        args.dtype,
+        args.tp,
+        max_tokens=args.gen_len,
+        seq_len=args.seq_len,
+        requests=args.requests,
+        repeats=args.repeats,
+        threads=args.threads,
+        cuda_graphs=args.cuda_graphs,
+    )
+    profile_command(cfg, args.out, args.profile_out)
+
+
+def cmd_calibrate(args) -> None:
+    from dilaserve.calibration.run import CalibrateConfig, calibrate
+
+    calibrate(
+        CalibrateConfig(
+            args.model,
+            args.device,
+            args.dtype,
+            args.tp,
+            prompts=args.prompts,
+            num_prompts=args.num_prompts,
+            thresholds=args.thresholds,
+            max_tokens=args.max_tokens,
+            requests=args.requests,
             repeats=args.repeats,
-            dtype=args.dtype,
-            device=args.device,
+            threads=args.threads,
             cuda_graphs=args.cuda_graphs,
-            out=args.out,
-            profile_out=args.profile_out,
+            calibration=args.calibration,
         )
     )
 
@@ -267,15 +295,61 @@ def _add_simulate_command(sub) -> None:
     si.set_defaults(func=cmd_simulate)
 
 
+def _measurement_args(p) -> None:
+    """What `calibrate` and `profile` measure with."""
+    model_arg(p)
+    precision_args(p)
+    p.add_argument("--tp", type=tp_list, default=(1,), help="TP degrees to measure, e.g. 1,2,4")
+    p.add_argument(
+        "--requests",
+        type=_ints,
+        default=(1, 2, 4, 8, 16, 32, 64, 128),
+        help="batch sizes (requests per step) to measure",
+    )
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per point, after a warm-up")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads per worker rank")
+
+
+def _add_calibrate_command(sub) -> None:
+    ca = sub.add_parser(
+        "calibrate",
+        help="measure a model's latency profile (every TP degree) and train its step predictor",
+    )
+    _measurement_args(ca)
+    ca.add_argument(
+        "--prompts",
+        default=None,
+        help="JSONL with a 'prompt' per line; default: the checkpoint's "
+        "calibration_prompts.jsonl, else the shipped GSM8K + ShareGPT set",
+    )
+    ca.add_argument("--num-prompts", type=int, default=64, help="prompts recorded per threshold")
+    ca.add_argument("--thresholds", type=parse_thresholds, default=(0.5, 0.6, 0.7, 0.8, 0.9))
+    ca.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="output window of the recorded requests; default: the model's",
+    )
+    ca.add_argument(
+        "--calibration",
+        default=None,
+        help="the calibration folder to write; default: MODEL/dilaserve-calibration/DEVICE-DTYPE "
+        "if writable, else ~/.cache/dilaserve/calibration/...",
+    )
+    ca.set_defaults(func=cmd_calibrate)
+
+
 def _add_measurement_commands(sub) -> None:
-    """profile, train-predictor and train-model."""
-    pr = sub.add_parser("profile", help="measure step latencies on this machine's engine")
-    model_arg(pr)
-    pr.add_argument("--seq-len", type=int, default=128, help="prompt + output tokens per request")
-    pr.add_argument("--gen-len", type=int, default=64)
-    pr.add_argument("--requests", default="1,2,4,8,16,32,64,128", help="batch sizes to measure")
-    pr.add_argument("--repeats", type=int, default=3)
-    precision_args(pr)
+    """calibrate, profile, train-predictor and train-model."""
+    _add_calibrate_command(sub)
+    pr = sub.add_parser(
+        "profile", help="measure step latencies (every TP degree) through the cluster's workers"
+    )
+    _measurement_args(pr)
+    pr.add_argument("--gen-len", type=int, default=None, help="output window; default: the model's")
+    pr.add_argument(
+        "--seq-len", type=int, default=None, help="prompt + output tokens; default: twice gen-len"
+    )
     pr.add_argument("--out", default="runs", help="folder for run folders")
     pr.add_argument("--profile-out", default=None, help="where to write the profile JSON")
     pr.add_argument(
@@ -317,6 +391,7 @@ def _add_measurement_commands(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dilaserve", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"dilaserve {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for prompts with the offline engine")
@@ -349,19 +424,59 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_command(sub)
     _add_simulate_command(sub)
     add_serving_commands(sub)
+    show_defaults(parser)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("dilaserve")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _one_line(err: BaseException) -> str:
+    """An error as one line: its first line, and the last line of a traceback it carries."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(err).__name__
+    return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
+
+
+def _resolve_defaults(args) -> None:
+    """MODEL or --model, and the output window the model defaults to."""
+    resolve_model(args)
+    if getattr(args, "max_tokens", 0) is None and args.command in (
+        "generate",
+        "eval",
+        "serve",
+        "run-trace",
+    ):
+        from dilaserve.models.generation import default_max_tokens
+
+        args.max_tokens = default_max_tokens(args.model)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "threads", None) and args.command not in ("run-trace", "serve"):
+    if getattr(args, "threads", None) and args.command not in (
+        "run-trace",
+        "serve",
+        "calibrate",
+        "profile",
+    ):
         import torch
 
         torch.set_num_threads(args.threads)
     try:
+        _resolve_defaults(args)
         args.func(args)
-    except (ValueError, FileNotFoundError, KeyError) as err:
-        print(f"dilaserve {args.command}: error: {err}", file=sys.stderr)
+    except (ValueError, FileNotFoundError, KeyError, OSError, RuntimeError) as err:
+        if os.environ.get("DILASERVE_DEBUG"):
+            raise
+        print(f"dilaserve {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 2
     return 0
 

@@ -12,9 +12,12 @@ from pathlib import Path
 
 from dilaserve.cli_args import model_arg, parse_thresholds, precision_args
 
+INSTANCES_DEFAULT = "2"
+
 
 def _cluster_config(args, record: bool = False):
-    """A ClusterConfig from the options `_add_cluster_args` defines."""
+    """A ClusterConfig from the options `_add_cluster_args` defines, its control plane built
+    from the model's calibration (or the profile and predictor given)."""
     import json
 
     from dilaserve.cluster.runtime import ClusterConfig
@@ -23,8 +26,10 @@ def _cluster_config(args, record: bool = False):
     from dilaserve.control.build import ControlSpec
     from dilaserve.control.decisions import SchedulerConfig
 
-    meta = Path(args.predictor) / "gbm-full.json"
-    k = json.loads(meta.read_text()).get("refresh_every_tokens", 8) if meta.exists() else 8
+    instances = layout(args)
+    inputs = control_inputs(args, set(instances))
+    meta = Path(inputs.predictor or "") / "gbm-full.json"
+    k = json.loads(meta.read_text()).get("refresh_every_tokens", 8) if meta.is_file() else 8
     engine = EngineConfig(
         args.kv_cache, dtype=args.dtype, device=args.device, cuda_graphs=args.cuda_graphs
     )
@@ -35,18 +40,17 @@ def _cluster_config(args, record: bool = False):
         slo_headroom=args.slo_headroom,
         max_batch_requests=args.max_batch_requests,
     )
-    instances = tuple(int(t) for t in args.instances.split(","))
     nodes = _nodes(args.nodes, instances)
     control = ControlSpec(
         args.policy,
-        args.profile,
-        args.predictor,
+        inputs.profile,
+        inputs.predictor or "",
         scheduler,
         nodes=nodes,
         planner_period=args.planner_period,
         candidates=args.candidates,
     )
-    return ClusterConfig(
+    config = ClusterConfig(
         worker=WorkerConfig(args.model, engine, args.threads),
         control=control,
         instances=instances,
@@ -59,6 +63,82 @@ def _cluster_config(args, record: bool = False):
         record=record,
         **_dws_args(args),
     )
+    return config, inputs
+
+
+def tp_list(text: str) -> tuple[int, ...]:
+    """TP degrees such as "1,2,4"."""
+    try:
+        degrees = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of TP degrees: {text!r}") from None
+    if not degrees or min(degrees) < 1:
+        raise argparse.ArgumentTypeError(f"TP degrees must be >= 1: {text!r}")
+    return degrees
+
+
+def layout(args) -> tuple[int, ...]:
+    """The TP degree of each instance at start: --layout, else --instances of --tp."""
+    if "," in args.instances:
+        raise ValueError(
+            f"--instances is a count; for a layout of TP degrees use --layout {args.instances}"
+        )
+    try:
+        count = int(args.instances)
+    except ValueError:
+        raise ValueError(f"--instances {args.instances!r} must be a number of instances") from None
+    if args.layout is not None:
+        if args.instances != INSTANCES_DEFAULT or args.tp != 1:
+            raise ValueError("give --layout, or --tp and --instances, not both")
+        return args.layout
+    if count < 1:
+        raise ValueError(f"--instances {count} must be at least 1")
+    return (args.tp,) * count
+
+
+def control_inputs(args, tps: set[int]):
+    """The latency profile and step predictor the control plane is built from: the
+    calibration that matches the model, device, dtype and TP degrees (made now with
+    --calibrate), or the --profile and --predictor given."""
+    import logging
+
+    from dilaserve.calibration.run import CalibrateConfig, calibrate, device_name
+    from dilaserve.calibration.store import (
+        CalibrationMissing,
+        model_key,
+        resolve_control_inputs,
+    )
+    from dilaserve.control.policy import get_policy
+
+    policy = get_policy(args.policy)
+    key = model_key(args.model, device_name(args.device), args.dtype)
+    options = {
+        "calibration": args.calibration,
+        "profile": args.profile,
+        "predictor": args.predictor,
+        "needs_predictor": policy.is_dynamic or policy.reconfigure or bool(args.dws),
+    }
+    try:
+        inputs = resolve_control_inputs(args.model, key, tps, args.device, **options)
+    except CalibrationMissing:
+        if not args.calibrate:
+            raise
+        tp = tuple(sorted(tps))
+        calibrate(
+            CalibrateConfig(
+                args.model,
+                args.device,
+                args.dtype,
+                tp,
+                threads=args.threads,
+                calibration=args.calibration,
+            )
+        )
+        inputs = resolve_control_inputs(args.model, key, tps, args.device, **options)
+    log = logging.getLogger("dilaserve.calibration")
+    for warning in inputs.warnings:
+        log.warning(warning)
+    return inputs
 
 
 def _nodes(text: str | None, instances: tuple[int, ...]) -> tuple[int, ...]:
@@ -87,23 +167,50 @@ def _dws_args(args) -> dict:
 
 
 def _add_cluster_args(p: argparse.ArgumentParser) -> None:
-    from dilaserve.config import BUNDLED_PREDICTOR, BUNDLED_PROFILE
-
     model_arg(p)
     p.add_argument("--kv-cache", choices=["none", "prefix", "dual"], default="dual")
     precision_args(p)
     p.add_argument(
-        "--max-tokens", type=int, default=64, help="default output window (whole 32-token blocks)"
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="requests' default output window (whole 32-token blocks); default: the "
+        "checkpoint's generation_config.json max_new_tokens, else 256",
     )
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per worker rank")
-    p.add_argument("--instances", default="1,1", help="TP degree of each instance, e.g. 1,1,2")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of each instance")
+    p.add_argument("--instances", default=INSTANCES_DEFAULT, help="number of instances at start")
+    p.add_argument(
+        "--layout",
+        type=tp_list,
+        default=None,
+        help="instead of --tp/--instances: the TP degree of each instance, e.g. 2,1",
+    )
     p.add_argument(
         "--policy",
         default="dilaserve",
         help="dilaserve, fcfs, infaas, llumnix, or an ablation (see docs/control.md)",
     )
-    p.add_argument("--profile", default=str(BUNDLED_PROFILE), help="latency profile JSON")
-    p.add_argument("--predictor", default=str(BUNDLED_PREDICTOR), help="step predictor folder")
+    p.add_argument(
+        "--calibration",
+        default=None,
+        help="the model's calibration folder (dilaserve calibrate); default: the one that "
+        "matches, next to the model or in ~/.cache/dilaserve",
+    )
+    p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="calibrate the model now if no calibration matches",
+    )
+    p.add_argument(
+        "--profile",
+        default=None,
+        help="latency profile JSON or preset name (e.g. llada-8b-h200) instead of the "
+        "calibration's",
+    )
+    p.add_argument(
+        "--predictor", default=None, help="step predictor folder instead of the calibration's"
+    )
     p.add_argument("--slo", type=float, default=1.0, help="seconds; requests' default SLO")
     p.add_argument(
         "--slo-headroom",
@@ -150,7 +257,8 @@ def cmd_run_trace(args) -> None:
     from dilaserve.cluster.trace_run import TraceRunSpec, run_trace, write_trace_run
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    config = _cluster_config(args, record=True)
+    config, inputs = _cluster_config(args, record=True)
+    logging.getLogger("dilaserve.calibration").info("control inputs: %s", inputs.label)
     spec = TraceRunSpec(
         args.trace,
         args.rate_scale,
@@ -186,10 +294,15 @@ def _add_run_trace_command(sub) -> None:
 
 
 def cmd_serve(args) -> None:
+    import logging
+
     from dilaserve.server.main import serve
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    config, inputs = _cluster_config(args)
+    logging.getLogger("dilaserve.calibration").info("control inputs: %s", inputs.label)
     serve(
-        _cluster_config(args),
+        config,
         args.host,
         args.port,
         args.served_model_name,

@@ -1,0 +1,320 @@
+"""`dilaserve calibrate MODEL`: measure a model's control inputs on this device and dtype.
+
+1. the latency profile at every TP degree asked for, through the cluster's own workers
+   (`calibration/latency.py`);
+2. trajectories of a prompt set at every candidate threshold on the engine, and the step
+   predictor trained on them (`training/train_predictor.py`);
+3. a calibration folder (`calibration/store.py`) keyed by the model's config hash, the device
+   name and the dtype. TP degrees measured before in the same folder are kept.
+
+Prompts: `--prompts FILE` (JSONL, a "prompt" per line), else the checkpoint's own
+`calibration_prompts.jsonl` where it ships one (the bundled model does: its task), else the set
+dilaserve ships (GSM8K questions and ShareGPT first turns, `assets/prompts`). Progress and the
+time left are logged after every measurement.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from dilaserve.calibration.latency import ProfileGrid, batch_sizes, profile_instance
+from dilaserve.calibration.store import (
+    PREDICTOR_DIR,
+    PROFILE_FILE,
+    Calibration,
+    model_key,
+    processor_name,
+    writable_folder,
+)
+from dilaserve.config import ASSETS
+from dilaserve.runs import create_run_dir, environment, markdown_table, write_json, write_records
+
+SHIPPED_PROMPTS = ASSETS / "prompts" / "calibration.jsonl"
+MODEL_PROMPTS = "calibration_prompts.jsonl"
+DEFAULT_THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+@dataclass(frozen=True, slots=True)
+class CalibrateConfig:
+    model: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    tp: tuple[int, ...] = (1,)
+    prompts: str | None = None
+    num_prompts: int = 64
+    thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS
+    max_tokens: int | None = None  # the trajectories' window; None: the model's default
+    seq_len: int | None = None  # prompt + window of the profiled requests; None: twice the window
+    requests: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+    repeats: int = 3
+    threads: int = 1  # torch threads per worker rank, as `serve` runs them
+    cuda_graphs: int = 0
+    calibration: str | None = None  # the folder to write; None: next to the model or the cache
+
+    def __post_init__(self):
+        if not self.tp or min(self.tp) < 1:
+            raise ValueError(f"{self.tp=} must list TP degrees >= 1")
+        if self.num_prompts < 5:
+            raise ValueError(f"{self.num_prompts=} must be at least 5 (the predictor's split)")
+
+
+def device_name(device: str) -> str:
+    """What calibrations are keyed by: the GPU's name, or "cpu"."""
+    import torch
+
+    from dilaserve.models.checkpoint import check_device
+
+    check_device(device)
+    d = torch.device(device)
+    if d.type == "cuda":
+        return torch.cuda.get_device_name(d.index or 0)
+    return d.type
+
+
+class Progress:
+    """Units done of a known total, with the time left extrapolated from the time so far."""
+
+    def __init__(self, total: int, log=print, clock=time.monotonic):
+        self.total, self.done, self.log, self.clock = total, 0, log, clock
+        self.start = clock()
+
+    def advance(self, what: str) -> None:
+        self.done += 1
+        elapsed = self.clock() - self.start
+        left = elapsed / self.done * (self.total - self.done)
+        self.log(
+            f"[{self.done}/{self.total}] {what} "
+            f"({_clock(elapsed)} elapsed, about {_clock(left)} left)"
+        )
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def load_prompts(cfg: CalibrateConfig) -> tuple[list[str], str]:
+    """The prompt set and where it came from."""
+    own = Path(cfg.model) / MODEL_PROMPTS
+    path = Path(cfg.prompts) if cfg.prompts else own if own.is_file() else SHIPPED_PROMPTS
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"prompt file {path} does not exist") from None
+    prompts = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            prompts.append(str(json.loads(line)["prompt"]))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ValueError(f"{path} line {i + 1}: expected a JSON object with 'prompt'") from None
+    if len(prompts) < 5:
+        raise ValueError(f"{path} has {len(prompts)} prompts; calibration needs at least 5")
+    return prompts[: cfg.num_prompts], str(path)
+
+
+def _model(model: str):
+    """The checkpoint's config and tokenizer (no weights)."""
+    from dilaserve.models.config import LLaDAConfig
+    from dilaserve.models.tokenizer import Tokenizer
+
+    config = LLaDAConfig.from_file(Path(model) / "config.json")
+    return config, Tokenizer(Path(model), config)
+
+
+def _fitting(tokenizer, context: int, prompts: list[str], gen_len: int) -> list[str]:
+    """The prompts that fit the model's context with the output window."""
+    return [p for p in prompts if len(tokenizer.encode_chat(p)) + gen_len <= context]
+
+
+def measure_profile(worker, tps, grid: ProfileGrid, mask_id: int, progress):
+    """Profile entries and warnings at every TP degree in `tps`, each through an instance of
+    the cluster's local backend (`worker`: a `WorkerConfig`)."""
+    from dilaserve.calibration.latency import InstanceTimer
+    from dilaserve.cluster.backends import LocalBackend, start_all
+    from dilaserve.control.decisions import InstanceSpec
+
+    entries, warnings = [], []
+    for tp in tps:
+        backend = LocalBackend(worker)
+        spec = InstanceSpec(f"calibrate-tp{tp}", 0, tp, tuple(range(tp)), None)
+        start_all(backend, [spec], timeout=600.0)
+        try:
+            timer = InstanceTimer(backend, spec.instance_id)
+            rows, notes = profile_instance(
+                timer,
+                tp,
+                grid,
+                mask_id,
+                worker.engine.max_batch_tokens,
+                lambda what, tp=tp: progress.advance(f"tp={tp} {what}"),
+            )
+        finally:
+            backend.shutdown()
+        entries += rows
+        warnings += notes
+    return entries, warnings
+
+
+def _record(cfg, llm, prompts, gen_len, progress):
+    from dilaserve.engine.record import record_trajectories
+
+    trajs = []
+    for threshold in cfg.thresholds:
+        trajs += record_trajectories(llm, prompts, (threshold,), gen_len)
+        steps = sum(t.num_steps for t in trajs[-len(prompts) :]) / len(prompts)
+        progress.advance(f"trajectories at threshold {threshold:g}: {steps:.1f} steps/request")
+    return trajs
+
+
+def _merge(folder: Path, key, entries: list[dict], tps) -> list[dict]:
+    """Entries of TP degrees measured earlier into the same folder (same key) are kept."""
+    try:
+        earlier = Calibration.load(folder)
+    except (ValueError, KeyError):
+        return entries
+    if not earlier.key.matches(key):
+        return entries
+    old = json.loads(earlier.profile.read_text())["entries"]
+    return [e for e in old if e["tp"] not in set(tps)] + entries
+
+
+def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
+    from dilaserve.cluster.worker import WorkerConfig
+    from dilaserve.config import EngineConfig, SamplingParams
+    from dilaserve.models.generation import default_max_tokens
+
+    key = model_key(cfg.model, device_name(cfg.device), cfg.dtype)
+    folder = Path(cfg.calibration) if cfg.calibration else writable_folder(cfg.model, key)
+    folder.mkdir(parents=True, exist_ok=True)
+    model_config, tokenizer = _model(cfg.model)
+    for tp in cfg.tp:
+        model_config.check_tensor_parallel(tp)
+    engine = EngineConfig("dual", dtype=cfg.dtype, device=cfg.device, cuda_graphs=cfg.cuda_graphs)
+    window = SamplingParams(max_tokens=cfg.max_tokens or default_max_tokens(cfg.model))
+    gen_len = window.gen_len(engine.block_len)
+    grid = ProfileGrid(cfg.seq_len or 2 * gen_len, gen_len, cfg.requests, cfg.repeats)
+    prompts, source = load_prompts(cfg)
+    prompts = _fitting(tokenizer, model_config.max_sequence_length, prompts, gen_len)
+    if len(prompts) < 5:
+        raise ValueError(f"fewer than 5 prompts of {source} fit the context with {gen_len} tokens")
+    points = len(cfg.tp) * len(batch_sizes(grid, engine.max_batch_tokens)) * 2
+    progress = Progress(points + len(cfg.thresholds), log)
+    log(
+        f"calibrating {key.describe(cfg.tp)} into {folder}: {points} profile points, "
+        f"{len(prompts)} prompts x {len(cfg.thresholds)} thresholds ({source})"
+    )
+    worker = WorkerConfig(cfg.model, engine, cfg.threads)
+    entries, warnings = measure_profile(worker, cfg.tp, grid, tokenizer.special.mask, progress)
+    for text in warnings:
+        log(f"warning: {text}")
+    fitted = _fit_predictor(cfg, engine, prompts, gen_len, folder, progress)
+    profile = _profile_file(key, engine, cfg.threads, _merge(folder, key, entries, cfg.tp))
+    write_json(folder / PROFILE_FILE, profile)
+    tps = tuple(sorted({e["tp"] for e in profile["entries"]}))
+    calibration = Calibration(folder, key, tps, processor_name(), tuple(warnings))
+    calibration.save({"created": time.strftime("%Y-%m-%dT%H:%M:%S"), **_provenance(cfg)})
+    _write_run(folder, cfg, entries, fitted, warnings, source, len(prompts))
+    log(
+        f"calibration written to {folder} (tp={','.join(map(str, tps))}); "
+        f"step predictor held-out error {fitted['errors']['full']:.1%}"
+    )
+    return calibration
+
+
+def _fit_predictor(cfg, engine, prompts, gen_len: int, folder: Path, progress) -> dict:
+    """Trajectories at every candidate threshold on the engine (TP 1), and the predictor."""
+    from dilaserve.engine.llm import LLM
+    from dilaserve.training.train_predictor import PredictorConfig, fit_and_report
+    from dilaserve.trajectory import save_trajectories
+
+    llm = LLM(cfg.model, engine)
+    trajs = _record(cfg, llm, prompts, gen_len, progress)
+    save_trajectories(folder / "trajectories.npz", trajs)
+    out = folder / PREDICTOR_DIR
+    predictor = PredictorConfig(cfg.model, str(out), len(prompts), cfg.thresholds, gen_len)
+    out.mkdir(exist_ok=True)
+    return fit_and_report(trajs, predictor, out, log=lambda _: None)
+
+
+def _profile_file(key, engine, threads: int, entries: list[dict]) -> dict:
+    import torch
+
+    from dilaserve.control.profile import SCHEMA
+
+    return {
+        "schema": SCHEMA,
+        "model": key.model,
+        "device": key.device,
+        "dtype": key.dtype,
+        "block_len": engine.block_len,
+        "threads": threads,
+        "versions": {"torch": torch.__version__, "python": sys.version.split()[0]},
+        "entries": entries,
+    }
+
+
+def profile_command(cfg: CalibrateConfig, out: str, profile_out: str | None, log=print) -> Path:
+    """`dilaserve profile`: the latency profile alone, at every TP degree of `cfg.tp`, into a
+    run folder (and `profile_out`)."""
+    from dilaserve.cluster.worker import WorkerConfig
+    from dilaserve.config import EngineConfig, SamplingParams
+    from dilaserve.models.generation import default_max_tokens
+
+    model_config, tokenizer = _model(cfg.model)
+    for tp in cfg.tp:
+        model_config.check_tensor_parallel(tp)
+    engine = EngineConfig("dual", dtype=cfg.dtype, device=cfg.device, cuda_graphs=cfg.cuda_graphs)
+    window = SamplingParams(max_tokens=cfg.max_tokens or default_max_tokens(cfg.model))
+    gen_len = window.gen_len(engine.block_len)
+    grid = ProfileGrid(cfg.seq_len or 2 * gen_len, gen_len, cfg.requests, cfg.repeats)
+    progress = Progress(len(cfg.tp) * len(batch_sizes(grid, engine.max_batch_tokens)) * 2, log)
+    worker = WorkerConfig(cfg.model, engine, cfg.threads)
+    entries, warnings = measure_profile(worker, cfg.tp, grid, tokenizer.special.mask, progress)
+    key = model_key(cfg.model, device_name(cfg.device), cfg.dtype)
+    profile = _profile_file(key, engine, cfg.threads, entries)
+    run = create_run_dir(out, "profile")
+    write_json(run / "config.json", {**asdict(cfg), "environment": environment()})
+    write_records(run / "records.csv", entries)
+    write_json(run / "summary.json", {**profile, "warnings": warnings})
+    target = Path(profile_out) if profile_out else run / "profile.json"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    write_json(target, profile)
+    for text in warnings:
+        log(f"warning: {text}")
+    log(f"profile written to {target}; run folder: {run}")
+    return target
+
+
+def _provenance(cfg: CalibrateConfig) -> dict:
+    return {"config": asdict(cfg), "environment": environment()}
+
+
+def _write_run(folder, cfg, entries, fitted, warnings, source, num_prompts) -> None:
+    """The calibration folder is also the run folder: config, records, summary, report."""
+    write_json(
+        folder / "config.json",
+        {**asdict(cfg), "prompts_source": source, "environment": environment()},
+    )
+    write_records(folder / "records.csv", entries)
+    summary = {
+        "profile_points": len(entries),
+        "warnings": warnings,
+        "num_prompts": num_prompts,
+        "predictor_errors": fitted["errors"],
+        "refresh_every_tokens": fitted["refresh_every_tokens"],
+    }
+    write_json(folder / "summary.json", summary)
+    columns = ["tp", "kind", "num_requests", "batch_tokens", "ms", "spread"]
+    notes = "\n".join(f"- {w}" for w in warnings) or "none"
+    (folder / "report.md").write_text(
+        f"# calibration of {cfg.model} ({cfg.device}, {cfg.dtype})\n\n"
+        f"## latency profile\n\n{markdown_table(entries, columns)}\n\n"
+        f"## implausible measurements kept\n\n{notes}\n\n"
+        f"## step predictor (held-out mean relative error)\n\n{fitted['errors']}\n"
+    )
