@@ -22,18 +22,28 @@ class StepKind(str, enum.Enum):
     FULL = "full"  # no KV cache: the whole sequence, nothing stored
     RECOMPUTE = "recompute"  # the whole sequence, K/V stored (a block's first step)
     CACHE = "cache"  # the current block (dual) or block + suffix (prefix), against stored K/V
+    # block-causal models (exact cache, `KVCacheMode.BLOCK`):
+    PREFILL = "prefill"  # prompt + finished blocks + the current block; K/V before it stored
+    BLOCK = "block"  # the current block against the stored K/V; nothing stored
+    COMMIT = "commit"  # the finished block + the next one; the finished block's K/V stored
 
 
 class KVCacheMode(str, enum.Enum):
     NONE = "none"
-    PREFIX = "prefix"
-    DUAL = "dual"
+    PREFIX = "prefix"  # approximate (bidirectional models)
+    DUAL = "dual"  # approximate (bidirectional models)
+    BLOCK = "block"  # exact: block-causal models' prompt and finished blocks
 
 
 def next_step_kind(mode: KVCacheMode, starts_block: bool, has_cache: bool) -> StepKind:
-    """The kind of a request's next step: recompute at a block's first step or without a cache."""
+    """The kind of a request's next step: recompute at a block's first step or without a cache;
+    with an exact block cache, prefill without one and commit when a block has just finished."""
     if mode is KVCacheMode.NONE:
         return StepKind.FULL
+    if mode is KVCacheMode.BLOCK:
+        if not has_cache:
+            return StepKind.PREFILL
+        return StepKind.COMMIT if starts_block else StepKind.BLOCK
     return StepKind.RECOMPUTE if starts_block or not has_cache else StepKind.CACHE
 
 

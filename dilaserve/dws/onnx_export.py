@@ -321,7 +321,7 @@ def export_dws_command(
     bundled-task prompts (prompt lengths under `model`'s chat template) and time one prompt at
     a time on one thread. Returns the figures it prints."""
     from dilaserve.config import BUNDLED_MODEL
-    from dilaserve.models.config import LLaDAConfig
+    from dilaserve.models.registry import load_config
     from dilaserve.models.tokenizer import Tokenizer
     from dilaserve.tasks import arith
 
@@ -329,7 +329,7 @@ def export_dws_command(
     predictor = DWSPredictor.load(folder)
     export_onnx(predictor, folder, int8=int8)
     model = Path(model or BUNDLED_MODEL)
-    tokenizer = Tokenizer(model, LLaDAConfig.from_file(model / "config.json"))
+    tokenizer = Tokenizer(model, load_config(model))
     texts = [p.question for p in arith.generate(num, seed=seed, split="test")]
     tokens = [len(tokenizer.encode_chat(t)) for t in texts]
     want = predictor.predict(texts, tokens)

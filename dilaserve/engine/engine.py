@@ -1,15 +1,17 @@
 """One model instance: executes a denoising step for a heterogeneous `StepBatch`.
 
 Requests in one batch may differ in prompt length, output window, current block, threshold and
-step kind. Rows are grouped into full-sequence forwards (FULL and RECOMPUTE steps) and
-current-block forwards against the cache (CACHE steps); each group runs as padded, batched
-forward passes. The engine owns its requests' token state and K/V caches; it knows nothing about
-SLOs, other instances or the wall clock.
+step kind. Rows are grouped into forwards without a cache (FULL, RECOMPUTE and PREFILL steps) and
+forwards against cached K/V (CACHE, BLOCK and COMMIT steps); each group runs as padded, batched
+forward passes. What a step runs and stores follows the model family's semantics
+(`models/family.py`): its logit shift, and an approximate cache (bidirectional attention) or an
+exact one (block-causal attention). The engine owns its requests' token state and K/V caches;
+it knows nothing about SLOs, other instances or the wall clock.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +22,8 @@ from dilaserve.engine import kv_cache
 from dilaserve.engine.graphs import CacheStepGraphs
 from dilaserve.engine.sequence import Sequence
 from dilaserve.engine.unmask import select_unmask
-from dilaserve.models.llada import LLaDAModelLM
+from dilaserve.models import registry
+from dilaserve.models.family import ModelFamily
 from dilaserve.models.tokenizer import SpecialIds
 from dilaserve.protocol import (
     KVCacheMode,
@@ -31,6 +34,10 @@ from dilaserve.protocol import (
     StepOutput,
 )
 
+CACHED_KINDS = (StepKind.CACHE, StepKind.BLOCK, StepKind.COMMIT)  # attend to stored K/V
+STORING_KINDS = (StepKind.RECOMPUTE, StepKind.PREFILL, StepKind.COMMIT)  # store K/V
+APPROXIMATE_KINDS = (StepKind.FULL, StepKind.RECOMPUTE, StepKind.CACHE)
+
 
 @dataclass
 class _Row:
@@ -39,11 +46,12 @@ class _Row:
     kind: StepKind
     q_start: int  # absolute span run through the model
     q_end: int
+    shift: int  # position i's token is read from the output at i - shift
 
     @property
     def window_start(self) -> int:
         """Output-window index of the first position whose logits this row reads."""
-        return max(self.q_start, self.seq.prompt_len) - self.seq.prompt_len
+        return max(self.q_start + self.shift, self.seq.prompt_len) - self.seq.prompt_len
 
     @property
     def window_len(self) -> int:
@@ -51,14 +59,27 @@ class _Row:
 
 
 class Engine:
-    def __init__(self, model: LLaDAModelLM, special: SpecialIds, config: EngineConfig):
+    """`config.kv_cache` is resolved by the family (`ModelFamily.cache_mode`): a block-causal
+    model runs its exact cache for any cache mode but none."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        special: SpecialIds,
+        config: EngineConfig,
+        family: ModelFamily | None = None,
+    ):
         self.model = model
+        self.family = family or registry.family_of(model.config)
         self.special = special
-        self.config = config
+        self.config = replace(config, kv_cache=self.family.cache_mode(config.kv_cache))
         self.device = torch.device(config.device)
+        self.shift = self.family.logit_shift
+        block_causal = self.family.is_block_causal
+        self._model_kwargs = {"block_len": config.block_len} if block_causal else {}
         self._seqs: dict[str, Sequence] = {}
         self._graphs = None
-        if config.cuda_graphs and config.kv_cache is KVCacheMode.DUAL and _single_gpu(model):
+        if config.cuda_graphs and self.config.kv_cache is KVCacheMode.DUAL and _single_gpu(model):
             self._graphs = CacheStepGraphs(
                 model, config.cuda_graphs, config.cuda_graph_context, config.block_len
             )
@@ -89,7 +110,7 @@ class Engine:
         rows = [self._plan_row(item) for item in batch.items]
         results: dict[str, RequestStepResult] = {}
         for cached in (False, True):
-            group = [r for r in rows if (r.kind is StepKind.CACHE) == cached]
+            group = [r for r in rows if (r.kind in CACHED_KINDS) == cached]
             for chunk in self._chunks(group):
                 results.update(self._run(chunk, cached))
         num_tokens = sum(r.q_end - r.q_start for r in rows)
@@ -120,21 +141,41 @@ class Engine:
                 item.spec.output_conf,
                 self.config.block_len,
                 self.special.mask,
+                aligned_blocks=self.family.is_block_causal,
             )
         seq = self._seqs[item.request_id]
         kind = self._actual_kind(item.kind, seq)
-        if kind is StepKind.CACHE:
-            start, end = kv_cache.query_span(self.config.kv_cache, seq)
-            return _Row(seq, item, kind, start, end)
-        return _Row(seq, item, kind, 0, seq.total_len)
+        return _Row(seq, item, kind, *self._span(kind, seq), self.shift)
 
     def _actual_kind(self, requested: StepKind, seq: Sequence) -> StepKind:
-        """Without a cache mode every step is FULL; a cache step with no valid cache recomputes."""
-        if self.config.kv_cache is KVCacheMode.NONE:
+        """Without a cache mode every step is FULL; a cache step with no valid cache recomputes.
+        With the exact block cache, the cache's state decides: prefill, commit or block."""
+        mode = self.config.kv_cache
+        if mode is KVCacheMode.NONE:
             return StepKind.FULL
+        if mode is KVCacheMode.BLOCK:
+            if seq.cached_len == 0:
+                return StepKind.PREFILL
+            behind = seq.cached_len < kv_cache.exact_store_end(seq)
+            return StepKind.COMMIT if behind else StepKind.BLOCK
+        if requested not in APPROXIMATE_KINDS:
+            raise ValueError(
+                f"request {seq.request_id}: a {requested.value} step needs an exact block cache; "
+                f"this engine's cache is {mode.value}"
+            )
         if requested is StepKind.CACHE and not seq.has_cache_for_current_block():
             return StepKind.RECOMPUTE
         return requested
+
+    def _span(self, kind: StepKind, seq: Sequence) -> tuple[int, int]:
+        """Absolute [start, end) this step runs through the model. Block-causal models never
+        need what follows the current block."""
+        if kind is StepKind.CACHE:
+            return kv_cache.query_span(self.config.kv_cache, seq, self.shift)
+        if not self.family.is_block_causal:
+            return 0, seq.total_len
+        start, end = kv_cache.exact_span(seq)
+        return (0 if kind is StepKind.FULL else start), end
 
     def _chunks(self, rows: list[_Row]):
         chunk, tokens = [], 0
@@ -161,14 +202,22 @@ class Engine:
         return self._decide(rows, conf, top)
 
     def _forward(self, rows: list[_Row], ids, positions, valid, context) -> torch.Tensor:
-        """Eager forward pass; a recompute step's rows store their K/V."""
-        keep_kv = any(r.kind is StepKind.RECOMPUTE for r in rows)
-        out = self.model(ids, positions, valid, context=context, keep_kv=keep_kv)
-        if keep_kv:
-            for i, row in enumerate(rows):
-                if row.kind is StepKind.RECOMPUTE:
-                    kv_cache.store(self.config.kv_cache, row.seq, out.keys, out.values, i)
+        """Eager forward pass; recompute, prefill and commit rows store their K/V."""
+        keep_kv = any(r.kind in STORING_KINDS for r in rows)
+        out = self.model(
+            ids, positions, valid, context=context, keep_kv=keep_kv, **self._model_kwargs
+        )
+        for i, row in enumerate(rows):
+            if row.kind in STORING_KINDS:
+                self._store(row.seq, out.keys, out.values, i)
         return out.hidden
+
+    def _store(self, seq: Sequence, keys, values, row: int) -> None:
+        mode = self.config.kv_cache
+        if mode is not KVCacheMode.BLOCK:
+            kv_cache.store(mode, seq, keys, values, row, self.shift)
+        elif kv_cache.exact_store_end(seq) > seq.cached_len:
+            kv_cache.store_exact(seq, keys, values, row)
 
     def _inputs(self, rows: list[_Row]):
         longest = max(r.q_end - r.q_start for r in rows)
@@ -187,7 +236,7 @@ class Engine:
         longest = max(r.window_len for r in rows)
         index = torch.zeros(len(rows), longest, dtype=torch.long)
         for i, r in enumerate(rows):
-            offset = r.seq.prompt_len + r.window_start - r.q_start
+            offset = r.seq.prompt_len + r.window_start - r.shift - r.q_start
             index[i, : r.window_len] = torch.arange(offset, offset + r.window_len)
         index = index.to(hidden.device)
         picked = hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[-1]))
@@ -238,6 +287,7 @@ class Engine:
         return result
 
 
-def _single_gpu(model: LLaDAModelLM) -> bool:
+def _single_gpu(model: torch.nn.Module) -> bool:
     """Whether the model is whole on this device (no tensor-parallel shards)."""
-    return model.model.transformer.blocks[0].q_proj.tp.size == 1
+    tp = getattr(model, "tp", None)
+    return tp is None or tp.size == 1

@@ -24,13 +24,13 @@ import weakref
 
 import torch
 
-from dilaserve.models.llada import KVContext, LLaDAModelLM
+from dilaserve.models.llada import KVContext
 
 CONTEXT_STEP = 256  # cached-length bucket (tokens)
 
 
 class CacheStepGraphs:
-    def __init__(self, model: LLaDAModelLM, max_requests: int, max_context: int, block_len: int):
+    def __init__(self, model: torch.nn.Module, max_requests: int, max_context: int, block_len: int):
         if max_requests < 1 or max_context < 1:
             raise ValueError(f"{max_requests=} and {max_context=} must be positive")
         cfg = model.config
@@ -46,7 +46,9 @@ class CacheStepGraphs:
         self.ids = torch.zeros(rows, block_len, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, block_len, dtype=torch.long, device=device)
         self.valid = torch.ones(rows, block_len, dtype=torch.bool, device=device)
-        self.keys = [torch.zeros(kv_shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+        self.keys = [
+            torch.zeros(kv_shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)
+        ]
         self.values = [torch.zeros_like(k) for k in self.keys]
         self.context_valid = torch.zeros(rows, ctx, dtype=torch.bool, device=device)
         self._resident: list[weakref.ref | None] = [None] * rows  # the CachedKV each row holds

@@ -30,7 +30,7 @@ class LLM:
     def __init__(self, model: str | Path = BUNDLED_MODEL, config: EngineConfig = EngineConfig()):
         self.engine = Engine.from_checkpoint(model, config)
         self.tokenizer = Tokenizer(Path(model), self.engine.model.config)
-        self.config = config
+        self.config = self.engine.config  # its kv_cache as the model's family resolved it
 
     def encode_prompt(self, prompt: str, chat: bool) -> list[int]:
         return self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode(prompt)
@@ -60,10 +60,12 @@ class LLM:
         params: SamplingParams = SamplingParams(),
         chat: bool = True,
         max_batch: int = 64,
+        on_step=None,
     ) -> list[Completion]:
+        """Each prompt generated to completion; `on_step` as in `run`."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         requests = self.make_requests(prompts, params, chat)
-        self.run(requests, max_batch)
+        self.run(requests, max_batch, on_step)
         return [self._completion(p, r) for p, r in zip(prompts, requests)]
 
     def run(self, requests: list[Request], max_batch: int, on_step=None) -> None:

@@ -1,8 +1,11 @@
 """One request's token state inside an engine instance, and its cached K/V.
 
 Positions are absolute (prompt first, then the output window). The output window is split into
-blocks of `block_len`; the current block is the first one with a masked position. This module
-does the bookkeeping of a step's outcome (commit, block progress, early finish); it runs no model.
+blocks of `block_len`; the current block is the first one with a masked position. Blocks start
+at the output window (`block_offset` 0), or, for block-causal models, at absolute multiples of
+`block_len` (`block_offset` = prompt_len % block_len: the first block then also holds the
+prompt's tail, and the window's first and last blocks are shorter). This module does the
+bookkeeping of a step's outcome (commit, block progress, early finish); it runs no model.
 """
 
 from __future__ import annotations
@@ -15,9 +18,10 @@ import torch
 
 @dataclass
 class CachedKV:
-    """K/V (after rotary) of the positions a recompute step stored, per layer [n, kv_heads, hd]."""
+    """K/V (after rotary) of the positions a step stored, per layer [n, kv_heads, hd]: those a
+    recompute step stored (approximate), or the exact prefix [0, n) of a block-causal model."""
 
-    block: int  # the block whose recompute step stored them
+    block: int  # the block whose step stored them
     positions: torch.Tensor
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
@@ -25,7 +29,14 @@ class CachedKV:
 
 class Sequence:
     def __init__(
-        self, request_id: str, prompt_ids, output_ids, output_conf, block_len: int, mask_id: int
+        self,
+        request_id: str,
+        prompt_ids,
+        output_ids,
+        output_conf,
+        block_len: int,
+        mask_id: int,
+        aligned_blocks: bool = False,
     ):
         gen_len = len(output_ids)
         if gen_len == 0 or gen_len % block_len:
@@ -39,6 +50,7 @@ class Sequence:
         self.prompt_len = len(prompt_ids)
         self.gen_len = gen_len
         self.block_len = block_len
+        self.block_offset = self.prompt_len % block_len if aligned_blocks else 0
         self.ids = torch.from_numpy(
             np.concatenate(
                 (np.asarray(prompt_ids, dtype=np.int64), np.asarray(output_ids, dtype=np.int64))
@@ -57,14 +69,29 @@ class Sequence:
         return self.prompt_len + self.gen_len
 
     @property
+    def num_blocks(self) -> int:
+        return -(-(self.gen_len + self.block_offset) // self.block_len)
+
+    @property
     def block(self) -> int:
         """Index of the current block (the first with a masked position)."""
         masked = np.flatnonzero(self.is_masked)
-        return int(masked[0]) // self.block_len if masked.size else self.gen_len // self.block_len
+        if not masked.size:
+            return self.num_blocks
+        return (int(masked[0]) + self.block_offset) // self.block_len
 
     def block_span(self, block: int) -> tuple[int, int]:
         """Output-window [start, end) of a block."""
-        return block * self.block_len, (block + 1) * self.block_len
+        start = block * self.block_len - self.block_offset
+        return max(start, 0), min(start + self.block_len, self.gen_len)
+
+    def absolute_block_start(self, block: int) -> int:
+        """Absolute position where a block starts (before the window for an aligned block 0)."""
+        return self.prompt_len - self.block_offset + block * self.block_len
+
+    @property
+    def cached_len(self) -> int:
+        return 0 if self.kv is None else self.kv.positions.numel()
 
     def has_cache_for_current_block(self) -> bool:
         return self.kv is not None and self.kv.block == self.block

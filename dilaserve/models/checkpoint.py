@@ -1,9 +1,11 @@
 """Load and save checkpoints in the Hugging Face layout (config.json + safetensors shards).
 
 A folder holds `config.json`, either `model.safetensors` or shards with a
-`model.safetensors.index.json` weight map, and the tokenizer files. Loading checks every key and
-shape against the architecture and names the offending key when one is missing, unexpected or
-the wrong shape. Each parameter takes its own tensor-parallel shard (`load_full`).
+`model.safetensors.index.json` weight map, and the tokenizer files. config.json picks the model
+family (`models/registry.py`). Loading checks every key and shape against the architecture and
+names the offending key when one is missing, unexpected or the wrong shape. Each parameter takes
+its own tensor-parallel shard (`load_full`); a key another rank holds (a routed expert) is
+skipped.
 """
 
 from __future__ import annotations
@@ -16,9 +18,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dilaserve.models.config import LLaDAConfig
+from dilaserve.models import registry
 from dilaserve.models.layers import TPGroup
-from dilaserve.models.llada import LLaDAModelLM
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -75,20 +76,24 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     tp: TPGroup = TPGroup(),
     device: str = "cpu",
-) -> LLaDAModelLM:
+) -> torch.nn.Module:
+    """The model of the checkpoint in `folder` (its family from config.json), this rank's
+    shard of it, in `dtype` on `device`."""
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"checkpoint folder {folder} does not exist")
     check_device(device)
-    cfg = LLaDAConfig.from_file(folder / "config.json")
+    cfg = registry.load_config(folder)
     with torch.device("meta"):
-        model = LLaDAModelLM(cfg, tp)
+        model = registry.family_of(cfg).model_class(cfg, tp)
     model = model.to_empty(device=device)
-    model.model.rotary.reset()
-    expected = dict(model.named_parameters())
+    model.reset_buffers()
+    expected = set(model.state_dict())
     weight_map = _weight_map(folder)
-    missing = sorted(set(expected) - set(weight_map))
-    unexpected = sorted(set(weight_map) - set(expected))
+    held_elsewhere = getattr(model, "is_held_elsewhere", lambda key: False)
+    weight_map = {k: f for k, f in weight_map.items() if not held_elsewhere(k)}
+    missing = sorted(expected - set(weight_map))
+    unexpected = sorted(set(weight_map) - expected)
     if missing:
         raise CheckpointError(
             f"checkpoint {folder} is missing weight {missing[0]!r}"
@@ -111,17 +116,21 @@ def load_model(
 
 
 def _load_param(model: torch.nn.Module, key: str, tensor: torch.Tensor) -> None:
-    module, _ = _module_for(model, key)
-    if tuple(tensor.shape) != tuple(module.full_shape):
+    module, attr = _module_for(model, key)
+    expected = tuple(module.full_shapes[attr])
+    if tuple(tensor.shape) != expected:
         raise CheckpointError(
-            f"weight {key!r} has shape {tuple(tensor.shape)}, expected {tuple(module.full_shape)}"
+            f"weight {key!r} has shape {tuple(tensor.shape)}, expected {expected}"
         )
     with torch.no_grad():
-        module.load_full(tensor.float())
+        module.load_full(tensor.float(), attr)
 
 
 def save_checkpoint(
-    model: LLaDAModelLM, folder: str | Path, num_shards: int = 1, dtype: torch.dtype = torch.float32
+    model: torch.nn.Module,
+    folder: str | Path,
+    num_shards: int = 1,
+    dtype: torch.dtype = torch.float32,
 ) -> None:
     """Write config.json and weights; with num_shards > 1, shards plus the index file."""
     folder = Path(folder)

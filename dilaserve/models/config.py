@@ -1,8 +1,10 @@
-"""Model configuration read from a checkpoint's `config.json` (LLaDA's published key names).
+"""LLaDA's configuration, read from a checkpoint's `config.json` (LLaDA's published key names).
 
 Only the keys the architecture needs are read; unknown keys are kept in `extra` so that a
 checkpoint's file round-trips. Special token ids come from here or from the tokenizer, never
-from literals in code.
+from literals in code. Every family's config offers the same properties to the rest of the
+code (`max_sequence_length`, `vocab_size`, `num_layers`, `num_kv_heads`, `head_dim`, the special
+ids, `check_tensor_parallel`); `models/registry.py` picks the class from config.json.
 """
 
 from __future__ import annotations
@@ -63,6 +65,10 @@ class LLaDAConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def num_layers(self) -> int:
+        return self.n_layers
 
     @property
     def num_kv_heads(self) -> int:

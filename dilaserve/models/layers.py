@@ -1,10 +1,10 @@
-"""Building blocks of the LLaDA architecture, written for tensor parallelism.
+"""Building blocks of the model families, written for tensor parallelism.
 
 `ColumnParallelLinear` splits its output features across the ranks of a tensor-parallel group and
 `RowParallelLinear` its input features, summing partial results with an all-reduce. With the
-default `TPGroup()` (one rank) both are plain linear layers. Each parameter knows how to take its
-own shard from a full checkpoint tensor (`load_full`), so the loader never needs to know the
-parallel layout.
+default `TPGroup()` (one rank) both are plain linear layers. Each module knows how to take its
+parameters' shards from full checkpoint tensors (`load_full(full, name)`, with the full shape in
+`full_shapes[name]`), so the loader never needs to know the parallel layout.
 """
 
 from __future__ import annotations
@@ -39,54 +39,99 @@ class TPGroup:
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x W^T with W's rows (output features) split across ranks; output stays sharded."""
+    """y = x W^T (+ b) with W's rows (output features) split across ranks; output stays sharded.
 
-    def __init__(self, in_features: int, out_features: int, tp: TPGroup = TPGroup()):
+    `parts`: the output features are the concatenation of parts of these sizes (a fused q/k/v
+    projection), each split across ranks on its own, so that a rank holds whole heads of each.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        tp: TPGroup = TPGroup(),
+        bias: bool = False,
+        parts: tuple[int, ...] | None = None,
+    ):
         super().__init__()
         self.tp = tp
-        self.full_shape = (out_features, in_features)
-        local_out = tp.shard_len(out_features, "out_features")
+        self.parts = parts or (out_features,)
+        if sum(self.parts) != out_features:
+            raise ValueError(f"parts {self.parts} do not add up to {out_features=}")
+        local_out = sum(tp.shard_len(n, "out_features") for n in self.parts)
         self.weight = nn.Parameter(torch.empty(local_out, in_features))
+        self.bias = nn.Parameter(torch.empty(local_out)) if bias else None
+        self.full_shapes = {"weight": (out_features, in_features), "bias": (out_features,)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
-    def load_full(self, full: torch.Tensor) -> None:
-        rows = self.weight.shape[0]
-        self.weight.data.copy_(full[self.tp.rank * rows : (self.tp.rank + 1) * rows])
+    def load_full(self, full: torch.Tensor, name: str = "weight") -> None:
+        start, shards = 0, []
+        for n in self.parts:
+            rows = n // self.tp.size
+            lo = start + self.tp.rank * rows
+            shards.append(full[lo : lo + rows])
+            start += n
+        getattr(self, name).data.copy_(torch.cat(shards))
 
 
 class RowParallelLinear(nn.Module):
-    """y = x W^T with W's columns (input features) split across ranks; partials are all-reduced."""
+    """y = x W^T (+ b) with W's columns (input features) split across ranks; partials are
+    all-reduced (`reduce=False` leaves that to the caller). The bias is added once, after it."""
 
-    def __init__(self, in_features: int, out_features: int, tp: TPGroup = TPGroup()):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        tp: TPGroup = TPGroup(),
+        bias: bool = False,
+        reduce: bool = True,
+    ):
         super().__init__()
+        if bias and not reduce:
+            raise ValueError("a row-parallel bias needs the layer's own all-reduce (reduce=True)")
         self.tp = tp
-        self.full_shape = (out_features, in_features)
+        self.reduce = reduce
         local_in = tp.shard_len(in_features, "in_features")
         self.weight = nn.Parameter(torch.empty(out_features, local_in))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.full_shapes = {"weight": (out_features, in_features), "bias": (out_features,)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(F.linear(x, self.weight))
+        y = F.linear(x, self.weight)
+        if self.reduce:
+            y = self.tp.all_reduce(y)
+        return y if self.bias is None else y + self.bias
 
-    def load_full(self, full: torch.Tensor) -> None:
+    def load_full(self, full: torch.Tensor, name: str = "weight") -> None:
+        if name == "bias":
+            self.bias.data.copy_(full)
+            return
         cols = self.weight.shape[1]
         self.weight.data.copy_(full[:, self.tp.rank * cols : (self.tp.rank + 1) * cols])
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """RMS normalisation in fp32. `hf_order`: cast back to the input dtype before the weight
+    multiplies (Hugging Face's Llama/Qwen2 order, which Dream and LLaDA2 use); otherwise the
+    weight multiplies in fp32 (LLaDA). The two agree exactly in fp32."""
+
+    def __init__(self, dim: int, eps: float, hf_order: bool = False):
         super().__init__()
         self.eps = eps
+        self.hf_order = hf_order
         self.weight = nn.Parameter(torch.ones(dim))
-        self.full_shape = (dim,)
+        self.full_shapes = {"weight": (dim,)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.hf_order:
+            return self.weight * x32.to(x.dtype)
         return (x32 * self.weight.float()).to(x.dtype)
 
-    def load_full(self, full: torch.Tensor) -> None:
+    def load_full(self, full: torch.Tensor, name: str = "weight") -> None:
         self.weight.data.copy_(full)
 
 
@@ -96,25 +141,30 @@ class Embedding(nn.Module):
     def __init__(self, num: int, dim: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num, dim))
-        self.full_shape = (num, dim)
+        self.full_shapes = {"weight": (num, dim)}
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)
 
-    def load_full(self, full: torch.Tensor) -> None:
+    def load_full(self, full: torch.Tensor, name: str = "weight") -> None:
         self.weight.data.copy_(full)
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding, half-split ("rotate_half") convention as in LLaMA and LLaDA."""
+    """Rotary position embedding, half-split ("rotate_half") convention as in LLaMA and LLaDA.
 
-    def __init__(self, head_dim: int, theta: float):
+    `rotary_dim` < head_dim (partial rotary, LLaDA2): only the first `rotary_dim` features of each
+    head rotate; the rest pass through.
+    """
+
+    def __init__(self, head_dim: int, theta: float, rotary_dim: int | None = None):
         super().__init__()
         self.head_dim, self.theta = head_dim, theta
+        self.rotary_dim = rotary_dim or head_dim
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
 
     def _inv_freq(self) -> torch.Tensor:
-        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim
+        exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32) / self.rotary_dim
         return 1.0 / self.theta**exponents
 
     def reset(self) -> None:
@@ -122,7 +172,7 @@ class Rotary(nn.Module):
         self.inv_freq = self._inv_freq().to(self.inv_freq.device)
 
     def angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) of positions [batch, seq], shaped [batch, 1, seq, head_dim / 2]: computed
+        """(cos, sin) of positions [batch, seq], shaped [batch, 1, seq, rotary_dim / 2]: computed
         once per forward pass and shared by every layer's queries and keys."""
         angles = positions.float()[:, None, :, None] * self.inv_freq
         return angles.cos(), angles.sin()
@@ -130,6 +180,47 @@ class Rotary(nn.Module):
     @staticmethod
     def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [batch, heads, seq, head_dim], rotated by `angles`' (cos, sin)."""
-        x1, x2 = x.float().chunk(2, dim=-1)
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return rotated.to(x.dtype)
+        rot = 2 * cos.shape[-1]
+        x1, x2 = x[..., :rot].float().chunk(2, dim=-1)
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        if rot == x.shape[-1]:
+            return rotated
+        return torch.cat((rotated, x[..., rot:]), dim=-1)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Scaled dot-product attention with grouped K/V heads repeated to the query heads.
+
+    q: [batch, heads, q_len, hd]; k, v: [batch, kv_heads, k_len, hd]; mask: bool, broadcastable
+    to [batch, 1, q_len, k_len]. Returns [batch, q_len, heads * hd].
+    """
+    repeat = q.shape[1] // k.shape[1]
+    if repeat > 1:
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    b, _, s, _ = out.shape
+    return out.transpose(1, 2).reshape(b, s, -1)
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), column/row-parallel; Hugging Face names (gate/up/down_proj)."""
+
+    def __init__(self, dim: int, hidden: int, tp: TPGroup = TPGroup(), reduce: bool = True):
+        super().__init__()
+        self.gate_proj = ColumnParallelLinear(dim, hidden, tp)
+        self.up_proj = ColumnParallelLinear(dim, hidden, tp)
+        self.down_proj = RowParallelLinear(hidden, dim, tp, reduce=reduce)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def init_normal(model: nn.Module, seed: int, std: float) -> None:
+    """Random parameters for training from scratch and for tests: norm weights 1, every other
+    parameter (biases included) N(0, std). Buffers are left as they are."""
+    gen = torch.Generator(next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if isinstance(model.get_submodule(name.rpartition(".")[0]), RMSNorm):
+            p.data.fill_(1.0)
+        else:
+            p.data.normal_(0.0, std, generator=gen)

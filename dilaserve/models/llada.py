@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dilaserve.models.config import LLaDAConfig
+from dilaserve.models.family import ModelFamily
 from dilaserve.models.layers import (
     ColumnParallelLinear,
     Embedding,
@@ -144,11 +145,15 @@ class LLaDAModelLM(nn.Module):
 
     def __init__(self, cfg: LLaDAConfig, tp: TPGroup = TPGroup()):
         super().__init__()
+        self.tp = tp
         self.model = LLaDAModel(cfg, tp)
 
     @property
     def config(self) -> LLaDAConfig:
         return self.model.config
+
+    def reset_buffers(self) -> None:
+        self.model.rotary.reset()
 
     def forward(self, *args, **kwargs) -> ForwardResult:
         return self.model(*args, **kwargs)
@@ -164,3 +169,13 @@ class LLaDAModelLM(nn.Module):
                 p.data.fill_(1.0)
             else:
                 p.data.normal_(0.0, std, generator=gen)
+
+
+FAMILY = ModelFamily(
+    name="LLaDA",
+    architectures=("LLaDAModelLM",),
+    model_types=("llada",),
+    config_class=LLaDAConfig,
+    model_class=LLaDAModelLM,
+    eot_token="<|eot_id|>",
+)

@@ -1,8 +1,10 @@
 """A checkpoint's tokenizer and chat template, from its own files (no network, no remote code).
 
 Reads `tokenizer.json` (the `tokenizers` library's format) and `tokenizer_config.json` (special
-tokens and the Jinja chat template), the files LLaDA checkpoints ship. Special ids (mask, EOS,
-end-of-turn) are resolved here, from the model config first and the tokenizer second.
+tokens and the Jinja chat template), the files LLaDA, Dream and LLaDA2 checkpoints ship. Special
+ids (mask, EOS, end-of-turn, pad) are resolved here, from the model config first and the
+tokenizer second, with the token names the model's family declares (`models/family.py`).
+Without a model config, the folder's config.json (if any) names the family; else LLaDA's names.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class SpecialIds:
     mask: int
     eos: int
     eot: int | None
+    pad: int | None = None
 
     @property
     def stop_ids(self) -> frozenset[int]:
@@ -38,6 +41,10 @@ class Tokenizer:
         self._tok = HFTokenizer.from_file(str(path))
         cfg_path = folder / "tokenizer_config.json"
         self.config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        if model_config is None and (folder / "config.json").exists():
+            from dilaserve.models.registry import load_config
+
+            model_config = load_config(folder)
         self.special = self._resolve_special(model_config)
 
     def _token_id(self, token: str | dict | None) -> int | None:
@@ -46,21 +53,27 @@ class Tokenizer:
         return None if token is None else self._tok.token_to_id(token)
 
     def _resolve_special(self, model_config) -> SpecialIds:
-        mask = getattr(model_config, "mask_token_id", None) or self._token_id(MASK_TOKEN)
+        mask_token, eot_token = _token_names(model_config)
+        mask = getattr(model_config, "mask_token_id", None)
+        if mask is None:
+            mask = self._token_id(mask_token)
         eos = getattr(model_config, "eos_token_id", None)
         if eos is None:
             eos = self._token_id(self.config.get("eos_token"))
         if mask is None:
             raise ValueError(
                 f"cannot find the mask token: set mask_token_id in config.json or "
-                f"add {MASK_TOKEN} to the tokenizer"
+                f"add {mask_token} to the tokenizer"
             )
         if eos is None:
             raise ValueError(
                 "cannot find the EOS token: set eos_token_id in config.json or "
                 "eos_token in tokenizer_config.json"
             )
-        return SpecialIds(mask=mask, eos=eos, eot=self._token_id(EOT_TOKEN))
+        pad = getattr(model_config, "pad_token_id", None)
+        if pad is None:
+            pad = self._token_id(self.config.get("pad_token"))
+        return SpecialIds(mask=mask, eos=eos, eot=self._token_id(eot_token), pad=pad)
 
     @property
     def vocab_size(self) -> int:
@@ -93,3 +106,13 @@ class Tokenizer:
 
     def encode_chat(self, user_text: str) -> list[int]:
         return self.encode(self.apply_chat_template([{"role": "user", "content": user_text}]))
+
+
+def _token_names(model_config) -> tuple[str, str | None]:
+    """(mask token, end-of-turn token) as the model's family names them."""
+    if model_config is None:
+        return MASK_TOKEN, EOT_TOKEN
+    from dilaserve.models.registry import family_of
+
+    family = family_of(model_config)
+    return family.mask_token, family.eot_token

@@ -1,0 +1,225 @@
+"""Dream (Dream-v0-Base-7B / Dream-v0-Instruct-7B): a Qwen2 backbone used bidirectionally.
+
+Grouped-query attention with biases on q/k/v, RoPE with the checkpoint's base, RMSNorm in the
+Hugging Face order, untied embeddings (tied ones are read too), SiLU-gated MLP; no causal mask.
+Parameter names and config keys are the published checkpoint's (`model.layers.N.self_attn.q_proj`,
+`model.embed_tokens`, `lm_head`, ...). Decoding reads the token at position i from the output at
+i - 1 (`FAMILY.logit_shift`); which positions run and which K/V are cached is the engine's
+business. The computation follows Dream's published modeling code (as in Fast-dLLM's
+`dream/model/modeling_dream.py`); no code from a checkpoint folder is ever run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dilaserve.models.family import ModelFamily, check_divisible, config_from_dict
+from dilaserve.models.layers import (
+    ColumnParallelLinear,
+    Embedding,
+    GatedMLP,
+    RMSNorm,
+    Rotary,
+    RowParallelLinear,
+    TPGroup,
+    attend,
+    init_normal,
+)
+from dilaserve.models.llada import ForwardResult, KVContext
+
+REQUIRED = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+)
+ACCEPTED = {  # keys whose other values would need a computation this module does not have
+    "hidden_act": ("silu",),
+    "rope_scaling": (None,),
+    "use_sliding_window": (False,),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class DreamConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = False
+    mask_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"config.json: {self.hidden_size=} must be divisible by {self.num_attention_heads=}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"config.json: {self.num_attention_heads=} must be divisible by "
+                f"{self.num_key_value_heads=}"
+            )
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> DreamConfig:
+        return config_from_dict(cls, raw, REQUIRED, ACCEPTED)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(out.pop("extra"))
+        out.setdefault("architectures", list(FAMILY.architectures))
+        out.setdefault("model_type", FAMILY.model_types[0])
+        return out
+
+    def check_tensor_parallel(self, size: int) -> None:
+        """KV heads are split like query heads; fewer KV heads than ranks (which would need
+        them replicated) is refused."""
+        check_divisible(
+            size,
+            {
+                "num_attention_heads": self.num_attention_heads,
+                "num_key_value_heads": self.num_key_value_heads,
+                "intermediate_size": self.intermediate_size,
+            },
+        )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def num_layers(self) -> int:
+        return self.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.num_key_value_heads
+
+    @property
+    def max_sequence_length(self) -> int:
+        return self.max_position_embeddings
+
+
+class DreamAttention(nn.Module):
+    def __init__(self, cfg: DreamConfig, tp: TPGroup):
+        super().__init__()
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.num_heads = tp.shard_len(cfg.num_attention_heads, "num_attention_heads")
+        self.num_kv_heads = tp.shard_len(cfg.num_key_value_heads, "num_key_value_heads")
+        self.head_dim = hd
+        self.q_proj = ColumnParallelLinear(d, cfg.num_attention_heads * hd, tp, bias=True)
+        self.k_proj = ColumnParallelLinear(d, cfg.num_key_value_heads * hd, tp, bias=True)
+        self.v_proj = ColumnParallelLinear(d, cfg.num_key_value_heads * hd, tp, bias=True)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * hd, d, tp)
+
+    def _split(self, x: torch.Tensor, heads: int) -> torch.Tensor:
+        b, s, _ = x.shape
+        return x.view(b, s, heads, self.head_dim).transpose(1, 2)
+
+    def forward(self, x, angles, mask, ctx_k, ctx_v):
+        q = Rotary.rotate(self._split(self.q_proj(x), self.num_heads), *angles)
+        k = Rotary.rotate(self._split(self.k_proj(x), self.num_kv_heads), *angles)
+        v = self._split(self.v_proj(x), self.num_kv_heads)
+        new_k, new_v = k, v
+        if ctx_k is not None:
+            k, v = torch.cat((ctx_k, k), dim=2), torch.cat((ctx_v, v), dim=2)
+        return self.o_proj(attend(q, k, v, mask)), new_k, new_v
+
+
+class DreamDecoderLayer(nn.Module):
+    def __init__(self, cfg: DreamConfig, tp: TPGroup):
+        super().__init__()
+        d = cfg.hidden_size
+        self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps, hf_order=True)
+        self.self_attn = DreamAttention(cfg, tp)
+        self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps, hf_order=True)
+        self.mlp = GatedMLP(d, cfg.intermediate_size, tp)
+
+    def forward(self, x, angles, mask, ctx_k=None, ctx_v=None):
+        h, k, v = self.self_attn(self.input_layernorm(x), angles, mask, ctx_k, ctx_v)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), k, v
+
+
+class DreamBaseModel(nn.Module):
+    def __init__(self, cfg: DreamConfig, tp: TPGroup):
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DreamDecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, hf_order=True)
+
+
+class DreamModel(nn.Module):
+    """Top level; state-dict keys are the checkpoint's (`model.layers.N...`, `lm_head.weight`)."""
+
+    def __init__(self, cfg: DreamConfig, tp: TPGroup = TPGroup()):
+        super().__init__()
+        self.config = cfg
+        self.tp = tp
+        self.model = DreamBaseModel(cfg, tp)
+        if not cfg.tie_word_embeddings:
+            # replicated on every rank (logits are needed whole for top-1)
+            self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+
+    def reset_buffers(self) -> None:
+        self.rotary.reset()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        valid: torch.Tensor,
+        context: KVContext | None = None,
+        keep_kv: bool = False,
+    ) -> ForwardResult:
+        """input_ids, positions, valid: [batch, seq]; attention is bidirectional over the valid
+        keys (the cached ones in `context` first)."""
+        key_valid = valid if context is None else torch.cat((context.valid, valid), dim=1)
+        mask = key_valid[:, None, None, :]
+        angles = self.rotary.angles(positions)
+        x = self.model.embed_tokens(input_ids)
+        keys, values = ([], []) if keep_kv else (None, None)
+        for i, layer in enumerate(self.model.layers):
+            ctx_k = context.keys[i] if context is not None else None
+            ctx_v = context.values[i] if context is not None else None
+            x, k, v = layer(x, angles, mask, ctx_k, ctx_v)
+            if keep_kv:
+                keys.append(k)
+                values.append(v)
+        return ForwardResult(self.model.norm(x), keys, values)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Raw logits at each position; the engine reads position i's token from i - 1."""
+        head = self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+        return F.linear(hidden, head.weight)
+
+    def init_weights(self, seed: int = 0, std: float = 0.02) -> None:
+        init_normal(self, seed, std)
+
+
+FAMILY = ModelFamily(
+    name="Dream",
+    architectures=("DreamModel",),
+    model_types=("Dream",),
+    config_class=DreamConfig,
+    model_class=DreamModel,
+    logit_shift=1,
+    mask_token="<|mask|>",
+    eot_token="<|im_end|>",
+)

@@ -1,0 +1,93 @@
+"""What a model family declares, so that nothing outside its module branches on model names.
+
+A `ModelFamily` names the config.json `architectures` / `model_type` it serves, its config and
+model classes, where its special tokens come from, and its decoding and cache semantics:
+
+- `logit_shift`: the token at position i is read from the model's output at i - shift (Dream: 1);
+- `attention`: bidirectional (LLaDA, Dream: the K/V of a cache are approximate, refreshed at each
+  block's first step) or block-causal (LLaDA2: bidirectional inside a block, causal across
+  blocks, so the K/V of the prompt and of finished blocks are exact).
+
+The engine reads these; the registry (`models/registry.py`) maps a checkpoint to its family.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from dilaserve.protocol import KVCacheMode
+
+
+class Attention(str, enum.Enum):
+    BIDIRECTIONAL = "bidirectional"
+    BLOCK_CAUSAL = "block_causal"
+
+
+APPROXIMATE_MODES = (KVCacheMode.NONE, KVCacheMode.PREFIX, KVCacheMode.DUAL)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFamily:
+    name: str
+    architectures: tuple[str, ...]
+    model_types: tuple[str, ...]
+    config_class: type  # from_dict(raw) -> config; the config's common properties: see registry
+    model_class: type  # model_class(config, tp) -> nn.Module (forward, logits, init_weights)
+    attention: Attention = Attention.BIDIRECTIONAL
+    logit_shift: int = 0
+    mask_token: str = "<|mdm_mask|>"  # the tokenizer's mask token, if config.json has no id
+    eot_token: str | None = None  # the chat template's end-of-turn token, if any
+
+    @property
+    def is_block_causal(self) -> bool:
+        return self.attention is Attention.BLOCK_CAUSAL
+
+    @property
+    def cache_modes(self) -> tuple[KVCacheMode, ...]:
+        if self.is_block_causal:
+            return (KVCacheMode.NONE, KVCacheMode.BLOCK)
+        return APPROXIMATE_MODES
+
+    def cache_mode(self, requested: KVCacheMode) -> KVCacheMode:
+        """The cache mode an engine of this family runs for `requested`.
+
+        A block-causal model's cache is exact: asking it for an approximate one (prefix, dual)
+        gets the exact block cache. A bidirectional model has no exact cache.
+        """
+        if self.is_block_causal:
+            return KVCacheMode.NONE if requested is KVCacheMode.NONE else KVCacheMode.BLOCK
+        if requested not in APPROXIMATE_MODES:
+            raise ValueError(
+                f"kv_cache={requested.value!r}: {self.name} attends bidirectionally, so its "
+                f"cache is approximate; use one of {[m.value for m in APPROXIMATE_MODES]}"
+            )
+        return requested
+
+
+def config_from_dict(cls, raw: dict, required: tuple[str, ...], accepted: dict[str, tuple]):
+    """Build a family's frozen config dataclass from config.json's dict.
+
+    `required` keys must be present; a key of `accepted` may be absent or hold one of the values
+    listed for it (anything else is a computation this family does not implement, refused by
+    name). Keys that are not fields are kept in `extra`, so the file round-trips.
+    """
+    missing = [k for k in required if k not in raw]
+    if missing:
+        raise ValueError(f"config.json is missing required key(s): {', '.join(missing)}")
+    for key, values in accepted.items():
+        if key in raw and raw[key] not in values:
+            raise ValueError(
+                f"config.json: {key}={raw[key]!r} is not supported (supported: "
+                f"{', '.join(repr(v) for v in values)})"
+            )
+    fields = {f for f in cls.__dataclass_fields__ if f != "extra"}
+    kwargs = {k: v for k, v in raw.items() if k in fields}
+    return cls(**kwargs, extra={k: v for k, v in raw.items() if k not in fields})
+
+
+def check_divisible(size: int, counts: dict[str, int]) -> None:
+    """Raise ValueError if `size` tensor-parallel ranks cannot split one of these counts."""
+    for name, n in counts.items():
+        if n % size:
+            raise ValueError(f"tensor-parallel size {size} does not divide the model's {name}={n}")

@@ -1,0 +1,381 @@
+"""LLaDA2.x (`LLaDA2MoeModelLM`: LLaDA2.0-mini / -flash): a mixture-of-experts block-diffusion LM.
+
+Attention is block-causal: bidirectional inside a block of `block_len` tokens aligned to absolute
+positions 0, B, 2B, ..., causal across blocks, so the K/V of finished blocks never change (the
+engine caches them exactly). Each layer: RMSNorm, fused q/k/v projection, RMSNorm on q and k
+(`use_qk_norm`), partial rotary (`partial_rotary_factor`), attention, `dense` output; then RMSNorm
+and either a dense SiLU MLP (the first `first_k_dense_replace` layers) or a MoE block.
+
+MoE routing (published `LLaDA2MoeGate`): fp32 router logits, sigmoid scores; the expert bias is
+added for selection only; experts are grouped in `n_group` groups, a group scores the sum of
+its two best biased scores, the best `topk_group` groups stay; the top `num_experts_per_tok`
+experts among them are chosen; their weights are the unbiased scores, normalised to sum 1 and
+multiplied by `routed_scaling_factor`. Shared experts are one MLP of width
+`moe_intermediate_size * num_shared_experts` added to every token.
+
+Under tensor parallelism the attention and the dense/shared MLPs are column/row-parallel and the
+routed experts are split across ranks (rank r holds a contiguous slice); each rank sums its own
+experts' outputs and one all-reduce joins them. Parameter names and config keys are the published
+checkpoint's; no code from a checkpoint folder is ever run.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dilaserve.models.family import Attention, ModelFamily, check_divisible, config_from_dict
+from dilaserve.models.layers import (
+    ColumnParallelLinear,
+    Embedding,
+    GatedMLP,
+    RMSNorm,
+    Rotary,
+    RowParallelLinear,
+    TPGroup,
+    attend,
+    init_normal,
+)
+from dilaserve.models.llada import ForwardResult, KVContext
+
+PUBLISHED_BLOCK_LEN = 32  # the block length LLaDA2's published generate uses
+REQUIRED = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "vocab_size",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+)
+ACCEPTED = {  # keys whose other values would need a computation this module does not have
+    "hidden_act": ("silu",),
+    "rope_scaling": (None,),
+    "score_function": ("sigmoid",),
+    "norm_topk_prob": (True,),
+    "moe_router_enable_expert_bias": (True,),
+    "router_dtype": ("fp32", "float32"),
+    "use_rmsnorm": (True,),
+    "norm_softmax": (False,),
+    "norm_head": (False,),
+    "using_split_qkv_in_self_attention": (False,),
+    "use_sliding_window": (False,),
+}
+EXPERT_KEY = re.compile(r"\.mlp\.experts\.(\d+)\.")
+
+
+@dataclass(frozen=True, slots=True)
+class LLaDA2Config:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    vocab_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    num_key_value_heads: int = 0  # 0: as many as query heads (the published config class)
+    head_dim: int | None = None
+    n_group: int = 1
+    topk_group: int = 1
+    num_shared_experts: int | None = None
+    first_k_dense_replace: int = 0
+    routed_scaling_factor: float = 1.0
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 1.0
+    rotary_dim: int | None = None
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 16384
+    tie_word_embeddings: bool = False
+    use_qkv_bias: bool = False
+    use_bias: bool = True
+    use_qk_norm: bool = True
+    mask_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.head_dim:  # absent: hidden_size / heads (the published config class)
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.num_attention_heads % self.num_kv_heads:
+            raise ValueError(
+                f"config.json: {self.num_attention_heads=} must be divisible by "
+                f"num_key_value_heads={self.num_kv_heads}"
+            )
+        if self.num_experts % self.n_group or self.num_experts // self.n_group < 2:
+            raise ValueError(
+                f"config.json: {self.num_experts=} must split into {self.n_group=} groups of at "
+                "least two experts (a group scores its two best)"
+            )
+        if not 0 < self.topk_group <= self.n_group:
+            raise ValueError(f"config.json: {self.topk_group=} must be in 1..{self.n_group=}")
+        allowed = self.topk_group * self.num_experts // self.n_group
+        if not 0 < self.num_experts_per_tok <= allowed:
+            raise ValueError(
+                f"config.json: {self.num_experts_per_tok=} must be in 1..{allowed} (the experts "
+                "of the kept groups)"
+            )
+        if self.rotary_dim is not None and self.rotary_dim != self.rope_dim:
+            raise ValueError(
+                f"config.json: {self.rotary_dim=} disagrees with head_dim * "
+                f"partial_rotary_factor = {self.rope_dim}"
+            )
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> LLaDA2Config:
+        return config_from_dict(cls, raw, REQUIRED, ACCEPTED)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(out.pop("extra"))
+        out.setdefault("architectures", list(FAMILY.architectures))
+        out.setdefault("model_type", FAMILY.model_types[0])
+        return out
+
+    def check_tensor_parallel(self, size: int) -> None:
+        """Heads, MLP widths and the routed experts must split evenly across `size` ranks."""
+        counts = {
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "intermediate_size": self.intermediate_size,
+            "num_experts": self.num_experts,
+        }
+        if self.shared_width:
+            counts["moe_intermediate_size * num_shared_experts"] = self.shared_width
+        check_divisible(size, counts)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def rope_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def shared_width(self) -> int:
+        return self.moe_intermediate_size * (self.num_shared_experts or 0)
+
+    @property
+    def num_layers(self) -> int:
+        return self.num_hidden_layers
+
+    @property
+    def max_sequence_length(self) -> int:
+        return self.max_position_embeddings
+
+
+class LLaDA2Attention(nn.Module):
+    def __init__(self, cfg: LLaDA2Config, tp: TPGroup):
+        super().__init__()
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.num_heads = tp.shard_len(cfg.num_attention_heads, "num_attention_heads")
+        self.num_kv_heads = tp.shard_len(cfg.num_kv_heads, "num_key_value_heads")
+        self.head_dim = hd
+        parts = (cfg.num_attention_heads * hd, cfg.num_kv_heads * hd, cfg.num_kv_heads * hd)
+        self.query_key_value = ColumnParallelLinear(
+            d, sum(parts), tp, bias=cfg.use_qkv_bias, parts=parts
+        )
+        if cfg.use_qk_norm:
+            self.query_layernorm = RMSNorm(hd, cfg.rms_norm_eps, hf_order=True)
+            self.key_layernorm = RMSNorm(hd, cfg.rms_norm_eps, hf_order=True)
+        self.use_qk_norm = cfg.use_qk_norm
+        self.dense = RowParallelLinear(cfg.num_attention_heads * hd, d, tp, bias=cfg.use_bias)
+
+    def forward(self, x, angles, mask, ctx_k, ctx_v):
+        b, s, _ = x.shape
+        qkv = self.query_key_value(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        if self.use_qk_norm:
+            q, k = self.query_layernorm(q), self.key_layernorm(k)
+        q, k = Rotary.rotate(q, *angles), Rotary.rotate(k, *angles)
+        new_k, new_v = k, v
+        if ctx_k is not None:
+            k, v = torch.cat((ctx_k, k), dim=2), torch.cat((ctx_v, v), dim=2)
+        return self.dense(attend(q, k, v.contiguous(), mask)), new_k, new_v.contiguous()
+
+
+class LLaDA2Gate(nn.Module):
+    """The router: which experts each token goes to, with which weights (see the docstring)."""
+
+    def __init__(self, cfg: LLaDA2Config):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        self.register_buffer("expert_bias", torch.zeros(cfg.num_experts))
+        self.full_shapes = {
+            "weight": (cfg.num_experts, cfg.hidden_size),
+            "expert_bias": (cfg.num_experts,),
+        }
+
+    def load_full(self, full: torch.Tensor, name: str = "weight") -> None:
+        getattr(self, name).data.copy_(full)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [tokens, hidden] -> (expert ids [tokens, k], fp32 weights [tokens, k])."""
+        logits = F.linear(x.float(), self.weight.float())
+        scores = torch.sigmoid(logits)
+        chosen = select_experts(scores + self.expert_bias.float(), self.cfg)
+        weights = scores.gather(1, chosen)
+        if self.cfg.num_experts_per_tok > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return chosen, weights * self.cfg.routed_scaling_factor
+
+
+def select_experts(biased: torch.Tensor, cfg: LLaDA2Config) -> torch.Tensor:
+    """Group-limited top-k over biased scores [tokens, experts]: keep the `topk_group` groups
+    whose two best scores sum highest, then the top `num_experts_per_tok` experts in them."""
+    tokens = biased.shape[0]
+    grouped = biased.view(tokens, cfg.n_group, -1)
+    group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+    kept = group_scores.topk(cfg.topk_group, dim=-1, sorted=False).indices
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+    expert_mask = group_mask[..., None].expand_as(grouped).reshape(tokens, -1)
+    masked = biased.masked_fill(~expert_mask, float("-inf"))
+    return masked.topk(cfg.num_experts_per_tok, dim=-1).indices
+
+
+class LLaDA2SparseMoeBlock(nn.Module):
+    def __init__(self, cfg: LLaDA2Config, tp: TPGroup):
+        super().__init__()
+        self.tp = tp
+        d = cfg.hidden_size
+        local = tp.shard_len(cfg.num_experts, "num_experts")
+        first = tp.rank * local
+        self.gate = LLaDA2Gate(cfg)  # replicated: every rank routes every token
+        self.experts = nn.ModuleDict(
+            {str(e): GatedMLP(d, cfg.moe_intermediate_size) for e in range(first, first + local)}
+        )
+        if cfg.num_shared_experts:
+            self.shared_experts = GatedMLP(d, cfg.shared_width, tp)
+        self.has_shared = bool(cfg.num_shared_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        chosen, weights = self.gate(flat)
+        routed = torch.zeros(flat.shape, dtype=torch.float32, device=x.device)
+        for name, expert in self.experts.items():
+            token, slot = (chosen == int(name)).nonzero(as_tuple=True)
+            if token.numel():
+                out = expert(flat[token]).float() * weights[token, slot, None]
+                routed.index_add_(0, token, out)
+        y = self.tp.all_reduce(routed).to(x.dtype).view(shape)
+        return y + self.shared_experts(x) if self.has_shared else y
+
+
+class LLaDA2DecoderLayer(nn.Module):
+    def __init__(self, cfg: LLaDA2Config, tp: TPGroup, index: int):
+        super().__init__()
+        d = cfg.hidden_size
+        self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps, hf_order=True)
+        self.attention = LLaDA2Attention(cfg, tp)
+        self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps, hf_order=True)
+        if index < cfg.first_k_dense_replace:
+            self.mlp = GatedMLP(d, cfg.intermediate_size, tp)
+        else:
+            self.mlp = LLaDA2SparseMoeBlock(cfg, tp)
+
+    def forward(self, x, angles, mask, ctx_k=None, ctx_v=None):
+        h, k, v = self.attention(self.input_layernorm(x), angles, mask, ctx_k, ctx_v)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), k, v
+
+
+class LLaDA2MoeModel(nn.Module):
+    def __init__(self, cfg: LLaDA2Config, tp: TPGroup):
+        super().__init__()
+        self.word_embeddings = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            LLaDA2DecoderLayer(cfg, tp, i) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, hf_order=True)
+
+
+def block_causal_mask(
+    positions: torch.Tensor, valid: torch.Tensor, context_valid: torch.Tensor | None, block_len: int
+) -> torch.Tensor:
+    """[batch, 1, q, ctx + q] bool: a query sees every valid cached key (all in earlier blocks)
+    and the valid queried keys whose block (position // block_len) is not after its own.
+    A padding query sees every valid key (its output is dropped; no row is left empty)."""
+    blocks = positions // block_len
+    allowed = (blocks[:, None, :] <= blocks[:, :, None]) | ~valid[:, :, None]
+    allowed = allowed & valid[:, None, :]
+    if context_valid is not None:
+        ctx = context_valid[:, None, :].expand(-1, positions.shape[1], -1)
+        allowed = torch.cat((ctx, allowed), dim=2)
+    return allowed[:, None]
+
+
+class LLaDA2MoeModelLM(nn.Module):
+    """Top level; state-dict keys are the checkpoint's (`model.layers.N...`, `lm_head.weight`)."""
+
+    def __init__(self, cfg: LLaDA2Config, tp: TPGroup = TPGroup()):
+        super().__init__()
+        self.config = cfg
+        self.tp = tp
+        self.model = LLaDA2MoeModel(cfg, tp)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_dim)
+
+    def reset_buffers(self) -> None:
+        self.rotary.reset()
+
+    def is_held_elsewhere(self, key: str) -> bool:
+        """Whether a checkpoint key belongs to another rank (a routed expert it holds)."""
+        match = EXPERT_KEY.search(key)
+        if match is None or self.tp.size == 1:
+            return False
+        local = self.config.num_experts // self.tp.size
+        return int(match.group(1)) // local != self.tp.rank
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        valid: torch.Tensor,
+        context: KVContext | None = None,
+        keep_kv: bool = False,
+        block_len: int = PUBLISHED_BLOCK_LEN,
+    ) -> ForwardResult:
+        """input_ids, positions, valid: [batch, seq]; `context` holds the K/V of earlier blocks
+        (every cached key is visible); the queried keys are seen block-causally."""
+        ctx_valid = None if context is None else context.valid
+        mask = block_causal_mask(positions, valid, ctx_valid, block_len)
+        angles = self.rotary.angles(positions)
+        x = self.model.word_embeddings(input_ids)
+        keys, values = ([], []) if keep_kv else (None, None)
+        for i, layer in enumerate(self.model.layers):
+            ctx_k = context.keys[i] if context is not None else None
+            ctx_v = context.values[i] if context is not None else None
+            x, k, v = layer(x, angles, mask, ctx_k, ctx_v)
+            if keep_kv:
+                keys.append(k)
+                values.append(v)
+        return ForwardResult(self.model.norm(x), keys, values)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.model.word_embeddings if self.config.tie_word_embeddings else self.lm_head
+        return F.linear(hidden, head.weight)
+
+    def init_weights(self, seed: int = 0, std: float = 0.02) -> None:
+        init_normal(self, seed, std)
+
+
+FAMILY = ModelFamily(
+    name="LLaDA2",
+    architectures=("LLaDA2MoeModelLM",),
+    model_types=("llada2_moe",),
+    config_class=LLaDA2Config,
+    model_class=LLaDA2MoeModelLM,
+    attention=Attention.BLOCK_CAUSAL,
+    mask_token="<|mask|>",
+    eot_token="<|role_end|>",
+)
