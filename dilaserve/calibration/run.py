@@ -120,10 +120,10 @@ def load_prompts(cfg: CalibrateConfig) -> tuple[list[str], str]:
 
 def _model(model: str):
     """The checkpoint's config and tokenizer (no weights)."""
-    from dilaserve.models.config import LLaDAConfig
+    from dilaserve.models.registry import load_config
     from dilaserve.models.tokenizer import Tokenizer
 
-    config = LLaDAConfig.from_file(Path(model) / "config.json")
+    config = load_config(model)
     return config, Tokenizer(Path(model), config)
 
 
