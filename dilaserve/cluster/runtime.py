@@ -56,6 +56,15 @@ log = logging.getLogger("dilaserve.cluster")
 STEP_TIMES_KEPT = 100_000  # steps whose timings a cluster keeps (the latest)
 
 
+def refuse_block_diffusion(model, family) -> None:
+    """The control plane cannot yet schedule or price a block-diffusion model's steps."""
+    if family.is_block_causal:
+        raise ValueError(
+            f"{model} is a block-diffusion model ({family.name}): the control plane cannot yet "
+            "schedule or price its prefill/block/commit steps; use `dilaserve generate` for it"
+        )
+
+
 class Cluster:
     def __init__(
         self,
@@ -69,12 +78,7 @@ class Cluster:
         self.config = config
         model = Path(config.worker.model)
         model_config = load_config(model)
-        if family_of(model_config).is_block_causal:
-            raise ValueError(
-                f"{model} is a block-diffusion model ({family_of(model_config).name}): the "
-                "control plane cannot yet schedule or price its prefill/block/commit steps; "
-                "use `dilaserve generate` for it"
-            )
+        refuse_block_diffusion(model, family_of(model_config))
         for tp in sorted(set(config.instances)):
             model_config.check_tensor_parallel(tp)
         self.tokenizer = Tokenizer(model, model_config)
