@@ -1,10 +1,12 @@
 import csv
+import io
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from dilaserve.cli import main
-from dilaserve.tasks.evaluate import EvalConfig, evaluate
+from dilaserve.tasks.evaluate import EvalConfig, ProgressLine, evaluate
 
 from conftest import SHARED_DATA
 
@@ -27,6 +29,46 @@ def test_eval_bundled_task_writes_a_run_folder(tiny_checkpoint, tmp_path):
     at_half = [int(r["steps"]) for r in records if r["threshold"] == "0.5"]
     assert all(s >= 1 for s in at_one) and sum(at_half) <= sum(at_one)
     assert "| threshold | accuracy |" in (run / "report.md").read_text()
+
+
+def test_progress_line_shows_problems_done_and_time_left():
+    clock = iter([100.0, 100.5, 102.0, 102.1, 104.0, 105.0])
+    stream = io.StringIO()
+    line = ProgressLine("threshold 0.5", 20, stream, clock=lambda: next(clock))
+    step, finished = SimpleNamespace(is_finished=False), SimpleNamespace(is_finished=True)
+    line.on_step(None, step)  # a step that finishes nothing counts nothing
+    line.on_step(None, finished)  # 1 of 20: too few to estimate from
+    line.done = 9
+    line.on_step(None, finished)  # 10 done in 2 s: 10 left, 2 s
+    line.on_step(None, finished)  # 0.1 s after the last draw: not redrawn
+    line.done = 18
+    line.on_step(None, finished)  # 19 done in 4 s
+    line.on_step(None, finished)  # the last is always drawn
+    drawn = stream.getvalue().split("\r")[1:]
+    assert [d.strip() for d in drawn] == [
+        "threshold 0.5: 1/20 problems, time left: estimating",
+        "threshold 0.5: 10/20 problems, 2 s left",
+        "threshold 0.5: 19/20 problems, 0 s left",
+        "threshold 0.5: 20/20 problems, 0 s left",
+    ]
+    line.close()
+    assert stream.getvalue().endswith("\r" + " " * len(drawn[0]) + "\r")  # the line is cleared
+
+
+def test_eval_shows_progress_on_stderr_per_threshold(tiny_checkpoint, tmp_path, capsys):
+    cfg = EvalConfig(
+        model=str(tiny_checkpoint),
+        thresholds=(0.5, 0.9),
+        num_problems=3,
+        max_tokens=32,
+        out=str(tmp_path),
+    )
+    evaluate(cfg, log=lambda *_: None)
+    err = capsys.readouterr().err
+    assert "threshold 0.5: 3/3 problems, 0 s left" in err
+    assert "threshold 0.9: 3/3 problems, 0 s left" in err
+    evaluate(cfg, log=lambda *_: None, show_progress=False)
+    assert capsys.readouterr().err == ""
 
 
 def test_eval_gsm8k_format_path(tiny_checkpoint, tmp_path):

@@ -2,11 +2,13 @@
 
 For each threshold, every problem is generated to completion and scored by exact match of the
 number after `####`. Reports accuracy and mean denoising steps per request; writes a run folder.
+While a threshold runs, one stderr line shows the problems done and the time left.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,6 +26,8 @@ from dilaserve.tasks import arith
 
 TASKS = ("bundled", "gsm8k")
 DEFAULT_THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+# Problems in a batch finish together, so the first few say little about the time left.
+MIN_DONE_FOR_ESTIMATE = 0.1
 TABLE_COLUMNS = ["threshold", "accuracy", "mean_steps", "mean_tokens", "tokens_per_step", "seconds"]
 
 
@@ -67,7 +71,50 @@ def load_problems(cfg: EvalConfig) -> list[tuple[str, int]]:
     return [(r["question"], arith.extract_answer(r["answer"])) for r in rows[: cfg.num_problems]]
 
 
-def evaluate(cfg: EvalConfig, log=print) -> Path:
+class ProgressLine:
+    """Problems done and the time left at one threshold, redrawn on one line of `stream` at most
+    every `every` seconds (and when the last is done); `close` clears the line."""
+
+    def __init__(self, label: str, total: int, stream, clock=time.monotonic, every: float = 0.5):
+        self.label, self.total, self.stream = label, total, stream
+        self.clock, self.every = clock, every
+        self.start = clock()
+        self.done = 0
+        self.drawn_at: float | None = None
+        self.width = 0
+
+    def on_step(self, request, result) -> None:
+        """`LLM.run`'s per-step callback: a problem is done when its request finishes."""
+        if result.is_finished:
+            self.advance()
+
+    def advance(self) -> None:
+        self.done += 1
+        now = self.clock()
+        if self.done == self.total or self.drawn_at is None or now - self.drawn_at >= self.every:
+            self.draw(now)
+
+    def text(self, now: float) -> str:
+        done = f"{self.label}: {self.done}/{self.total} problems"
+        if self.done < MIN_DONE_FOR_ESTIMATE * self.total:
+            return f"{done}, time left: estimating"
+        left = (now - self.start) / self.done * (self.total - self.done)
+        return f"{done}, {left:.0f} s left"
+
+    def draw(self, now: float) -> None:
+        text = self.text(now)
+        self.width = max(self.width, len(text))
+        self.stream.write(f"\r{text.ljust(self.width)}")
+        self.stream.flush()
+        self.drawn_at = now
+
+    def close(self) -> None:
+        if self.drawn_at is not None:
+            self.stream.write("\r" + " " * self.width + "\r")
+            self.stream.flush()
+
+
+def evaluate(cfg: EvalConfig, log=print, show_progress: bool = True) -> Path:
     engine = EngineConfig(
         cfg.kv_cache, cfg.block_len, cfg.dtype, cfg.device, cuda_graphs=cfg.cuda_graphs
     )
@@ -77,13 +124,16 @@ def evaluate(cfg: EvalConfig, log=print) -> Path:
     write_json(run / "config.json", {**asdict(cfg), "environment": environment()})
     records, table = [], []
     for threshold in cfg.thresholds:
+        progress = ProgressLine(f"threshold {threshold}", len(problems), sys.stderr)
         start = time.perf_counter()
         outs = llm.generate(
             [q for q, _ in problems],
             SamplingParams(threshold=threshold, max_tokens=cfg.max_tokens),
             max_batch=cfg.max_batch,
+            on_step=progress.on_step if show_progress else None,
         )
         seconds = time.perf_counter() - start
+        progress.close()
         rows = [
             _record(threshold, i, gold, out)
             for i, ((_, gold), out) in enumerate(zip(problems, outs))
