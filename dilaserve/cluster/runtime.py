@@ -25,7 +25,6 @@ request, or one instance (taken out and replaced); the controller goes on (`_sur
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import dataclasses
 import logging
@@ -37,7 +36,7 @@ from pathlib import Path
 
 from dilaserve.cluster.backends import Backend, WorkerEvent, start_all
 from dilaserve.cluster.config import ClusterConfig, make_backend
-from dilaserve.cluster.intake import Intake, longest_token_chars
+from dilaserve.cluster.intake import Intake
 from dilaserve.cluster.requests import (
     Answers,
     Closed,
@@ -93,7 +92,6 @@ class Cluster:
             model_config.vocab_size,
             config.dws_estimator(),
             config.dws_prior,
-            longest_token_chars(self.tokenizer),
         )
         self.observer = observer
         self.answers = Answers(self.tokenizer, observer)
@@ -205,17 +203,13 @@ class Cluster:
         max_threshold: float | None = None,
         text: str | None = None,
         stop: str | Sequence[str] | None = None,
-        received: float | None = None,
-        loop: asyncio.AbstractEventLoop | None = None,
     ) -> RequestHandle:
         """Queue a request (thread-safe). `max_tokens` is the output window, rounded up to
         whole blocks; `slo` seconds from now (default: the scheduler's). `threshold` pins the
         confidence threshold; `min_threshold`/`max_threshold` bound what the policy may pick.
         `text`: the user's prompt text for the DWS predictor (default: `prompt` if a string).
         `stop`: up to 4 strings; the answer ends before the first of them, and the request
-        stops being worked on once one is committed. `received`: the `time.perf_counter()` at
-        which the request reached the caller (its latency and SLO count from there; default:
-        now). `loop`: the event loop to stream to (default: the caller's, if it runs in one).
+        stops being worked on once one is committed.
 
         Raises ValueError naming a bad argument, `Overloaded` when admission control refuses
         work, and `Closed` when the cluster is not serving."""
@@ -240,11 +234,11 @@ class Cluster:
             self._next_id += 1
             if rid in self._handles:
                 raise InvalidRequest("request_id", f"request_id {rid!r} is already in flight")
-            submitted = self.now() if received is None else min(self.now(), received - self._t0)
+            submitted = self.now()
             request = submission.request(
                 rid, submitted, self.block_len, self.tokenizer.special.mask
             )
-            handle = RequestHandle(request, submitted, submission.stop, loop)
+            handle = RequestHandle(request, submitted, submission.stop)
             self._handles[rid] = handle
             self._arrivals.append(handle)
         self.backend.wake()
