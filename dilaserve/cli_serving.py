@@ -298,11 +298,11 @@ def _add_run_trace_command(sub) -> None:
 def cmd_serve(args) -> None:
     import logging
 
-    from dilaserve.server.main import serve
+    from dilaserve.server.main import bind, serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    bind(args.host, args.port).close()  # a port in use stops us before calibration or loading
     config, inputs = _cluster_config(args)
-    logging.getLogger("dilaserve.calibration").info("control inputs: %s", inputs.label)
     serve(
         config,
         args.host,
@@ -311,6 +311,7 @@ def cmd_serve(args) -> None:
         args.drain_timeout,
         args.api_key,
         args.log_interval,
+        calibration=inputs.label,
     )
 
 

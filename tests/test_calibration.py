@@ -75,7 +75,7 @@ def test_serving_a_model_with_another_models_calibration_is_refused(calibrated, 
     model, _ = calibrated
     other = write_random_llada(tmp_path / "other", seed=1, rope_theta=10000.0)
     theirs = model / "dilaserve-calibration" / "cpu-float32"
-    assert main(["serve", str(other), "--calibration", str(theirs), "--port", "1"]) == 2
+    assert main(["serve", str(other), "--calibration", str(theirs), "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert (
         f"no calibration for other on cpu float32 tp=1 ({theirs} was made for {model.name}" in err
@@ -86,7 +86,7 @@ def test_serving_a_model_with_another_models_calibration_is_refused(calibrated, 
 
 def test_an_uncalibrated_model_or_tp_degree_says_what_to_run(calibrated, tmp_path, capsys):
     model, _ = calibrated
-    assert main(["serve", str(model), "--tp", "4", "--instances", "1", "--port", "1"]) == 2
+    assert main(["serve", str(model), "--tp", "4", "--instances", "1", "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert "covers tp=1,2 only" in err and "--tp 4" in err
     other = write_random_llada(tmp_path / "fresh", seed=2)
@@ -149,6 +149,8 @@ def test_a_mixed_layout_serves_the_openai_client(mixed_server):
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     name = client.models.list().data[0].id
     assert name == model.name
+    listed = httpx.get(f"{url}/v1/models").json()["data"][0]["dilaserve"]["calibration"]
+    assert listed["source"] == "calibrated" and listed["tp"] == [1, 2]
     reply = client.completions.create(model=name, prompt="Tom has 3 apples.", max_tokens=32)
     assert reply.usage.completion_tokens <= 32 and reply.choices[0].finish_reason
     pieces = client.chat.completions.create(
