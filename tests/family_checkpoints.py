@@ -27,6 +27,26 @@ LING_TEMPLATE = (
     "{{ message['content'] }}<|role_end|>{% endfor %}"
     "{% if add_generation_prompt %}<role>ASSISTANT</role>{% endif %}"
 )
+# The keys of the published config.json files, as listed in ../shared/reference/models.md (its
+# LLaDA2.0-mini list says 48 and names 47).
+DREAM_KEYS = frozenset(
+    "architectures attention_dropout auto_map bos_token_id eos_token_id hidden_act hidden_size "
+    "initializer_range intermediate_size mask_token_id max_position_embeddings max_window_layers "
+    "model_type num_attention_heads num_hidden_layers num_key_value_heads pad_token_id "
+    "rms_norm_eps rope_scaling rope_theta sliding_window tie_word_embeddings torch_dtype "
+    "transformers_version use_cache use_sliding_window vocab_size".split()
+)
+LLADA2_KEYS = frozenset(
+    "architectures attention_dropout auto_map num_hidden_layers hidden_size intermediate_size "
+    "first_k_dense_replace hidden_act max_position_embeddings model_type moe_intermediate_size "
+    "norm_topk_prob num_experts_per_tok norm_head num_attention_heads num_experts "
+    "num_key_value_heads rope_theta rope_scaling tie_word_embeddings torch_dtype "
+    "transformers_version use_bias use_rmsnorm rms_norm_eps head_dim num_shared_experts use_cache "
+    "use_qkv_bias embedding_dropout norm_softmax output_dropout vocab_size rotary_dim "
+    "using_split_qkv_in_self_attention router_dtype moe_router_enable_expert_bias "
+    "routed_scaling_factor n_group topk_group score_function initializer_range max_window_layers "
+    "output_router_logits pad_token_id partial_rotary_factor use_sliding_window".split()
+)
 DREAM_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 LLADA2_SPECIALS = ["<|endoftext|>", "<role>", "</role>", "<|role_end|>", "<|mask|>"]
 

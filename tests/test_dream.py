@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from family_checkpoints import (
+    DREAM_KEYS,
     dream_checkpoint,
     drive,
     prompt_ids,
@@ -88,7 +89,7 @@ def test_the_checkpoint_has_the_published_names_and_shapes(path):
     assert weights["model.layers.0.mlp.down_proj.weight"].shape == (d, raw["intermediate_size"])
     assert weights["lm_head.weight"].shape == (raw["vocab_size"], d)  # untied
     assert "model.layers.0.self_attn.o_proj.bias" not in weights
-    assert len(raw) == 27
+    assert set(raw) == DREAM_KEYS
 
 
 def test_the_forward_pass_is_the_published_computation(path):
