@@ -3,7 +3,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from dilaserve.protocol import StepBatch, StepItem, StepKind
+from dilaserve.protocol import KVCacheMode, StepBatch, StepItem, StepKind, next_step_kind
 
 from conftest import BLOCK_LEN, FakeModel, fake_engine, make_request, tiny_engine
 
@@ -138,6 +138,26 @@ def test_no_cache_mode_runs_full_steps_whatever_is_asked():
     engine, _ = fake_engine(lambda p: 0.5, kv_cache="none")
     req = make_request(prompt_len=PROMPT_LEN)
     assert step(engine, req, kinds=[StepKind.CACHE]).results[0].kind is StepKind.FULL
+
+
+def test_an_approximate_cache_refuses_a_step_kind_of_the_exact_block_cache():
+    engine, _ = fake_engine(lambda p: 0.5, kv_cache="dual")
+    req = make_request("r9", prompt_len=PROMPT_LEN)
+    with pytest.raises(ValueError, match="r9: a block step needs an exact block cache"):
+        step(engine, req, kinds=[StepKind.BLOCK])
+
+
+@pytest.mark.parametrize(
+    "starts_block, has_cache, kind",
+    [
+        (True, False, StepKind.PREFILL),
+        (False, False, StepKind.PREFILL),  # migrated mid-block: the new instance prefills
+        (False, True, StepKind.BLOCK),
+        (True, True, StepKind.COMMIT),  # a block just finished: store it, start the next
+    ],
+)
+def test_the_next_step_kind_with_an_exact_block_cache(starts_block, has_cache, kind):
+    assert next_step_kind(KVCacheMode.BLOCK, starts_block, has_cache) is kind
 
 
 def test_release_frees_state_and_unknown_request_is_a_clear_error():
