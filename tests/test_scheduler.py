@@ -114,12 +114,14 @@ def test_request_migrates_only_before_a_recompute_step():
 
 def test_migration_sends_the_sequence_and_releases_the_old_copy():
     s = scheduler(instances=(("a", 1), ("b", 1)))
-    r1, r2, r3 = (make_request(f"r{i}", gen_len=2 * BLOCK, arrival_time=i) for i in (1, 2, 3))
+    r1, r2 = (make_request(f"r{i}", gen_len=2 * BLOCK, arrival_time=i) for i in (1, 2))
+    r3 = make_request("r3", gen_len=8 * BLOCK, arrival_time=3)
     assert only_launch(s.on_arrival(r1, 1.0)).instance_id == "a"
     assert only_launch(s.on_arrival(r2, 2.0)).instance_id == "b"
     assert s.on_arrival(r3, 3.0).launches == ()  # both busy: r3 waits in a's next batch
     d = done(s, "a", result(r1, list(range(BLOCK)), block_done=True), now=4.0)
-    # r1 ends its block; joining r3 on a costs more than b's empty next batch -> r1 moves
+    # r1 ends its block; joining the long r3 on a costs more than joining r2, which comes back
+    # to b when its running step ends (Alg. 3 counts the instance's whole batch) -> r1 moves
     assert d.releases == (("a", "r1"),)
     assert [i.request_id for i in only_launch(d).batch.items] == ["r3"]
     launch = only_launch(done(s, "b", result(r2, [0]), now=4.1))
@@ -208,8 +210,22 @@ def test_a_cancelled_request_leaves_its_instance_and_its_running_step_is_ignored
     assert launch.batch.items[0].threshold == 0.9 and predictor.calls == 0
 
 
+def test_fcfs_is_a_queue_that_only_a_free_instance_takes_from():
+    # infaas gathers a new request into its instance's next batch at once; fcfs keeps it in the
+    # queue until an instance is between steps, then the free one takes it
+    for policy, gathered in (("infaas", ["r3"]), ("fcfs", [])):
+        s = scheduler(policy, instances=(("a", 1), ("b", 1)))
+        r1, r2, r3 = (make_request(f"r{i}") for i in (1, 2, 3))
+        assert only_launch(s.on_arrival(r1, 0.0)).instance_id == "a"
+        assert only_launch(s.on_arrival(r2, 0.0)).instance_id == "b"
+        assert not s.on_arrival(r3, 0.0).launches
+        assert s.instances["a"].pending + s.instances["b"].pending == gathered
+    launch = only_launch(done(s, "b", result(r2, [0, 1]), now=0.1))
+    assert [i.request_id for i in launch.batch.items] == ["r2", "r3"]
+
+
 def test_requests_of_a_failed_step_resume_alone_and_no_one_joins_them():
-    s = scheduler("fcfs", instances=(("a", 1),))
+    s = scheduler("infaas", instances=(("a", 1),))
     r1, r2, r3 = (make_request(f"r{i}") for i in (1, 2, 3))
     s.on_arrival(r1, 0.0)
     s.on_arrival(r2, 0.0)  # gathered for a's next step
@@ -259,6 +275,19 @@ def test_load_control_caps_late_arrivals_when_capacity_is_short():
     s.on_arrival(late, 1.0)
     assert s.requests["early"].allowed == (0.9, 0.5)
     assert s.requests["late"].allowed == (0.5,)
+
+
+def test_the_budget_window_extension_binds_where_a_whole_slo_window_does_not():
+    # a 100 ms SLO holds 500 token-steps: both requests at 0.9 (336) fit. At 80 ms the two have
+    # 20 and 100 ms left, 60 ms on average: 300 token-steps, so the late one gets 0.5 only
+    allowed = {}
+    for policy in ("dilaserve", "dilaserve-budget"):
+        s = scheduler(policy, instances=(("a", 1),), slo=0.1, kv_cache="none")
+        s.on_arrival(make_request("early", arrival_time=0.0), 0.0)
+        s.on_arrival(make_request("late", arrival_time=0.08), 0.08)
+        allowed[policy] = (s.requests["early"].allowed, s.requests["late"].allowed)
+    assert allowed["dilaserve"] == ((0.9, 0.5), (0.9, 0.5))
+    assert allowed["dilaserve-budget"] == ((0.9, 0.5), (0.5,))
 
 
 def test_infaas_binds_each_request_at_arrival_to_the_least_loaded_instance():

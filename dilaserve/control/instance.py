@@ -31,6 +31,8 @@ class InstanceState:
     pending_tokens: list[int] = field(default_factory=list)
     pending_full: int = 0  # full-sequence tokens of the gathered batch
     pending_cache: int = 0  # cache-step tokens of the gathered batch
+    running_full: int = 0  # full-sequence tokens of the running step's batch
+    running_cache: int = 0  # cache-step tokens of the running step's batch
     solo: bool = False  # the gathered batch is one request that must run alone
     holds: set[str] = field(default_factory=set)  # requests whose state lives here
     residents: int = 0  # requests assigned here (running, waiting or held)
@@ -84,6 +86,14 @@ class InstanceState:
         self.solo = False
         return gathered
 
+    def next_batch(self) -> tuple[int, int]:
+        """(full-sequence, cache-step) tokens of this instance's next step as known now: the
+        gathered batch and, while a step runs, that step's requests, which come back to it
+        (Alg. 3's `inst.batchSize`: the instance's whole batch, not only what joined it)."""
+        if not self.busy:
+            return self.pending_full, self.pending_cache
+        return self.pending_full + self.running_full, self.pending_cache + self.running_cache
+
     def latency(self, full: int, cache: int) -> float:
         """Seconds of one step over `full` full-sequence and `cache` cache-step tokens."""
         seconds = 0.0
@@ -101,5 +111,6 @@ class InstanceState:
         """Start the gathered batch: the instance is busy until its predicted end and holds
         every request in it."""
         self.busy_until = now + self.latency(self.pending_full, self.pending_cache)
+        self.running_full, self.running_cache = self.pending_full, self.pending_cache
         self.busy = True
         self.holds.update(self.clear())

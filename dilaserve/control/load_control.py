@@ -10,6 +10,12 @@ a `LoadTable` and decides when to refresh them and when to re-run load control:
 - load control re-runs when requests come or go, and when refreshes change the picture at most
   once per `load_control_interval`; a request whose highest allowed threshold changes, or whose
   predictions refresh, is marked for threshold selection (Alg. 1/5, in the scheduler).
+
+The cluster's capacity is its throughput times a window: one SLO, as Alg. 2/4 write it, or
+(`LoadWindow.BUDGET_LEFT`, an extension) the mean budget the requests in flight have left.
+Under continuous batching every request in flight shares the throughput, so the work in
+flight fits one SLO window until the *mean* request has a whole SLO of work ahead of it: the
+written bound binds only once most requests already miss (docs/simulator.md measures it).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dilaserve.control.decisions import SchedulerConfig
 from dilaserve.control.features import request_states
 from dilaserve.control.load_table import LoadTable
+from dilaserve.control.policy import LoadWindow
 from dilaserve.control.profile import LatencyProfile
 from dilaserve.control.thresholds import instance_capacity
 
@@ -32,6 +39,7 @@ class LoadControl:
         config: SchedulerConfig,
         tracked: Mapping,  # request id -> the scheduler's record of it, kept by the scheduler
         enabled: bool,  # Alg. 2/4 runs (the policy's load control, with dynamic thresholds)
+        window: LoadWindow = LoadWindow.SLO,  # the time the capacity covers
     ):
         missing = set(ladder) - set(predictor.thresholds)
         if missing:
@@ -45,6 +53,9 @@ class LoadControl:
         self.profile = profile
         self.config = config
         self.enabled = enabled
+        self.window = window
+        self._deadlines: dict[str, float] = {}  # request -> deadline (BUDGET_LEFT only)
+        self._deadline_sum = 0.0
         self._tracked = tracked
         self._columns = [list(predictor.thresholds).index(g) for g in ladder]
         self._table = LoadTable(len(ladder))
@@ -55,6 +66,10 @@ class LoadControl:
 
     def admit(self, request_id: str) -> None:
         self._unpredicted[request_id] = None
+        if self.window is LoadWindow.BUDGET_LEFT:
+            deadline = self._tracked[request_id].request.deadline
+            self._deadlines[request_id] = deadline
+            self._deadline_sum += deadline
 
     def stepped(self, tracked: Sequence) -> None:
         """One step done for each of `tracked` (requests that go on): predicted ones count down
@@ -73,6 +88,9 @@ class LoadControl:
         self._table.remove(request_id)
         self._unpredicted.pop(request_id, None)
         self._due.pop(request_id, None)
+        deadline = self._deadlines.pop(request_id, None)
+        if deadline is not None:
+            self._deadline_sum -= deadline
 
     def refresh(self, now: float) -> bool:
         """Predict for every request that has none yet and, at most once per
@@ -109,19 +127,26 @@ class LoadControl:
         if not (load_changed or (refreshed and stale)):
             return
         self._last_run = now
-        capacity = self._cluster_capacity(instances)
+        capacity = self._cluster_capacity(instances) * self._window(now)
         for rid, rank in self._table.run(capacity, self.config.cache_block):
             t = self._tracked[rid]
             t.allowed = self.ladder[rank:]
             t.needs_threshold = True
 
+    def _window(self, now: float) -> float:
+        """Seconds the capacity covers: one SLO, or the mean budget left in flight (>= 0)."""
+        if self.window is LoadWindow.SLO or not self._deadlines:
+            return self.config.slo
+        return max(self._deadline_sum / len(self._deadlines) - now, 0.0)
+
     def _cluster_capacity(self, instances) -> float:
+        """Token-steps per second the instances process (Alg. 4's throughput)."""
         per_request = self._table.mean_tokens()
         per_tp = {
             tp: instance_capacity(
                 self.profile,
                 tp,
-                self.config.slo,
+                1.0,
                 self.config.cache_block,
                 per_request,
                 self.config.max_requests_per_instance,

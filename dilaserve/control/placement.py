@@ -5,8 +5,11 @@ bound to one instance (no migration, or bound at arrival), or, with migration on
 recompute steps, a request whose next step is a cache step where its cache lives. Among the
 candidates with room, the request goes where its step is predicted to finish first (a busy
 instance starts the gathered batch when its running step ends; ties go to an idle one), or, for
-least-tokens placement, where the batch has the fewest tokens. The scheduler owns the state;
-this reads it (the instances and the tracked requests, shared mappings) and decides.
+least-tokens placement, where the batch has the fewest tokens. A queue (first-free placement:
+`fcfs`, `dws-sjf`) gives waiting requests only to instances between steps, least tokens first.
+Alg. 3 prices a step at the instance's whole batch: what is gathered and, while a step runs,
+that step's requests, which come back to it. The scheduler owns the state; this reads it (the
+instances and the tracked requests, shared mappings) and decides.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections.abc import Mapping, Sequence, Set
 
 from dilaserve.control.decisions import SchedulerConfig
 from dilaserve.control.instance import InstanceState
-from dilaserve.control.policy import Migration, Order, Placement, Policy
+from dilaserve.control.policy import Migration, Placement, Policy
 from dilaserve.protocol import StepKind
 
 
@@ -30,7 +33,7 @@ class Placer:
     ):
         self.policy, self.config = policy, config
         self.instances, self.tracked, self.solo = instances, tracked, solo
-        self._sjf = policy.order is Order.COST
+        self._queue = policy.placement is Placement.FIRST_FREE
         self._max_requests = config.max_batch_requests or float("inf")
 
     def tokens(self, t, kind: StepKind) -> int:
@@ -39,8 +42,8 @@ class Placer:
 
     def has_room(self, inst: InstanceState, tokens: int, solo: bool = False) -> bool:
         """Whether the batch gathered there takes the request (`solo`: one that runs alone)."""
-        if inst.busy and self._sjf:
-            return False  # SJF: requests wait, sorted, until the instance can take them
+        if inst.busy and self._queue:
+            return False  # a queue: requests wait, in service order, until an instance is free
         return inst.has_room(tokens, self._max_requests, solo)
 
     def place(
@@ -67,7 +70,7 @@ class Placer:
             n = self.tokens(t, kind)
             if not self.has_room(inst, n, solo):
                 continue
-            full, cache = inst.pending_full, inst.pending_cache
+            full, cache = inst.next_batch() if fastest else (inst.pending_full, inst.pending_cache)
             if kind is StepKind.CACHE:
                 cache += n
             else:

@@ -7,13 +7,16 @@ A policy is a small frozen value; the one `Scheduler` reads it. DESIGN section 3
 - ablations: `no-load-control`, `no-dynamic-threshold` (fixed default threshold),
   `no-migration`, `oracle-predictor`, `no-reconfig` (the cluster keeps its instances),
   `migrate-any-step` (migration between any two steps, losing the cache: papers.md Table 6);
-- baselines with a fixed threshold and a fixed cluster: `fcfs` (arrival order, a request
-  stays where it started), `infaas` (dispatch on arrival to the least-loaded instance by
-  tokens, no migration) and `llumnix` (step-level load balancing, migration only at recompute
-  steps);
+- baselines with a fixed threshold and a fixed cluster: `fcfs` (a plain first-come queue:
+  requests wait, in arrival order, until an instance is between steps, and the first free
+  instance takes them; a request stays where it started), `infaas` (dispatch on arrival to the
+  least-loaded instance by tokens, no migration) and `llumnix` (step-level load balancing,
+  migration only at recompute steps);
 - extensions, tuned deviations from the paper's algorithms, named so that they never pass
   for it: `dilaserve-headroom` (Alg. 1 fits the predicted time into half the remaining
-  budget, not all of it: `slo_headroom` 0.5, see docs/control.md);
+  budget, not all of it: `slo_headroom` 0.5) and `dilaserve-budget` (load control's capacity
+  covers the mean budget the requests in flight have left, not a whole SLO window; see
+  docs/control.md);
 - `dws-sjf`: `fcfs` whose waiting requests are served in order of their DWS expected cost
   (papers.md 2.8): shortest first, non-preemptive (a request that has started goes ahead of
   every waiting one), each waiting request's cost aged by 10% per 30 s waited.
@@ -38,6 +41,12 @@ class Placement(str, enum.Enum):
     FASTEST_STEP = "fastest-step"  # Alg. 3: lowest predicted step latency with this request
     LEAST_TOKENS = "least-tokens"  # fewest batch tokens (load balancing)
     ON_ARRIVAL = "on-arrival"  # bound at arrival to the instance with fewest tokens (INFaaS)
+    FIRST_FREE = "first-free"  # a queue: only an instance between steps takes waiting requests
+
+
+class LoadWindow(str, enum.Enum):
+    SLO = "slo"  # Alg. 2/4 as written: capacity over one whole SLO window
+    BUDGET_LEFT = "budget-left"  # over the mean budget the requests in flight have left
 
 
 class Order(str, enum.Enum):
@@ -51,6 +60,7 @@ class Policy:
     candidates: tuple[float, ...] = DEFAULT_CANDIDATES
     fixed_threshold: float | None = None  # None: SLO-aware selection within the allowed range
     load_control: bool = True
+    load_window: LoadWindow = LoadWindow.SLO  # the time load control's capacity covers
     migration: Migration = Migration.RECOMPUTE
     placement: Placement = Placement.FASTEST_STEP
     predictor: str = "full"  # which step predictor: full | progress | one-shot | oracle
@@ -81,7 +91,7 @@ _FCFS = Policy(
     fixed_threshold=DEFAULT_FIXED,
     load_control=False,
     migration=Migration.NONE,
-    placement=Placement.LEAST_TOKENS,
+    placement=Placement.FIRST_FREE,
     reconfigure=False,
 )
 POLICIES = {
@@ -95,9 +105,14 @@ POLICIES = {
     "no-reconfig": replace(_DILASERVE, name="no-reconfig", reconfigure=False),
     "migrate-any-step": replace(_DILASERVE, name="migrate-any-step", migration=Migration.ANY),
     "dilaserve-headroom": replace(_DILASERVE, name="dilaserve-headroom", slo_headroom=0.5),
+    "dilaserve-budget": replace(
+        _DILASERVE, name="dilaserve-budget", load_window=LoadWindow.BUDGET_LEFT
+    ),
     "fcfs": _FCFS,
     "infaas": replace(_FCFS, name="infaas", placement=Placement.ON_ARRIVAL),
-    "llumnix": replace(_FCFS, name="llumnix", migration=Migration.RECOMPUTE),
+    "llumnix": replace(
+        _FCFS, name="llumnix", migration=Migration.RECOMPUTE, placement=Placement.LEAST_TOKENS
+    ),
     "dws-sjf": replace(_FCFS, name="dws-sjf", order=Order.COST),
 }
 

@@ -91,6 +91,7 @@ class Scheduler:
                 config,
                 self.requests,
                 policy.load_control,
+                policy.load_window,
             )
             if policy.is_dynamic
             else None
