@@ -127,6 +127,7 @@ def cmd_calibrate(args) -> None:
             threads=args.threads,
             cuda_graphs=args.cuda_graphs,
             calibration=args.calibration,
+            dws=args.dws,
         )
     )
 
@@ -335,6 +336,9 @@ def _add_calibrate_command(sub) -> None:
         default=None,
         help="the calibration folder to write; default: MODEL/dilaserve-calibration/DEVICE-DTYPE "
         "if writable, else ~/.cache/dilaserve/calibration/...",
+    )
+    ca.add_argument(
+        "--dws", action="store_true", help="also fit the DWS cost kernel (for dws-sjf, --dws-prior)"
     )
     ca.set_defaults(func=cmd_calibrate)
 

@@ -63,7 +63,7 @@ def _cluster_config(args, record: bool = False):
         max_in_flight=args.max_in_flight,
         step_timeout=args.step_timeout,
         record=record,
-        **_dws_args(args),
+        **_dws_args(args, inputs.dws_cost),
     )
     return config, inputs
 
@@ -157,14 +157,17 @@ def _nodes(text: str | None, instances: tuple[int, ...]) -> tuple[int, ...]:
     return () if nodes == (0,) else nodes
 
 
-def _dws_args(args) -> dict:
-    """DWS at admission: asked for, or needed by the dws-sjf policy (the bundled one then)."""
+def _dws_args(args, calibrated_cost: str | None) -> dict:
+    """DWS at admission: asked for, or needed by the dws-sjf policy (the bundled one then). Its
+    cost kernel: --dws-cost, else the calibration's (`calibrate --dws`), else the bundled one's
+    for the bundled predictor."""
     from dilaserve.config import BUNDLED_DWS, BUNDLED_DWS_COST
 
     dws = args.dws or (str(BUNDLED_DWS) if args.policy == "dws-sjf" or args.dws_prior else None)
     if dws is None:
         return {}
-    cost = args.dws_cost or (str(BUNDLED_DWS_COST) if dws == str(BUNDLED_DWS) else None)
+    bundled = str(BUNDLED_DWS_COST) if dws == str(BUNDLED_DWS) else None
+    cost = args.dws_cost or calibrated_cost or bundled
     return {"dws": dws, "dws_cost": cost, "dws_prior": args.dws_prior}
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from dilaserve.calibration.latency import ProfileGrid, batch_sizes, profile_instance
 from dilaserve.calibration.store import (
+    DWS_COST_FILE,
     PREDICTOR_DIR,
     PROFILE_FILE,
     Calibration,
@@ -54,6 +55,7 @@ class CalibrateConfig:
     threads: int = 1  # torch threads per worker rank, as `serve` runs them
     cuda_graphs: int = 0
     calibration: str | None = None  # the folder to write; None: next to the model or the cache
+    dws: bool = False  # also fit the DWS cost kernel (dws/profile.py) into the folder
 
     def __post_init__(self):
         if not self.tp or min(self.tp) < 1:
@@ -214,6 +216,8 @@ def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
     for text in warnings:
         log(f"warning: {text}")
     fitted = _fit_predictor(cfg, engine, prompts, gen_len, folder, progress)
+    if cfg.dws:
+        _fit_dws_cost(cfg, gen_len, folder, log)
     profile = _profile_file(key, engine, cfg.threads, _merge(folder, key, entries, cfg.tp))
     write_json(folder / PROFILE_FILE, profile)
     tps = tuple(sorted({e["tp"] for e in profile["entries"]}))
@@ -240,6 +244,22 @@ def _fit_predictor(cfg, engine, prompts, gen_len: int, folder: Path, progress) -
     predictor = PredictorConfig(cfg.model, str(out), len(prompts), cfg.thresholds, gen_len)
     out.mkdir(exist_ok=True)
     return fit_and_report(trajs, predictor, out, log=lambda _: None)
+
+
+def _fit_dws_cost(cfg: CalibrateConfig, gen_len: int, folder: Path, log) -> None:
+    from dilaserve.dws.profile import DWSProfileConfig, profile_dws
+
+    kernel = folder / DWS_COST_FILE
+    dws = DWSProfileConfig(
+        cfg.model,
+        gen_len=gen_len,
+        dtype=cfg.dtype,
+        device=cfg.device,
+        cuda_graphs=cfg.cuda_graphs,
+        out=str(folder / "dws-runs"),
+        kernel_out=str(kernel),
+    )
+    profile_dws(dws, log)
 
 
 def _profile_file(key, engine, threads: int, entries: list[dict]) -> dict:

@@ -6,6 +6,7 @@ A calibration is a folder of one model's control inputs, measured on one device 
                        degrees measured, versions, the command, warnings from the measurement
     profile.json       the latency profile (`control/profile.py`) at every measured TP degree
     predictor/         the step predictor trained on the model's own trajectories
+    dws-cost.json      the DWS cost kernel (`calibrate --dws`), where DWS is used
     records.csv, summary.json, report.md, config.json: the run that made it
 
 It lives next to the model (`MODEL/dilaserve-calibration/<device>-<dtype>/`) when that folder is
@@ -31,6 +32,7 @@ from pathlib import Path
 CALIBRATION_FILE = "calibration.json"
 PROFILE_FILE = "profile.json"
 PREDICTOR_DIR = "predictor"
+DWS_COST_FILE = "dws-cost.json"
 FOLDER_NAME = "dilaserve-calibration"
 SCHEMA = 1
 
@@ -75,6 +77,12 @@ class Calibration:
     @property
     def predictor(self) -> Path:
         return self.folder / PREDICTOR_DIR
+
+    @property
+    def dws_cost(self) -> Path | None:
+        """The DWS cost kernel, where `calibrate --dws` fitted one."""
+        path = self.folder / DWS_COST_FILE
+        return path if path.is_file() else None
 
     def label(self) -> dict:
         """What `/v1/models` and the logs say about the control plane's inputs."""
@@ -218,6 +226,7 @@ class ControlInputs:
     predictor: str | None
     label: dict = field(default_factory=dict)
     warnings: tuple[str, ...] = ()
+    dws_cost: str | None = None
 
 
 def materialize_preset(name: str) -> Path:
@@ -275,7 +284,8 @@ def resolve_control_inputs(
         path, preset = profile_source(profile)
         _check_covers(path, tps, profile)
         label = {**label, "profile": preset}
-    return ControlInputs(path, predictor or str(found.predictor), label, _warnings(found))
+    cost = str(found.dws_cost) if found.dws_cost else None
+    return ControlInputs(path, predictor or str(found.predictor), label, _warnings(found), cost)
 
 
 def _warnings(found: Calibration) -> tuple[str, ...]:
