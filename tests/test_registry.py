@@ -131,3 +131,30 @@ def test_a_checkpoint_missing_a_family_weight_names_it(tmp_path):
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match="missing weight 'model.layers.1.self_attn.k_proj.bias'"):
         load_model(folder)
+
+
+def test_a_chat_template_can_live_in_chat_template_jinja_or_a_named_list(tmp_path):
+    folder = tmp_path / "tok"
+    model_config = registry.config_from_dict(
+        dream_config(write_tokenizer(folder, DREAM_SPECIALS, QWEN_TEMPLATE))
+    )
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    message = [{"role": "user", "content": "w1"}]
+    with pytest.raises(ValueError, match="no chat template"):
+        Tokenizer(folder, model_config).apply_chat_template(message)
+    (folder / "chat_template.jinja").write_text(QWEN_TEMPLATE)
+    text = Tokenizer(folder, model_config).apply_chat_template(message)
+    assert text.startswith("<|im_start|>user\nw1")
+    config["chat_template"] = [{"name": "default", "template": "{{ messages[0]['content'] }}!"}]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    assert Tokenizer(folder, model_config).apply_chat_template(message) == "w1!"
+
+
+def test_a_template_that_raises_is_a_clear_error(tmp_path):
+    folder = tmp_path / "tok"
+    vocab = write_tokenizer(folder, DREAM_SPECIALS, "{{ raise_exception('roles alternate') }}")
+    tokenizer = Tokenizer(folder, registry.config_from_dict(dream_config(vocab)))
+    with pytest.raises(ValueError, match="chat template: roles alternate"):
+        tokenizer.apply_chat_template([{"role": "user", "content": "w1"}])

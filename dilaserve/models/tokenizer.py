@@ -39,6 +39,7 @@ class Tokenizer:
         if not path.exists():
             raise FileNotFoundError(f"no tokenizer.json in checkpoint folder {folder}")
         self._tok = HFTokenizer.from_file(str(path))
+        self.folder = folder
         cfg_path = folder / "tokenizer_config.json"
         self.config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
         if model_config is None and (folder / "config.json").exists():
@@ -96,13 +97,28 @@ class Tokenizer:
     @functools.cached_property
     def _chat_template(self):
         """The checkpoint's chat template, compiled once (compiling took ~2 ms a request)."""
-        template = self.config.get("chat_template")
-        if not template:
-            raise ValueError("this checkpoint's tokenizer_config.json has no chat_template")
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(template)
+        env.globals["raise_exception"] = _raise_template_error
+        return env.from_string(self._template_text())
+
+    def _template_text(self) -> str:
+        """tokenizer_config.json's `chat_template` (a string, or a list of named templates:
+        "default"), else the folder's chat_template.jinja, as Hugging Face reads them."""
+        template = self.config.get("chat_template")
+        if isinstance(template, list):
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        jinja_file = self.folder / "chat_template.jinja"
+        if not template and jinja_file.is_file():
+            template = jinja_file.read_text()
+        if not template:
+            raise ValueError(
+                "this checkpoint has no chat template (tokenizer_config.json's chat_template "
+                "or chat_template.jinja)"
+            )
+        return template
 
     def encode_chat(self, user_text: str) -> list[int]:
         return self.encode(self.apply_chat_template([{"role": "user", "content": user_text}]))
@@ -116,3 +132,8 @@ def _token_names(model_config) -> tuple[str, str | None]:
 
     family = family_of(model_config)
     return family.mask_token, family.eot_token
+
+
+def _raise_template_error(message: str):
+    """`raise_exception` of Hugging Face chat templates (they call it on bad conversations)."""
+    raise ValueError(f"chat template: {message}")
