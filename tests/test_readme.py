@@ -1,6 +1,6 @@
 """The README's Python example, run verbatim against `dilaserve serve` started as `make serve`
 starts it (the Makefile's own command line, on a free port): it prints what the README says it
-prints, whatever threshold the policy picks."""
+prints, whatever threshold the policy picks, for the whole answer or step by step."""
 
 import re
 import shlex
@@ -12,9 +12,13 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
+from dilaserve.config import SamplingParams
 from dilaserve.control.policy import DEFAULT_CANDIDATES
+from dilaserve.engine.llm import LLM
+from dilaserve.protocol import StepBatch
 
 ROOT = Path(__file__).resolve().parents[1]
 README_ADDRESS = "127.0.0.1:8000"
@@ -39,6 +43,48 @@ def make_serve_command(port: int) -> list[str]:
     assert recipe, "the Makefile has no serve target"
     line = recipe.group(1).replace("$(VENV)/bin/", f"{Path(sys.executable).parent}/")
     return shlex.split(line.replace("$(PORT)", str(port)))
+
+
+def readme_question() -> str:
+    """The question the example asks: what its lines before the request define."""
+    code, _ = readme_example()
+    setup = {}
+    exec(code.split("reply = ")[0], setup)  # builds the client; sends nothing
+    return setup["question"]
+
+
+def replay(llm: LLM, question: str, thresholds: tuple[float, ...]):
+    """One request of `question` stepped once per threshold in `thresholds` (or until it
+    finishes): (the request, whether it finished)."""
+    (request,) = llm.make_requests([question], SamplingParams(max_tokens=64))
+    request.request_id = ",".join(map(str, thresholds))
+    for step, threshold in enumerate(thresholds):
+        request.threshold = threshold
+        item = request.step_item(llm.config.kv_cache, on_instance=step > 0)
+        request.apply(llm.engine.execute(StepBatch((item,))).results[0])
+        if request.is_finished:
+            return request, True
+    llm.engine.release(request.request_id)
+    return request, False
+
+
+def answers_under_every_mix(llm: LLM, question: str, thresholds) -> set[str]:
+    """The answers `question` gets when each step may run at any of `thresholds`: every sequence
+    of choices, breadth first; sequences that reach the same state go on as one."""
+    frontier, answers = [()], set()
+    while frontier:
+        states = {}
+        for prefix in frontier:
+            for threshold in thresholds:
+                request, finished = replay(llm, question, (*prefix, threshold))
+                if finished:
+                    ids = request.generated_ids(llm.tokenizer.special.stop_ids)
+                    answers.add(llm.tokenizer.decode(ids))
+                    continue
+                state = (tuple(request.output_ids.tolist()), request.current_block)
+                states.setdefault(state, (*prefix, threshold))
+        frontier = list(states.values())
+    return answers
 
 
 def free_port() -> int:
@@ -100,14 +146,19 @@ def test_the_readme_example_prints_what_the_readme_says(make_serve):
 
 
 def test_the_readme_question_gets_that_answer_at_every_candidate_threshold(make_serve):
-    code, printed = readme_example()
-    setup = {}
-    exec(code.split("reply = ")[0].replace(README_ADDRESS, make_serve), setup)  # client, question
-    client, question = setup["client"], setup["question"]
+    _, printed = readme_example()
+    client = openai.OpenAI(base_url=f"http://{make_serve}/v1", api_key="unused", max_retries=0)
     for threshold in DEFAULT_CANDIDATES:
         reply = client.chat.completions.create(
             model="tiny-llada",
-            messages=[{"role": "user", "content": question}],
+            messages=[{"role": "user", "content": readme_question()}],
             extra_body={"threshold": threshold},
         )
         assert reply.choices[0].message.content + "\n" == printed, threshold
+
+
+def test_the_readme_answer_holds_under_any_mix_of_thresholds_step_by_step():
+    """The policy may pick another threshold at every step of a request."""
+    _, printed = readme_example()
+    answers = answers_under_every_mix(LLM(), readme_question(), DEFAULT_CANDIDATES)
+    assert {answer + "\n" for answer in answers} == {printed}
