@@ -172,3 +172,13 @@ def test_too_few_kv_heads_for_the_ranks_is_refused(path):
     config.check_tensor_parallel(2)
     with pytest.raises(ValueError, match="does not divide the model's num_key_value_heads=2"):
         config.check_tensor_parallel(4)
+
+
+def test_bfloat16_generates_close_to_float32(path):
+    ids = torch.tensor([prompt_ids(11)])
+    args = (ids, torch.arange(11)[None], torch.ones(1, 11, dtype=torch.bool))
+    full, half = load_model(path), load_model(path, "bfloat16")
+    want, got = full.logits(full(*args).hidden), half.logits(half(*args).hidden).float()
+    assert (want.argmax(-1) == got.argmax(-1)).float().mean() >= 0.8
+    llm = LLM(path, EngineConfig("dual", block_len=BLOCK, dtype="bfloat16"))
+    assert llm.generate(["w1 w2"], SamplingParams(0.9, BLOCK))[0].num_steps >= 1

@@ -270,3 +270,14 @@ def test_serving_refuses_it_naming_what_is_missing(path, capsys):
         Cluster(ClusterConfig(worker=WorkerConfig(model=str(path))))
     assert main(["serve", str(path)]) == 2
     assert "block-diffusion model (LLaDA2)" in capsys.readouterr().err
+
+
+def test_bfloat16_generates_close_to_float32(path):
+    ids = torch.tensor([prompt_ids(19)])
+    args = (ids, torch.arange(19)[None], torch.ones(1, 19, dtype=torch.bool))
+    full, half = load_model(path), load_model(path, "bfloat16")
+    want = full.logits(full(*args, block_len=BLOCK).hidden)
+    got = half.logits(half(*args, block_len=BLOCK).hidden).float()
+    assert (want.argmax(-1) == got.argmax(-1)).float().mean() >= 0.8
+    llm = LLM(path, EngineConfig("dual", block_len=BLOCK, dtype="bfloat16"))
+    assert llm.generate(["w1 w2"], SamplingParams(0.9, BLOCK))[0].num_steps >= 1

@@ -132,8 +132,8 @@ class DreamAttention(nn.Module):
         return x.view(b, s, heads, self.head_dim).transpose(1, 2)
 
     def forward(self, x, angles, mask, ctx_k, ctx_v):
-        q = Rotary.rotate(self._split(self.q_proj(x), self.num_heads), *angles)
-        k = Rotary.rotate(self._split(self.k_proj(x), self.num_kv_heads), *angles)
+        q = Rotary.rotate(self._split(self.q_proj(x), self.num_heads), *angles, hf_order=True)
+        k = Rotary.rotate(self._split(self.k_proj(x), self.num_kv_heads), *angles, hf_order=True)
         v = self._split(self.v_proj(x), self.num_kv_heads)
         new_k, new_v = k, v
         if ctx_k is not None:

@@ -178,10 +178,18 @@ class Rotary(nn.Module):
         return angles.cos(), angles.sin()
 
     @staticmethod
-    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [batch, heads, seq, head_dim], rotated by `angles`' (cos, sin)."""
+    def rotate(
+        x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hf_order: bool = False
+    ) -> torch.Tensor:
+        """x: [batch, heads, seq, head_dim], rotated by `angles`' (cos, sin): in fp32, or with
+        `hf_order` in x's dtype after casting cos and sin to it (Hugging Face's Llama/Qwen2
+        order, which Dream and LLaDA2 use). The two agree exactly in fp32."""
         rot = 2 * cos.shape[-1]
-        x1, x2 = x[..., :rot].float().chunk(2, dim=-1)
+        if hf_order:
+            x1, x2 = x[..., :rot].chunk(2, dim=-1)
+            cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        else:
+            x1, x2 = x[..., :rot].float().chunk(2, dim=-1)
         rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
         if rot == x.shape[-1]:
             return rotated

@@ -194,7 +194,7 @@ class LLaDA2Attention(nn.Module):
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.use_qk_norm:
             q, k = self.query_layernorm(q), self.key_layernorm(k)
-        q, k = Rotary.rotate(q, *angles), Rotary.rotate(k, *angles)
+        q, k = Rotary.rotate(q, *angles, hf_order=True), Rotary.rotate(k, *angles, hf_order=True)
         new_k, new_v = k, v
         if ctx_k is not None:
             k, v = torch.cat((ctx_k, k), dim=2), torch.cat((ctx_v, v), dim=2)
