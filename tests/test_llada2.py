@@ -26,7 +26,8 @@ from dilaserve.config import EngineConfig, SamplingParams
 from dilaserve.engine.engine import Engine
 from dilaserve.engine.llm import LLM
 from dilaserve.models.checkpoint import load_model
-from dilaserve.models.llada2 import LLaDA2Config, LLaDA2Gate, select_experts
+from dilaserve.models.llada2 import LLaDA2Config
+from dilaserve.models.moe import Router, select_experts
 from dilaserve.protocol import SequenceSpec, StepBatch, StepItem, StepKind
 from dilaserve.request import Request
 
@@ -150,7 +151,7 @@ def test_routing_takes_the_top_k_inside_the_best_groups():
 
 
 def test_the_expert_bias_changes_the_choice_but_not_the_weights():
-    gate = LLaDA2Gate(tiny_router())
+    gate = Router(tiny_router())
     gate.weight.data = torch.eye(8)
     scores = torch.tensor([0.9, 0.3, 0.6, 0.4, 0.3, 0.3, 0.1, 0.4])
     x = torch.logit(scores)[None]  # router logits = x, so sigmoid scores = `scores`

@@ -6,12 +6,7 @@ engine caches them exactly). Each layer: RMSNorm, fused q/k/v projection, RMSNor
 (`use_qk_norm`), partial rotary (`partial_rotary_factor`), attention, `dense` output; then RMSNorm
 and either a dense SiLU MLP (the first `first_k_dense_replace` layers) or a MoE block.
 
-MoE routing (published `LLaDA2MoeGate`): fp32 router logits, sigmoid scores; the expert bias is
-added for selection only; experts are grouped in `n_group` groups, a group scores the sum of
-its two best biased scores, the best `topk_group` groups stay; the top `num_experts_per_tok`
-experts among them are chosen; their weights are the unbiased scores, normalised to sum 1 and
-multiplied by `routed_scaling_factor`. Shared experts are one MLP of width
-`moe_intermediate_size * num_shared_experts` added to every token.
+The MoE block and its routing (published `LLaDA2MoeGate`) are in `models/moe.py`.
 
 Under tensor parallelism the attention and the dense/shared MLPs are column/row-parallel and the
 routed experts are split across ranks (rank r holds a contiguous slice); each rank sums its own
@@ -41,6 +36,7 @@ from dilaserve.models.layers import (
     init_normal,
 )
 from dilaserve.models.llada import ForwardResult, KVContext
+from dilaserve.models.moe import SparseMoeBlock
 
 PUBLISHED_BLOCK_LEN = 32  # the block length LLaDA2's published generate uses
 REQUIRED = (
@@ -201,75 +197,6 @@ class LLaDA2Attention(nn.Module):
         return self.dense(attend(q, k, v.contiguous(), mask)), new_k, new_v.contiguous()
 
 
-class LLaDA2Gate(nn.Module):
-    """The router: which experts each token goes to, with which weights (see the docstring)."""
-
-    def __init__(self, cfg: LLaDA2Config):
-        super().__init__()
-        self.cfg = cfg
-        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
-        self.register_buffer("expert_bias", torch.zeros(cfg.num_experts))
-        self.full_shapes = {
-            "weight": (cfg.num_experts, cfg.hidden_size),
-            "expert_bias": (cfg.num_experts,),
-        }
-
-    def load_full(self, full: torch.Tensor, name: str = "weight") -> None:
-        getattr(self, name).data.copy_(full)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [tokens, hidden] -> (expert ids [tokens, k], fp32 weights [tokens, k])."""
-        logits = F.linear(x.float(), self.weight.float())
-        scores = torch.sigmoid(logits)
-        chosen = select_experts(scores + self.expert_bias.float(), self.cfg)
-        weights = scores.gather(1, chosen)
-        if self.cfg.num_experts_per_tok > 1:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return chosen, weights * self.cfg.routed_scaling_factor
-
-
-def select_experts(biased: torch.Tensor, cfg: LLaDA2Config) -> torch.Tensor:
-    """Group-limited top-k over biased scores [tokens, experts]: keep the `topk_group` groups
-    whose two best scores sum highest, then the top `num_experts_per_tok` experts in them."""
-    tokens = biased.shape[0]
-    grouped = biased.view(tokens, cfg.n_group, -1)
-    group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
-    kept = group_scores.topk(cfg.topk_group, dim=-1, sorted=False).indices
-    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
-    expert_mask = group_mask[..., None].expand_as(grouped).reshape(tokens, -1)
-    masked = biased.masked_fill(~expert_mask, float("-inf"))
-    return masked.topk(cfg.num_experts_per_tok, dim=-1).indices
-
-
-class LLaDA2SparseMoeBlock(nn.Module):
-    def __init__(self, cfg: LLaDA2Config, tp: TPGroup):
-        super().__init__()
-        self.tp = tp
-        d = cfg.hidden_size
-        local = tp.shard_len(cfg.num_experts, "num_experts")
-        first = tp.rank * local
-        self.gate = LLaDA2Gate(cfg)  # replicated: every rank routes every token
-        self.experts = nn.ModuleDict(
-            {str(e): GatedMLP(d, cfg.moe_intermediate_size) for e in range(first, first + local)}
-        )
-        if cfg.num_shared_experts:
-            self.shared_experts = GatedMLP(d, cfg.shared_width, tp)
-        self.has_shared = bool(cfg.num_shared_experts)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        flat = x.reshape(-1, shape[-1])
-        chosen, weights = self.gate(flat)
-        routed = torch.zeros(flat.shape, dtype=torch.float32, device=x.device)
-        for name, expert in self.experts.items():
-            token, slot = (chosen == int(name)).nonzero(as_tuple=True)
-            if token.numel():
-                out = expert(flat[token]).float() * weights[token, slot, None]
-                routed.index_add_(0, token, out)
-        y = self.tp.all_reduce(routed).to(x.dtype).view(shape)
-        return y + self.shared_experts(x) if self.has_shared else y
-
-
 class LLaDA2DecoderLayer(nn.Module):
     def __init__(self, cfg: LLaDA2Config, tp: TPGroup, index: int):
         super().__init__()
@@ -280,7 +207,7 @@ class LLaDA2DecoderLayer(nn.Module):
         if index < cfg.first_k_dense_replace:
             self.mlp = GatedMLP(d, cfg.intermediate_size, tp)
         else:
-            self.mlp = LLaDA2SparseMoeBlock(cfg, tp)
+            self.mlp = SparseMoeBlock(cfg, tp)
 
     def forward(self, x, angles, mask, ctx_k=None, ctx_v=None):
         h, k, v = self.attention(self.input_layernorm(x), angles, mask, ctx_k, ctx_v)
