@@ -282,3 +282,8 @@ def test_bfloat16_generates_close_to_float32(path):
     assert (want.argmax(-1) == got.argmax(-1)).float().mean() >= 0.8
     llm = LLM(path, EngineConfig("dual", block_len=BLOCK, dtype="bfloat16"))
     assert llm.generate(["w1 w2"], SamplingParams(0.9, BLOCK))[0].num_steps >= 1
+
+
+def test_calibration_refuses_it_too(path, capsys):
+    assert main(["calibrate", str(path)]) == 2
+    assert "block-diffusion model (LLaDA2)" in capsys.readouterr().err
