@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dilaserve.models.family import ModelFamily, check_divisible, config_from_dict
+from dilaserve.models.family import ModelFamily, build_config, check_divisible
 from dilaserve.models.layers import (
     ColumnParallelLinear,
     Embedding,
@@ -77,7 +77,7 @@ class DreamConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> DreamConfig:
-        return config_from_dict(cls, raw, REQUIRED, ACCEPTED)
+        return build_config(cls, raw, REQUIRED, ACCEPTED)
 
     def to_dict(self) -> dict:
         out = asdict(self)

@@ -65,7 +65,7 @@ class ModelFamily:
         return requested
 
 
-def config_from_dict(cls, raw: dict, required: tuple[str, ...], accepted: dict[str, tuple]):
+def build_config(cls, raw: dict, required: tuple[str, ...], accepted: dict[str, tuple]):
     """Build a family's frozen config dataclass from config.json's dict.
 
     `required` keys must be present; a key of `accepted` may be absent or hold one of the values

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dilaserve.models.family import Attention, ModelFamily, check_divisible, config_from_dict
+from dilaserve.models.family import Attention, ModelFamily, build_config, check_divisible
 from dilaserve.models.layers import (
     ColumnParallelLinear,
     Embedding,
@@ -125,7 +125,7 @@ class LLaDA2Config:
 
     @classmethod
     def from_dict(cls, raw: dict) -> LLaDA2Config:
-        return config_from_dict(cls, raw, REQUIRED, ACCEPTED)
+        return build_config(cls, raw, REQUIRED, ACCEPTED)
 
     def to_dict(self) -> dict:
         out = asdict(self)
