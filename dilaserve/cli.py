@@ -128,6 +128,7 @@ def cmd_calibrate(args) -> None:
             cuda_graphs=args.cuda_graphs,
             calibration=args.calibration,
             dws=args.dws,
+            profile_only=args.profile_only,
         )
     )
 
@@ -339,6 +340,12 @@ def _add_calibrate_command(sub) -> None:
     )
     ca.add_argument(
         "--dws", action="store_true", help="also fit the DWS cost kernel (for dws-sjf, --dws-prior)"
+    )
+    ca.add_argument(
+        "--profile-only",
+        action="store_true",
+        help="add the latency profile at these TP degrees to an existing calibration, keeping "
+        "its step predictor",
     )
     ca.set_defaults(func=cmd_calibrate)
 

@@ -10,6 +10,7 @@ generation_config.json), with the dimensions shrunk.
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -69,6 +70,21 @@ def test_calibrate_measures_every_tp_degree_and_keys_the_folder(calibrated):
         p.name for p in folder.iterdir()
     }
     assert "[1/13] tp=1 recompute step" in printed and "left)" in printed
+
+
+def test_profile_only_adds_a_tp_degree_and_keeps_the_rest(calibrated, tmp_path):
+    model, _ = calibrated
+    copy = tmp_path / "calibration"
+    shutil.copytree(model / "dilaserve-calibration" / "cpu-float32", copy)
+    predictor = (copy / "predictor" / "gbm-full.txt").read_text()
+    before = LatencyProfile.from_file(copy / "profile.json")
+    argv = ["calibrate", str(model), "--tp", "2", "--profile-only", "--calibration", str(copy)]
+    assert main([*argv, "--requests", "1", "--repeats", "1", "--max-tokens", "32"]) == 0
+    after = LatencyProfile.from_file(copy / "profile.json")
+    assert after.curve(1, StepKind.CACHE) == before.curve(1, StepKind.CACHE)
+    assert after.curve(2, StepKind.CACHE).tokens == (32,)
+    assert (copy / "predictor" / "gbm-full.txt").read_text() == predictor
+    assert json.loads((copy / "calibration.json").read_text())["tp"] == [1, 2]
 
 
 def test_serving_a_model_with_another_models_calibration_is_refused(calibrated, tmp_path, capsys):

@@ -27,11 +27,12 @@ from dilaserve.calibration.store import (
     PREDICTOR_DIR,
     PROFILE_FILE,
     Calibration,
+    CalibrationKey,
     model_key,
     processor_name,
     writable_folder,
 )
-from dilaserve.config import ASSETS
+from dilaserve.config import ASSETS, EngineConfig, SamplingParams
 from dilaserve.runs import create_run_dir, environment, markdown_table, write_json, write_records
 
 SHIPPED_PROMPTS = ASSETS / "prompts" / "calibration.jsonl"
@@ -56,6 +57,7 @@ class CalibrateConfig:
     cuda_graphs: int = 0
     calibration: str | None = None  # the folder to write; None: next to the model or the cache
     dws: bool = False  # also fit the DWS cost kernel (dws/profile.py) into the folder
+    profile_only: bool = False  # add TP degrees to an existing calibration, keep its predictor
 
     def __post_init__(self):
         if not self.tp or min(self.tp) < 1:
@@ -177,26 +179,30 @@ def _record(cfg, llm, prompts, gen_len, progress):
     return trajs
 
 
-def _merge(folder: Path, key, entries: list[dict], tps) -> list[dict]:
-    """Entries of TP degrees measured earlier into the same folder (same key) are kept."""
-    try:
-        earlier = Calibration.load(folder)
-    except (ValueError, KeyError):
-        return entries
-    if not earlier.key.matches(key):
-        return entries
-    old = json.loads(earlier.profile.read_text())["entries"]
-    return [e for e in old if e["tp"] not in set(tps)] + entries
+@dataclass(frozen=True)
+class _Plan:
+    """What one calibration measures, and where it goes."""
+
+    key: CalibrationKey
+    engine: EngineConfig
+    grid: ProfileGrid
+    mask_id: int
+    prompts: tuple[str, ...]
+    source: str  # where the prompts came from
+
+    @property
+    def gen_len(self) -> int:
+        return self.grid.gen_len
+
+    def num_points(self, tps) -> int:
+        """Profile points to measure at TP degrees `tps`: two step kinds per batch size."""
+        return len(tps) * len(batch_sizes(self.grid, self.engine.max_batch_tokens)) * 2
 
 
-def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
-    from dilaserve.cluster.worker import WorkerConfig
-    from dilaserve.config import EngineConfig, SamplingParams
+def _plan(cfg: CalibrateConfig, with_prompts: bool = True) -> _Plan:
     from dilaserve.models.generation import default_max_tokens
 
     key = model_key(cfg.model, device_name(cfg.device), cfg.dtype)
-    folder = Path(cfg.calibration) if cfg.calibration else writable_folder(cfg.model, key)
-    folder.mkdir(parents=True, exist_ok=True)
     model_config, tokenizer = _model(cfg.model)
     for tp in cfg.tp:
         model_config.check_tensor_parallel(tp)
@@ -204,47 +210,78 @@ def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
     window = SamplingParams(max_tokens=cfg.max_tokens or default_max_tokens(cfg.model))
     gen_len = window.gen_len(engine.block_len)
     grid = ProfileGrid(cfg.seq_len or 2 * gen_len, gen_len, cfg.requests, cfg.repeats)
-    prompts, source = load_prompts(cfg)
+    prompts, source = load_prompts(cfg) if with_prompts else ([], "")
     prompts = _fitting(tokenizer, model_config.max_sequence_length, prompts, gen_len)
-    if len(prompts) < 5:
+    if with_prompts and len(prompts) < 5:
         raise ValueError(f"fewer than 5 prompts of {source} fit the context with {gen_len} tokens")
-    points = len(cfg.tp) * len(batch_sizes(grid, engine.max_batch_tokens)) * 2
-    progress = Progress(points + len(cfg.thresholds), log)
+    return _Plan(key, engine, grid, tokenizer.special.mask, tuple(prompts), source)
+
+
+def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
+    """Measure, fit and write a calibration (`profile_only`: the profile at `cfg.tp` into an
+    existing calibration of the same key, whose step predictor is kept)."""
+    from dilaserve.cluster.worker import WorkerConfig
+
+    plan = _plan(cfg, with_prompts=not cfg.profile_only)
+    folder = Path(cfg.calibration) if cfg.calibration else writable_folder(cfg.model, plan.key)
+    earlier = _earlier(plan.key, folder, cfg.profile_only)
+    folder.mkdir(parents=True, exist_ok=True)
+    points = plan.num_points(cfg.tp)
+    runs = 0 if cfg.profile_only else len(cfg.thresholds)
+    progress = Progress(points + runs, log)
     log(
-        f"calibrating {key.describe(cfg.tp)} into {folder}: {points} profile points, "
-        f"{len(prompts)} prompts x {len(cfg.thresholds)} thresholds ({source})"
+        f"calibrating {plan.key.describe(cfg.tp)} into {folder}: {points} profile points, "
+        f"{len(plan.prompts) if runs else 0} prompts x {runs} thresholds ({plan.source})"
     )
-    worker = WorkerConfig(cfg.model, engine, cfg.threads)
-    entries, warnings = measure_profile(worker, cfg.tp, grid, tokenizer.special.mask, progress)
+    worker = WorkerConfig(cfg.model, plan.engine, cfg.threads)
+    entries, warnings = measure_profile(worker, cfg.tp, plan.grid, plan.mask_id, progress)
     for text in warnings:
         log(f"warning: {text}")
-    fitted = _fit_predictor(cfg, engine, prompts, gen_len, folder, progress)
+    fitted = None if cfg.profile_only else _fit_predictor(cfg, plan, folder, progress)
     if cfg.dws:
-        _fit_dws_cost(cfg, gen_len, folder, log)
-    profile = _profile_file(key, engine, cfg.threads, _merge(folder, key, entries, cfg.tp))
+        _fit_dws_cost(cfg, plan.gen_len, folder, log)
+    kept = [e for e in earlier[0] if e["tp"] not in set(cfg.tp)]
+    notes = [w for w in earlier[1] if not w.startswith(tuple(f"tp={tp} " for tp in cfg.tp))]
+    profile = _profile_file(plan.key, plan.engine, cfg.threads, kept + entries)
     write_json(folder / PROFILE_FILE, profile)
     tps = tuple(sorted({e["tp"] for e in profile["entries"]}))
-    calibration = Calibration(folder, key, tps, processor_name(), tuple(warnings))
+    calibration = Calibration(folder, plan.key, tps, processor_name(), tuple(notes + warnings))
     calibration.save({"created": time.strftime("%Y-%m-%dT%H:%M:%S"), **_provenance(cfg)})
-    _write_run(folder, cfg, entries, fitted, warnings, source, len(prompts))
-    log(
-        f"calibration written to {folder} (tp={','.join(map(str, tps))}); "
-        f"step predictor held-out error {fitted['errors']['full']:.1%}"
-    )
+    _write_run(plan, folder, cfg, entries, fitted, warnings)
+    error = f"; step predictor held-out error {fitted['errors']['full']:.1%}" if fitted else ""
+    log(f"calibration written to {folder} (tp={','.join(map(str, tps))}){error}")
     return calibration
 
 
-def _fit_predictor(cfg, engine, prompts, gen_len: int, folder: Path, progress) -> dict:
+def _earlier(key: CalibrationKey, folder: Path, required: bool) -> tuple[list[dict], tuple]:
+    """The profile entries and warnings of a calibration of the same key already in the folder
+    (kept for the TP degrees not measured again); with `required`, there must be one."""
+    try:
+        found = Calibration.load(folder)
+    except ValueError:
+        found = None
+    if found is None or not found.key.matches(key):
+        if required:
+            raise ValueError(
+                f"--profile-only adds to a calibration of {key.describe()}, and "
+                f"{folder} holds none: calibrate without --profile-only first"
+            )
+        return [], ()
+    return json.loads(found.profile.read_text())["entries"], found.warnings
+
+
+def _fit_predictor(cfg: CalibrateConfig, plan: _Plan, folder: Path, progress) -> dict:
     """Trajectories at every candidate threshold on the engine (TP 1), and the predictor."""
     from dilaserve.engine.llm import LLM
     from dilaserve.training.train_predictor import PredictorConfig, fit_and_report
     from dilaserve.trajectory import save_trajectories
 
-    llm = LLM(cfg.model, engine)
-    trajs = _record(cfg, llm, prompts, gen_len, progress)
+    llm = LLM(cfg.model, plan.engine)
+    trajs = _record(cfg, llm, list(plan.prompts), plan.gen_len, progress)
     save_trajectories(folder / "trajectories.npz", trajs)
     out = folder / PREDICTOR_DIR
-    predictor = PredictorConfig(cfg.model, str(out), len(prompts), cfg.thresholds, gen_len)
+    num = len(plan.prompts)
+    predictor = PredictorConfig(cfg.model, str(out), num, cfg.thresholds, plan.gen_len)
     out.mkdir(exist_ok=True)
     return fit_and_report(trajs, predictor, out, log=lambda _: None)
 
@@ -286,21 +323,12 @@ def profile_command(cfg: CalibrateConfig, out: str, profile_out: str | None, log
     """`dilaserve profile`: the latency profile alone, at every TP degree of `cfg.tp`, into a
     run folder (and `profile_out`)."""
     from dilaserve.cluster.worker import WorkerConfig
-    from dilaserve.config import EngineConfig, SamplingParams
-    from dilaserve.models.generation import default_max_tokens
 
-    model_config, tokenizer = _model(cfg.model)
-    for tp in cfg.tp:
-        model_config.check_tensor_parallel(tp)
-    engine = EngineConfig("dual", dtype=cfg.dtype, device=cfg.device, cuda_graphs=cfg.cuda_graphs)
-    window = SamplingParams(max_tokens=cfg.max_tokens or default_max_tokens(cfg.model))
-    gen_len = window.gen_len(engine.block_len)
-    grid = ProfileGrid(cfg.seq_len or 2 * gen_len, gen_len, cfg.requests, cfg.repeats)
-    progress = Progress(len(cfg.tp) * len(batch_sizes(grid, engine.max_batch_tokens)) * 2, log)
-    worker = WorkerConfig(cfg.model, engine, cfg.threads)
-    entries, warnings = measure_profile(worker, cfg.tp, grid, tokenizer.special.mask, progress)
-    key = model_key(cfg.model, device_name(cfg.device), cfg.dtype)
-    profile = _profile_file(key, engine, cfg.threads, entries)
+    plan = _plan(cfg, with_prompts=False)
+    progress = Progress(plan.num_points(cfg.tp), log)
+    worker = WorkerConfig(cfg.model, plan.engine, cfg.threads)
+    entries, warnings = measure_profile(worker, cfg.tp, plan.grid, plan.mask_id, progress)
+    profile = _profile_file(plan.key, plan.engine, cfg.threads, entries)
     run = create_run_dir(out, "profile")
     write_json(run / "config.json", {**asdict(cfg), "environment": environment()})
     write_records(run / "records.csv", entries)
@@ -318,26 +346,25 @@ def _provenance(cfg: CalibrateConfig) -> dict:
     return {"config": asdict(cfg), "environment": environment()}
 
 
-def _write_run(folder, cfg, entries, fitted, warnings, source, num_prompts) -> None:
+def _write_run(plan: _Plan, folder: Path, cfg, entries, fitted: dict | None, warnings) -> None:
     """The calibration folder is also the run folder: config, records, summary, report."""
-    write_json(
-        folder / "config.json",
-        {**asdict(cfg), "prompts_source": source, "environment": environment()},
-    )
+    config = {**asdict(cfg), "prompts_source": plan.source, "environment": environment()}
+    write_json(folder / "config.json", config)
     write_records(folder / "records.csv", entries)
-    summary = {
-        "profile_points": len(entries),
-        "warnings": warnings,
-        "num_prompts": num_prompts,
-        "predictor_errors": fitted["errors"],
-        "refresh_every_tokens": fitted["refresh_every_tokens"],
-    }
+    summary = {"profile_points": len(entries), "warnings": warnings}
+    if fitted is not None:
+        summary |= {
+            "num_prompts": len(plan.prompts),
+            "predictor_errors": fitted["errors"],
+            "refresh_every_tokens": fitted["refresh_every_tokens"],
+        }
     write_json(folder / "summary.json", summary)
     columns = ["tp", "kind", "num_requests", "batch_tokens", "ms", "spread"]
     notes = "\n".join(f"- {w}" for w in warnings) or "none"
+    errors = fitted["errors"] if fitted else "kept from the earlier calibration (--profile-only)"
     (folder / "report.md").write_text(
         f"# calibration of {cfg.model} ({cfg.device}, {cfg.dtype})\n\n"
         f"## latency profile\n\n{markdown_table(entries, columns)}\n\n"
         f"## implausible measurements kept\n\n{notes}\n\n"
-        f"## step predictor (held-out mean relative error)\n\n{fitted['errors']}\n"
+        f"## step predictor (held-out mean relative error)\n\n{errors}\n"
     )
