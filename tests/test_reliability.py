@@ -1,14 +1,23 @@
 """Regression tests of issue 22: no single request, fault or overload stops the controller, takes
 the service down or lets anyone in. Each test names the bug it guards against."""
 
+import json
+import socket
+import threading
 import time
 
+import httpx
+import openai
 import pytest
+import uvicorn
 
-from dilaserve.cluster.runtime import Cluster, ClusterConfig
+from dilaserve.cluster.backends import LocalBackend
+from dilaserve.cluster.runtime import Closed, Cluster, ClusterConfig
 from dilaserve.cluster.worker import WorkerConfig
 from dilaserve.control.build import ControlSpec
 from dilaserve.control.monitor import WorkloadMonitor
+from dilaserve.server.app import ServerSettings
+from dilaserve.server.main import build_app, serve
 from dilaserve.tasks import arith
 
 WORKER = WorkerConfig(threads=1)
@@ -99,3 +108,205 @@ def test_an_error_in_a_tick_is_survived():
         assert cluster.accepting
         assert cluster.submit(QUESTIONS[1]).result(60).num_steps > 0
         assert cluster.stats["controller_errors"] == 1
+
+
+# -- a live server of one instance, for the HTTP-level bugs ---------------------------------
+
+
+class LiveServer:
+    """The app of `build_app` on a real cluster, run by uvicorn in a thread."""
+
+    def __init__(self, **settings):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        settings = ServerSettings(MODEL, self.url, **settings)
+        app, self.cluster = build_app(config(tick=0.2), settings)
+        self.server = uvicorn.Server(uvicorn.Config(app, port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        wait_until(lambda: self.server.started, timeout=120)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(60)
+
+
+MODEL = "tiny-llada"
+CALIBRATION = {"source": "preset", "name": "tiny-llada-cpu"}
+
+
+@pytest.fixture(scope="module")
+def live():
+    server = LiveServer(calibration=CALIBRATION, max_body_bytes=200_000)
+    yield server
+    server.stop()
+
+
+def completion(**kw) -> dict:
+    return {"model": MODEL, "prompt": QUESTIONS[0], "max_tokens": 32, **kw}
+
+
+# -- bug 2: one large prompt froze everything -----------------------------------------------
+
+
+def test_a_body_over_the_limit_is_a_413_in_openai_shape(live):
+    big = completion(prompt="x " * 150_000)
+    with httpx.Client(base_url=live.url) as client:
+        r = client.post("/v1/completions", json=big)
+        assert r.status_code == 413 and "200000 bytes" in r.json()["error"]["message"]
+        chunks = (json.dumps(big)[i : i + 65536].encode() for i in range(0, 400_000, 65536))
+        r = client.post("/v1/completions", content=chunks)  # no Content-Length: counted
+        assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
+        assert client.post("/v1/completions", json=completion()).status_code == 200
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenized(live):
+    limit = live.cluster.intake.max_prompt_chars
+    calls = []
+    encode = live.cluster.tokenizer.encode
+    live.cluster.tokenizer.encode = lambda text: calls.append(len(text)) or encode(text)
+    try:
+        body = completion(prompt="7" * (limit + 1))
+        r = httpx.post(f"{live.url}/v1/completions", json=body, timeout=60)
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "7" * (limit + 1)}]}
+        r_chat = httpx.post(f"{live.url}/v1/chat/completions", json=chat, timeout=60)
+    finally:
+        live.cluster.tokenizer.encode = encode
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert r_chat.status_code == 400 and r_chat.json()["error"]["param"] == "messages"
+    assert calls == []
+
+
+def test_tokenizing_runs_off_the_event_loop(live):
+    threads = {}
+    encode = live.cluster.tokenizer.encode
+    live.cluster.tokenizer.encode = lambda text: (
+        threads.setdefault("encode", _me()) and encode(text)
+    )
+    health = live.cluster.health
+    live.cluster.health = lambda: threads.setdefault("loop", _me()) and health()
+    try:
+        assert httpx.post(f"{live.url}/v1/completions", json=completion()).status_code == 200
+        assert httpx.get(f"{live.url}/health").status_code == 200
+    finally:
+        live.cluster.tokenizer.encode, live.cluster.health = encode, health
+    assert threads["encode"] != threads["loop"]
+
+
+def _me() -> int:
+    return threading.get_ident()
+
+
+def test_latency_counts_from_when_the_request_reached_the_server():
+    with Cluster(config()) as cluster:
+        handle = cluster.submit(QUESTIONS[0], slo=1.0, received=time.perf_counter() - 5.0)
+        result = handle.result(60)
+    assert result.latency >= 5.0 and not result.met_slo
+
+
+# -- bug 4: a lone surrogate got a plain-text 500 and closed the connection -------------------
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (completion(prompt="a\ud800b"), "prompt"),
+        (completion(stop=["\ud800"]), "stop"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "\ud800"}]}, "content"),
+        ({"model": MODEL, "messages": [{"role": "\ud800", "content": "hi"}]}, "role"),
+    ],
+)
+def test_a_lone_surrogate_is_a_400_and_the_connection_serves_on(live, body, param):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    raw = json.dumps(body)  # (json spells the surrogate "\ud800")
+    with httpx.Client(base_url=live.url, limits=httpx.Limits(max_connections=1)) as client:
+        r = client.post(path, content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and param in r.json()["error"]["param"]
+        assert client.post("/v1/completions", json=completion()).status_code == 200
+
+
+# -- issue 20: 404 for an unknown model; the calibration in /v1/models ------------------------
+
+
+def test_an_unknown_model_is_a_404_as_openai_answers(live):
+    client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="gpt-4", prompt="hi")
+    assert err.value.body["code"] == "model_not_found"
+
+
+def test_models_show_the_calibration(live):
+    (card,) = httpx.get(f"{live.url}/v1/models").json()["data"]
+    assert card["id"] == MODEL and card["dilaserve"]["calibration"] == CALIBRATION
+
+
+def test_a_port_in_use_stops_serve_before_anything_loads():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        missing = ClusterConfig(worker=WorkerConfig(model="/nonexistent/model"))
+        with pytest.raises(ValueError, match=f"cannot listen on 127.0.0.1:{port}"):
+            serve(missing, port=port)
+
+
+# -- bug 3: lost capacity was never restored ------------------------------------------------
+
+
+class LoadFailsOnce(LocalBackend):
+    """The first replacement dies while loading (its checkpoint is missing)."""
+
+    def __init__(self, worker):
+        super().__init__(worker)
+        self.broken = False
+
+    def start(self, spec):
+        if "." in spec.instance_id and not self.broken:
+            self.broken = True
+            good, self.worker = self.worker, WorkerConfig(model="/nonexistent/model")
+            try:
+                return super().start(spec)
+            finally:
+                self.worker = good
+        return super().start(spec)
+
+
+class SpawnFailsOnce(LocalBackend):
+    """Spawning the first replacement fails, as when file descriptors run out."""
+
+    def __init__(self, worker):
+        super().__init__(worker)
+        self.refused = False
+
+    def start(self, spec):
+        if "." in spec.instance_id and not self.refused:
+            self.refused = True
+            raise OSError(24, "Too many open files")
+        return super().start(spec)
+
+
+@pytest.mark.parametrize("backend", [LoadFailsOnce, SpawnFailsOnce])
+def test_a_replacement_that_fails_is_retried_until_capacity_is_back(backend):
+    with Cluster(config(), backend=backend(WORKER)) as cluster:
+        assert cluster.health() == "ok"
+        cluster.backend.kill("i0")
+        wait_until(lambda: "i0" not in cluster.scheduler.instances)
+        assert cluster.health() == "unavailable"  # no instance serves: /health 503
+        with pytest.raises(Closed):
+            cluster.submit(QUESTIONS[0])
+        wait_until(lambda: cluster.scheduler.instances, timeout=60)
+        assert set(cluster.scheduler.instances) == {"i0.2"}  # the second try
+        assert cluster.health() == "ok" and cluster._thread.is_alive()
+        assert cluster.submit(QUESTIONS[0]).result(60).num_steps > 0
+
+
+def test_health_says_degraded_while_a_lost_instance_is_replaced():
+    with Cluster(config(instances=(1, 1))) as cluster:
+        cluster.backend.kill("i0")
+        wait_until(lambda: "i0" not in cluster.scheduler.instances)
+        assert cluster.health() == "degraded"
+        assert cluster.submit(QUESTIONS[0]).result(60).num_steps > 0  # i1 serves on
+        wait_until(lambda: "i0.1" in cluster.scheduler.instances, timeout=60)
+        assert cluster.health() == "ok"

@@ -121,7 +121,6 @@ def test_extension_fields_reach_the_scheduler(live):
 @pytest.mark.parametrize(
     "fields, param",
     [
-        ({"model": "gpt-4"}, "model"),
         ({"threshold": 1.5}, "threshold"),
         ({"max_tokens": 600}, "max_tokens"),
         ({"messages": [{"role": "user", "content": "seven " * 500}]}, "messages"),
@@ -281,6 +280,9 @@ class _RefusingCluster:
 
     def instances_by_tp(self):
         return {}
+
+    def health(self):
+        return "unavailable"
 
     def queue_length(self):
         return 0

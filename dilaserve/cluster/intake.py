@@ -52,6 +52,21 @@ class Intake:
     vocab_size: int  # token ids a prompt may hold: 0 .. vocab_size - 1
     dws: object | None = None  # dws.estimate.DWSEstimator
     dws_prior: bool = False  # pass DWS's expected steps on as the step predictor's prior
+    max_token_chars: int = 64  # characters of the longest token: bounds a prompt's text cheaply
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """Text longer than this cannot fit the context, whatever it tokenizes to."""
+        return self.context * self.max_token_chars
+
+    def check_text_length(self, chars: int, param: str = "prompt") -> None:
+        """Refuse text that cannot fit the context, before anything tokenizes it."""
+        if chars > self.max_prompt_chars:
+            raise InvalidRequest(
+                param,
+                f"{param} of {chars} characters cannot fit the model's context of "
+                f"{self.context} tokens (at most {self.max_prompt_chars} characters)",
+            )
 
     def check(
         self,
@@ -85,8 +100,12 @@ class Intake:
 
     def _prompt_ids(self, prompt: str | list[int], chat: bool) -> list[int]:
         if isinstance(prompt, str):
+            self.check_text_length(len(prompt))
             ids = self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode(prompt)
         else:
+            if len(prompt) > self.context:
+                message = f"prompt of {len(prompt)} tokens exceeds the context of {self.context}"
+                raise InvalidRequest("prompt", message)
             ids = [int(i) for i in prompt]
             bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
             if bad is not None:  # the model could not read it, and its whole batch would fail
@@ -126,6 +145,11 @@ class Intake:
         if self.dws is None or text is None:
             return None, None
         return self.dws.estimate([text], [len(ids)], gen_len)[0]
+
+
+def longest_token_chars(tokenizer) -> int:
+    """Characters of the longest token the tokenizer can decode to (special tokens aside)."""
+    return max((len(tokenizer.decode([i])) for i in range(tokenizer.vocab_size)), default=1)
 
 
 def threshold_bounds(

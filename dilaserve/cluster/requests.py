@@ -100,19 +100,22 @@ class RequestHandle:
     token before it is committed, in order; with `stop` strings, text before the first of them
     only (the request ends there), and nothing that may be the start of one."""
 
-    def __init__(self, request: Request, submitted: float, stop: Sequence[str] = ()):
+    def __init__(
+        self,
+        request: Request,
+        submitted: float,
+        stop: Sequence[str] = (),
+        loop: asyncio.AbstractEventLoop | None = None,
+    ):
         self.request = request
         self.submitted = submitted
         self.stop = tuple(stop)
         self.future: concurrent.futures.Future[RequestResult] = concurrent.futures.Future()
         self._deltas: queue.SimpleQueue = queue.SimpleQueue()
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop = loop or _running_loop()  # stream to it without blocking a thread
         self._async: asyncio.Queue | None = None
-        try:  # submitted from an event loop: stream to it without blocking a thread
-            self._loop = asyncio.get_running_loop()
+        if self._loop is not None:
             self._async = asyncio.Queue()
-        except RuntimeError:
-            pass
         self.sent_tokens = 0  # committed-prefix tokens already streamed
         self.sent_text = ""
 
@@ -153,6 +156,13 @@ class RequestHandle:
             if isinstance(item, BaseException):
                 raise item
             yield item
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 class Answers:

@@ -16,17 +16,20 @@ the simulator to the same decision log (`sim.replay`); that parity is tested.
 Faults: if an instance's process dies, its requests continue elsewhere from their last
 committed tokens (the step it was running is lost), the failure is counted and logged, and a
 replacement with the same GPUs is started (`replace_failed`); an instance whose step runs past
-`step_timeout` is taken for hung and killed, to the same end. If the engine raises on a step
-(a batch too big for memory, a request that breaks it), the step's requests resume from their
-last committed tokens, each alone from then on; one whose step fails alone fails. An exception
-in the controller itself (a bug) fails only what the event it was handling concerned: one
-request, or one instance (taken out and replaced); the controller goes on (`_survive`).
+`step_timeout` is taken for hung and killed, to the same end. A replacement that cannot be
+started or dies loading is retried with backoff (`replacements`); while no instance serves,
+new requests are refused (`Closed`), and `health()` says "degraded" until capacity is back.
+If the engine raises on a step (a batch too big for memory, a request that breaks it), the
+step's requests resume from their last committed tokens, each alone from then on; one whose
+step fails alone fails. An exception in the controller itself (a bug) fails only what the event
+it was handling concerned: one request, or one instance (taken out and replaced); the
+controller goes on (`_survive`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
-import dataclasses
 import logging
 import threading
 import time
@@ -36,7 +39,8 @@ from pathlib import Path
 
 from dilaserve.cluster.backends import Backend, WorkerEvent, start_all
 from dilaserve.cluster.config import ClusterConfig, make_backend
-from dilaserve.cluster.intake import Intake
+from dilaserve.cluster.intake import Intake, longest_token_chars
+from dilaserve.cluster.replacements import Replacements
 from dilaserve.cluster.requests import (
     Answers,
     Closed,
@@ -92,6 +96,7 @@ class Cluster:
             model_config.vocab_size,
             config.dws_estimator(),
             config.dws_prior,
+            longest_token_chars(self.tokenizer),
         )
         self.observer = observer
         self.answers = Answers(self.tokenizer, observer)
@@ -123,7 +128,7 @@ class Cluster:
         self._t0 = 0.0
         self._last = 0.0
         self._next_id = 0
-        self._replacements = 0
+        self.replacements = Replacements()
         self._handling: tuple[str, object] = ("start", None)  # what the controller is handling
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -155,6 +160,16 @@ class Cluster:
     def accepting(self) -> bool:
         return self._accepting
 
+    def health(self) -> str:
+        """Says "ok"; "degraded": lost capacity not yet restored; "unavailable": not accepting
+        requests, or every instance lost (a planned reconfiguration may briefly run none)."""
+        if not self._accepting or self._all_lost():
+            return "unavailable"
+        return "degraded" if self.replacements.pending else "ok"
+
+    def _all_lost(self) -> bool:
+        return not self.scheduler.instances and self.replacements.pending
+
     @property
     def in_flight(self) -> int:
         return len(self._handles)
@@ -167,13 +182,15 @@ class Cluster:
         return dict(self.instance_log[-1][1]) if self.instance_log else {}
 
     def close(self, timeout: float = 30.0) -> None:
-        """Stop serving; requests still in flight fail with an error."""
+        """Stop serving; requests still in flight fail with `Closed`. Closing twice is once."""
         self._accepting = False
+        if self._closing.is_set():
+            return
         self._closing.set()
         self.backend.wake()
         if self._thread is not None:
             self._thread.join(timeout)
-        error = RuntimeError("the cluster shut down before the request finished")
+        error = Closed("the server shut down before the request finished")
         for handle in list(self._handles.values()):
             self._fail(handle, error)
         self.backend.shutdown()
@@ -203,13 +220,17 @@ class Cluster:
         max_threshold: float | None = None,
         text: str | None = None,
         stop: str | Sequence[str] | None = None,
+        received: float | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> RequestHandle:
         """Queue a request (thread-safe). `max_tokens` is the output window, rounded up to
         whole blocks; `slo` seconds from now (default: the scheduler's). `threshold` pins the
         confidence threshold; `min_threshold`/`max_threshold` bound what the policy may pick.
         `text`: the user's prompt text for the DWS predictor (default: `prompt` if a string).
         `stop`: up to 4 strings; the answer ends before the first of them, and the request
-        stops being worked on once one is committed.
+        stops being worked on once one is committed. `received`: the `time.perf_counter()` at
+        which the request reached the caller (its latency and SLO count from there; default:
+        now). `loop`: the event loop to stream to (default: the caller's, if it runs in one).
 
         Raises ValueError naming a bad argument, `Overloaded` when admission control refuses
         work, and `Closed` when the cluster is not serving."""
@@ -228,17 +249,19 @@ class Cluster:
         with self._lock:
             if not self._accepting:
                 raise Closed("the cluster is not accepting requests")
+            if self._all_lost():
+                raise Closed("no instance is serving (lost capacity is being restored)")
             if len(self._handles) >= self.config.max_in_flight:
                 raise Overloaded(f"{len(self._handles)} requests in flight (the limit)")
             rid = request_id or f"req-{self._next_id}"
             self._next_id += 1
             if rid in self._handles:
                 raise InvalidRequest("request_id", f"request_id {rid!r} is already in flight")
-            submitted = self.now()
+            submitted = self.now() if received is None else min(self.now(), received - self._t0)
             request = submission.request(
                 rid, submitted, self.block_len, self.tokenizer.special.mask
             )
-            handle = RequestHandle(request, submitted, submission.stop)
+            handle = RequestHandle(request, submitted, submission.stop, loop)
             self._handles[rid] = handle
             self._arrivals.append(handle)
         self.backend.wake()
@@ -314,6 +337,8 @@ class Cluster:
 
     def _tick(self, now: float) -> None:
         self.apply(self.scheduler.on_tick(now), now, "t")
+        for replacement in self.replacements.due(now):
+            self._replace("(retry)", replacement, now)
         for iid, (launched, _) in self._inflight.items():
             if now - launched > self.config.step_timeout and iid not in self._hung:
                 log.error(
@@ -340,6 +365,7 @@ class Cluster:
     def _on_event(self, event: WorkerEvent, now: float) -> None:
         iid = event.instance_id
         if event.kind == "up":
+            self.replacements.up(iid)
             if iid in self._specs:
                 self.rollout.on_up(self._specs[iid], now)
         elif event.kind == "done":
@@ -399,11 +425,15 @@ class Cluster:
         spec = self._specs.pop(iid, None)
         was_serving = iid in self.scheduler.instances  # not one that failed to load
         self.rollout.on_failed(iid, now)
-        if was_serving and self.config.replace_failed and not self._closing.is_set():
-            self._replacements += 1
-            replacement = dataclasses.replace(spec, instance_id=f"{iid}.{self._replacements}")
-            log.info("replacing instance %s with %s", iid, replacement.instance_id)
-            self.rollout.replace(replacement, now)
+        if spec is None or not self.config.replace_failed or self._closing.is_set():
+            return
+        replacement = self.replacements.lost(spec, was_serving, now)
+        if replacement is not None:
+            self._replace(iid, replacement, now)
+
+    def _replace(self, iid: str, replacement: InstanceSpec, now: float) -> None:
+        log.info("replacing instance %s with %s", iid, replacement.instance_id)
+        self.rollout.replace(replacement, now)
 
     # -- carrying out decisions (also what `Rollout` calls) ----------------------------------
 
@@ -423,7 +453,11 @@ class Cluster:
 
     def start_instance(self, spec: InstanceSpec, now: float) -> None:
         self._specs[spec.instance_id] = spec
-        self.backend.start(spec)
+        try:
+            self.backend.start(spec)
+        except Exception as e:  # e.g. no file descriptors or memory to spawn a process
+            log.exception("could not start instance %s", spec.instance_id)
+            self._events.append(WorkerEvent("died", spec.instance_id, error=f"not started: {e}"))
 
     def instance_added(self, spec: InstanceSpec, now: float) -> None:
         self._log_instances(now)

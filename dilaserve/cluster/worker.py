@@ -127,7 +127,9 @@ if __name__ == "__main__":
     import sys
     from multiprocessing.connection import Connection
 
-    # Ctrl-C reaches the whole process group; the controller decides when workers stop
-    # (and a worker whose controller is gone sees its socket close and exits).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ctrl-C and a SIGTERM to the process group (systemd, `timeout`) reach workers too; the
+    # controller decides when they stop (and a worker whose controller is gone sees its socket
+    # close and exits).
+    for terminal in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(terminal, signal.SIG_IGN)
     serve_pipe(Connection(int(sys.argv[1])))

@@ -41,10 +41,14 @@ from dilaserve.cluster.requests import (
     RequestResult,
 )
 from dilaserve.cluster.runtime import Cluster
+from dilaserve.server.guards import Guards, error_body, received
 from dilaserve.server.metrics import ServerMetrics
 from dilaserve.server.schemas import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger("dilaserve.server")
+
+
+MAX_BODY_BYTES = 1 << 20  # default request body limit: 1 MiB (a 128k-token prompt as text)
 
 
 @dataclass(frozen=True)
@@ -53,18 +57,26 @@ class ServerSettings:
     address: str = ""  # for the start-up log line
     drain_timeout: float = 30.0  # seconds in-flight requests may take at shutdown
     retry_after: int = 1  # seconds a refused client should wait (429)
-    api_key: str | None = None  # clients of /v1/ must send it as a bearer token
+    api_key: str | None = None  # clients must send it as a bearer token (all but probes)
     log_interval: float = 10.0  # seconds between the log's activity lines (0: none)
+    max_body_bytes: int = MAX_BODY_BYTES  # larger request bodies get 413 before being read
+    allowed_hosts: tuple[str, ...] = ("*",)  # Host header names answered ("*": any)
+    docs: bool = False  # serve /docs and /openapi.json
+    calibration: dict | None = None  # what the control plane's inputs are (GET /v1/models)
+
+    def __post_init__(self):
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("the API key is empty (leave it unset to serve without a key)")
+        if self.max_body_bytes <= 0:
+            raise ValueError(f"{self.max_body_bytes=} must be positive")
 
 
 def error(
     status: int, message: str, param: str | None = None, headers=None, code: str | None = None
 ) -> JSONResponse:
-    kind = {429: "rate_limit_error", 503: "service_unavailable"}.get(
-        status, "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse(
+        error_body(status, message, param, code), status_code=status, headers=headers
     )
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
 
 
 async def _report(cluster: Cluster, metrics: ServerMetrics, seconds: float) -> None:
@@ -76,7 +88,7 @@ async def _report(cluster: Cluster, metrics: ServerMetrics, seconds: float) -> N
             log.info(line)
 
 
-def _describe(config) -> str:
+def describe_cluster(config) -> str:
     """The start-up line's summary of a cluster: policy, instances and device."""
     policy, device = config.control.policy, config.worker.engine.device
     return f"policy {policy}, instances {list(config.instances)}, device {device}"
@@ -92,12 +104,7 @@ def create_app(
         if manage:
             await run_in_threadpool(cluster.start)
         metrics.watch(cluster)
-        log.info(
-            "dilaserve serving %s at %s (%s)",
-            settings.model_name,
-            settings.address,
-            _describe(cluster.config),
-        )
+        log.info("calibration: %s", _describe_calibration(settings.calibration))
         reporter = asyncio.create_task(_report(cluster, metrics, settings.log_interval))
         yield
         reporter.cancel()
@@ -106,38 +113,51 @@ def create_app(
             log.info("shutting down (%s)", "drained" if drained else "drain timed out")
             await run_in_threadpool(cluster.close)
 
-    app = FastAPI(title="dilaserve", lifespan=lifespan)
+    docs = {} if settings.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="dilaserve", lifespan=lifespan, **docs)
     api = _Api(cluster, settings, metrics)
 
     _add_error_handlers(app)
-    if settings.api_key:
+    if settings.api_key is not None:
         _require_api_key(app, settings.api_key)
+    app.add_middleware(
+        Guards, max_body_bytes=settings.max_body_bytes, allowed_hosts=settings.allowed_hosts
+    )
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        return await api.generate(request, body, body.prompt, body.max_tokens, chat=False)
+        return await api.guarded(api.generate(request, body, body.prompt, body.max_tokens, False))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await api.chat(request, body)
+        return await api.guarded(api.chat(request, body))
 
     @app.get("/v1/models")
     async def models():
         card = {"id": settings.model_name, "object": "model", "owned_by": "dilaserve"}
-        return {"object": "list", "data": [{**card, "created": 0}]}
+        extras = {"dilaserve": {"calibration": settings.calibration}}
+        return {"object": "list", "data": [{**card, "created": 0, **extras}]}
 
     @app.get("/health")
     async def health():
         body = {"in_flight": cluster.in_flight, "instances": cluster.instances_by_tp()}
-        if not cluster.accepting:
-            return JSONResponse({"status": "unavailable", **body}, status_code=503)
-        return {"status": "ok", **body}
+        status = cluster.health()
+        code = 503 if status == "unavailable" else 200
+        headers = {"Retry-After": "5"} if code == 503 else None
+        return JSONResponse({"status": status, **body}, status_code=code, headers=headers)
 
     @app.get("/metrics")
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _describe_calibration(calibration: dict | None) -> str:
+    """The start-up log's line of what the control plane's inputs are."""
+    if not calibration:
+        return "not given (the control plane's inputs are not labelled)"
+    return ", ".join(f"{k}={v}" for k, v in calibration.items())
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -158,13 +178,16 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error(exc.status_code, str(exc.detail))
 
 
+OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers need no key
+
+
 def _require_api_key(app: FastAPI, key: str) -> None:
     expected = f"Bearer {key}".encode()
 
     @app.middleware("http")
     async def authorise(request: Request, call_next):
         sent = request.headers.get("authorization", "").encode()
-        if request.url.path.startswith("/v1/") and not secrets.compare_digest(sent, expected):
+        if request.url.path not in OPEN_PATHS and not secrets.compare_digest(sent, expected):
             return error(401, "a valid API key is required", code="invalid_api_key")
         return await call_next(request)
 
@@ -190,37 +213,51 @@ class _Api:
         self.settings = settings
         self.metrics = metrics
 
+    async def guarded(self, answer):
+        """The answer, or, if handling the request raised, a 500 in OpenAI's shape for it alone
+        (the connection stays open for the client's other requests)."""
+        try:
+            return await answer
+        except Exception as e:
+            log.exception("error handling a request")
+            return error(500, f"internal error handling the request ({type(e).__name__})")
+
     async def chat(self, request: Request, body: ChatCompletionRequest):
         """A conversation through the checkpoint's chat template; DWS reads the last user turn."""
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
-            text = self.cluster.tokenizer.apply_chat_template(messages)
+            self.cluster.intake.check_text_length(
+                sum(len(m["content"]) for m in messages), "messages"
+            )
+            text = await run_in_threadpool(self.cluster.tokenizer.apply_chat_template, messages)
+        except InvalidRequest as e:
+            return error(400, str(e), e.param)
         except Exception as e:  # the checkpoint's template rejected the conversation
             return error(400, f"messages: {e}", "messages")
-        ids = self.cluster.tokenizer.encode(text)
         user = next((m["content"] for m in reversed(messages) if m["role"] == "user"), text)
-        return await self.generate(request, body, ids, body.window, chat=True, text=user)
+        return await self.generate(request, body, text, body.window, chat=True, text=user)
 
     async def generate(
         self, request: Request, body, prompt, max_tokens: int | None, chat: bool, text=None
     ):
         if body.model != self.settings.model_name:
-            return error(
-                400,
-                f"model {body.model!r} is not served here (this server serves "
-                f"{self.settings.model_name!r})",
-                "model",
+            message = (
+                f"The model {body.model!r} does not exist (this server serves "
+                f"{self.settings.model_name!r})"
             )
+            return error(404, message, "model", code="model_not_found")
         unsupported = body.unsupported()
         if unsupported is not None:
             return error(400, f"{unsupported} is not supported by this server", unsupported)
+        arrived, arrived_unix = received(request)
         slo = body.slo_ms / 1000 if body.slo_ms is not None else None
         if body.deadline is not None:
-            slo = body.deadline - time.time()
+            slo = body.deadline - arrived_unix
             if slo <= 0:
                 return error(400, f"deadline={body.deadline} has passed", "deadline")
-        try:
-            handle = self.cluster.submit(
+        try:  # tokenizing is off the event loop: a long prompt holds up no other request
+            handle = await run_in_threadpool(
+                self.cluster.submit,
                 prompt,
                 max_tokens=max_tokens,
                 slo=slo,
@@ -231,6 +268,8 @@ class _Api:
                 max_threshold=body.max_threshold,
                 text=text,
                 stop=body.stop,
+                received=arrived,
+                loop=asyncio.get_running_loop(),
             )
         except InvalidRequest as e:
             return error(400, str(e), "messages" if chat and e.param == "prompt" else e.param)
@@ -247,6 +286,8 @@ class _Api:
             )
         try:
             result = await self._answer_or_cancel(handle, request)
+        except Closed as e:  # the server shut down before it finished
+            return error(503, str(e), headers={"Retry-After": "5"})
         except Exception as e:  # its step failed (the message names the request)
             return error(500, str(e))
         if result is None:  # the client went away; nobody reads this
@@ -281,7 +322,8 @@ class _Api:
                     {**shape.head(handle, name), "choices": [], "usage": _usage(handle, result)}
                 )
         except Exception as e:  # the request failed mid-stream: say so in the stream
-            yield _sse({"error": {"message": str(e), "type": "server_error", "param": None}})
+            status = 503 if isinstance(e, Closed) else 500
+            yield _sse(error_body(status, str(e)))
         finally:
             if not handle.future.done():  # the client went away: stop working on it
                 self.cluster.cancel(handle.request_id)

@@ -1,20 +1,33 @@
 """`dilaserve serve`: the cluster behind the HTTP API, run by uvicorn.
 
-SIGINT/SIGTERM shut down gracefully: uvicorn stops accepting connections and waits for open
-ones (streams in progress) up to the drain timeout, then the app drains the cluster and stops
-its instances.
+The port is bound before anything loads: a port in use stops the command at once with one
+line. The "serving at ..." line is logged once the server really listens.
+
+Shutdown (SIGINT/SIGTERM): the server keeps listening while it drains, so that new requests
+get 503 with Retry-After and `/health` says 503 rather than a refused connection; requests in
+flight have up to the drain timeout to finish; those still running then get an error in
+OpenAI's shape (a stream: an error event and `[DONE]`). Only then does uvicorn stop listening
+and the instances stop. Workers ignore terminal signals (a SIGTERM to the process group, as
+systemd and `timeout` send, reaches them too): the server stops them. A second signal stops
+at once.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
+import threading
 from pathlib import Path
 
 import uvicorn
 
 from dilaserve.cluster.runtime import Cluster, ClusterConfig
-from dilaserve.server.app import ServerSettings, create_app
+from dilaserve.server.app import ServerSettings, create_app, describe_cluster
+from dilaserve.server.guards import allowed_hosts_for
 from dilaserve.server.metrics import ServerMetrics
+
+log = logging.getLogger("dilaserve.server")
+FLUSH_SECONDS = 0.5  # after failing what is left, time for those answers to go out
 
 
 def build_app(config: ClusterConfig, settings: ServerSettings | None = None, address: str = ""):
@@ -25,6 +38,60 @@ def build_app(config: ClusterConfig, settings: ServerSettings | None = None, add
     return create_app(cluster, settings, metrics), cluster
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """The server's socket, bound (not yet listening); a port in use is a one-line error."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror} (--port, --host)") from None
+    return sock
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, with the shutdown this module's docstring describes."""
+
+    def __init__(self, config: uvicorn.Config, cluster: Cluster, settings: ServerSettings):
+        super().__init__(config)
+        self.cluster = cluster
+        self.settings = settings
+        self._draining: threading.Thread | None = None
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            log.info(
+                "dilaserve serving %s at %s (%s)",
+                self.settings.model_name,
+                self.settings.address,
+                describe_cluster(self.cluster.config),
+            )
+
+    def handle_exit(self, sig, frame) -> None:
+        if self._draining is not None or not self.started:
+            return super().handle_exit(sig, frame)  # a second signal, or still starting: now
+        log.info(
+            "draining: up to %.0f s for %d requests",
+            self.settings.drain_timeout,
+            self.cluster.in_flight,
+        )
+        self._draining = threading.Thread(
+            target=self._drain_then_exit, args=(sig, frame), name="dilaserve-drain", daemon=True
+        )
+        self._draining.start()
+
+    def _drain_then_exit(self, sig, frame) -> None:
+        drained = self.cluster.drain(self.settings.drain_timeout)
+        if not drained:
+            log.info("drain timed out: failing %d requests in flight", self.cluster.in_flight)
+        self.cluster.close()  # fails what is left, in OpenAI's shape, and stops the instances
+        threading.Event().wait(FLUSH_SECONDS)
+        super().handle_exit(sig, frame)
+
+
 def serve(
     config: ClusterConfig,
     host: str = "127.0.0.1",
@@ -33,18 +100,27 @@ def serve(
     drain_timeout: float = 30.0,
     api_key: str | None = None,
     log_interval: float = 10.0,
+    calibration: dict | None = None,
+    max_body_bytes: int | None = None,
+    allowed_hosts: tuple[str, ...] | None = None,
+    docs: bool = False,
 ) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    address = f"http://{host}:{port}"
-    name = model_name or Path(config.worker.model).name
+    sock = bind(host, port)  # before anything loads
+    shown = f"[{host}]" if ":" in host else host
     settings = ServerSettings(
-        name, address, drain_timeout, api_key=api_key, log_interval=log_interval
+        model_name or Path(config.worker.model).name,
+        f"http://{shown}:{port}",
+        drain_timeout,
+        api_key=api_key,
+        log_interval=log_interval,
+        allowed_hosts=allowed_hosts_for(host, allowed_hosts),
+        docs=docs,
+        calibration=calibration,
+        **({} if max_body_bytes is None else {"max_body_bytes": max_body_bytes}),
     )
-    app, _ = build_app(config, settings)
-    uvicorn.run(
-        app,
-        host=host,
-        port=port,
-        log_level="info",
-        timeout_graceful_shutdown=int(drain_timeout),
+    app, cluster = build_app(config, settings)
+    server = DrainingServer(
+        uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5), cluster, settings
     )
+    server.run(sockets=[sock])

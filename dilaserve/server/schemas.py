@@ -20,6 +20,20 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 
+def _valid_unicode(value):
+    """Text must be valid Unicode: JSON can spell a lone surrogate ("\\ud800"), which no
+    tokenizer (nor UTF-8) takes."""
+    texts = value if isinstance(value, list) else [value]
+    for text in texts:
+        text = text.get("text") if isinstance(text, dict) else text
+        if isinstance(text, str):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("text holds a lone surrogate (not valid Unicode)") from None
+    return value
+
+
 class _Generation(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
@@ -42,6 +56,8 @@ class _Generation(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
 
+    _unicode = field_validator("model", "stop")(_valid_unicode)
+
     def unsupported(self) -> str | None:
         """The first field asking for what this server cannot give, if any."""
         return next((name for name in _UNSUPPORTED if getattr(self, name, None)), None)
@@ -56,6 +72,8 @@ class CompletionRequest(_Generation):
     suffix: str | None = None
     best_of: int = Field(1, ge=1, le=1)
 
+    _unicode_prompt = field_validator("prompt")(_valid_unicode)
+
     @field_validator("prompt", mode="before")
     @classmethod
     def _one_prompt(cls, value):
@@ -69,6 +87,8 @@ class ChatMessage(BaseModel):
 
     role: str
     content: str | list[dict]
+
+    _unicode = field_validator("role", "content")(_valid_unicode)
 
     @field_validator("content")
     @classmethod

@@ -1,0 +1,60 @@
+"""Restoring lost capacity: an instance that dies while serving is replaced at once, and a
+replacement that fails to start (the process could not be spawned) or to load is tried again
+after a backoff that doubles, up to `MAX_BACKOFF` seconds apart, until one is up.
+
+Bookkeeping only: the runtime starts what `lost` and `due` return, and tells `up`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dilaserve.control.decisions import InstanceSpec
+
+FIRST_BACKOFF = 1.0  # seconds before the first retry of a replacement that failed
+MAX_BACKOFF = 60.0  # seconds between retries, at most
+
+
+@dataclasses.dataclass(frozen=True)
+class _Retry:
+    due: float
+    spec: InstanceSpec  # the replacement that failed
+    attempt: int  # retries made so far
+
+
+class Replacements:
+    def __init__(self):
+        self._attempts: dict[str, int] = {}  # replacement starting -> retries before it
+        self._retries: list[_Retry] = []
+        self._count = 0
+
+    @property
+    def pending(self) -> bool:
+        """Is lost capacity not yet restored (a replacement loading or waiting to retry)?"""
+        return bool(self._attempts or self._retries)
+
+    def lost(self, spec: InstanceSpec, was_serving: bool, now: float) -> InstanceSpec | None:
+        """An instance failed: the replacement to start now (for one that was serving), or
+        None (a replacement that failed is retried later; other instances are not replaced)."""
+        attempt = self._attempts.pop(spec.instance_id, None)
+        if was_serving:
+            return self._replacement(spec, 0)
+        if attempt is not None:
+            delay = min(FIRST_BACKOFF * 2**attempt, MAX_BACKOFF)
+            self._retries.append(_Retry(now + delay, spec, attempt + 1))
+        return None
+
+    def up(self, instance_id: str) -> None:
+        self._attempts.pop(instance_id, None)
+
+    def due(self, now: float) -> list[InstanceSpec]:
+        """Replacements whose retry is due, to start now."""
+        ready = [r for r in self._retries if r.due <= now]
+        self._retries = [r for r in self._retries if r.due > now]
+        return [self._replacement(r.spec, r.attempt) for r in ready]
+
+    def _replacement(self, spec: InstanceSpec, attempt: int) -> InstanceSpec:
+        self._count += 1
+        name = f"{spec.instance_id.split('.')[0]}.{self._count}"
+        self._attempts[name] = attempt
+        return dataclasses.replace(spec, instance_id=name)
