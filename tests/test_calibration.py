@@ -110,6 +110,31 @@ def test_an_uncalibrated_model_or_tp_degree_says_what_to_run(calibrated, tmp_pat
     assert "no calibration for fresh on cpu float32 tp=1" in capsys.readouterr().err
 
 
+def test_calibrate_at_start_up_when_none_matches(tmp_path, monkeypatch):
+    """`serve --calibrate` (here through run-trace's same path) calibrates, then serves."""
+    import dataclasses
+
+    import dilaserve.calibration.run as run
+    from dilaserve.cli import build_parser
+    from dilaserve.cli_args import resolve_model
+    from dilaserve.cli_serving import control_inputs
+
+    real, seen = run.calibrate, []
+
+    def small(cfg, log=print):  # the defaults, cut down to a test's size
+        seen.append(cfg)
+        return real(dataclasses.replace(cfg, requests=(1,), repeats=1, num_prompts=6), log)
+
+    monkeypatch.setattr(run, "calibrate", small)
+    model = write_random_llada(tmp_path / "fresh", seed=3)
+    args = build_parser().parse_args(["serve", str(model), "--calibrate"])
+    resolve_model(args)
+    inputs = control_inputs(args, {1})
+    assert [c.tp for c in seen] == [(1,)]
+    assert inputs.label["source"] == "calibrated" and inputs.label["tp"] == [1]
+    assert inputs.profile == str(model / "dilaserve-calibration" / "cpu-float32" / "profile.json")
+
+
 def test_presets_are_accepted_by_name_and_labelled(calibrated):
     model, _ = calibrated
     key = model_key(model, "cpu", "float32")
