@@ -1,6 +1,6 @@
 """The cluster runtime's controller overhead per step, beside the step time itself.
 
-    python benchmarks/cluster.py [--rates 2,6,12] [--seconds 20] [--instances 1,1]
+    python benchmarks/cluster.py [--rates 2,6,12] [--seconds 20] [--layout 1,1]
 
 For each Poisson arrival rate, replays bundled-task problems against an in-process cluster
 (local worker processes, bundled model, policy dilaserve) and reports, per step: the engine's
@@ -35,13 +35,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", default="2,6,12")
     parser.add_argument("--seconds", type=float, default=20.0)
-    parser.add_argument("--instances", default="1,1")
+    parser.add_argument("--layout", default="1,1", help="TP degree of each instance")
     parser.add_argument("--slo", type=float, default=1.0)
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     config = ClusterConfig(
         worker=WorkerConfig(threads=1),
-        instances=tuple(int(t) for t in args.instances.split(",")),
+        instances=tuple(int(t) for t in args.layout.split(",")),
     )
     records = []
     for rate in (float(r) for r in args.rates.split(",")):

@@ -1,7 +1,7 @@
 """Live serving experiment: the HTTP server under each policy, load swept upward.
 
     python benchmarks/serve_policies.py [--policies dilaserve,fcfs,infaas,llumnix]
-        [--rates 20,30,40,50] [--seconds 30] [--slo-ms 300] [--instances 1,1] [--repeats 1]
+        [--rates 20,30,40,50] [--seconds 30] [--slo-ms 300] [--layout 1,1] [--repeats 1]
 
 For each policy, starts `dilaserve serve` (bundled model, local instances) in a subprocess,
 waits for /health, then runs `dilaserve bench`'s load generator at each Poisson rate (chat
@@ -71,7 +71,7 @@ def start_server(policy: str, port: int, options: list[str]) -> subprocess.Popen
 
 def run_policy(policy: str, args, repeat: int = 0) -> list[dict]:
     port = free_port()
-    options = ["--instances", args.instances, "--slo", str(args.slo_ms / 1000)]
+    options = ["--layout", args.layout, "--slo", str(args.slo_ms / 1000)]
     server = start_server(policy, port, options + args.server_args.split())
     rows = []
     try:
@@ -161,7 +161,7 @@ def main() -> None:
     parser.add_argument("--rates", default="20,30,40,50")
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--slo-ms", type=float, default=300.0)
-    parser.add_argument("--instances", default="1,1")
+    parser.add_argument("--layout", default="1,1", help="TP degree of each instance")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=1, help="run the sweep this many times")
     parser.add_argument(
