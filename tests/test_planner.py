@@ -132,8 +132,8 @@ def test_monitor_rates_carry_the_safety_buffer_and_forget_old_arrivals():
     assert [c.output_len for c in m.classes(19.4)] == [256]  # the small ones left the window
 
 
-def scheduler_with_planner(policy: str) -> Scheduler:
-    cfg = config(period=10.0)
+def scheduler_with_planner(policy: str, guard_moves: bool = False) -> Scheduler:
+    cfg = config(period=10.0, guard_moves=guard_moves)
     s = Scheduler(
         get_policy(policy, fixed_threshold=0.9, candidates=(0.5, 0.9)),
         PROFILE,
@@ -162,6 +162,18 @@ def test_on_tick_returns_the_reconfiguration_each_period(policy, replans):
     assert s.on_tick(15.0).reconfiguration is None  # next round at 20 s
 
 
+def test_a_move_that_leaves_too_few_gpus_serving_is_skipped():
+    # the move above stops both TP-1 instances before the TP-2 one is up: no GPU serves for a
+    # whole start-up, while the class needs 0.4/s x 16 steps x 128 tokens / 1,280 tokens/s
+    s = scheduler_with_planner("dilaserve", guard_moves=True)
+    for i in range(4):
+        s.on_arrival(Request(f"r{i}", tuple(range(3, 67)), 64, 32, 1, 0.9, i * 2.5), i * 2.5)
+    assert s.on_tick(10.0).reconfiguration is None
+    round_ = s.reconfigurer.history[-1]
+    assert round_["proposal"] == {2: 1} and round_["fewest_serving"] == 0
+    assert round_["gpus_needed"] == pytest.approx(0.64) and not round_["applied"]
+
+
 def test_a_proposal_that_keeps_the_running_counts_costs_one_solve(monkeypatch):
     import dilaserve.control.reconfigure as reconfigure
 
@@ -172,7 +184,8 @@ def test_a_proposal_that_keeps_the_running_counts_costs_one_solve(monkeypatch):
         return plan_capacity(*args, **kw)
 
     monkeypatch.setattr(reconfigure, "plan_capacity", counting)
-    r = Reconfigurer(PROFILE, config(period=10.0), WorkloadMonitor(window=10.0, safety=1.0))
+    cfg = config(period=10.0, guard_moves=False)
+    r = Reconfigurer(PROFILE, cfg, WorkloadMonitor(window=10.0, safety=1.0))
     for i in range(8):  # 0.4 requests per second, as above
         t = i * 2.5
         r.record(Request(f"r{i}", tuple(range(3, 67)), 64, 32, 1, 0.9, t, t + 2.5), t)

@@ -75,6 +75,7 @@ class PlannerConfig:
     time_limit: float = 30.0  # seconds per solve
     period: float = 300.0  # seconds between planning rounds
     improvement: float = 0.10  # apply a plan only if an objective improves this much
+    guard_moves: bool = True  # skip a move whose steps leave too few GPUs serving the load
 
     def __post_init__(self):
         if not self.gpus_per_node or min(self.gpus_per_node) <= 0:

@@ -8,6 +8,14 @@ raises the mean threshold or the SLO slack by at least `improvement` (10%), or i
 configuration can no longer meet the SLOs at all. Stage 2 then places the proposal keeping as
 many running instances as it can, and `launch_order` sequences the moves. Called from
 `Scheduler.on_tick(now)`.
+
+Our addition, on by default (`PlannerConfig.guard_moves`; the paper says nothing of the cost of
+a move): a move from a configuration that meets the SLOs is carried out only if, at every
+step of it, the instances still serving have the GPUs the observed load needs (each class's
+token-steps at the lowest threshold, at TP-1's best throughput; a lenient bound). Stopping
+instances to load others takes their GPUs away for a whole start-up: 4 TP-1 instances replaced
+by one TP-4 serve nobody for 30 s, which at a 4.6 s SLO misses every request that comes
+meanwhile (docs/simulator.md).
 """
 
 from __future__ import annotations
@@ -16,9 +24,10 @@ from collections.abc import Sequence
 
 from dilaserve.control.decisions import Reconfiguration
 from dilaserve.control.layout import InstanceSlot, launch_order, plan_layout
-from dilaserve.control.monitor import WorkloadMonitor
+from dilaserve.control.monitor import WorkloadClass, WorkloadMonitor
 from dilaserve.control.planner import CapacityPlan, PlannerConfig, counts_by_tp, plan_capacity
 from dilaserve.control.profile import LatencyProfile
+from dilaserve.protocol import StepKind
 from dilaserve.request import Request
 
 
@@ -33,6 +42,37 @@ def worth_applying(proposal: CapacityPlan, current: CapacityPlan, gain: float) -
         proposal.mean_threshold >= (1 + gain) * current.mean_threshold
         or proposal.slack >= (1 + gain) * current.slack
     )
+
+
+def gpus_needed(
+    classes: Sequence[WorkloadClass], profile: LatencyProfile, config: PlannerConfig
+) -> float:
+    """GPUs the classes keep busy at the least: every class at the lowest threshold (the most
+    tokens per step), every step at TP-1's best token throughput."""
+    most_per_step = max(config.tokens_per_step.values())
+    block = config.cache_block
+    full_kind = StepKind.FULL if block is None else StepKind.RECOMPUTE
+    full_rate = profile.curve(1, full_kind).best_throughput()[1]
+    cache_rate = profile.curve(1, StepKind.CACHE).best_throughput()[1] if block else 1.0
+    total = 0.0
+    for cls in classes:
+        steps = cls.output_len / most_per_step
+        full_steps = steps if block is None else max(cls.output_len / block, 1.0)
+        cache_tokens = 0.0 if block is None else max(steps - full_steps, 0.0) * block
+        total += cls.rate * (full_steps * cls.num_tokens / full_rate + cache_tokens / cache_rate)
+    return total
+
+
+def fewest_serving_gpus(plan: Reconfiguration, running: Sequence[InstanceSlot]) -> int:
+    """The fewest GPUs serving at any point of the plan's moves (a new instance serves only
+    once it is up, after the instances in its way have stopped)."""
+    live = {slot.instance_id: slot.tp for slot in running}
+    serving = fewest = sum(live.values())
+    for step in plan.steps:
+        serving -= sum(live.pop(i, 0) for i in step.stop)
+        fewest = min(fewest, serving)
+        serving += step.start.tp
+    return fewest
 
 
 class Reconfigurer:
@@ -90,4 +130,12 @@ class Reconfigurer:
         layout = plan_layout(
             proposal.counts(), self.config.gpus_per_node, running, self.config.time_limit
         )
-        return launch_order(layout, running, proposal, f"r{self._rounds}")
+        plan = launch_order(layout, running, proposal, f"r{self._rounds}")
+        if self.config.guard_moves and current.feasible:
+            needed = gpus_needed(classes, self.profile, self.config)
+            fewest = fewest_serving_gpus(plan, running)
+            self.history[-1].update(gpus_needed=round(needed, 2), fewest_serving=fewest)
+            if fewest < needed:
+                self.history[-1]["applied"] = False
+                return None
+        return plan

@@ -39,7 +39,7 @@ THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9)
 class SimulationSpec:
     policy: str = "dilaserve"
     profile: str = "llada-8b-h100"  # a preset name or a profile JSON path
-    trace: str = "paper"  # "paper", "poisson:RPS:SECONDS", or a trace CSV path
+    trace: str = "paper"  # paper | poisson:RPS:SECONDS | bursty/code:RPS:SECONDS[:CV] | CSV
     peak_rps: float = 20.0  # the paper trace's peak
     minutes_per_hour: float = 5.0  # the paper trace: each hour of the day becomes this long
     duration: float | None = None  # keep only the first N seconds of the trace
@@ -92,13 +92,8 @@ def make_trace(spec: SimulationSpec) -> traces.Trace:
             minutes_per_hour=spec.minutes_per_hour,
             block_len=spec.block_len,
         )
-    elif spec.trace.startswith("poisson:"):
-        rate, seconds = synthetic.parse_poisson(spec.trace)
-        prompt, output = traces.filter_lengths(
-            *traces.load_first_turn_lengths(), block_len=spec.block_len
-        )
-        arrivals = synthetic.poisson_arrivals(rate, seconds, rng)
-        trace = synthetic.synthesize_trace(arrivals, prompt, output, rng, source=spec.trace)
+    elif spec.trace.startswith(("poisson:", "bursty:", "code:")):
+        trace = synthetic_trace(spec.trace, spec.block_len, rng)
     else:
         trace = traces.load_trace(spec.trace)
     if spec.duration is not None:
@@ -108,6 +103,24 @@ def make_trace(spec: SimulationSpec) -> traces.Trace:
     if len(trace) == 0:
         raise ValueError(f"trace {spec.trace!r} has no requests in the first {spec.duration} s")
     return trace
+
+
+def synthetic_trace(name: str, block_len: int, rng: np.random.Generator) -> traces.Trace:
+    """`poisson:RPS:SECONDS` (ShareGPT lengths), `bursty:RPS:SECONDS[:CV]` (the same lengths,
+    gamma arrivals) or `code:RPS:SECONDS[:CV]` (code-like lengths, gamma arrivals)."""
+    if name.startswith("poisson:"):
+        rate, seconds = synthetic.parse_poisson(name)
+        arrivals = synthetic.poisson_arrivals(rate, seconds, rng)
+    else:
+        rate, seconds, cv = synthetic.parse_bursty(name)
+        arrivals = synthetic.gamma_arrivals(rate, cv, seconds, rng)
+    if name.startswith("code:"):
+        prompt, output = synthetic.code_lengths(max(len(arrivals), 1), rng)
+    else:
+        prompt, output = traces.filter_lengths(
+            *traces.load_first_turn_lengths(), block_len=block_len
+        )
+    return synthetic.synthesize_trace(arrivals, prompt, output, rng, source=name)
 
 
 def isolated_latency(
@@ -299,6 +312,7 @@ def initial_instances(spec: SimulationSpec) -> list[InstanceSpec]:
 
 def write_run(run: SimulationRun, root: str | Path, name: str = "simulate") -> Path:
     from dilaserve.runs import create_run_dir, markdown_table, write_json, write_records
+    from dilaserve.sim.dashboard import write_dashboard
 
     folder = create_run_dir(root, name)
     write_json(folder / "config.json", {**asdict(run.spec), "slo_s": run.slo})
@@ -321,5 +335,7 @@ def write_run(run: SimulationRun, root: str | Path, name: str = "simulate") -> P
     lines += [f"- {k}: {v}" for k, v in {**run.summary, **run.timing}.items()]
     lines += ["", markdown_table(table, columns + ["queue", "instances"]) if table else ""]
     lines += [f"\n![run]({p.name})" for p in plots.plot_run(run, folder)]
+    page = write_dashboard(run, folder)  # the live server's page, with this run's data
+    lines += [f"\nThe run as the live dashboard shows it: [{page.name}]({page.name})"]
     (folder / "report.md").write_text("\n".join(lines) + "\n")
     return folder

@@ -57,6 +57,35 @@ def parse_poisson(trace: str) -> tuple[float, float]:
         raise ValueError(f"trace={trace!r} must be poisson:RPS:SECONDS, two numbers") from None
 
 
+def parse_bursty(trace: str) -> tuple[float, float, float]:
+    """(rate, seconds, cv) of a `bursty:RPS:SECONDS[:CV]` or `code:RPS:SECONDS[:CV]` trace
+    name (gamma arrivals; cv defaults to `BURSTY_CV`)."""
+    parts = trace.split(":")
+    try:
+        if len(parts) not in (3, 4):
+            raise ValueError
+        rate, seconds = float(parts[1]), float(parts[2])
+        return rate, seconds, float(parts[3]) if len(parts) == 4 else BURSTY_CV
+    except ValueError:
+        raise ValueError(
+            f"trace={trace!r} must be {parts[0]}:RPS:SECONDS or {parts[0]}:RPS:SECONDS:CV, numbers"
+        ) from None
+
+
+# ASSUMED SHAPE. A code-completion-like workload: long prompts (a file's context, log-normal
+# around 1,400 tokens, 600 to 3,000) and short answers of one or two 32-token blocks.
+CODE_PROMPT_MEDIAN, CODE_PROMPT_SIGMA, CODE_PROMPT_RANGE = 1400, 0.3, (600, 3000)
+CODE_OUTPUTS = (32, 64)
+BURSTY_CV = 3.0  # inter-arrival coefficient of variation of the bursty traces
+
+
+def code_lengths(count: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(prompt, output) token counts of `count` code-like requests (see `CODE_OUTPUTS`)."""
+    prompt = rng.lognormal(np.log(CODE_PROMPT_MEDIAN), CODE_PROMPT_SIGMA, size=count)
+    prompt = np.clip(np.round(prompt), *CODE_PROMPT_RANGE).astype(np.int64)
+    return prompt, rng.choice(np.array(CODE_OUTPUTS, dtype=np.int64), size=count)
+
+
 def poisson_arrivals(rate: float, duration: float, rng: np.random.Generator) -> np.ndarray:
     """Sorted arrival times in [0, duration) of a Poisson process with `rate` requests/s.
 
