@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -24,6 +25,27 @@ MIN_STEPS = 1.0
 # model's held-out states 60 trees of 63 leaves err as 120 do (18.6% against 18.5%) at about
 # half the prediction time (0.10 against 0.18 ms for 70 rows); 40 err 19.2%.
 NUM_TREES = 60
+
+
+# LightGBM's wrappers this project does not use; `import lightgbm` loads them wherever they are
+# installed (sentence-transformers, in the dws extra, brings scikit-learn): 1.7 s or more
+_LIGHTGBM_HIDDEN = ("sklearn", "pandas")
+
+
+def _import_lightgbm():
+    """`lightgbm` imported without its scikit-learn and pandas wrappers (Booster and train are
+    the same without them); the hidden packages stay importable afterwards."""
+    if "lightgbm" in sys.modules:
+        return sys.modules["lightgbm"]
+    hidden = [name for name in _LIGHTGBM_HIDDEN if name not in sys.modules]
+    for name in hidden:
+        sys.modules[name] = None  # lightgbm's `try: import ...` then takes its fallback
+    try:
+        import lightgbm
+    finally:
+        for name in hidden:
+            del sys.modules[name]
+    return lightgbm
 
 
 class OneShotPredictor:
@@ -124,7 +146,7 @@ def fit_gbm(
     bundled model's held-out prompts this cut the error from 25.0% to 20.4% over plain L1).
     `tree_shape` is (leaves per tree, minimum rows per leaf).
     """
-    import lightgbm
+    lightgbm = _import_lightgbm()
 
     columns = [FEATURE_NAMES.index(f) for f in features]
     params = {
@@ -152,7 +174,7 @@ def save_gbm(predictor: GBMPredictor, folder: Path, extra: dict | None = None) -
 
 
 def load_gbm(folder: Path, name: str = "full") -> GBMPredictor:
-    import lightgbm
+    lightgbm = _import_lightgbm()
 
     folder = Path(folder)
     meta_path = folder / f"gbm-{name}.json"
