@@ -1,12 +1,17 @@
 """Reproduce the DiLaServe paper's experiments in the simulator, beside the paper's numbers.
 
-    python benchmarks/reproduce.py [--only table4,fig9,fig10,fig11,fig13,table6,azure]
+    python benchmarks/reproduce.py [--only table4,table4h200,fig9,fig10,fig10high,fig11,
+                                           table6,azure,mechanisms]
                                    [--minutes-per-hour 1.25] [--out benchmarks/results]
 
 Every simulation writes its own run folder (config, per-request records, per-interval metrics,
-summary, report) under one experiment folder, which also gets `report.md` with every table and
-PNG plots. The cluster is the paper's 16 GPUs (4 nodes x 4) running the analytic LLaDA-8B (or
-Dream-7B) H100 preset; the SLO is 5x the isolated TP-1 latency unless an experiment varies it.
+summary with the decision digest, report) under one experiment folder, which also gets
+`report.md` with every table, `config.json` with the commit it ran at, and PNG plots of ours
+beside the paper's numbers. The cluster is the paper's 16 GPUs (4 nodes x 4) on the paper's
+hardware per experiment: Table 4 and the ablations (§5.2, §5.4) ran on GH200s, the benchmarks
+(§5.3) on H100s; the SLO is 5x the isolated TP-1 latency unless an experiment varies it.
+`dilaserve` is the paper's algorithms as written; `dilaserve-headroom` and `dilaserve-budget`
+are our named extensions (docs/control.md), shown beside it.
 
 Scale. Our presets are calibrated to Fast-dLLM's research implementation (54 tok/s for one
 request), slower per GPU than the paper's system, so loads are given per GPU relative to what
@@ -21,18 +26,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import time
 from dataclasses import replace
 from pathlib import Path
 
 from dilaserve.runs import create_run_dir, markdown_table, write_json
+from dilaserve.sim.plots import bar_chart
 from dilaserve.sim.run import SimulationSpec, simulate, write_run
 
-PAPER_TABLE4 = {  # SLO attainment, mean latency (s)
+PAPER_TABLE4 = {  # SLO attainment, mean latency (s); our extension has no paper number
     "dilaserve": (0.9113, 5.75),
+    "dilaserve-headroom": (None, None),
     "infaas": (0.7003, 8.80),
     "llumnix": (0.6098, 10.64),
 }
+GH200 = "llada-8b-gh200"  # the paper's Cluster 1 (Table 4, ablations)
 PAPER_FIG10 = "dynamic threshold alone, then with load control, each raise attainment (Fig. 10)"
 PAPER_TABLE6 = {4: 1.17, 8: 1.28, 12: 1.33, 16: 1.38}  # latency, any-step / recompute-only
 
@@ -52,14 +61,25 @@ class Experiments:
         print(f"{name}: {json.dumps(summary)} ({time.perf_counter() - start:.0f} s)", flush=True)
         return summary
 
-    def section(self, title: str, rows: list[dict], note: str = "") -> None:
+    def section(self, title: str, rows: list[dict], note: str = "", plot=None) -> None:
+        """A table in the report (and a JSON file); `plot`: (x column, y columns) of a bar
+        chart, ours beside the paper's."""
         table = markdown_table(rows, list(rows[0])) if rows else "(no rows)"
-        self.sections.append(f"## {title}\n\n{table}\n\n{note}".rstrip() + "\n")
-        write_json(self.out / f"{title.split(':')[0].strip().replace(' ', '_')}.json", rows)
+        stem = title.split(":")[0].strip().replace(" ", "_")
+        text = f"## {title}\n\n{table}\n\n{note}".rstrip() + "\n"
+        if plot is not None:
+            path = bar_chart(rows, plot[0], plot[1], title, self.out / f"{stem}.png")
+            if path is not None:
+                text += f"\n![{stem}]({path.name})\n"
+        self.sections.append(text)
+        write_json(self.out / f"{stem}.json", rows)
 
 
 def table4(x: Experiments) -> None:
-    x.section("Table 4: the diurnal trace on 16 GPUs", table4_rows(x, "table4"))
+    """On the paper's GH200 cluster (the analytic preset)."""
+    rows = table4_rows(x, "table4", profile=GH200)
+    plot = ("system", ["slo_attainment", "paper_slo"])
+    x.section("Table 4: the diurnal trace on 16 GH200s", rows, plot=plot)
 
 
 def table4_h200(x: Experiments) -> None:
@@ -84,6 +104,7 @@ def table4_rows(x: Experiments, prefix: str, **changes) -> list[dict]:
                 "paper_latency_s": paper_latency,
                 "mean_threshold": s["mean_threshold"],
                 "quality": s["quality"],
+                "digest": s["decision_digest"][:16],
                 "run": s["run"],
             }
         )
@@ -92,42 +113,51 @@ def table4_rows(x: Experiments, prefix: str, **changes) -> list[dict]:
 
 def fig10(x: Experiments) -> None:
     rows = []
-    h = x.base.slo_headroom
     variants = [
-        ("no-dynamic-threshold", "no-dynamic-threshold", h),
-        ("no-load-control", "no-load-control", h),
-        ("dilaserve", "dilaserve", h),
-        ("no-reconfig", "no-reconfig", h),
-        ("dilaserve with the paper's Alg. 1 (headroom 1.0)", "dilaserve", 1.0),
+        ("fixed threshold 0.9", "no-dynamic-threshold"),
+        ("dynamic threshold, no load control", "no-load-control"),
+        ("DiLaServe (the paper's algorithms)", "dilaserve"),
+        ("DiLaServe without reconfiguration", "no-reconfig"),
+        ("extension: headroom 0.5", "dilaserve-headroom"),
+        ("extension: load control over the budget left", "dilaserve-budget"),
     ]
-    for label, policy, headroom in variants:
-        s = x.run(f"fig10-{policy}-h{headroom:g}", policy=policy, slo_headroom=headroom)
-        rows.append(
-            {
-                "variant": label,
-                "slo_attainment": s["slo_attainment"],
-                "latency_mean_s": s["latency_mean"],
-                "mean_threshold": s["mean_threshold"],
-                "run": s["run"],
-            }
-        )
-    x.section("Fig 10: ablations on the same trace", rows, f"Paper: {PAPER_FIG10}.")
+    for label, policy in variants:
+        s = x.run(f"fig10-{policy}", policy=policy, profile=GH200)
+        rows.append(ablation_row(label, s))
+    x.section("Fig 10: ablations on the Table 4 trace", rows, f"Paper: {PAPER_FIG10}.")
+
+
+def ablation_row(label: str, s: dict) -> dict:
+    return {
+        "variant": label,
+        "slo_attainment": s["slo_attainment"],
+        "latency_mean_s": s["latency_mean"],
+        "mean_threshold": s["mean_threshold"],
+        "digest": s["decision_digest"][:16],
+        "run": s["run"],
+    }
 
 
 def fig10_high_load(x: Experiments) -> None:
     """The ablations at 20 requests/s (Poisson, 120 s), where load control binds."""
     rows = []
-    for policy in ("no-dynamic-threshold", "no-load-control", "dilaserve", "infaas"):
-        s = x.run(f"fig10high-{policy}", policy=policy, trace="poisson:20:120", planner_period=1e9)
-        rows.append(
-            {
-                "variant": policy,
-                "slo_attainment": s["slo_attainment"],
-                "latency_mean_s": s["latency_mean"],
-                "mean_threshold": s["mean_threshold"],
-                "run": s["run"],
-            }
+    policies = (
+        "no-dynamic-threshold",
+        "no-load-control",
+        "dilaserve",
+        "dilaserve-headroom",
+        "dilaserve-budget",
+        "infaas",
+    )
+    for policy in policies:
+        s = x.run(
+            f"fig10high-{policy}",
+            policy=policy,
+            profile=GH200,
+            trace="poisson:20:120",
+            planner_period=1e9,
         )
+        rows.append(ablation_row(policy, s))
     x.section("Fig 10 at high load: Poisson 20 requests/s", rows, f"Paper: {PAPER_FIG10}.")
 
 
@@ -266,6 +296,105 @@ def azure(x: Experiments, scales=(1.0, 2.0, 3.0)) -> None:
     x.section("Azure 2023 conversation trace (first 15 minutes, arrivals scaled)", rows)
 
 
+# Workload shapes for the mechanism table, on one node of 4 GPUs (the paper's per-GPU pressure,
+# a quarter of its events): the paper's Fig. 10 setting and diurnal trace, then three shapes
+# the paper did not try. Reconfiguration needs planning rounds within the trace: the diurnal
+# trace is compressed as in Table 4 (an hour in 30 s; period and start-up shrink with it), the
+# others keep a 30 s start-up with a 60 s period.
+AZURE = "../shared/data/traces/azure_llm_2023/AzureLLMInferenceTrace_conv.csv"
+NO_PLANNER = {"planner_period": 1e9}
+SHAPES = {
+    "paper Fig. 10: Poisson 5/s": {"trace": "poisson:5:120", **NO_PLANNER},
+    "paper diurnal, peak 3.5/s": {
+        "trace": "paper",
+        "peak_rps": 3.5,
+        "minutes_per_hour": 0.5,
+        "planner_period": 30.0,
+        "startup_delay": 3.0,
+    },
+    "conversation: Azure 2023 x0.4": {
+        "trace": AZURE,
+        "duration": 180.0,
+        "rate_scale": 0.4,
+        "planner_period": 60.0,
+    },
+    "code-like: bursty 6/s": {"trace": "code:6:180:3", "planner_period": 60.0},
+    "bursty ShareGPT 3/s": {"trace": "bursty:3:180:3", "planner_period": 60.0},
+}
+# (column, policy A, policy B, the paper's number): the effect is A's attainment minus B's
+EFFECTS = (
+    ("dynamic threshold", "no-load-control", "no-dynamic-threshold", "up to +70.8 pp (Fig. 10)"),
+    ("load control", "dilaserve", "no-load-control", "up to +42.4 pp (Fig. 10)"),
+    ("reconfiguration", "dilaserve", "no-reconfig", "Fig. 11 (a shape, no number)"),
+    ("placement (fixed 0.9)", "placement-only", "infaas", ">= 0 (our target)"),
+    ("vs INFaaS", "dilaserve", "infaas", "+21.1 pp (Table 4)"),
+    ("vs Llumnix", "dilaserve", "llumnix", "+30.2 pp (Table 4)"),
+    ("Llumnix - INFaaS", "llumnix", "infaas", "-9.1 pp (Table 4)"),
+    ("FCFS - INFaaS", "fcfs", "infaas", "none"),
+    ("ext. headroom 0.5", "dilaserve-headroom", "dilaserve", "none (ours)"),
+    ("ext. budget window", "dilaserve-budget", "dilaserve", "none (ours)"),
+)
+MECHANISM_POLICIES = (
+    "dilaserve",
+    "dilaserve-headroom",
+    "dilaserve-budget",
+    "no-load-control",
+    "no-dynamic-threshold",
+    "no-reconfig",
+    "infaas",
+    "llumnix",
+    "fcfs",
+)
+
+
+def mechanisms(x: Experiments, seeds=(0, 1, 2)) -> None:
+    """Each mechanism's and baseline's effect on SLO attainment, in points, per workload shape:
+    the mean over seeds and the range, beside the paper's number."""
+    rows = [{"shape": "paper", **{col: paper for col, _, _, paper in EFFECTS}}]
+    for shape, changes in SHAPES.items():
+        if changes["trace"] == AZURE and not Path(AZURE).exists():
+            continue
+        attained = {}
+        for seed in seeds:
+            for policy, run_as, extra in shape_policies(changes):
+                tag = shape.split(":")[0].replace(" ", "-").replace(".", "")
+                name = f"mech-{tag}-{policy}-s{seed}"
+                s = x.run(name, policy=run_as, gpus=4, profile=GH200, seed=seed, **changes, **extra)
+                attained[policy, seed] = s["slo_attainment"]
+        rows.append({"shape": shape, **effects(attained, seeds)})
+    x.section(
+        "Mechanisms: effect on SLO attainment (points; mean over seeds [min, max])",
+        rows,
+        f"4 GPUs (one node), GH200 preset, seeds {list(seeds)}. placement-only is "
+        "no-dynamic-threshold with the planner off.",
+    )
+
+
+def shape_policies(changes: dict) -> list[tuple[str, str, dict]]:
+    """(name, policy run, spec changes): without a planner no-reconfig is dilaserve and
+    placement-only is no-dynamic-threshold, so they are not run twice."""
+    out = [(p, p, {}) for p in MECHANISM_POLICIES]
+    if changes.get("planner_period") == NO_PLANNER["planner_period"]:
+        return [o for o in out if o[0] != "no-reconfig"]
+    return out + [("placement-only", "no-dynamic-threshold", NO_PLANNER)]
+
+
+def effects(attained: dict, seeds) -> dict:
+    def of(policy: str, seed: int) -> float:
+        alias = {"no-reconfig": "dilaserve", "placement-only": "no-dynamic-threshold"}
+        return attained.get((policy, seed), attained.get((alias.get(policy), seed)))
+
+    out = {}
+    for column, a, b, _ in EFFECTS:
+        if a == "dilaserve" and b == "no-reconfig" and (b, seeds[0]) not in attained:
+            out[column] = "n/a (planner off)"
+            continue
+        diffs = [100 * (of(a, seed) - of(b, seed)) for seed in seeds]
+        mean = sum(diffs) / len(diffs)
+        out[column] = f"{mean:+.1f} [{min(diffs):+.1f}, {max(diffs):+.1f}]"
+    return out
+
+
 EXPERIMENTS = {
     "table4": table4,
     "table4h200": table4_h200,
@@ -273,9 +402,31 @@ EXPERIMENTS = {
     "fig10high": fig10_high_load,
     "fig9": fig9,
     "fig11": fig11,
-    "fig13": fig13_table6,
+    "table6": fig13_table6,  # Fig. 13 and Table 6 come from the same runs
     "azure": azure,
+    "mechanisms": mechanisms,
 }
+ALIASES = {"fig13": "table6"}
+
+
+def experiments_named(only: str) -> list[str]:
+    """The experiments `--only` names, checked before anything runs."""
+    names = [ALIASES.get(n, n) for n in only.split(",") if n]
+    unknown = [n for n in names if n not in EXPERIMENTS]
+    if unknown:
+        raise SystemExit(
+            f"--only: unknown experiment(s) {unknown}; choose from {list(EXPERIMENTS)}"
+        )
+    return list(dict.fromkeys(names))
+
+
+def commit() -> dict:
+    """The commit the experiment ran at, and whether the tree had uncommitted changes."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True).stdout.strip()
+
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "-uno"))}
 
 
 def main() -> None:
@@ -285,6 +436,7 @@ def main() -> None:
     ap.add_argument("--minutes-per-hour", type=float, default=1.25)
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
+    names = experiments_named(args.only)
     out = create_run_dir(args.out, "reproduce")
     compression = args.minutes_per_hour / 5.0  # the planner period shrinks with the day
     base = SimulationSpec(
@@ -294,9 +446,9 @@ def main() -> None:
         startup_delay=30.0 * compression,
         interval=60.0,
     )
-    write_json(out / "config.json", {**vars(args), "base": base.__dict__})
+    write_json(out / "config.json", {**vars(args), **commit(), "base": base.__dict__})
     x = Experiments(out, base)
-    for name in args.only.split(","):
+    for name in names:
         EXPERIMENTS[name](x)
         (out / "report.md").write_text("# DiLaServe reproduction\n\n" + "\n".join(x.sections))
     print(f"experiment folder: {out}")

@@ -57,7 +57,8 @@ def plot_run(run, folder: Path) -> list[Path]:
 
 
 def bar_chart(rows: list[dict], x: str, ys: list[str], title: str, path: Path) -> Path | None:
-    """Grouped bars of `ys` columns for each row (ours beside the paper's, for instance)."""
+    """Grouped bars of `ys` columns for each row (ours beside the paper's, for instance); a
+    missing value (None) leaves its bar out."""
     if not available() or not rows:
         return None
     import matplotlib
@@ -68,7 +69,8 @@ def bar_chart(rows: list[dict], x: str, ys: list[str], title: str, path: Path) -
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.8 / len(ys)
     for k, y in enumerate(ys):
-        ax.bar(np.arange(len(rows)) + k * width, [float(r[y]) for r in rows], width, label=y)
+        values = [float("nan") if r[y] is None else float(r[y]) for r in rows]
+        ax.bar(np.arange(len(rows)) + k * width, values, width, label=y)
     ax.set_xticks(np.arange(len(rows)) + width * (len(ys) - 1) / 2, [str(r[x]) for r in rows])
     ax.set(title=title)
     ax.legend()
