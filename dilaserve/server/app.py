@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API: `create_app(cluster, settings, metrics)`.
 
 Endpoints: `POST /v1/completions` (raw prompt), `POST /v1/chat/completions` (the checkpoint's
-chat template), `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus). With
+chat template), `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus), `GET /dashboard`
+(a live page, `server/dashboard.py`). With
 `stream: true` a response is Server-Sent Events whose deltas are committed text only, in order:
 text goes out once it and everything before it is committed. `usage` counts generated tokens
 only. Errors have OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`): 400
@@ -9,8 +10,9 @@ naming the bad field, 429 (too many requests in flight) and 503 (shutting down) 
 Retry-After. One bad request never touches another: validation happens before the request
 reaches the cluster, and a failed request fails alone. A client that disconnects, streaming
 or not, has its request cancelled. With an API key set, `/v1/` endpoints answer only requests
-carrying `Authorization: Bearer KEY` (401 otherwise); `/health` and `/metrics` stay open to
-probes and scrapers.
+carrying `Authorization: Bearer KEY` (401 otherwise; the dashboard also takes KEY as a Basic
+password, so that a browser can ask for it); `/health` and `/metrics` stay open to probes and
+scrapers.
 
 The app starts the cluster when it starts and, on shutdown, stops taking requests, lets those
 in flight finish (up to `drain_timeout` seconds), then stops the instances.
@@ -41,6 +43,13 @@ from dilaserve.cluster.requests import (
     RequestResult,
 )
 from dilaserve.cluster.runtime import Cluster
+from dilaserve.server.dashboard import (
+    CHALLENGE,
+    add_dashboard,
+    basic_password_matches,
+    is_dashboard,
+    page_meta,
+)
 from dilaserve.server.guards import Guards, error_body, received
 from dilaserve.server.metrics import ServerMetrics
 from dilaserve.server.schemas import ChatCompletionRequest, CompletionRequest
@@ -118,6 +127,7 @@ def create_app(
     api = _Api(cluster, settings, metrics)
 
     _add_error_handlers(app)
+    add_dashboard(app, metrics.dashboard, lambda: page_meta(cluster, settings))
     if settings.api_key is not None:
         _require_api_key(app, settings.api_key)
     app.add_middleware(
@@ -187,8 +197,11 @@ def _require_api_key(app: FastAPI, key: str) -> None:
     @app.middleware("http")
     async def authorise(request: Request, call_next):
         sent = request.headers.get("authorization", "").encode()
-        if request.url.path not in OPEN_PATHS and not secrets.compare_digest(sent, expected):
-            return error(401, "a valid API key is required", code="invalid_api_key")
+        path = request.url.path
+        if path not in OPEN_PATHS and not secrets.compare_digest(sent, expected):
+            if not (is_dashboard(path) and basic_password_matches(sent, key)):  # a browser's
+                challenge = CHALLENGE if is_dashboard(path) else None
+                return error(401, "a valid API key is required", None, challenge, "invalid_api_key")
         return await call_next(request)
 
 

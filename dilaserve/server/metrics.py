@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from dilaserve.cluster.requests import RequestResult
 from dilaserve.cluster.runtime import Cluster
 from dilaserve.protocol import StepKind, StepOutput
+from dilaserve.server.dashboard import LiveFeed
 
 THRESHOLD_BUCKETS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0)
 STEP_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
@@ -46,6 +47,12 @@ class ServerMetrics:
             buckets=STEP_BUCKETS,
             registry=self.registry,
         )
+        self.step_tokens = Counter(
+            "dilaserve_step_batch_tokens",
+            "Tokens the steps' forward passes processed, by instance (per step: the batch size)",
+            ["instance"],
+            registry=self.registry,
+        )
         self.thresholds = Histogram(
             "dilaserve_step_threshold",
             "Confidence threshold of each request step",
@@ -54,10 +61,12 @@ class ServerMetrics:
         )
         self.met = self.finished = 0
         self._window = _Window()  # since the last `interval_line`
+        self.dashboard = LiveFeed()  # what GET /dashboard draws
 
     def watch(self, cluster: Cluster) -> None:
         """Read the cluster's gauges and counters at every scrape."""
         self.registry.register(_ClusterCollector(cluster, self))
+        self.dashboard.watch(cluster)
 
     # -- Observer (called on the controller thread) ------------------------------------------
 
@@ -65,6 +74,8 @@ class ServerMetrics:
         kinds = {r.kind for r in output.results}
         kind = next((k for k in (StepKind.RECOMPUTE, StepKind.FULL) if k in kinds), StepKind.CACHE)
         self.steps.labels(instance_id, kind.value).observe(seconds)
+        self.step_tokens.labels(instance_id).inc(output.num_tokens)
+        self.dashboard.step_done(instance_id, kind.value, output, seconds)
 
     def request_done(self, result: RequestResult, thresholds: list[float]) -> None:
         self.finished += 1
@@ -75,9 +86,11 @@ class ServerMetrics:
         self.tokens.inc(len(result.token_ids))
         for threshold in thresholds:
             self.thresholds.observe(threshold)
+        self.dashboard.request_done(result, thresholds)
 
     def request_failed(self, request_id: str, reason: str) -> None:
         self.requests.labels("cancelled" if reason == "CancelledError" else "failed").inc()
+        self.dashboard.request_failed(request_id, reason)
 
     def rejected(self) -> None:
         self.requests.labels("rejected").inc()
@@ -115,6 +128,14 @@ class _ClusterCollector:
         for tp, count in sorted(c.instances_by_tp().items()):
             instances.add_metric([str(tp)], count)
         yield instances
+        tp_of = GaugeMetricFamily(
+            "dilaserve_instance_tp",
+            "Tensor-parallel degree of each serving instance",
+            labels=["instance"],
+        )
+        for iid, tp in sorted(m.dashboard.timeline.instance_tp.items()):
+            tp_of.add_metric([iid], tp)
+        yield tp_of
         for name, key, text in (
             ("dilaserve_migrations", "migrations", "Requests moved between instances"),
             ("dilaserve_reconfigurations", "reconfigurations", "Cluster reconfigurations begun"),
