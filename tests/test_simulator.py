@@ -23,7 +23,8 @@ def small_trace(tmp_path, rate=1.0, seconds=20.0, seed=0):
 
 def spec(tmp_path, **kw) -> SimulationSpec:
     kw.setdefault("trace", small_trace(tmp_path))
-    return SimulationSpec(gpus=4, gpus_per_node=4, predictor_prompts=12, **kw)
+    kw.setdefault("gpus", 4)
+    return SimulationSpec(gpus_per_node=4, predictor_prompts=12, **kw)
 
 
 def test_same_inputs_same_decisions_and_summary(tmp_path):
@@ -46,8 +47,9 @@ def test_every_request_finishes_with_consistent_records(tmp_path, policy):
 
 
 def test_the_planner_reconfigures_the_cluster_while_requests_run(tmp_path):
-    # light load on four TP-1 instances: fewer, faster high-TP instances give more slack
-    run = simulate(spec(tmp_path, planner_period=5.0, startup_delay=2.0))
+    # light load on eight TP-1 instances over two nodes: fewer, faster high-TP instances give
+    # more slack, and one node keeps serving while the other's instance loads
+    run = simulate(spec(tmp_path, planner_period=5.0, startup_delay=2.0, gpus=8))
     assert run.summary["reconfigurations"] >= 1
     shapes = {tuple(sorted(counts.items())) for _, counts in run.result.instance_log}
     assert len(shapes) > 1  # the instance mix changed during the run
@@ -168,3 +170,15 @@ def test_oracle_counts_the_recorded_steps_left():
     r = Request("r", (3,) * 4, 8, 8, 1, 0.9)
     r.apply(b.step(r, 0.9, StepKind.RECOMPUTE))
     assert b.remaining_steps("r", 0.9) == 1
+
+
+def test_the_summary_says_what_of_the_quality_estimate_is_extrapolated(tmp_path):
+    run = simulate(spec(tmp_path, candidates=(0.7, 0.8, 0.9), planner_period=1e9))
+    summary = run.summary
+    assert summary["quality_measured_range"] == [0.7, 0.9]
+    assert min(row["mean_threshold"] for row in run.rows) >= 0.7  # candidates 0.7-0.9 only
+    assert summary["quality_extrapolated_share"] == 0.0
+    assert summary["quality_accelerating_drop"] == summary["quality"]  # differs below 0.7 only
+    low = simulate(spec(tmp_path, slo=1.0, planner_period=1e9)).summary  # tight: low thresholds
+    assert low["quality_extrapolated_share"] > 0
+    assert low["quality_accelerating_drop"] < low["quality"]

@@ -33,8 +33,8 @@ def plot_run(run, folder: Path) -> list[Path]:
     ax.legend()
     starts = [row["start"] for row in run.intervals]
     ax = axes[0, 1]
-    ax.plot(starts, [row["slo_attainment"] for row in run.intervals], label="SLO attainment")
-    ax.plot(starts, [row["mean_threshold"] for row in run.intervals], label="mean threshold")
+    for key, label in (("slo_attainment", "SLO attainment"), ("mean_threshold", "mean threshold")):
+        ax.plot(starts, [row[key] for row in run.intervals], marker="o", label=label)  # 1 row too
     ax.set(xlabel="arrival time (s)", ylim=(0, 1.05), title="per interval")
     ax.legend()
     ax = axes[1, 0]
@@ -47,8 +47,12 @@ def plot_run(run, folder: Path) -> list[Path]:
     ax = axes[1, 1]
     queue = run.result.queue_log
     ax.plot([t for t, _ in queue], [n for _, n in queue])
-    ax.set(xlabel="time (s)", ylabel="requests", title="waiting to be placed")
-    fig.suptitle(f"{run.spec.policy}: {run.summary['slo_attainment']:.1%} within SLO")
+    ax.set(xlabel="time (s)", ylabel="requests", title="in flight, first step not yet run")
+    spec = run.spec
+    fig.suptitle(
+        f"{spec.policy} on {spec.trace}, {spec.profile}, {spec.gpus} GPUs: "
+        f"{run.summary['slo_attainment']:.1%} within SLO"
+    )
     fig.tight_layout()
     path = folder / "run.png"
     fig.savefig(path, dpi=90)

@@ -28,7 +28,13 @@ from dilaserve.control.scheduler import Scheduler, SchedulerConfig
 from dilaserve.protocol import StepKind
 from dilaserve.request import Request
 from dilaserve.sim import metrics, plots, synthetic, traces
-from dilaserve.sim.behaviour import LLADA_GSM8K, ParametricBehaviour, QualityModel, ReplayBehaviour
+from dilaserve.sim.behaviour import (
+    LLADA_GSM8K,
+    LLADA_GSM8K_ACCELERATING,
+    ParametricBehaviour,
+    QualityModel,
+    ReplayBehaviour,
+)
 from dilaserve.sim.simulator import SimConfig, Simulator
 
 DEFAULT_THRESHOLD = 0.9
@@ -64,6 +70,7 @@ class SimulationSpec:
     behaviour: str = "parametric"  # or "replay:TRAJECTORIES.npz" (recorded engine steps)
     predictor_path: str | None = None  # replay: a trained predictor folder (default: bundled)
     quality: str | None = None  # an eval summary.json (default: LLaDA-8B's GSM8K curve)
+    candidates: tuple[float, ...] | None = None  # a dynamic policy's thresholds (None: 0.5-0.9)
     seed: int = 0
 
     def __post_init__(self):
@@ -210,6 +217,8 @@ def simulate(spec: SimulationSpec, progress=None) -> SimulationRun:
     profile = load_profile(spec.profile)
     trace = make_trace(spec)
     policy = get_policy(spec.policy)
+    if spec.candidates is not None:
+        policy = dataclasses.replace(policy, candidates=tuple(spec.candidates))
     behaviour, requests, predictor = workload(spec, trace, policy)
     slo = slo_for(spec, profile, requests, behaviour.tokens_per_step(DEFAULT_THRESHOLD))
     config = SchedulerConfig(
@@ -253,6 +262,7 @@ def simulate(spec: SimulationSpec, progress=None) -> SimulationRun:
     rows = metrics.request_records(result.requests, result.unfinished, quality)
     summary = {
         **metrics.summarize(rows),
+        **quality_notes(quality, rows, spec),
         "slo_s": round(slo, 4),
         "events": result.events,
         "simulated_seconds": round(result.end_time, 2),
@@ -266,6 +276,26 @@ def simulate(spec: SimulationSpec, progress=None) -> SimulationRun:
     return SimulationRun(
         spec, slo, rows, summary, metrics.by_interval(rows, spec.interval), result, timing
     )
+
+
+def quality_notes(quality: QualityModel, rows: list[dict], spec: SimulationSpec) -> dict:
+    """What in the quality estimate is measured and what extrapolated: the model, its measured
+    range, the share of requests outside it, and (for the paper's curve) the estimate under the
+    bundled model's accelerating drop below 0.7 instead of the linear one."""
+    thresholds = [r["mean_threshold"] for r in rows]
+    notes = {
+        "quality_model": quality.name,
+        "quality_measured_range": list(quality.measured),
+        "quality_extrapolated_share": round(quality.extrapolated_share(thresholds), 4),
+    }
+    if quality is LLADA_GSM8K:
+        accelerating = [LLADA_GSM8K_ACCELERATING(t) for t in thresholds]
+        notes["quality_accelerating_drop"] = round(float(np.mean(accelerating)), 4)
+    if not spec.behaviour.startswith("replay:"):
+        notes["speed_model"] = (
+            "tokens per step measured at 0.9 and 0.7 (the paper), extrapolated below 0.7"
+        )
+    return notes
 
 
 def make_predictor(spec: SimulationSpec, name: str, trace: traces.Trace):

@@ -52,7 +52,7 @@ class SimResult:
     requests: list[Request]  # finished ones, with their timing and thresholds
     unfinished: list[Request]
     instance_log: list[tuple[float, dict[int, int]]]  # (time, instances per TP degree)
-    queue_log: list[tuple[float, int]]  # (time, requests waiting to be placed)
+    queue_log: list[tuple[float, int]]  # (time, requests admitted whose first step has not run)
     decision_digest: str
     events: int
     end_time: float
@@ -115,7 +115,7 @@ class Simulator:
             elif kind == STEP_DONE:
                 self._step_done(payload, now)
             elif kind == TICK:
-                self.queue_log.append((now, len(self.scheduler._ready)))
+                self.queue_log.append((now, self._not_started()))
                 self.apply(self.scheduler.on_tick(now), now, "t")
                 if progress is not None:
                     progress(now, len(self._done), total)
@@ -193,6 +193,11 @@ class Simulator:
         if self.config.latency_noise:
             seconds *= float(self.rng.lognormal(0.0, self.config.latency_noise))
         return seconds
+
+    def _not_started(self) -> int:
+        """Requests in flight that have not run a step: queued, or gathered for a batch that
+        has not started (placement gathers at once, so few wait to be placed as such)."""
+        return sum(1 for t in self.scheduler.requests.values() if not t.request.num_steps)
 
     def _log_instances(self, now: float) -> None:
         self.instance_log.append((now, self.scheduler.instances_by_tp()))
