@@ -181,7 +181,7 @@ def _record(cfg, llm, prompts, gen_len, progress):
 
 @dataclass(frozen=True)
 class _Plan:
-    """What one calibration measures, and where it goes."""
+    """What one calibration (or profile) measures: the key, the engine, the grid, the prompts."""
 
     key: CalibrationKey
     engine: EngineConfig
