@@ -299,7 +299,7 @@ class LLaDA2MoeModelLM(nn.Module):
 FAMILY = ModelFamily(
     name="LLaDA2",
     architectures=("LLaDA2MoeModelLM",),
-    model_types=("llada2_moe",),
+    model_types=("llada2_moe", "llada21_moe"),  # the second: LLaDA2.1's remote code (same net)
     config_class=LLaDA2Config,
     model_class=LLaDA2MoeModelLM,
     attention=Attention.BLOCK_CAUSAL,
