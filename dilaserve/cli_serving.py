@@ -416,7 +416,12 @@ def _add_train_dws_command(sub) -> None:
     t.add_argument(
         "--prompts", default=None, help="JSONL with a 'prompt' per line (default: bundled task)"
     )
-    t.add_argument("--encoder", default=None, help="a local sentence-transformers folder")
+    t.add_argument(
+        "--encoder",
+        default="auto",
+        help="all-MiniLM-L6-v2 (the dws extra's), hashed, or a sentence-transformers folder; "
+        "auto: MiniLM where the dws extra is installed, else hashed",
+    )
     t.add_argument("--runs", default="runs", help="folder for run folders")
     t.set_defaults(func=cmd_train_dws)
 

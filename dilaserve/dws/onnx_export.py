@@ -12,10 +12,11 @@ Graph inputs by encoder:
   [batch] (where each prompt's ids start), `length` float32 [batch, 1] (log(1 + words)),
   `prompt_tokens` int64 [batch]. Feature extraction (`HashedEncoder.features`) is pure
   Python/numpy, so the ONNX predictor needs no torch weights.
-- sentence-transformers: `embeddings` float32 [batch, dim] and `prompt_tokens`. The
-  sentence-transformers model itself is NOT in the graph: it stays in Python (frozen, as in
-  training) and computes the embeddings; only the heads and the surface run on ONNX Runtime. Its
-  INT8 file therefore equals the FP32 one (no encoder weights in the graph to quantize).
+- sentence-transformers: `input_ids`, `attention_mask` int64 [batch, seq] (the model's own
+  tokenizer, `tokenizer.json`, with its truncation length), `length` float32 [batch, 1] (log(1 +
+  words)) and `prompt_tokens`. The transformer, its mean pooling and normalisation are IN the
+  graph (the paper's deployment): INT8 quantizes the transformer's nodes, the heads stay FP32,
+  and the ONNX predictor needs neither torch nor sentence-transformers, only `tokenizers`.
 Output: `surface` float32 [batch, blocks, block_len].
 
 Two rewrites make the graph export cleanly with the TorchScript exporter (checked for equality):
@@ -43,13 +44,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from dilaserve.dws.encoders import HashedEncoder, make_encoder
+from dilaserve.dws.encoders import HashedEncoder, encoder_folder, log_words, make_encoder
 from dilaserve.dws.model import DWSModel, DWSPrediction, DWSPredictor, median_latency_ms
 from dilaserve.dws.surface import support
 
 OPSET = 17
 FLOAT_NAME, INT8_NAME = "dws.onnx", "dws.int8.onnx"
 ENCODER_PREFIX = "model.encoder."  # initializer names of the encoder's weights in the graph
+HEAD_SCOPES = ("count_head/", "step_head/", "remainder/")  # in the names of the heads' nodes
+WEIGHTED_OPS = ("MatMul", "Gemm", "Gather")  # the ops INT8 quantizes when they read weights
 FP32_TOLERANCE = 1e-4  # export_onnx checks the FP32 graph against PyTorch to this
 _CHECK_TEXTS = [
     "What is 12 plus 7?",
@@ -104,20 +107,86 @@ class _HashedGraph(_SurfaceGraph):
         return self.surface(mean + enc.length(length), prompt_tokens)
 
 
-class _EmbeddingGraph(_SurfaceGraph):
-    input_names = ["embeddings", "prompt_tokens"]
+def _pooling_mode(pooling: nn.Module) -> str | None:
+    """'mean' for a mean-pooling module (sentence-transformers 6, or the older flags)."""
+    config = pooling.get_config_dict()
+    mode = config.get("pooling_mode")
+    if isinstance(mode, (list, tuple)) and len(mode) == 1:
+        mode = mode[0]
+    return "mean" if mode == "mean" or config.get("pooling_mode_mean_tokens") else mode
+
+
+class _TransformerGraph(_SurfaceGraph):
+    """A sentence-transformers encoder (transformer, mean pooling, optional normalisation) and
+    the heads in one graph; its nodes are named under /transformer/ (what INT8 quantizes)."""
+
+    input_names = ["input_ids", "attention_mask", "length", "prompt_tokens"]
     dynamic_axes = {
-        "embeddings": {0: "batch"},
+        "input_ids": {0: "batch", 1: "sequence"},
+        "attention_mask": {0: "batch", 1: "sequence"},
+        "length": {0: "batch"},
         "prompt_tokens": {0: "batch"},
         "surface": {0: "batch"},
     }
 
-    def forward(self, embeddings, prompt_tokens):
-        return self.surface(embeddings, prompt_tokens)
+    def __init__(self, model: DWSModel):
+        super().__init__(model)
+        modules = list(model.encoder.model)
+        pooling = _pooling_mode(modules[1]) if len(modules) > 1 else None
+        if pooling != "mean":
+            raise ValueError(f"the ONNX export takes mean-pooled encoders, not {pooling!r}")
+        self.transformer = modules[0].auto_model
+        self.normalize = any(type(m).__name__ == "Normalize" for m in modules[2:])
+
+    def forward(self, input_ids, attention_mask, length, prompt_tokens):
+        hidden = self.transformer(input_ids=input_ids, attention_mask=attention_mask)[0]
+        mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp_min(1e-9)
+        if self.normalize:
+            pooled = nn.functional.normalize(pooled, p=2.0, dim=1)
+        return self.surface(torch.cat((pooled, length), dim=1), prompt_tokens)
+
+
+class TokenFeatures:
+    """The graph's inputs for texts, without torch: the encoder folder's fast tokenizer,
+    truncated at the length sentence-transformers used at export, padded to the longest."""
+
+    def __init__(self, folder: str | Path, max_seq_length: int):
+        from tokenizers import Tokenizer
+
+        folder = encoder_folder(folder)
+        self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        self.tokenizer.enable_truncation(max_seq_length)
+        self.tokenizer.enable_padding(pad_id=self.tokenizer.token_to_id("[PAD]") or 0)
+
+    def features(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray, float]]:
+        return [
+            (np.array(e.ids, np.int64), np.array(e.attention_mask, np.int64), log_words(t))
+            for t, e in zip(texts, self.tokenizer.encode_batch(texts))
+        ]
 
 
 def _is_hashed(encoder_config: dict) -> bool:
     return encoder_config["kind"] == HashedEncoder.kind
+
+
+def _graph_class(encoder_config: dict) -> type[_SurfaceGraph]:
+    return _HashedGraph if _is_hashed(encoder_config) else _TransformerGraph
+
+
+def graph_features(encoder_config: dict, max_seq_length: int | None):
+    """What computes the graph's per-prompt features: the hashed encoder's hashing (no
+    weights needed), or the sentence-transformers folder's tokenizer."""
+    if _is_hashed(encoder_config):
+        return make_encoder(encoder_config)
+    if max_seq_length is None:
+        raise ValueError("a sentence-transformers graph needs its max_seq_length (export again)")
+    return TokenFeatures(encoder_config["folder"], max_seq_length)
+
+
+def _max_seq_length(encoder: nn.Module) -> int | None:
+    model = getattr(encoder, "model", None)  # a sentence-transformers encoder's model
+    return None if model is None else int(model.max_seq_length)
 
 
 def graph_inputs(encoder_config: dict, feats: list, prompt_tokens) -> dict[str, np.ndarray]:
@@ -133,7 +202,12 @@ def graph_inputs(encoder_config: dict, feats: list, prompt_tokens) -> dict[str, 
             "length": np.array([[f[1]] for f in feats], dtype=np.float32),
             "prompt_tokens": tokens,
         }
-    return {"embeddings": np.stack(feats).astype(np.float32), "prompt_tokens": tokens}
+    return {
+        "input_ids": np.stack([f[0] for f in feats]),
+        "attention_mask": np.stack([f[1] for f in feats]),
+        "length": np.array([[f[2]] for f in feats], dtype=np.float32),
+        "prompt_tokens": tokens,
+    }
 
 
 def _paths(path: str | Path) -> tuple[Path, Path]:
@@ -162,15 +236,28 @@ def _torch_export(graph: nn.Module, args: tuple, path: Path) -> None:
         )
 
 
-def _add_metadata(path: Path, meta: dict, precision: str) -> None:
+def _add_metadata(path: Path, meta: dict, precision: str, max_len: int | None) -> None:
     import onnx
 
     proto = onnx.load(str(path))
     del proto.metadata_props[:]
-    for key, value in {"dws_meta": json.dumps(meta), "precision": precision}.items():
+    props = {"dws_meta": json.dumps(meta), "precision": precision}
+    if max_len is not None:  # the tokenizer's truncation, for the ONNX predictor
+        props["max_seq_length"] = str(max_len)
+    for key, value in props.items():
         entry = proto.metadata_props.add()
         entry.key, entry.value = key, value
     onnx.save(proto, str(path))
+
+
+def _is_encoder_node(node, weights: set[str]) -> bool:
+    """A node of the encoder: it reads the encoder's weights by name, or it is a weighted op
+    outside the heads (constant folding renames a transformer's transposed weights)."""
+    if any(name.startswith(ENCODER_PREFIX) for name in node.input):
+        return True
+    is_head = any(scope in node.name for scope in HEAD_SCOPES)
+    reads_weights = any(name in weights for name in node.input)
+    return node.op_type in WEIGHTED_OPS and reads_weights and not is_head
 
 
 def _quantize(src: Path, dst: Path) -> list[str]:
@@ -178,12 +265,10 @@ def _quantize(src: Path, dst: Path) -> list[str]:
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    nodes = [
-        n.name
-        for n in onnx.load(str(src)).graph.node
-        if any(name.startswith(ENCODER_PREFIX) for name in n.input)
-    ]
-    if not nodes:  # the sentence-transformers case: the encoder is not in the graph
+    graph = onnx.load(str(src)).graph
+    weights = {w.name for w in graph.initializer}
+    nodes = [n.name for n in graph.node if _is_encoder_node(n, weights)]
+    if not nodes:
         shutil.copyfile(src, dst)
         return []
     quiet = logging.getLogger()
@@ -214,17 +299,19 @@ def export_onnx(predictor: DWSPredictor, path: str | Path, int8: bool = True) ->
     """
     model = predictor.model.eval()
     encoder_config = model.encoder.config()
-    graph = (_HashedGraph if _is_hashed(encoder_config) else _EmbeddingGraph)(model).eval()
+    graph = _graph_class(encoder_config)(model).eval()
     float_path, int8_path = _paths(path)
     float_path.parent.mkdir(parents=True, exist_ok=True)
 
     texts = _CHECK_TEXTS
     tokens = [5, 40, 0, 77]
     feats = model.encoder.features(texts)
-    inputs = graph_inputs(encoder_config, feats, tokens)
+    max_len = _max_seq_length(model.encoder)
+    graph_feats = graph_features(encoder_config, max_len).features(texts)
+    inputs = graph_inputs(encoder_config, graph_feats, tokens)
     _torch_export(graph, tuple(torch.from_numpy(v) for v in inputs.values()), float_path)
     meta = {**predictor.meta, "encoder": encoder_config}
-    _add_metadata(float_path, meta, "fp32")
+    _add_metadata(float_path, meta, "fp32", max_len)
 
     expect = model.surface(feats, torch.tensor(tokens, dtype=torch.long)).numpy()
     got = _session(float_path).run(["surface"], inputs)[0]
@@ -235,7 +322,7 @@ def export_onnx(predictor: DWSPredictor, path: str | Path, int8: bool = True) ->
         int8_path.unlink(missing_ok=True)
         return float_path
     nodes = _quantize(float_path, int8_path)
-    _add_metadata(int8_path, meta, "int8" if nodes else "fp32 (no encoder weights in graph)")
+    _add_metadata(int8_path, meta, "int8" if nodes else "fp32 (no encoder nodes)", max_len)
     return int8_path
 
 
@@ -282,11 +369,11 @@ class ONNXDWSPredictor:
                     )
         self.encoder_config = self.meta["encoder"]
         names = [i.name for i in self.session.get_inputs()]
-        want = (_HashedGraph if _is_hashed(self.encoder_config) else _EmbeddingGraph).input_names
+        want = _graph_class(self.encoder_config).input_names
         if names != want:
             raise ValueError(f"{self.path} takes inputs {names}, the encoder needs {want}")
-        # the hashed encoder's features need no weights; sentence-transformers loads its model
-        self.encoder = make_encoder(self.encoder_config)
+        max_len = props.get("max_seq_length")
+        self.encoder = graph_features(self.encoder_config, max_len and int(max_len))
         self.block_len, self.max_blocks = self.meta["block_len"], self.meta["max_blocks"]
         self.threshold = self.meta.get("threshold")
 

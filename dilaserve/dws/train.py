@@ -25,7 +25,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from dilaserve.dws.encoders import HashedEncoder, SentenceTransformerEncoder
+from dilaserve.dws.encoders import (
+    MINILM,
+    HashedEncoder,
+    SentenceTransformerEncoder,
+    has_packaged_minilm,
+)
 from dilaserve.dws.model import DWSModel, DWSPredictor, _head
 from dilaserve.dws.surface import HORIZONS, block_steps, horizon_targets, joint_target
 
@@ -109,7 +114,7 @@ def collect_labels(
 
 @dataclass(frozen=True)
 class DWSTrainConfig:
-    encoder: str | None = None  # a sentence-transformers folder; None: the hashed encoder
+    encoder: str | None = None  # MINILM or a sentence-transformers folder; None: hashed
     stage_a_epochs: int = 30
     stage_b_epochs: int = 12  # the first half with the encoder frozen
     batch: int = 32
@@ -163,6 +168,15 @@ def _fit(
             best, best_state = value, copy.deepcopy(module.state_dict())
     module.load_state_dict(best_state)
     return best
+
+
+def resolve_encoder(name: str | None) -> str | None:
+    """A command's encoder choice as `DWSTrainConfig.encoder`: "auto" is the packaged MiniLM
+    where the `dws` extra is installed, else the hashed fallback; "hashed" (or None) the
+    fallback; anything else MINILM or a sentence-transformers folder."""
+    if name == "auto":
+        return MINILM if has_packaged_minilm() else None
+    return None if name in (None, HashedEncoder.kind) else name
 
 
 def _encoder(cfg: DWSTrainConfig) -> nn.Module:
@@ -334,7 +348,7 @@ class TrainDWSConfig:
     gen_len: int = 64  # the serving output window the labels describe
     threshold: float = 0.9
     prompts: str | None = None  # a JSONL file with a "prompt" per line; None: the bundled task
-    encoder: str | None = None
+    encoder: str | None = "auto"  # see resolve_encoder
     runs: str = "runs"
     seed: int = 5
 
@@ -363,7 +377,9 @@ def train_dws_command(cfg: TrainDWSConfig, log=print) -> Path:
     labels = collect_labels(cfg.model, texts, cfg.gen_len, cfg.threshold)
     labels.save(folder / "labels.npz")
     train, val = split(labels, 0.2, cfg.seed)
-    predictor = train_dws(train, val, DWSTrainConfig(encoder=cfg.encoder), log)
+    encoder = resolve_encoder(cfg.encoder)
+    log(f"encoder: {encoder or HashedEncoder.kind}")
+    predictor = train_dws(train, val, DWSTrainConfig(encoder=encoder), log)
     predictor.save(cfg.out)
     sample = val.texts[:100], val.prompt_tokens[:100].tolist()
     summary = {
