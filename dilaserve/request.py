@@ -44,6 +44,9 @@ class Request:
     # prompt-only predictions made at admission (the DWS predictor), when a driver has them:
     cost: float | None = None  # expected cost (ms), the DWS-SJF service order
     prior_steps: dict[float, float] | None = None  # expected steps per threshold, before step 1
+    # block-causal models: blocks start at absolute multiples of block_len, so the first block
+    # of the window is `block_len - block_offset` long (block_offset = prompt_len % block_len)
+    block_offset: int = 0
     status: RequestStatus = RequestStatus.WAITING
     output_ids: np.ndarray = field(init=False)
     confidences: np.ndarray = field(init=False)
@@ -70,7 +73,11 @@ class Request:
         self.confidences = np.zeros(self.gen_len, dtype=np.float32)
         self.prompt_len = len(self.prompt_ids)
         self.num_tokens = self.prompt_len + self.gen_len
-        self.num_blocks = self.gen_len // self.block_len
+        if not 0 <= self.block_offset < self.block_len:
+            raise ValueError(
+                f"request {self.request_id}: {self.block_offset=} must be in [0, {self.block_len})"
+            )
+        self.num_blocks = -(-(self.gen_len + self.block_offset) // self.block_len)
         if self.threshold_bounds is not None:
             lo, hi = self.threshold_bounds
             if not 0 < lo <= hi <= 1:
@@ -95,6 +102,7 @@ class Request:
             self.threshold_bounds,
             self.cost,
             self.prior_steps,
+            self.block_offset,
         )
 
     @property

@@ -287,3 +287,15 @@ def test_bfloat16_generates_close_to_float32(path):
 def test_calibration_refuses_it_too(path, capsys):
     assert main(["calibrate", str(path)]) == 2
     assert "block-diffusion model (LLaDA2)" in capsys.readouterr().err
+
+
+def test_a_request_counts_the_blocks_the_engine_decodes(path):
+    llm = LLM(path, EngineConfig("dual", block_len=BLOCK, early_finish=False))
+    request = llm.make_requests(["w1 w2 w3"], SamplingParams(0.9, 2 * BLOCK), chat=False)[0]
+    assert request.block_offset == request.prompt_len % BLOCK == 3
+    assert request.num_blocks == 3  # 5 + 8 + 3 output positions
+    blocks = []
+    llm.run([request], 1, lambda r, result: blocks.append(result.block_index))
+    assert sorted(set(blocks)) == [0, 1, 2] and request.current_block == request.num_blocks
+    with pytest.raises(ValueError, match="block_offset"):
+        Request("x", (1, 2), BLOCK, BLOCK, 0, 0.9, block_offset=BLOCK)

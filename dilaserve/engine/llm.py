@@ -41,6 +41,7 @@ class LLM:
         gen_len = params.gen_len(self.config.block_len)
         context = self.engine.model.config.max_sequence_length
         mask = self.tokenizer.special.mask
+        aligned = self.engine.family.is_block_causal  # blocks at absolute positions
         requests = []
         for i, prompt in enumerate(prompts):
             ids = tuple(self.encode_prompt(prompt, chat))
@@ -49,8 +50,17 @@ class LLM:
                     f"prompt {i} ({len(ids)} tokens) + max_tokens ({gen_len}, whole blocks) "
                     f"exceeds the model's context of {context} tokens"
                 )
+            offset = len(ids) % self.config.block_len if aligned else 0
             requests.append(
-                Request(str(i), ids, gen_len, self.config.block_len, mask, params.threshold)
+                Request(
+                    str(i),
+                    ids,
+                    gen_len,
+                    self.config.block_len,
+                    mask,
+                    params.threshold,
+                    block_offset=offset,
+                )
             )
         return requests
 
