@@ -1,0 +1,36 @@
+"""The decision digests docs/simulator.md pins still come out of the code.
+
+The docs' table "Pinned decision digests" lists short deterministic simulations (policy, trace,
+GPUs, planner period) and the first 16 hex digits of their decision digests. When a change
+moves decisions, this fails until the table (and every number quoted from runs made before the
+change) is brought up to date.
+"""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from dilaserve.sim.run import SimulationSpec, simulate
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "simulator.md"
+ROW = re.compile(r"^\| `([\w-]+)` \| `([\w:.]+)` \| (\d+) \| ([\d.e]+) \| `([0-9a-f]{16})` \|$")
+
+
+def pinned() -> list[tuple[str, str, int, float, str]]:
+    text = DOCS.read_text()
+    section = text.split("## Pinned decision digests", 1)[1].split("\n## ", 1)[0]
+    rows = [ROW.match(line.strip()) for line in section.splitlines()]
+    return [(m[1], m[2], int(m[3]), float(m[4]), m[5]) for m in rows if m]
+
+
+def test_the_docs_pin_some_digests():
+    assert len(pinned()) >= 3
+
+
+@pytest.mark.parametrize("policy, trace, gpus, period, digest", pinned())
+def test_a_documented_digest_matches_a_short_run(policy, trace, gpus, period, digest):
+    spec = SimulationSpec(
+        policy=policy, trace=trace, gpus=gpus, planner_period=period, predictor_prompts=12
+    )
+    assert simulate(spec).summary["decision_digest"][:16] == digest
