@@ -169,3 +169,12 @@ def test_sentence_transformers_graph_holds_the_transformer(tmp_path, monkeypatch
     assert quantized.precision == "int8"
     got = quantized.predict(texts, [3, 50, 7], 40).surface
     np.testing.assert_allclose(got, want, rtol=0, atol=INT8_SURFACE_ATOL)
+
+
+def test_the_estimator_takes_the_int8_graph_where_the_folder_has_one(exported, tmp_path):
+    from dilaserve.dws.estimate import DWSEstimator
+
+    predictor, folder, _ = exported
+    assert isinstance(DWSEstimator.load(folder).predictor, ONNXDWSPredictor)
+    predictor.save(tmp_path)  # no graph exported there
+    assert isinstance(DWSEstimator.load(tmp_path).predictor, DWSPredictor)

@@ -7,10 +7,14 @@ sum of surface x kernel (papers.md 2.6); without a kernel, the paper's unit cost
 + E[N] + expected steps). The step prior, for the DiLaServe step predictor before a request's
 first step, scales DWS's expected steps (at the threshold its labels were run at) to each
 threshold by the step predictor's one-shot steps-per-token table.
+
+`load` takes the INT8 ONNX graph where the folder has one (`dilaserve export-dws`) and ONNX
+Runtime is installed: the fast path on one CPU thread; else the PyTorch predictor.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -18,6 +22,16 @@ import numpy as np
 
 from dilaserve.dws.cost import CostKernel
 from dilaserve.dws.model import DWSPredictor
+
+
+def load_predictor(folder: str | Path):
+    """The folder's INT8 ONNX graph where there is one and ONNX Runtime is installed, else its
+    PyTorch predictor; both answer `predict(texts, prompt_tokens, gen_len)`."""
+    from dilaserve.dws.onnx_export import INT8_NAME, ONNXDWSPredictor
+
+    if (Path(folder) / INT8_NAME).is_file() and importlib.util.find_spec("onnxruntime"):
+        return ONNXDWSPredictor.load(folder, int8=True)
+    return DWSPredictor.load(folder)
 
 
 class DWSEstimator:
@@ -40,7 +54,7 @@ class DWSEstimator:
             meta = json.loads((Path(step_predictor) / "gbm-full.json").read_text())
             rates = {float(k): v for k, v in meta["one_shot_steps_per_token"].items()}
         return cls(
-            DWSPredictor.load(folder),
+            load_predictor(folder),
             CostKernel.load(kernel) if kernel is not None else None,
             rates,
         )
