@@ -17,6 +17,7 @@ from family_checkpoints import (
 )
 from safetensors.torch import load_file
 
+from dilaserve.cli import main
 from dilaserve.config import EngineConfig, SamplingParams
 from dilaserve.engine.engine import Engine
 from dilaserve.engine.llm import LLM
@@ -182,3 +183,9 @@ def test_bfloat16_generates_close_to_float32(path):
     assert (want.argmax(-1) == got.argmax(-1)).float().mean() >= 0.8
     llm = LLM(path, EngineConfig("dual", block_len=BLOCK, dtype="bfloat16"))
     assert llm.generate(["w1 w2"], SamplingParams(0.9, BLOCK))[0].num_steps >= 1
+
+
+def test_dilaserve_generate_runs_it(path, capsys):
+    assert main(["generate", "--model", str(path), "--prompt", "w1 w2", "--max-tokens", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "### w1 w2" in out and "recompute" in out

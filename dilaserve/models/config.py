@@ -9,9 +9,7 @@ ids, `check_tensor_parallel`); `models/registry.py` picks the class from config.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 SUPPORTED_MODEL_TYPES = ("llada",)
 
@@ -90,16 +88,6 @@ class LLaDAConfig:
             raise ValueError(f"config.json is missing required key(s): {', '.join(missing)}")
         kwargs = {k: v for k, v in raw.items() if k in known}
         return cls(**kwargs, extra={k: v for k, v in raw.items() if k not in known})
-
-    @classmethod
-    def from_file(cls, path: Path) -> LLaDAConfig:
-        try:
-            raw = json.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise FileNotFoundError(
-                f"no config.json in checkpoint folder {Path(path).parent}"
-            ) from None
-        return cls.from_dict(raw)
 
     def to_dict(self) -> dict:
         out = asdict(self)
