@@ -67,6 +67,7 @@ class SparseMoeBlock(nn.Module):
         d = cfg.hidden_size
         local = tp.shard_len(cfg.num_experts, "num_experts")
         first = tp.rank * local
+        self.num_experts = cfg.num_experts
         self.gate = Router(cfg)  # replicated: every rank routes every token
         self.experts = nn.ModuleDict(
             {str(e): GatedMLP(d, cfg.moe_intermediate_size) for e in range(first, first + local)}
@@ -80,10 +81,20 @@ class SparseMoeBlock(nn.Module):
         flat = x.reshape(-1, shape[-1])
         chosen, weights = self.gate(flat)
         routed = torch.zeros(flat.shape, dtype=torch.float32, device=x.device)
-        for name, expert in self.experts.items():
-            token, slot = (chosen == int(name)).nonzero(as_tuple=True)
-            if token.numel():
-                out = expert(flat[token]).float() * weights[token, slot, None]
-                routed.index_add_(0, token, out)
+        for expert, token, weight in self._assignments(chosen, weights):
+            routed.index_add_(0, token, expert(flat[token]).float() * weight[:, None])
         y = self.tp.all_reduce(routed).to(x.dtype).view(shape)
         return y + self.shared_experts(x) if self.has_shared else y
+
+    def _assignments(self, chosen: torch.Tensor, weights: torch.Tensor):
+        """(expert, its tokens, their weights) for this rank's experts that got tokens: one
+        sort and one device-to-host copy of the counts, not one search per expert."""
+        ids = chosen.reshape(-1)
+        order = ids.argsort()
+        counts = torch.bincount(ids, minlength=self.num_experts).tolist()
+        token, weight = order // chosen.shape[1], weights.reshape(-1)[order]
+        start = 0
+        for e, n in enumerate(counts):
+            if n and str(e) in self.experts:
+                yield self.experts[str(e)], token[start : start + n], weight[start : start + n]
+            start += n
