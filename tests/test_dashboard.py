@@ -228,15 +228,29 @@ def test_with_an_api_key_the_dashboard_needs_it_as_a_token_or_a_basic_password()
     app, _ = _app(api_key="sekret")
     with TestClient(app) as client:
         for path in ("/dashboard", "/dashboard/data"):
-            r = client.get(path)
-            assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Basic")
+            assert client.get(path).status_code == 401
             assert client.get(path, headers=_basic("me", "wrong")).status_code == 401
             assert client.get(path, headers={"Authorization": "Basic !!"}).status_code == 401
             assert client.get(path, headers=_basic("anyone", "sekret")).status_code == 200
             assert client.get(path, headers={"Authorization": "Bearer sekret"}).status_code == 200
+        # only the page asks a browser for the key (a script's request must not raise a prompt)
+        assert client.get("/dashboard").headers["www-authenticate"].startswith("Basic")
+        assert "www-authenticate" not in client.get("/dashboard/data").headers
         # a Basic password opens the dashboard only, not the API
         assert client.get("/v1/models", headers=_basic("me", "sekret")).status_code == 401
         assert "www-authenticate" not in client.get("/v1/models").headers
+
+
+def test_the_page_carries_a_token_that_opens_its_data_and_nothing_else():
+    app, _ = _app(api_key="sekret")
+    with TestClient(app) as client:
+        page = client.get("/dashboard", headers=_basic("me", "sekret")).text
+        token = json.loads(re.search(r"window\.DASHBOARD = (.*);\n", page).group(1))["token"]
+        assert "sekret" not in token
+        bearer = {"Authorization": f"Bearer {token}"}
+        assert client.get("/dashboard/data", headers=bearer).status_code == 200
+        assert client.get("/v1/models", headers=bearer).status_code == 401
+    assert '"token"' not in live_page("/dashboard/data")  # no key: no token
 
 
 # -- the simulator's report -----------------------------------------------------------------

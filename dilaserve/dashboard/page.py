@@ -26,9 +26,13 @@ def _page(config: dict) -> str:
     )
 
 
-def live_page(data_url: str, refresh_seconds: float = REFRESH_SECONDS) -> str:
-    """The page that polls `data_url` every `refresh_seconds`."""
-    return _page({"url": data_url, "refresh_ms": int(refresh_seconds * 1000)})
+def live_page(
+    data_url: str, refresh_seconds: float = REFRESH_SECONDS, token: str | None = None
+) -> str:
+    """The page that polls `data_url` every `refresh_seconds` (sending `token` as a bearer
+    token, when given)."""
+    config = {"url": data_url, "refresh_ms": int(refresh_seconds * 1000)}
+    return _page({**config, "token": token} if token else config)
 
 
 def static_page(data: dict) -> str:

@@ -43,13 +43,7 @@ from dilaserve.cluster.requests import (
     RequestResult,
 )
 from dilaserve.cluster.runtime import Cluster
-from dilaserve.server.dashboard import (
-    CHALLENGE,
-    add_dashboard,
-    basic_password_matches,
-    is_dashboard,
-    page_meta,
-)
+from dilaserve.server.dashboard import add_dashboard, challenge, is_authorised, page_meta
 from dilaserve.server.guards import Guards, error_body, received
 from dilaserve.server.metrics import ServerMetrics
 from dilaserve.server.schemas import ChatCompletionRequest, CompletionRequest
@@ -127,7 +121,7 @@ def create_app(
     api = _Api(cluster, settings, metrics)
 
     _add_error_handlers(app)
-    add_dashboard(app, metrics.dashboard, lambda: page_meta(cluster, settings))
+    add_dashboard(app, metrics.dashboard, lambda: page_meta(cluster, settings), settings.api_key)
     if settings.api_key is not None:
         _require_api_key(app, settings.api_key)
     app.add_middleware(
@@ -199,9 +193,9 @@ def _require_api_key(app: FastAPI, key: str) -> None:
         sent = request.headers.get("authorization", "").encode()
         path = request.url.path
         if path not in OPEN_PATHS and not secrets.compare_digest(sent, expected):
-            if not (is_dashboard(path) and basic_password_matches(sent, key)):  # a browser's
-                challenge = CHALLENGE if is_dashboard(path) else None
-                return error(401, "a valid API key is required", None, challenge, "invalid_api_key")
+            if not is_authorised(path, sent, key):  # (the dashboard also takes a browser's)
+                headers = challenge(path)
+                return error(401, "a valid API key is required", None, headers, "invalid_api_key")
         return await call_next(request)
 
 

@@ -7,13 +7,18 @@ request, into a bounded `dashboard.timeline.Timeline` behind a lock. A request c
 steps) once; a data request costs what `Timeline.to_json` does, whatever the load.
 
 With an API key set the page and its data need it, as `/v1/` does: as a bearer token, or, so that
-a browser can ask for it, as the password of HTTP Basic authentication (any user name).
+a browser can ask for it, as the password of HTTP Basic authentication (any user name; only the
+page itself answers 401 with a Basic challenge). The page served then carries a token that opens
+the dashboard only (an HMAC of the key), which its data requests send: browsers do not all send
+Basic credentials again for a script's requests.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
+import hmac
 import secrets
 import threading
 from collections.abc import Callable
@@ -133,10 +138,14 @@ def page_meta(cluster, settings) -> dict:
     }
 
 
-def add_dashboard(app: FastAPI, feed: LiveFeed, meta: Callable[[], dict]) -> None:
+def add_dashboard(
+    app: FastAPI, feed: LiveFeed, meta: Callable[[], dict], api_key: str | None = None
+) -> None:
     """The page and its data on `app`; `meta()`: what the page says of the server (read at each
-    data request). The API key, if any, is the app's middleware's job."""
-    page = live_page(DATA_PATH)
+    data request). Checking the API key, if any, is the app's middleware's job
+    (`is_authorised`); the page carries the dashboard's token for its data requests."""
+    token = None if api_key is None else dashboard_token(api_key)
+    page = live_page(DATA_PATH, token=token)
 
     @app.get("/dashboard", include_in_schema=False)
     async def dashboard():
@@ -151,7 +160,28 @@ def is_dashboard(path: str) -> bool:
     return path == "/dashboard" or path.startswith("/dashboard/")
 
 
-def basic_password_matches(authorization: bytes, key: str) -> bool:
+def dashboard_token(key: str) -> str:
+    """A token that opens the dashboard and nothing else."""
+    return hmac.new(key.encode(), b"dilaserve dashboard", hashlib.sha256).hexdigest()
+
+
+def is_authorised(path: str, authorization: bytes, key: str) -> bool:
+    """Whether a dashboard path may be served to a request that did not send the API key as a
+    bearer token: the key as a Basic password, or the dashboard's token as a bearer token."""
+    if not is_dashboard(path):
+        return False
+    token = f"Bearer {dashboard_token(key)}".encode()
+    return secrets.compare_digest(authorization, token) or _basic_password_matches(
+        authorization, key
+    )
+
+
+def challenge(path: str) -> dict | None:
+    """The headers of a 401: the page asks a browser for the key (its data requests do not)."""
+    return CHALLENGE if path == "/dashboard" else None
+
+
+def _basic_password_matches(authorization: bytes, key: str) -> bool:
     """Whether `Authorization: Basic ...` carries `key` as its password."""
     scheme, _, encoded = authorization.partition(b" ")
     if scheme.lower() != b"basic":

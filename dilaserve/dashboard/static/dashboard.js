@@ -294,7 +294,10 @@ function showStatus(message) {
 
 async function poll(config) {
   try {
-    const response = await fetch(config.url, {cache: "no-store", credentials: "same-origin"});
+    // (from the origin: a page opened as http://user:key@host/ must not send the key in a URL)
+    const url = new URL(config.url, window.location.origin);
+    const headers = config.token ? {Authorization: `Bearer ${config.token}`} : {};
+    const response = await fetch(url, {cache: "no-store", credentials: "same-origin", headers});
     if (!response.ok) throw new Error(`HTTP ${response.status} from ${config.url}`);
     draw(await response.json());
     showStatus("");
