@@ -3,9 +3,10 @@
 Each arrival of the trace (a trace CSV, or `poisson:RPS:SECONDS`) submits a held-out problem of
 the bundled task, in turn, with the run's SLO. Records per request (latency, time to first
 block, SLO met, steps, mean threshold, exact-match correctness) and a summary (SLO attainment,
-latency percentiles, accuracy, step round-trip overhead, migrations, failures) go to a run
-folder. With `parity`, the run is also replayed in the simulator from its recorded step
-outcomes and durations, and the summary says whether the decision logs are identical.
+latency percentiles, accuracy, step round-trip overhead, migrations, failures, requests refused
+by admission control, which count as missed) go to a run folder. With `parity`, the run is
+also replayed in the simulator from its recorded step outcomes and durations, and the summary
+says whether the decision logs are identical.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from dilaserve.cluster.requests import Overloaded
 from dilaserve.cluster.runtime import Cluster, ClusterConfig
 from dilaserve.sim import metrics, synthetic, traces
 from dilaserve.tasks import arith
@@ -57,16 +59,20 @@ def run_trace(config: ClusterConfig, spec: TraceRunSpec, progress=None) -> dict:
     problems = arith.generate(len(arrival), seed=spec.seed + 11, split="test")
     cluster = Cluster(config).start()
     try:
-        handles = []
+        handles, asked, refused = [], [], 0
         for i, (t, problem) in enumerate(zip(arrival.tolist(), problems)):
             delay = t - cluster.now()
             if delay > 0:
                 time.sleep(delay)
-            handles.append(cluster.submit(problem.question, slo=spec.slo, request_id=f"r{i}"))
+            try:
+                handles.append(cluster.submit(problem.question, slo=spec.slo, request_id=f"r{i}"))
+                asked.append(problem)
+            except Overloaded:  # admission control: counted, and a missed SLO
+                refused += 1
             if progress is not None and (i + 1) % 10 == 0:
                 progress(i + 1, len(arrival))
         correct = {}
-        for handle, problem in zip(handles, problems):
+        for handle, problem in zip(handles, asked):
             try:
                 correct[handle.request_id] = (
                     arith.extract_answer(handle.result().text) == problem.answer
@@ -80,7 +86,12 @@ def run_trace(config: ClusterConfig, spec: TraceRunSpec, progress=None) -> dict:
     rows = metrics.request_records(done, [r for r in requests if r.finish_time is None], None)
     for row in rows:
         row["correct"] = correct[row["request_id"]]
-    summary = {**metrics.summarize(rows), **_runtime_summary(cluster, rows)}
+    summary = {
+        **metrics.summarize(rows),
+        "refused": refused,  # by admission control; the attainment below counts them as missed
+        "slo_attainment_of_arrivals": round(sum(row["met_slo"] for row in rows) / len(arrival), 4),
+        **_runtime_summary(cluster, rows),
+    }
     for row in rows:
         del row["quality"]  # measured here: `correct`
     summary = {k: v for k, v in summary.items() if "quality" not in k}

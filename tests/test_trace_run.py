@@ -1,0 +1,47 @@
+"""run-trace counts the requests admission control refuses instead of stopping."""
+
+from types import SimpleNamespace
+
+from dilaserve.cluster import trace_run
+from dilaserve.cluster.requests import Overloaded
+from dilaserve.control.decisions import DecisionLog
+
+from conftest import make_request
+
+
+class TwoInFlightCluster:
+    """Takes the first two requests (each done in 0.1 s) and refuses the rest."""
+
+    def __init__(self, config):
+        self.handles = []
+        self.step_times, self.steps_run, self.stats, self.log = [], 0, {}, DecisionLog()
+
+    def start(self):
+        return self
+
+    def now(self) -> float:
+        return 1e9  # never wait for an arrival
+
+    def submit(self, question: str, slo: float, request_id: str):
+        if len(self.handles) == 2:
+            raise Overloaded("2 requests in flight (the limit)")
+        r = make_request(request_id, arrival_time=0.0, deadline=slo)
+        r.finish_time = r.first_block_time = 0.1
+        handle = SimpleNamespace(
+            request_id=request_id, request=r, result=lambda: SimpleNamespace(text="")
+        )
+        self.handles.append(handle)
+        return handle
+
+    def close(self) -> None:
+        pass
+
+
+def test_refused_requests_are_counted_as_missed(monkeypatch):
+    monkeypatch.setattr(trace_run, "Cluster", TwoInFlightCluster)
+    spec = trace_run.TraceRunSpec(trace="poisson:50:0.2", slo=1.0)
+    arrivals = len(trace_run.trace_arrivals(spec))
+    summary = trace_run.run_trace(None, spec)["summary"]
+    assert arrivals > 2 and summary["refused"] == arrivals - 2
+    assert summary["slo_attainment"] == 1.0  # of the two it took
+    assert summary["slo_attainment_of_arrivals"] == round(2 / arrivals, 4)
