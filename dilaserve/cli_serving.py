@@ -61,6 +61,7 @@ def _cluster_config(args, record: bool = False):
         tick=args.tick,
         max_tokens=args.max_tokens,
         max_in_flight=args.max_in_flight,
+        overload=args.overload,
         step_timeout=args.step_timeout,
         record=record,
         **_dws_args(args, inputs.dws_cost),
@@ -98,13 +99,27 @@ def layout(args) -> tuple[int, ...]:
     return (args.tp,) * count
 
 
+def _device_name(args) -> str:
+    """The device the calibration must have been made on: this machine's, or, for a Ray
+    cluster whose GPUs are on other machines, the one the given --calibration names."""
+    from dilaserve.calibration.run import device_name
+    from dilaserve.calibration.store import Calibration
+
+    try:
+        return device_name(args.device)
+    except ValueError:
+        if args.backend != "ray" or not args.calibration:
+            raise
+        return Calibration.load(args.calibration).key.device
+
+
 def control_inputs(args, tps: set[int]):
     """The latency profile and step predictor the control plane is built from: the
     calibration that matches the model, device, dtype and TP degrees (made now with
     --calibrate), or the --profile and --predictor given."""
     import logging
 
-    from dilaserve.calibration.run import CalibrateConfig, calibrate, device_name
+    from dilaserve.calibration.run import CalibrateConfig, calibrate
     from dilaserve.calibration.store import (
         CalibrationMissing,
         model_key,
@@ -113,7 +128,7 @@ def control_inputs(args, tps: set[int]):
     from dilaserve.control.policy import get_policy
 
     policy = get_policy(args.policy)
-    key = model_key(args.model, device_name(args.device), args.dtype)
+    key = model_key(args.model, _device_name(args), args.dtype)
     options = {
         "calibration": args.calibration,
         "profile": args.profile,
@@ -229,12 +244,25 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="the thresholds a dynamic policy chooses from (default 0.5,0.6,0.7,0.8,0.9)",
     )
-    p.add_argument("--max-in-flight", type=int, default=1024, help="admission control limit")
+    p.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=1024,
+        help="requests waiting or running, at most (a backstop: admission is by capacity)",
+    )
+    p.add_argument(
+        "--overload",
+        choices=["reject", "deprioritize"],
+        default="reject",
+        help="a request the cluster cannot serve within its SLO now: refused (429, "
+        "Retry-After), or served after everything else",
+    )
     p.add_argument(
         "--step-timeout",
         type=float,
-        default=120.0,
-        help="seconds a step may run before its instance counts as hung (killed and replaced)",
+        default=None,
+        help="seconds a step may run before its instance counts as hung (killed and replaced); "
+        "default: 10x the slowest step the latency profile predicts, at least 10",
     )
     p.add_argument(
         "--nodes",
@@ -312,9 +340,12 @@ def cmd_serve(args) -> None:
         args.port,
         args.served_model_name,
         args.drain_timeout,
-        args.api_key,
+        _api_key(args),
         args.log_interval,
         calibration=inputs.label,
+        max_body_bytes=args.max_body_bytes,
+        allowed_hosts=tuple(args.allowed_host) or None,
+        docs=args.docs,
     )
 
 
@@ -331,7 +362,21 @@ def _add_serve_command(sub) -> None:
     sv.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds to finish requests at shutdown"
     )
-    _add_api_key(sv, "clients of /v1/ must send it as 'Authorization: Bearer KEY'")
+    _add_api_key(sv, "clients must send it as 'Authorization: Bearer KEY'")
+    sv.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=1 << 20,
+        help="larger request bodies are refused (413) before they are read",
+    )
+    sv.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        help="a Host header name clients may use (repeat; default: the loopback names when "
+        "--host is loopback, else any)",
+    )
+    sv.add_argument("--docs", action="store_true", help="serve /docs and /openapi.json")
     sv.add_argument(
         "--log-interval",
         type=float,
@@ -343,10 +388,29 @@ def _add_serve_command(sub) -> None:
 
 def _add_api_key(parser, meaning: str) -> None:
     parser.add_argument(
-        "--api-key",
-        default=os.environ.get("DILASERVE_API_KEY"),
-        help=f"{meaning} (default: $DILASERVE_API_KEY; none: no key)",
+        "--api-key-file",
+        default=None,
+        help=f"a file holding the API key: {meaning} (or set $DILASERVE_API_KEY; neither: no "
+        "key). Never on the command line, where every user of the machine can read it",
     )
+    parser.add_argument("--api-key", default=None, help=argparse.SUPPRESS)  # refused: _api_key
+
+
+def _api_key(args) -> str | None:
+    """The API key from --api-key-file or $DILASERVE_API_KEY (None: no key); one given on the
+    command line, or an empty one, is refused."""
+    if args.api_key is not None:
+        raise ValueError(
+            "--api-key puts the key where every user of this machine can read it (ps); "
+            "set $DILASERVE_API_KEY or pass --api-key-file FILE"
+        )
+    if args.api_key_file is not None:
+        key, source = Path(args.api_key_file).read_text().strip(), args.api_key_file
+    else:
+        key, source = os.environ.get("DILASERVE_API_KEY"), "$DILASERVE_API_KEY"
+    if key is not None and not key.strip():
+        raise ValueError(f"the API key in {source} is empty (unset it to serve without a key)")
+    return key
 
 
 def cmd_bench(args) -> None:
@@ -368,7 +432,7 @@ def cmd_bench(args) -> None:
         seed=args.seed,
         timeout=args.timeout,
         extra=extra,
-        api_key=args.api_key,
+        api_key=_api_key(args),
     )
     try:
         records, summary = run_bench(spec, progress=sys.stderr)

@@ -135,6 +135,19 @@ def test_calibrate_at_start_up_when_none_matches(tmp_path, monkeypatch):
     assert inputs.profile == str(model / "dilaserve-calibration" / "cpu-float32" / "profile.json")
 
 
+def test_a_ray_head_without_gpus_takes_the_device_from_the_calibration(calibrated):
+    """On a Ray cluster the GPUs may all be on other machines than `serve`'s."""
+    from dilaserve.cli import build_parser
+    from dilaserve.cli_serving import _device_name
+
+    model, _ = calibrated
+    folder = str(model / "dilaserve-calibration" / "cpu-float32")
+    argv = ["serve", str(model), "--device", "cuda", "--calibration", folder]
+    assert _device_name(build_parser().parse_args([*argv, "--backend", "ray"])) == "cpu"
+    with pytest.raises(ValueError, match="sees no CUDA GPU"):
+        _device_name(build_parser().parse_args(argv))
+
+
 def test_presets_are_accepted_by_name_and_labelled(calibrated):
     model, _ = calibrated
     key = model_key(model, "cpu", "float32")
