@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import sys
 import threading
 import time
 
@@ -20,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from dilaserve.bench.loadgen import BenchSpec, bench_problems, run_bench, write_bench_run
-from dilaserve.cli import build_parser
+from dilaserve.cli import build_parser, main
 
 SEED = 3
 TRACE_TIMES = [0.0, 0.1, 0.1, 0.2, 0.3, 0.36, 0.5, 0.6]  # seconds; run at rate_scale 2
@@ -203,3 +204,19 @@ def test_cli_bench_parses():
         "chat",
         0.8,
     )
+
+
+def test_the_command_line_never_writes_the_api_key(server, trace_csv, tmp_path, monkeypatch):
+    url, _ = server
+    out = tmp_path / "runs"
+    argv = ["bench", "--url", url, "--trace", trace_csv, "--out", str(out), "--timeout", "10"]
+    monkeypatch.setattr(sys, "argv", ["dilaserve", *argv, "--api-key", "sekret"])
+    assert main(argv + ["--api-key", "sekret"]) == 2  # refused: any user can read argv (ps)
+    monkeypatch.setenv("DILASERVE_API_KEY", "sekret")
+    monkeypatch.setattr(sys, "argv", ["dilaserve", *argv])
+    assert main(argv) == 0
+    (folder,) = out.iterdir()
+    assert not any("sekret" in p.read_text() for p in folder.iterdir())
+    key_file = tmp_path / "key"
+    key_file.write_text("\n")
+    assert main(argv + ["--api-key-file", str(key_file)]) == 2  # an empty key is refused

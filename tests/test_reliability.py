@@ -1,23 +1,33 @@
 """Regression tests of issue 22: no single request, fault or overload stops the controller, takes
 the service down or lets anyone in. Each test names the bug it guards against."""
 
+import concurrent.futures
 import json
+import os
 import socket
 import threading
 import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
 import uvicorn
+from fastapi.testclient import TestClient
 
+from dilaserve.cluster.admission import LOWEST_PRIORITY
 from dilaserve.cluster.backends import LocalBackend
-from dilaserve.cluster.runtime import Closed, Cluster, ClusterConfig
+from dilaserve.cluster.config import HUNG_STEP_FACTOR, MIN_STEP_TIMEOUT
+from dilaserve.cluster.runtime import Closed, Cluster, ClusterConfig, Overloaded
 from dilaserve.cluster.worker import WorkerConfig
 from dilaserve.control.build import ControlSpec
+from dilaserve.control.decisions import InstanceSpec, SchedulerConfig
 from dilaserve.control.monitor import WorkloadMonitor
-from dilaserve.server.app import ServerSettings
+from dilaserve.protocol import StepKind
+from dilaserve.server.app import ServerSettings, create_app
 from dilaserve.server.main import build_app, serve
+from dilaserve.server.metrics import ServerMetrics
 from dilaserve.tasks import arith
 
 WORKER = WorkerConfig(threads=1)
@@ -310,3 +320,119 @@ def test_health_says_degraded_while_a_lost_instance_is_replaced():
         assert cluster.submit(QUESTIONS[0]).result(60).num_steps > 0  # i1 serves on
         wait_until(lambda: "i0.1" in cluster.scheduler.instances, timeout=60)
         assert cluster.health() == "ok"
+
+
+# -- security: what listens, and where ------------------------------------------------------
+
+
+def listening_addresses(pid: int) -> set[str]:
+    """The local addresses of the TCP sockets process `pid` listens on (Linux /proc)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        target = os.readlink(fd) if fd.is_symlink() else ""
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                found.add(fields[1].split(":")[0])
+    return found
+
+
+LOOPBACK = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1 as /proc spells
+
+
+@pytest.mark.skipif(not Path("/proc/self/net/tcp").exists(), reason="reads Linux /proc")
+def test_a_tensor_parallel_gang_listens_on_no_network_interface():
+    backend = LocalBackend(WORKER)
+    try:
+        backend.start(InstanceSpec("tp2", 0, 2, (0, 1)))
+        wait_until(lambda: any(e.kind == "up" for e in backend.poll(0.5)), timeout=120)
+        for process in backend._gangs["tp2"].processes:
+            assert listening_addresses(process.pid) <= LOOPBACK
+    finally:
+        backend.shutdown()
+
+
+# -- bug 7: a hung worker went unseen for the default 120 s ---------------------------------
+
+
+def test_the_default_step_timeout_comes_from_the_latency_profile():
+    cfg = config(max_batch_tokens=4096)
+    cluster = Cluster(cfg)  # (not started: nothing loads)
+    slowest = cluster.scheduler.profile.step_latency(1, 4096, StepKind.RECOMPUTE)
+    assert cluster.step_timeout == max(slowest * HUNG_STEP_FACTOR, MIN_STEP_TIMEOUT)
+    assert cluster.step_timeout < 120
+    assert Cluster(config(step_timeout=3.0)).step_timeout == 3.0  # --step-timeout overrides
+
+
+# -- bug 5: overload was never refused ------------------------------------------------------
+
+
+def answered(handles) -> list[str]:
+    outcomes = []
+    for handle in handles:
+        try:
+            handle.result(120)
+            outcomes.append("served")
+        except Overloaded:
+            outcomes.append("refused")
+    return outcomes
+
+
+TIGHT = ControlSpec(scheduler=SchedulerConfig(slo=0.3))  # capacity: one 0.3 s window
+
+
+def test_requests_over_capacity_are_refused_and_the_rest_served():
+    with Cluster(config(control=TIGHT)) as cluster:
+        handles = [cluster.submit(q, max_tokens=128) for q in QUESTIONS * 10]
+        outcomes = answered(handles)
+        assert outcomes[0] == "served"  # an idle cluster takes anything
+        assert "refused" in outcomes
+        assert cluster.stats["refused"] == outcomes.count("refused")
+        assert cluster.in_flight == 0
+        assert cluster.submit(QUESTIONS[0]).result(60).num_steps > 0  # room again
+
+
+def test_over_capacity_may_be_served_last_instead():
+    with Cluster(config(control=TIGHT, overload="deprioritize")) as cluster:
+        handles = [cluster.submit(q, max_tokens=128) for q in QUESTIONS * 10]
+        assert answered(handles) == ["served"] * len(handles)
+        assert cluster.stats["deprioritized"] > 0
+        last = [h for h in handles if h.request.priority == LOWEST_PRIORITY]
+        assert len(last) == cluster.stats["deprioritized"]
+
+
+class _AdmittingCluster:
+    """Just enough of a Cluster for the API: each request is refused at admission."""
+
+    def __init__(self):
+        self.config = ClusterConfig()
+        self.accepting, self.in_flight = True, 0
+        self.stats = {"migrations": 0, "reconfigurations": 0, "failures": 0}
+        self.intake = SimpleNamespace(check_text_length=lambda chars, param: None)
+
+    def submit(self, prompt, **kw):
+        handle = SimpleNamespace(admission=concurrent.futures.Future(), request_id="r")
+        handle.admission.set_exception(Overloaded("over capacity"))
+        return handle
+
+    def instances_by_tp(self):
+        return {1: 1}
+
+    def queue_length(self):
+        return 0
+
+    def health(self):
+        return "ok"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_refused_at_admission_is_a_429_with_retry_after(stream):
+    app = create_app(_AdmittingCluster(), ServerSettings(MODEL), ServerMetrics(), manage=False)
+    with TestClient(app) as client:
+        r = client.post("/v1/completions", json=completion(stream=stream))
+        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+        assert r.json()["error"]["type"] == "rate_limit_error"

@@ -13,7 +13,8 @@ commands are sent without waiting, and `poll` returns whatever any instance has 
 
 from __future__ import annotations
 
-import socket
+import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -23,7 +24,7 @@ from multiprocessing import Pipe
 from multiprocessing.connection import wait
 from typing import Protocol
 
-from dilaserve.cluster.worker import WorkerConfig
+from dilaserve.cluster.worker import WorkerConfig, new_rendezvous
 from dilaserve.control.decisions import InstanceSpec
 from dilaserve.protocol import StepBatch, StepOutput
 
@@ -85,17 +86,27 @@ def start_all(backend: Backend, specs: list[InstanceSpec], timeout: float) -> No
             waiting.discard(event.instance_id)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class _Gang:
     processes: list[subprocess.Popen]
     conns: list  # controller ends of each rank's socket; rank 0 answers
+    rendezvous: str = ""  # the file its ranks met in (TP > 1)
     dead: bool = False
+
+
+def _close_gang(gang: _Gang, kill: bool) -> list[int]:
+    """Kill (if asked) and reap a gang's processes, close its sockets, remove its rendezvous
+    folder; the processes' exit codes."""
+    codes = []
+    for p in gang.processes:
+        if kill and p.poll() is None:
+            p.kill()
+        codes.append(p.wait())
+    for conn in gang.conns:
+        conn.close()
+    if gang.rendezvous:
+        shutil.rmtree(os.path.dirname(gang.rendezvous), ignore_errors=True)
+    return codes
 
 
 class LocalBackend:
@@ -113,17 +124,31 @@ class LocalBackend:
     def start(self, spec: InstanceSpec) -> None:
         if spec.instance_id in self._gangs:
             raise ValueError(f"instance {spec.instance_id} is already running")
-        address = f"127.0.0.1:{free_port()}"
-        processes, conns = [], []
-        for rank in range(spec.tp):
-            ours, theirs = Pipe()
-            fd = theirs.fileno()
-            command = [sys.executable, "-m", "dilaserve.cluster.worker", str(fd)]
-            processes.append(subprocess.Popen(command, pass_fds=(fd,)))
+        rendezvous = new_rendezvous() if spec.tp > 1 else ""
+        gang = _Gang([], [], rendezvous)
+        self._gangs[spec.instance_id] = gang  # (a rank that fails to spawn: the rest are buried)
+        try:
+            for rank in range(spec.tp):
+                gang.conns.append(self._spawn(gang, rank, spec, rendezvous))
+        except OSError:  # no file descriptors or memory left to spawn one
+            del self._gangs[spec.instance_id]
+            _close_gang(gang, kill=True)
+            raise
+
+    def _spawn(self, gang: _Gang, rank: int, spec: InstanceSpec, rendezvous: str):
+        """One rank's process, told what to load; the controller's end of its socket."""
+        ours, theirs = Pipe()
+        fd = theirs.fileno()
+        command = [sys.executable, "-m", "dilaserve.cluster.worker", str(fd)]
+        try:
+            gang.processes.append(subprocess.Popen(command, pass_fds=(fd,)))
+        except OSError:
+            ours.close()
+            raise
+        finally:
             theirs.close()
-            ours.send(("init", self.worker, rank, spec.tp, address, spec.gpus))
-            conns.append(ours)
-        self._gangs[spec.instance_id] = _Gang(processes, conns)
+        ours.send(("init", self.worker, rank, spec.tp, rendezvous, spec.gpus))
+        return ours
 
     def step(self, instance_id: str, batch: StepBatch) -> None:
         self._send(instance_id, ("step", batch))
@@ -155,9 +180,7 @@ class LocalBackend:
                 p.wait(timeout)
             except subprocess.TimeoutExpired:
                 p.kill()
-                p.wait()
-        for conn in gang.conns:
-            conn.close()
+        _close_gang(gang, kill=True)
 
     def kill(self, instance_id: str) -> None:
         gang = self._gangs.get(instance_id)
@@ -204,13 +227,7 @@ class LocalBackend:
     def _bury(self, instance_id: str, gang: _Gang) -> WorkerEvent:
         """A rank is gone: the rest of its gang cannot go on (their collectives would hang)."""
         del self._gangs[instance_id]
-        codes = []
-        for p in gang.processes:
-            if p.poll() is None:
-                p.kill()
-            codes.append(p.wait())
-        for conn in gang.conns:
-            conn.close()
+        codes = _close_gang(gang, kill=True)
         return WorkerEvent("died", instance_id, error=f"worker processes exited with {codes}")
 
     def shutdown(self) -> None:

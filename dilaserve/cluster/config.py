@@ -5,10 +5,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dilaserve.cluster.admission import OVERLOAD_MODES
 from dilaserve.cluster.backends import Backend, LocalBackend
 from dilaserve.cluster.worker import WorkerConfig
 from dilaserve.control.build import ControlSpec
 from dilaserve.control.decisions import InstanceSpec
+from dilaserve.control.profile import LatencyProfile
+from dilaserve.protocol import StepKind
+
+HUNG_STEP_FACTOR = 10.0  # a step this many times the slowest predicted one counts as hung
+MIN_STEP_TIMEOUT = 10.0  # seconds, whatever the profile says (a busy machine, a cold start)
 
 
 @dataclass(frozen=True)
@@ -23,10 +29,12 @@ class ClusterConfig:
     max_tokens: int = 64  # the output window of requests that name none
     max_batch_tokens: int = 8192  # per instance and step
     replace_failed: bool = True
-    step_timeout: float = 120.0  # seconds a step may run before its instance counts as hung
+    step_timeout: float | None = None  # seconds a step may run before its instance counts as
+    # hung (killed and replaced); None: from the latency profile (`derived_step_timeout`)
     start_timeout: float = 300.0  # seconds to wait for the initial instances to load
     record: bool = False  # keep a `Recording` (for replay in the simulator)
-    max_in_flight: int = 1024  # admission control: more waiting or running requests are refused
+    max_in_flight: int = 1024  # a backstop: more waiting or running requests are refused
+    overload: str = "reject"  # a request over capacity (`admission`): "reject" | "deprioritize"
     dws: str | None = None  # a DWS predictor folder: expected cost and step prior at admission
     dws_cost: str | None = None  # its cost kernel (`dilaserve profile --dws`); None: unit cost
     dws_prior: bool = False  # give the step predictor DWS's expected steps before step 1
@@ -36,8 +44,10 @@ class ClusterConfig:
             raise ValueError(f"{self.instances=} must list at least one TP degree >= 1")
         if self.backend not in ("local", "ray"):
             raise ValueError(f"{self.backend=} must be 'local' or 'ray'")
-        if self.tick <= 0 or self.step_timeout <= 0:
+        if self.tick <= 0 or (self.step_timeout is not None and self.step_timeout <= 0):
             raise ValueError(f"{self.tick=} and {self.step_timeout=} must be positive")
+        if self.overload not in OVERLOAD_MODES:
+            raise ValueError(f"{self.overload=} must be one of {OVERLOAD_MODES}")
         engine, scheduler = self.worker.engine.block_len, self.control.scheduler.block_len
         if engine != scheduler:
             raise ValueError(f"engine block_len={engine} differs from the scheduler's {scheduler}")
@@ -49,6 +59,18 @@ class ClusterConfig:
         from dilaserve.dws.estimate import DWSEstimator
 
         return DWSEstimator.load(self.dws, self.dws_cost, self.control.predictor)
+
+    def derived_step_timeout(self, profile: LatencyProfile) -> float:
+        """`step_timeout` if set; else the slowest step the scheduler can launch (a full-sequence
+        step of `max_batch_tokens` on the layout's slowest TP degree, as `profile` predicts it)
+        times `HUNG_STEP_FACTOR`, and at least `MIN_STEP_TIMEOUT` seconds."""
+        if self.step_timeout is not None:
+            return self.step_timeout
+        kind = StepKind.FULL if self.control.scheduler.cache_block is None else StepKind.RECOMPUTE
+        slowest = max(
+            profile.step_latency(tp, self.max_batch_tokens, kind) for tp in set(self.instances)
+        )
+        return max(slowest * HUNG_STEP_FACTOR, MIN_STEP_TIMEOUT)
 
     def initial_specs(self) -> list[InstanceSpec]:
         """Instances laid out in order over nodes of `gpus_per_node` GPUs."""

@@ -33,8 +33,8 @@ try:
 except ImportError as e:  # an optional dependency
     raise ImportError("the Ray backend needs ray: pip install 'dilaserve[ray]'") from e
 
-from dilaserve.cluster.backends import WorkerEvent, free_port
-from dilaserve.cluster.worker import InstanceWorker, WorkerConfig
+from dilaserve.cluster.backends import WorkerEvent
+from dilaserve.cluster.worker import InstanceWorker, WorkerConfig, new_rendezvous
 from dilaserve.control.decisions import InstanceSpec
 from dilaserve.protocol import StepBatch, StepOutput
 
@@ -44,6 +44,10 @@ WAIT_SLICE = 0.01
 # An idle instance has no call in flight to fail if its actors die; poll pings its ranks once
 # this many seconds have passed without a reply, so that a death is still seen.
 HEARTBEAT = 1.0
+# Without an address, the Ray started here has this node address (and Ray's own token
+# authentication, on by default for a local Ray since Ray 2.5x): an open Ray head runs code for
+# anyone who reaches it. Ray's servers still listen on every interface; see docs/cluster-ray.md.
+LOCAL_ONLY = "127.0.0.1"
 
 
 class _Rank:
@@ -55,11 +59,12 @@ class _Rank:
         self.worker: InstanceWorker | None = None
 
     def rendezvous(self) -> str:
-        """Rank 0: "ip:port" on its node where the gang's process group meets."""
-        return f"{ray.util.get_node_ip_address()}:{free_port()}"
+        """Rank 0: the file on its node where the gang's process group meets (a gang's ranks
+        share a node: see the placement group)."""
+        return new_rendezvous()
 
-    def load(self, config: WorkerConfig, size: int, address: str) -> None:
-        self.worker = InstanceWorker(config, self.rank, size, address)
+    def load(self, config: WorkerConfig, size: int, rendezvous: str) -> None:
+        self.worker = InstanceWorker(config, self.rank, size, rendezvous)
 
     def step(self, batch: StepBatch) -> tuple[StepOutput, float] | None:
         """Rank 0 answers; every other rank computed the same output (or error), kept here."""
@@ -107,8 +112,8 @@ class RayBackend:
         if self._owns_ray:
             if address:
                 ray.init(address=address)
-            else:
-                ray.init(include_dashboard=False)
+            else:  # a Ray of our own, on this machine (Ray enables its token authentication)
+                ray.init(include_dashboard=False, _node_ip_address=LOCAL_ONLY)
 
     def start(self, spec: InstanceSpec) -> None:
         if spec.instance_id in self._gangs:
@@ -125,10 +130,10 @@ class RayBackend:
             ).remote(rank)
             for rank in range(spec.tp)
         ]
-        # Ray resolves the address before running the other ranks' loads: nothing waits here.
-        address = actors[0].rendezvous.remote() if spec.tp > 1 else ""
+        # Ray resolves the rendezvous before running the other ranks' loads: nothing waits here.
+        meet = actors[0].rendezvous.remote() if spec.tp > 1 else ""
         gang = _Gang(group, actors)
-        gang.calls.append(("load", [a.load.remote(self.worker, spec.tp, address) for a in actors]))
+        gang.calls.append(("load", [a.load.remote(self.worker, spec.tp, meet) for a in actors]))
         self._gangs[spec.instance_id] = gang
 
     def step(self, instance_id: str, batch: StepBatch) -> None:

@@ -111,6 +111,8 @@ class RequestHandle:
         self.submitted = submitted
         self.stop = tuple(stop)
         self.future: concurrent.futures.Future[RequestResult] = concurrent.futures.Future()
+        # done once the controller has taken the request in (or raised `Overloaded`, ...)
+        self.admission: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._deltas: queue.SimpleQueue = queue.SimpleQueue()
         self._loop = loop or _running_loop()  # stream to it without blocking a thread
         self._async: asyncio.Queue | None = None
@@ -198,6 +200,12 @@ class Answers:
             return
         if self.observer is not None:
             self.observer.request_failed(handle.request_id, type(error).__name__)
+        self.refuse(handle, error)
+
+    def refuse(self, handle: RequestHandle, error: BaseException) -> None:
+        """End a request with `error` (unheard by the observer: admission refused it)."""
+        if not handle.admission.done():
+            handle.admission.set_exception(error)
         handle.future.set_exception(error)
         handle._push(error)
 

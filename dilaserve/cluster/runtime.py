@@ -37,6 +37,7 @@ from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
+from dilaserve.cluster.admission import LOWEST_PRIORITY, Admission
 from dilaserve.cluster.backends import Backend, WorkerEvent, start_all
 from dilaserve.cluster.config import ClusterConfig, make_backend
 from dilaserve.cluster.intake import Intake, longest_token_chars
@@ -101,6 +102,8 @@ class Cluster:
         self.observer = observer
         self.answers = Answers(self.tokenizer, observer)
         self.rollout = Rollout(self.scheduler, self, config.max_batch_tokens)
+        self.admission = Admission(self.scheduler, config.overload)
+        self.step_timeout = config.derived_step_timeout(self.scheduler.profile)
         self.log = DecisionLog(keep_lines=config.record)
         self.recording = Recording() if config.record else None
         self.stats = {
@@ -109,6 +112,8 @@ class Cluster:
             "migrations": 0,
             "reconfigurations": 0,
             "controller_errors": 0,  # exceptions in the controller (survived: see `_survive`)
+            "refused": 0,  # over capacity at admission (`admission`), refused
+            "deprioritized": 0,  # over capacity at admission, served last
         }
         # (round trip, engine seconds) of the latest steps: bounded, for a server that runs on
         self.step_times: deque[tuple[float, float]] = deque(maxlen=STEP_TIMES_KEPT)
@@ -145,7 +150,12 @@ class Cluster:
         self._thread = threading.Thread(target=self._run, name="dilaserve-controller", daemon=True)
         self._thread.start()
         self._accepting = True
-        log.info("cluster up: %d instances %s", len(specs), [s.tp for s in specs])
+        log.info(
+            "cluster up: %d instances %s; a step past %.1f s counts as hung",
+            len(specs),
+            [s.tp for s in specs],
+            self.step_timeout,
+        )
         return self
 
     def drain(self, timeout: float) -> bool:
@@ -340,7 +350,7 @@ class Cluster:
         for replacement in self.replacements.due(now):
             self._replace("(retry)", replacement, now)
         for iid, (launched, _) in self._inflight.items():
-            if now - launched > self.config.step_timeout and iid not in self._hung:
+            if now - launched > self.step_timeout and iid not in self._hung:
                 log.error(
                     "instance %s: a step has run %.0f s; killing it as hung", iid, now - launched
                 )
@@ -350,9 +360,25 @@ class Cluster:
     def _admit(self, handle: RequestHandle, now: float) -> None:
         request = handle.request
         request.arrival_time = now
+        if not self._within_capacity(handle):
+            return
+        handle.admission.set_result(None)
         if self.recording is not None:
             self.recording.requests.append(request.fresh())
         self.apply(self.scheduler.on_arrival(request, now), now, f"a{request.request_id}")
+
+    def _within_capacity(self, handle: RequestHandle) -> bool:
+        """Admission by capacity (`admission`): a request over it is refused, or served last."""
+        if self.admission.excess(handle.request) <= 0:
+            return True
+        if self.admission.mode == "deprioritize":
+            self.stats["deprioritized"] += 1
+            handle.request.priority = LOWEST_PRIORITY
+            return True
+        self.stats["refused"] += 1
+        self._handles.pop(handle.request_id, None)
+        self.answers.refuse(handle, Overloaded("over capacity: this request cannot meet its SLO"))
+        return False
 
     def _cancel(self, rid: str, now: float) -> None:
         handle = self._handles.get(rid)

@@ -34,8 +34,10 @@ class WorkerConfig:
     tp_timeout: float = 120.0  # seconds a rank waits for its gang at start-up
 
 
-def init_tensor_parallel(rank: int, size: int, address: str, device: str, timeout: float):
-    """Join the gang's process group at `address` ("host:port" of rank 0); a `TPGroup`."""
+def init_tensor_parallel(rank: int, size: int, rendezvous: str, device: str, timeout: float):
+    """Join the gang's process group; a `TPGroup`. Every rank of a gang runs on one node, so
+    the ranks meet in a file (`rendezvous`, in a folder only this user can read) and talk
+    over the loopback interface: nothing listens on the network."""
     from dilaserve.models.layers import TPGroup
 
     if size == 1:
@@ -44,9 +46,13 @@ def init_tensor_parallel(rank: int, size: int, address: str, device: str, timeou
 
     import torch.distributed as dist
 
+    loopback = loopback_interface()
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        if loopback is not None:
+            os.environ.setdefault(name, loopback)
     dist.init_process_group(
         "nccl" if device.startswith("cuda") else "gloo",
-        init_method=f"tcp://{address}",
+        store=dist.FileStore(rendezvous, size),
         rank=rank,
         world_size=size,
         timeout=datetime.timedelta(seconds=timeout),
@@ -54,10 +60,24 @@ def init_tensor_parallel(rank: int, size: int, address: str, device: str, timeou
     return TPGroup(size, rank, dist.group.WORLD)
 
 
+def loopback_interface() -> str | None:
+    """The name of this machine's loopback interface ("lo" on Linux), if it has one."""
+    import socket
+
+    return next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
+
+
+def new_rendezvous() -> str:
+    """A file for one gang's ranks to meet in, in a new folder only this user can read."""
+    import tempfile
+
+    return os.path.join(tempfile.mkdtemp(prefix="dilaserve-tp-"), "store")
+
+
 class InstanceWorker:
     """One rank: loads its shard of the model and executes steps."""
 
-    def __init__(self, config: WorkerConfig, rank: int = 0, size: int = 1, address: str = ""):
+    def __init__(self, config: WorkerConfig, rank: int = 0, size: int = 1, rendezvous: str = ""):
         import torch
 
         from dilaserve.engine.engine import Engine
@@ -67,7 +87,7 @@ class InstanceWorker:
         if config.threads:
             torch.set_num_threads(config.threads)
         engine = config.engine
-        tp = init_tensor_parallel(rank, size, address, engine.device, config.tp_timeout)
+        tp = init_tensor_parallel(rank, size, rendezvous, engine.device, config.tp_timeout)
         self.rank = rank
         model = load_model(config.model, engine.dtype, tp, device=engine.device)
         special = Tokenizer(Path(config.model), model.config).special
@@ -88,15 +108,15 @@ def serve_pipe(conn) -> None:
     """A local worker process: read its orders, load, say "up", then answer commands until
     told to stop (or the controller goes away).
 
-    First message: ("init", WorkerConfig, rank, size, address, gpus). Commands: ("step", batch)
+    First message: ("init", WorkerConfig, rank, size, rendezvous, gpus). Commands: ("step", batch)
     -> ("done", output, seconds) or ("failed", error); ("release", request_ids); ("stop",).
     Only rank 0 answers.
     """
-    _, config, rank, size, address, gpus = conn.recv()
+    _, config, rank, size, rendezvous, gpus = conn.recv()
     if gpus and config.engine.device.startswith("cuda"):
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
     try:
-        worker = InstanceWorker(config, rank, size, address)
+        worker = InstanceWorker(config, rank, size, rendezvous)
     except Exception:
         conn.send(("failed", traceback.format_exc(limit=3)))
         return

@@ -6,9 +6,10 @@ chat template), `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus), `G
 `stream: true` a response is Server-Sent Events whose deltas are committed text only, in order:
 text goes out once it and everything before it is committed. `usage` counts generated tokens
 only. Errors have OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`): 400
-naming the bad field, 429 (too many requests in flight) and 503 (shutting down) with
-Retry-After. One bad request never touches another: validation happens before the request
-reaches the cluster, and a failed request fails alone. A client that disconnects, streaming
+naming the bad field, 413 (a body over the limit), 404 (an unknown model), 429 (over capacity:
+`cluster/admission.py`) and 503 (shutting down, or no instance left) with Retry-After. One
+bad request never touches another: validation happens before the request reaches the cluster,
+and a failed request (whatever it raised) fails alone. A client that disconnects, streaming
 or not, has its request cancelled. With an API key set, `/v1/` endpoints answer only requests
 carrying `Authorization: Bearer KEY` (401 otherwise; the dashboard also takes KEY as a Basic
 password, so that a browser can ask for it); `/health` and `/metrics` stay open to probes and
@@ -278,6 +279,7 @@ class _Api:
                 received=arrived,
                 loop=asyncio.get_running_loop(),
             )
+            await asyncio.wrap_future(handle.admission)  # the controller took it in, or not
         except InvalidRequest as e:
             return error(400, str(e), "messages" if chat and e.param == "prompt" else e.param)
         except Overloaded as e:
@@ -286,6 +288,8 @@ class _Api:
         except Closed as e:
             self.metrics.rejected()
             return error(503, str(e), headers={"Retry-After": "5"})
+        except Exception as e:  # failed before it started (the message names the request)
+            return error(500, str(e))
         shape = _ChatShape() if chat else _CompletionShape()
         if body.stream:
             return StreamingResponse(
