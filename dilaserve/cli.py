@@ -92,45 +92,25 @@ def cmd_profile(args) -> None:
             )
         )
         return
-    from dilaserve.calibration.run import CalibrateConfig, profile_command
+    from dilaserve.calibration.run import profile_command
 
-    cfg = CalibrateConfig(
-        args.model,
-        args.device,
-        args.dtype,
-        args.tp,
-        max_tokens=args.gen_len,
-        seq_len=args.seq_len,
-        requests=args.requests,
-        repeats=args.repeats,
-        threads=args.threads,
-        cuda_graphs=args.cuda_graphs,
-    )
-    profile_command(cfg, args.out, args.profile_out)
+    profile_command(_calibrate_config(args, max_tokens=args.gen_len), args.out, args.profile_out)
 
 
 def cmd_calibrate(args) -> None:
-    from dilaserve.calibration.run import CalibrateConfig, calibrate
+    from dilaserve.calibration.run import calibrate
 
-    calibrate(
-        CalibrateConfig(
-            args.model,
-            args.device,
-            args.dtype,
-            args.tp,
-            prompts=args.prompts,
-            num_prompts=args.num_prompts,
-            thresholds=args.thresholds,
-            max_tokens=args.max_tokens,
-            requests=args.requests,
-            repeats=args.repeats,
-            threads=args.threads,
-            cuda_graphs=args.cuda_graphs,
-            calibration=args.calibration,
-            dws=args.dws,
-            profile_only=args.profile_only,
-        )
-    )
+    calibrate(_calibrate_config(args))
+
+
+def _calibrate_config(args, **overrides):
+    """A CalibrateConfig from the options of the same names."""
+    from dataclasses import fields
+
+    from dilaserve.calibration.run import CalibrateConfig
+
+    names = {f.name for f in fields(CalibrateConfig)}
+    return CalibrateConfig(**{k: v for k, v in vars(args).items() if k in names} | overrides)
 
 
 def cmd_train_predictor(args) -> None:
