@@ -4,6 +4,7 @@ the service down or lets anyone in. Each test names the bug it guards against.""
 import concurrent.futures
 import json
 import os
+import signal
 import socket
 import threading
 import time
@@ -26,7 +27,7 @@ from dilaserve.control.decisions import InstanceSpec, SchedulerConfig
 from dilaserve.control.monitor import WorkloadMonitor
 from dilaserve.protocol import StepKind
 from dilaserve.server.app import ServerSettings, create_app
-from dilaserve.server.main import build_app, serve
+from dilaserve.server.main import DrainingServer, build_app, serve
 from dilaserve.server.metrics import ServerMetrics
 from dilaserve.tasks import arith
 
@@ -436,3 +437,73 @@ def test_a_request_refused_at_admission_is_a_429_with_retry_after(stream):
         r = client.post("/v1/completions", json=completion(stream=stream))
         assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
         assert r.json()["error"]["type"] == "rate_limit_error"
+
+
+# -- bug 6: shutdown closed the socket at once and left streams without an end ---------------
+
+
+class DrainingLive(LiveServer):
+    """`serve`'s DrainingServer in a thread; `terminate()` is what SIGTERM does."""
+
+    def __init__(self, drain_timeout: float):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        settings = ServerSettings(MODEL, self.url, drain_timeout)
+        app, self.cluster = build_app(config(tick=0.2), settings)
+        uv = uvicorn.Config(app, port=self.port, log_level="warning", timeout_graceful_shutdown=5)
+        self.server = DrainingServer(uv, self.cluster, settings)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        wait_until(lambda: self.server.started, timeout=120)
+
+    def terminate(self):
+        self.server.handle_exit(signal.SIGTERM, None)
+
+
+LONG = {"prompt": QUESTIONS[1], "max_tokens": 448, "threshold": 1.0}  # runs for seconds
+
+
+def test_shutdown_answers_503_while_draining_and_ends_what_is_left_in_openai_shape():
+    server = DrainingLive(drain_timeout=1.0)
+    lines, plain = [], {}
+
+    def stream():
+        body = completion(**LONG, stream=True)
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+            lines.extend(r.iter_lines())
+
+    def wait_plain():
+        plain["r"] = httpx.post(f"{server.url}/v1/completions", json=completion(**LONG), timeout=60)
+
+    readers = [threading.Thread(target=stream), threading.Thread(target=wait_plain)]
+    for reader in readers:
+        reader.start()
+    wait_until(lambda: server.cluster.in_flight == 2)
+    server.terminate()
+    refused = httpx.post(f"{server.url}/v1/completions", json=completion(), timeout=30)
+    assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1
+    assert httpx.get(f"{server.url}/health", timeout=30).status_code == 503
+    for reader in readers:
+        reader.join(60)
+    server.thread.join(60)
+    assert not server.thread.is_alive()
+    events = [line for line in lines if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["error"]["code"] is None  # an error event, OpenAI's shape
+    assert plain["r"].status_code == 503 and "shut down" in plain["r"].json()["error"]["message"]
+
+
+def test_workers_ignore_terminal_signals():
+    backend = LocalBackend(WORKER)
+    try:
+        backend.start(InstanceSpec("w", 0, 1, (0,)))
+        wait_until(lambda: any(e.kind == "up" for e in backend.poll(0.5)), timeout=120)
+        (worker,) = backend._gangs["w"].processes
+        for terminal in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            worker.send_signal(terminal)
+        time.sleep(1.0)
+        assert worker.poll() is None and backend.poll(0.1) == []
+    finally:
+        backend.shutdown()
