@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import time
 from dataclasses import replace
@@ -357,7 +358,7 @@ def mechanisms(x: Experiments, seeds=(0, 1)) -> None:
         attained = {}
         for seed in seeds:
             for policy, run_as, extra in shape_policies(changes):
-                tag = shape.split(":")[0].replace(" ", "-").replace(".", "")
+                tag = re.sub(r"[^A-Za-z0-9]+", "-", shape.split(":")[0]).strip("-")
                 name = f"mech-{tag}-{policy}-s{seed}"
                 s = x.run(name, policy=run_as, gpus=4, profile=GH200, seed=seed, **changes, **extra)
                 attained[policy, seed] = s["slo_attainment"]
