@@ -38,7 +38,7 @@ import argparse
 import time
 
 import numpy as np
-from dws_chat import chat_sjf
+from dws_chat import chat_cost, chat_sjf, encoder_latency
 from sjf_sim import alone_ms, latency_row, simulate
 
 from dilaserve.config import BUNDLED_DWS, BUNDLED_DWS_COST, BUNDLED_MODEL
@@ -173,6 +173,27 @@ def _simulate_one(args, profile, labels, policy: str, costs, arrivals, picks) ->
     return simulate(profile, policy, requests, steps, args.batch)
 
 
+def bundled_minilm(args, log) -> list[dict]:
+    """DWS with the packaged MiniLM encoder on the bundled task's labels (the hashed bundled
+    predictor's labels and split), saved and exported into the run folder for the cost and
+    prior parts: its validation error beside the bundled hashed predictor's."""
+    from dilaserve.dws.encoders import MINILM
+    from dilaserve.dws.model import DWSPredictor
+    from dilaserve.dws.onnx_export import export_onnx
+    from dilaserve.dws.train import DWSTrainConfig, Labels, split, train_dws
+
+    train, val = split(Labels.load(args.labels), 0.2, 5)  # as train-dws split them
+    predictor = train_dws(train, val, DWSTrainConfig(encoder=MINILM), log)
+    args.minilm_dws = args.folder / "dws-bundled-minilm"
+    predictor.save(args.minilm_dws)
+    export_onnx(predictor, args.minilm_dws)
+    hashed = DWSPredictor.load(BUNDLED_DWS).meta["validation"]
+    return [
+        {"encoder": "hashed (bundled)", **hashed},
+        {"encoder": "all-MiniLM-L6-v2", **predictor.meta["validation"]},
+    ]
+
+
 def step_prior(args, log) -> list[dict]:
     from dilaserve.cluster.runtime import ClusterConfig
     from dilaserve.cluster.trace_run import TraceRunSpec, run_trace
@@ -180,19 +201,22 @@ def step_prior(args, log) -> list[dict]:
     from dilaserve.control.build import ControlSpec
     from dilaserve.control.decisions import SchedulerConfig
 
+    priors = {"none": None, "hashed": str(BUNDLED_DWS)}
+    if getattr(args, "minilm_dws", None):
+        priors["all-MiniLM-L6-v2"] = str(args.minilm_dws)
     rows = []
-    for prior in (False, True):
+    for name, dws in priors.items():
         config = ClusterConfig(
             WorkerConfig(threads=1),
             ControlSpec(scheduler=SchedulerConfig(slo=args.slo, refresh_every_tokens=2)),
-            dws=str(BUNDLED_DWS) if prior else None,
-            dws_cost=str(BUNDLED_DWS_COST) if prior else None,
-            dws_prior=prior,
+            dws=dws,
+            dws_cost=None if dws is None else str(BUNDLED_DWS_COST),
+            dws_prior=dws is not None,
         )
         spec = TraceRunSpec(f"poisson:{args.prior_rps}:{args.seconds}", slo=args.slo)
         s = run_trace(config, spec)["summary"]
         keys = ("slo_attainment", "latency_mean", "mean_threshold", "accuracy")
-        rows.append({"dws_prior": prior, **{k: s[k] for k in keys}})
+        rows.append({"dws_prior": name, **{k: s[k] for k in keys}})
         log(rows[-1])
     return rows
 
@@ -205,18 +229,21 @@ def live_sjf(args, log) -> list[dict]:
     sys.path.insert(0, "benchmarks")
     from serve_policies import free_port, start_server
 
+    variants = [("fcfs", "fcfs", []), ("dws-sjf (hashed)", "dws-sjf", [])]
+    if getattr(args, "minilm_dws", None):
+        variants.append(("dws-sjf (minilm)", "dws-sjf", ["--dws", str(args.minilm_dws)]))
     rows = []
-    for policy in ("fcfs", "dws-sjf"):
+    for name, policy, extra in variants:
         port = free_port()
-        options = ["--instances", "1", "--max-batch-requests", str(args.batch)]
+        options = ["--instances", "1", "--max-batch-requests", str(args.batch), *extra]
         server = start_server(policy, port, options)
         try:
             for rate in args.live_rates:
                 trace = f"poisson:{rate}:{args.seconds}"
                 url = f"http://127.0.0.1:{port}"
                 _, s = run_bench(BenchSpec(url=url, trace=trace, slo_ms=1e6))
-                keys = ("latency_mean", "latency_p99", "ttft_mean", "ok")
-                rows.append({"rps": rate, "policy": policy, **{k: s[k] for k in keys}})
+                keys = ("latency_mean", "latency_p99", "ttft_mean", "ttft_p99", "ok")
+                rows.append({"rps": rate, "policy": name, **{k: s.get(k) for k in keys}})
                 log(rows[-1])
         finally:
             server.terminate()
@@ -238,7 +265,9 @@ def parse_args():
     parser.add_argument("--live-rates", default="10,20,30")
     parser.add_argument("--chat-rates", default="0.5,1,1.5,2")
     parser.add_argument("--chat-seconds", type=float, default=1200.0)
-    parser.add_argument("--skip", default="", help="parts to skip: cost,sim,chat,prior")
+    parser.add_argument(
+        "--skip", default="", help="parts to skip: chat-cost,chat,latency,minilm,cost,sim,prior"
+    )
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     for name in ("rates", "live_rates", "chat_rates"):
@@ -249,9 +278,12 @@ def parse_args():
 # the report's parts: (name, what runs it, its records file, its heading); `--skip NAME`
 # leaves one out, and the live part runs only with `--live`
 PARTS = (
+    ("chat-cost", chat_cost, "chat_cost.csv", "Cost prediction on chat prompts"),
+    ("chat", chat_sjf, "chat_sjf.csv", "SJF on chat prompts (simulator)"),
+    ("latency", encoder_latency, "encoder_latency.csv", "Predictor latency per prompt"),
+    ("minilm", bundled_minilm, "bundled_minilm.csv", "MiniLM DWS on the bundled task"),
     ("cost", cost_error, "cost_error.csv", "Cost prediction"),
     ("sim", simulated_sjf, "sim_sjf.csv", "DWS-SJF vs FCFS (simulator)"),
-    ("chat", chat_sjf, "chat_sjf.csv", "SJF on chat-shaped work (simulator)"),
     ("prior", step_prior, "prior.csv", "The DWS step prior (live cluster)"),
     ("live", live_sjf, "live_sjf.csv", "DWS-SJF vs FCFS (live server)"),
 )
@@ -260,10 +292,11 @@ PARTS = (
 def main() -> None:
     args = parse_args()
     folder = create_run_dir(args.out, "dws")
+    args.folder = folder
     write_json(folder / "config.json", {**vars(args), "environment": environment()})
     lines, summary = ["# DWS evaluation", ""], {}
     for name, run, records, heading in PARTS:
-        if (not args.live) if name == "live" else name in args.skip:
+        if (not args.live) if name == "live" else name in args.skip.split(","):
             continue
         rows = run(args, print)
         lines += [f"## {heading}", ""]

@@ -6,9 +6,10 @@ from __future__ import annotations
 import numpy as np
 
 
-def simulate(profile, policy: str, requests, steps, batch: int) -> list:
-    """`requests` (with their costs) on one TP-1 instance under `policy`, each block taking
-    `steps[request_id][block]` steps: the finished requests."""
+def simulate(profile, policy: str, requests, steps, batch: int, **overrides) -> list:
+    """`requests` (with their costs) on one TP-1 instance under `policy` (with `overrides` of
+    its fields, e.g. aging), each block taking `steps[request_id][block]` steps: the finished
+    requests."""
     from dilaserve.control.decisions import InstanceSpec, SchedulerConfig
     from dilaserve.control.policy import get_policy
     from dilaserve.control.scheduler import Scheduler
@@ -16,7 +17,7 @@ def simulate(profile, policy: str, requests, steps, batch: int) -> list:
     from dilaserve.sim.simulator import SimConfig, Simulator
 
     config = SchedulerConfig(slo=1e6, max_batch_requests=batch)
-    scheduler = Scheduler(get_policy(policy), profile, None, config)
+    scheduler = Scheduler(get_policy(policy, **overrides), profile, None, config)
     spec = InstanceSpec("i0", 0, 1, (0,), 65536)
     sim = Simulator(scheduler, profile, BlockStepsBehaviour(steps), [spec], SimConfig())
     return sim.run(requests).requests
@@ -33,6 +34,8 @@ def latency_row(rate: float, name: str, done: list, fcfs_mean: float | None) -> 
         "latency_mean": round(mean, 4),
         "latency_p99": round(float(np.percentile(latency, 99)), 4),
         "first_block_mean": round(float(first.mean()), 4),
+        "first_block_p99": round(float(np.percentile(first, 99)), 4),
+        "latency_max": round(float(latency.max()), 4),
         "fcfs_over_this": round((fcfs_mean or mean) / mean, 3),
     }
 

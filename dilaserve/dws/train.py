@@ -204,9 +204,13 @@ class _Run:
         return params + ([{"params": self.encoder, "lr": encoder_lr}] if self.encoder else [])
 
 
-def train_dws(train: Labels, val: Labels, cfg: DWSTrainConfig, log=print) -> DWSPredictor:
+def train_dws(
+    train: Labels, val: Labels, cfg: DWSTrainConfig, log=print, encoder: nn.Module | None = None
+) -> DWSPredictor:
+    """Train DWS on `train`, keeping the best epochs on `val`. `encoder`: one already loaded
+    (a frozen sentence-transformers encoder can be shared); None builds `cfg.encoder`."""
     torch.manual_seed(cfg.seed)
-    model = DWSModel(_encoder(cfg), train.steps.shape[1], train.block_len)
+    model = DWSModel(encoder or _encoder(cfg), train.steps.shape[1], train.block_len)
     feats = model.encoder.features(train.texts)
     run = _Run(
         model,
@@ -300,11 +304,16 @@ class ScalarModel(nn.Module):
 
 
 def train_scalar(
-    train: Labels, val: Labels, target: Callable[[Labels], np.ndarray], cfg: DWSTrainConfig
+    train: Labels,
+    val: Labels,
+    target: Callable[[Labels], np.ndarray],
+    cfg: DWSTrainConfig,
+    encoder: nn.Module | None = None,
 ) -> Callable[[list[str]], np.ndarray]:
-    """Train a scalar proxy on `target(labels)`; returns texts -> predictions."""
+    """Train a scalar proxy on `target(labels)`; returns texts -> predictions. `encoder` as
+    in `train_dws`."""
     torch.manual_seed(cfg.seed)
-    model = ScalarModel(_encoder(cfg))
+    model = ScalarModel(encoder or _encoder(cfg))
     feats, val_feats = model.encoder.features(train.texts), model.encoder.features(val.texts)
     y = torch.from_numpy(target(train).astype(np.float32))
     y_val = torch.from_numpy(target(val).astype(np.float32))
