@@ -215,7 +215,8 @@ def _ratio_row(profile_name: str, table: list[dict]) -> dict:
             for p in ("predicted output length", "predicted total steps")
         )
         ratios.append(f"{encoder} {proxy / by_name[f'DWS ({encoder})']:.2f}x")
-    return {"profile": profile_name, "predictor": "best proxy / DWS: " + ", ".join(ratios)}
+    blank = dict.fromkeys(("mean_relative_error", "median_relative_error", "mae_ms"), "")
+    return {"profile": profile_name, "predictor": "best proxy / DWS: " + ", ".join(ratios), **blank}
 
 
 def aging_bound(costs: np.ndarray, aging: float = 0.10, period: float = 30.0) -> dict:
@@ -230,7 +231,7 @@ def aging_bound(costs: np.ndarray, aging: float = 0.10, period: float = 30.0) ->
     }
 
 
-def chat_sjf(args, log) -> list[dict]:
+def chat_sjf(args, log) -> tuple[list[dict], dict]:
     """Shortest-cost-first on the chat workload in the simulator (`SJF_PROFILE`, one TP-1
     instance taking `--batch` requests per step): FCFS; DWS-SJF with each encoder's costs (and
     with aging off, to show what aging bounds); SJF on true costs times log-normal noise."""
@@ -249,7 +250,8 @@ def chat_sjf(args, log) -> list[dict]:
     for sigma in CHAT_NOISE:
         noise = np.random.default_rng(7).lognormal(0.0, sigma, len(held))
         orders.append((f"sjf, true cost, sigma {sigma}", "dws-sjf", true * noise, {}))
-    log({"aging_bound_minilm_costs": aging_bound(dws["minilm"])})
+    summary = {"aging_bound_minilm_costs": aging_bound(dws["minilm"])}
+    log(summary)
     rows = []
     for rate in args.chat_rates:
         rng = np.random.default_rng(5)
@@ -279,7 +281,7 @@ def chat_sjf(args, log) -> list[dict]:
             fcfs_mean = fcfs_mean or row["latency_mean"]
             rows.append(row)
             log(row)
-    return rows
+    return rows, summary
 
 
 def encoder_latency(args, log) -> list[dict]:
