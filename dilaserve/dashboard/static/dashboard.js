@@ -42,8 +42,10 @@ function frame(svg, x0, x1, yMax, yLabel) {
   while (svg.firstChild) svg.removeChild(svg.firstChild);
   const sx = (x) => PAD.left + (x - x0) / Math.max(x1 - x0, 1e-9) * (W - PAD.left - PAD.right);
   const sy = (y) => H - PAD.bottom - y / yMax * (H - PAD.top - PAD.bottom);
-  for (let k = 0; k <= 4; k++) {
-    const y = yMax * k / 4;
+  const mantissa = yMax / Math.pow(10, Math.floor(Math.log10(yMax)));
+  const divisions = mantissa === 2.5 || mantissa === 5 ? 5 : 4;  // round ticks
+  for (let k = 0; k <= divisions; k++) {
+    const y = yMax * k / divisions;
     el("line", {x1: PAD.left, x2: W - PAD.right, y1: sy(y), y2: sy(y), class: "grid-line"}, svg);
     text(svg, PAD.left - 6, sy(y) + 4, fmt(y), {"text-anchor": "end"});
   }
