@@ -25,7 +25,7 @@ from dilaserve.cluster.worker import WorkerConfig
 from dilaserve.control.build import ControlSpec
 from dilaserve.control.decisions import InstanceSpec, SchedulerConfig
 from dilaserve.control.monitor import WorkloadMonitor
-from dilaserve.protocol import StepKind
+from dilaserve.protocol import StepBatch, StepItem, StepKind
 from dilaserve.server.app import ServerSettings, create_app
 from dilaserve.server.main import DrainingServer, build_app, serve
 from dilaserve.server.metrics import ServerMetrics
@@ -212,9 +212,12 @@ def _me() -> int:
 
 def test_latency_counts_from_when_the_request_reached_the_server():
     with Cluster(config()) as cluster:
-        handle = cluster.submit(QUESTIONS[0], slo=1.0, received=time.perf_counter() - 5.0)
-        result = handle.result(60)
-    assert result.latency >= 5.0 and not result.met_slo
+        handle = cluster.submit(QUESTIONS[0], slo=60.0, received=time.perf_counter() - 5.0)
+        assert handle.result(60).latency >= 5.0
+        late = cluster.submit(QUESTIONS[0], slo=1.0, received=time.perf_counter() - 5.0)
+        with pytest.raises(Overloaded, match="s are left"):  # it cannot meet its SLO: refused
+            late.result(60)
+        assert not cluster.is_full(0)  # (not for capacity: the next one is asked again)
 
 
 # -- bug 4: a lone surrogate got a plain-text 500 and closed the connection -------------------
@@ -394,6 +397,7 @@ def test_requests_over_capacity_are_refused_and_the_rest_served():
         assert "refused" in outcomes
         assert cluster.stats["refused"] == outcomes.count("refused")
         assert cluster.in_flight == 0
+        assert not cluster.is_full(0)  # requests finished since the last refusal
         assert cluster.submit(QUESTIONS[0]).result(60).num_steps > 0  # room again
 
 
@@ -428,6 +432,9 @@ class _AdmittingCluster:
 
     def health(self):
         return "ok"
+
+    def is_full(self, priority):
+        return False
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -507,3 +514,14 @@ def test_workers_ignore_terminal_signals():
         assert worker.poll() is None and backend.poll(0.1) == []
     finally:
         backend.shutdown()
+
+
+def test_admission_measures_how_much_slower_steps_run_than_profiled():
+    cluster = Cluster(config())  # (not started: its scheduler is all this needs)
+    admission = cluster.admission
+    profile = cluster.scheduler.profile
+    batch = StepBatch(tuple(StepItem(f"r{i}", 0.9, StepKind.CACHE) for i in range(4)))
+    predicted = profile.step_latency(1, 4 * 32, StepKind.CACHE)
+    for _ in range(200):
+        admission.observe_step(1, batch, 3 * predicted)
+    assert admission.slowdown == pytest.approx(3.0, rel=1e-3)

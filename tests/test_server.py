@@ -284,6 +284,9 @@ class _RefusingCluster:
     def health(self):
         return "unavailable"
 
+    def is_full(self, priority):
+        return False
+
     def queue_length(self):
         return 0
 

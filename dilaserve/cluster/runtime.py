@@ -58,6 +58,7 @@ from dilaserve.protocol import StepBatch, StepOutput
 
 log = logging.getLogger("dilaserve.cluster")
 STEP_TIMES_KEPT = 100_000  # steps whose timings a cluster keeps (the latest)
+NOT_FULL = LOWEST_PRIORITY - 1  # `is_full` for no priority
 
 
 def refuse_block_diffusion(model, family) -> None:
@@ -135,6 +136,7 @@ class Cluster:
         self._next_id = 0
         self.replacements = Replacements()
         self._handling: tuple[str, object] = ("start", None)  # what the controller is handling
+        self._full_below = NOT_FULL  # `is_full`: the highest priority refused since a finish
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -244,6 +246,8 @@ class Cluster:
 
         Raises ValueError naming a bad argument, `Overloaded` when admission control refuses
         work, and `Closed` when the cluster is not serving."""
+        if self.is_full(priority):  # before any work on it, tokenizing included
+            raise Overloaded("over capacity: requests are being refused; retry later")
         submission = self.intake.check(
             prompt,
             max_tokens,
@@ -360,25 +364,35 @@ class Cluster:
     def _admit(self, handle: RequestHandle, now: float) -> None:
         request = handle.request
         request.arrival_time = now
-        if not self._within_capacity(handle):
+        if not self._within_capacity(handle, now):
             return
         handle.admission.set_result(None)
         if self.recording is not None:
             self.recording.requests.append(request.fresh())
         self.apply(self.scheduler.on_arrival(request, now), now, f"a{request.request_id}")
 
-    def _within_capacity(self, handle: RequestHandle) -> bool:
-        """Admission by capacity (`admission`): a request over it is refused, or served last."""
-        if self.admission.excess(handle.request) <= 0:
+    def _within_capacity(self, handle: RequestHandle, now: float) -> bool:
+        """Admission by capacity (`admission`): a request that cannot meet its SLO is refused,
+        or served last. While requests are refused and none has finished since, `submit`
+        refuses those of no higher priority at once (`is_full`)."""
+        refusal = self.admission.refusal(handle.request, now)
+        if refusal is None:
             return True
         if self.admission.mode == "deprioritize":
             self.stats["deprioritized"] += 1
             handle.request.priority = LOWEST_PRIORITY
             return True
         self.stats["refused"] += 1
+        if refusal.over_capacity:
+            self._full_below = max(self._full_below, handle.request.priority)
         self._handles.pop(handle.request_id, None)
-        self.answers.refuse(handle, Overloaded("over capacity: this request cannot meet its SLO"))
+        self.answers.refuse(handle, Overloaded(f"cannot meet its SLO now: {refusal.reason}"))
         return False
+
+    def is_full(self, priority: int) -> bool:
+        """Would a request of `priority` be refused now? (Requests of no higher priority were
+        refused for capacity, and none has finished since.)"""
+        return isinstance(priority, int) and priority <= self._full_below
 
     def _cancel(self, rid: str, now: float) -> None:
         handle = self._handles.get(rid)
@@ -404,11 +418,12 @@ class Cluster:
     def _step_done(self, iid: str, event: WorkerEvent, now: float) -> None:
         if iid not in self.scheduler.instances:
             return  # removed meanwhile; its requests already moved on
-        launched, _ = self._inflight.pop(iid)
+        launched, batch = self._inflight.pop(iid)
         self.step_times.append((now - launched, event.seconds))
         self.steps_run += 1
+        tp = self.scheduler.instances[iid].tp
+        self.admission.observe_step(tp, batch, event.seconds)
         if self.observer is not None:
-            tp = self.scheduler.instances[iid].tp
             self.observer.step_done(iid, tp, event.output, event.seconds)
         if self.recording is not None:
             self.recording.launches.append((iid, launched, now, event.output.results))
@@ -500,6 +515,7 @@ class Cluster:
     # -- results -----------------------------------------------------------------------------
 
     def _finish(self, rid: str, now: float) -> None:
+        self._full_below = NOT_FULL  # capacity freed: ask admission again
         handle = self._handles.pop(rid, None)
         if handle is not None:
             self.answers.finish(handle, now)

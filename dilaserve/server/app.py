@@ -264,6 +264,8 @@ class _Api:
             if slo <= 0:
                 return error(400, f"deadline={body.deadline} has passed", "deadline")
         try:  # tokenizing is off the event loop: a long prompt holds up no other request
+            if self.cluster.is_full(body.priority):  # refused at once, before any work
+                raise Overloaded("over capacity: requests are being refused; retry later")
             handle = await run_in_threadpool(
                 self.cluster.submit,
                 prompt,
