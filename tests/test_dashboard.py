@@ -194,9 +194,11 @@ def test_the_live_feed_reads_priorities_events_and_gauges_from_the_cluster():
     metrics.dashboard.request_done(_result("a", True), [0.9])
     metrics.dashboard.request_failed("b", "CancelledError")  # not a failure
     metrics.dashboard.request_failed("c", "RuntimeError")
+    metrics.rejected()  # refused at admission
     data = metrics.dashboard.data(META)
     assert data["series"]["attainment_by_priority"] == {"5": [1.0]}
     assert data["totals"]["failed"] == 1 and data["totals"]["migrations"] == 2
+    assert data["totals"]["rejected"] == 1 and data["series"]["rejected"] == [1]
     assert [e["kind"] for e in data["events"]] == ["reconfiguration", "instance failure"]
     assert data["events"][0]["text"] == "to 2 x TP-1, 0 x TP-2"
     assert data["current"]["queue"] == 3

@@ -39,6 +39,7 @@ class _Interval:
     finished: int = 0
     met: int = 0
     failed: int = 0
+    rejected: int = 0
     tokens: int = 0
     migrations: int = 0
     by_priority: dict[str, list[int]] = field(default_factory=dict)  # -> [finished, met]
@@ -62,7 +63,9 @@ class Timeline:
         self.events: deque[dict] = deque(maxlen=MAX_EVENTS)
         self.instance_tp: dict[str, int] = {}  # instances serving now
         self.priorities: list[str] = []
-        self.totals = {"finished": 0, "met": 0, "failed": 0, "tokens": 0, "migrations": 0}
+        self.totals = dict.fromkeys(
+            ("finished", "met", "failed", "rejected", "tokens", "migrations"), 0
+        )
         self.last = {"queue": 0, "in_flight": 0}
         self._by_tp: dict[int, int] = {}
 
@@ -91,6 +94,11 @@ class Timeline:
     def request_failed(self, now: float) -> None:
         self._at(now).failed += 1
         self.totals["failed"] += 1
+
+    def request_rejected(self, now: float) -> None:
+        """A request refused at admission (over capacity, or shutting down)."""
+        self._at(now).rejected += 1
+        self.totals["rejected"] += 1
 
     def step_done(
         self, now: float, instance_id: str, kind: str, batch_tokens: int, seconds: float
@@ -196,6 +204,7 @@ class Timeline:
             "t": [w.start for w in windows],
             "finished": [w.finished for w in windows],
             "failed": [w.failed for w in windows],
+            "rejected": [w.rejected for w in windows],
             "attainment": [_share(w.met, w.finished) for w in windows],
             "attainment_by_priority": {p: [_priority_share(w, p) for w in windows] for p in names},
             **{f"latency_p{q}": [p[k] for p in pct] for k, q in enumerate(PERCENTILES)},

@@ -78,6 +78,13 @@ class LiveFeed:
         with self._lock:
             self.timeline.request_failed(self._cluster.now())
 
+    def request_rejected(self) -> None:
+        """A request refused at admission (429 or 503; called on the event loop)."""
+        if self._cluster is None:
+            return
+        with self._lock:
+            self.timeline.request_rejected(self._cluster.now())
+
     def _remember_priorities(self, output) -> None:
         """The priority of each request seen for the first time (the scheduler still tracks it:
         this runs before the scheduler hears of the step)."""

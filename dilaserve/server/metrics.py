@@ -94,6 +94,7 @@ class ServerMetrics:
 
     def rejected(self) -> None:
         self.requests.labels("rejected").inc()
+        self.dashboard.request_rejected()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

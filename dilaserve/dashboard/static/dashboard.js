@@ -184,7 +184,8 @@ function drawCharts(data) {
    empty: "no request finished yet"});
   thresholdChart(document.getElementById("chart-thresholds"), data);
   lineChart(document.getElementById("chart-load"), data, [
-    {name: "in flight", values: s.in_flight}, {name: "queue", values: s.queue}],
+    {name: "in flight", values: s.in_flight}, {name: "queue", values: s.queue},
+    {name: "rejected", values: s.rejected, dash: "2 3"}],
   {yLabel: "requests"});
   const instances = document.getElementById("chart-instances");
   const tps = Object.keys(s.instances_by_tp);
@@ -261,7 +262,7 @@ function drawHeader(data) {
   if (data.title) document.title = data.title;
   const t = data.totals;
   const cards = [["within SLO", t.attainment === null ? "-" : `${(100 * t.attainment).toFixed(1)}%`],
-                 ["finished", t.finished], ["failed", t.failed],
+                 ["finished", t.finished], ["failed", t.failed], ["rejected", t.rejected],
                  ["in flight", data.current.in_flight], ["queue", data.current.queue],
                  ["migrations", t.migrations], ["time", `${fmt(data.now)} s`]];
   const box = document.getElementById("totals");
