@@ -131,7 +131,9 @@ def test_a_recorded_run_replays_in_the_simulator_to_the_same_decisions():
         cfg.max_batch_tokens,
     )
     assert len(sim.requests) == len(QUESTIONS) and not sim.unfinished
-    assert len(lines) > 2 * len(QUESTIONS)
+    # an arrival line per request, and step launches beyond them (how many depends on how the
+    # requests batched, which the machine's speed decides: a busy machine batches more)
+    assert len(lines) > len(QUESTIONS)
     assert sim_lines == lines
 
 
