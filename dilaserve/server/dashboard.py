@@ -1,10 +1,11 @@
 """`GET /dashboard`, the live page, and `GET /dashboard/data`, what it draws.
 
 `LiveFeed` hears the controller thread through `ServerMetrics` (steps run, requests finished or
-failed) and samples the cluster (queue, requests in flight, instances, migrations,
-reconfigurations, instance failures) at most every `SAMPLE_SECONDS` of steps and at every data
-request, into a bounded `dashboard.timeline.Timeline` behind a lock. A request costs O(its
-steps) once; a data request costs what `Timeline.to_json` does, whatever the load.
+failed; and the API's refusals) and samples the cluster (queue, requests in flight, instances,
+migrations, reconfigurations, instance failures) at most every `SAMPLE_SECONDS` of steps and at
+every data request, into a bounded `dashboard.timeline.Timeline` behind a lock; its time axis
+is seconds since it began to watch. A request costs O(its steps) once; a data request costs what
+`Timeline.to_json` does, whatever the load.
 
 With an API key set the page and its data need it, as `/v1/` does: as a bearer token, or, so that
 a browser can ask for it, as the password of HTTP Basic authentication (any user name; only the
@@ -21,6 +22,7 @@ import hashlib
 import hmac
 import secrets
 import threading
+import time
 from collections.abc import Callable
 
 from fastapi import FastAPI
@@ -45,9 +47,16 @@ class LiveFeed:
         self._priority: dict[str, int] = {}  # request id -> priority, from its first step
         self._seen = {"migrations": 0, "reconfigurations": 0, "failures": 0}
         self._next_sample = 0.0
+        self._t0 = 0.0
 
     def watch(self, cluster) -> None:
+        """Follow `cluster` (started: the time axis begins now)."""
         self._cluster = cluster
+        self._t0 = time.perf_counter()
+
+    def _now(self) -> float:
+        """Seconds since `watch`: the server, not the control plane, reads the clock."""
+        return time.perf_counter() - self._t0
 
     # -- hooks (controller thread) ----------------------------------------------------------
 
@@ -55,7 +64,7 @@ class LiveFeed:
         if self._cluster is None:
             return
         self._remember_priorities(output)
-        now = self._cluster.now()
+        now = self._now()
         with self._lock:
             self.timeline.step_done(now, instance_id, kind, output.num_tokens, seconds)
             if now >= self._next_sample:
@@ -65,7 +74,7 @@ class LiveFeed:
         if self._cluster is None:
             return
         priority = self._priority.pop(result.request_id, 0)
-        now, tokens = self._cluster.now(), len(result.token_ids)
+        now, tokens = self._now(), len(result.token_ids)
         with self._lock:
             self.timeline.request_done(
                 now, result.latency, result.met_slo, priority, thresholds, tokens
@@ -76,14 +85,14 @@ class LiveFeed:
         if self._cluster is None or reason == "CancelledError":  # a cancel is no failure
             return
         with self._lock:
-            self.timeline.request_failed(self._cluster.now())
+            self.timeline.request_failed(self._now())
 
     def request_rejected(self) -> None:
         """A request refused at admission (429 or 503; called on the event loop)."""
         if self._cluster is None:
             return
         with self._lock:
-            self.timeline.request_rejected(self._cluster.now())
+            self.timeline.request_rejected(self._now())
 
     def _remember_priorities(self, output) -> None:
         """The priority of each request seen for the first time (the scheduler still tracks it:
@@ -101,7 +110,7 @@ class LiveFeed:
     def data(self, meta: dict) -> dict:
         if self._cluster is None:
             raise RuntimeError("the dashboard's feed watches no cluster yet")
-        now = self._cluster.now()
+        now = self._now()
         with self._lock:
             self._sample(now)
             return self.timeline.to_json(now, meta)
