@@ -53,6 +53,8 @@ class _Interval:
 
 
 class Timeline:
+    """A run's last `keep` intervals of `interval` seconds, fed in time order."""
+
     def __init__(self, interval: float = 2.0, keep: int = 300):
         if interval <= 0:
             raise ValueError(f"{interval=} must be positive (seconds)")
