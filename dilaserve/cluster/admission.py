@@ -14,10 +14,11 @@ predicted remaining steps times the tokens each step processes (Alg. 4 with a KV
 thresholds) admit every request; the count limit (`max_in_flight`) still holds.
 
 Measured slowdown (an extension): the profile was measured on an idle machine. Each step's
-engine time is compared with what the profile predicts for its batch, and capacity is divided
-by the running ratio when steps run slower (never multiplied: on a machine as fast as when it
-was profiled, the capacity is Algorithm 2's). On this project's shared 2-core machine steps ran
-about 5x slower than profiled, and without it nothing was refused at 3x capacity.
+round trip (launch to result, as the controller sees it) is compared with what the profile
+predicts for its batch, and capacity is divided by the running ratio when steps run slower
+(never multiplied: on a machine as fast as when it was profiled, the capacity is Algorithm
+2's). Without it, on this project's loaded 2-core
+machine, admission refused nothing at 3x capacity.
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ class Admission:
         return self.scheduler.profile
 
     def observe_step(self, tp: int, batch: StepBatch, seconds: float) -> None:
-        """A step of `batch` took the engine `seconds`: update the measured slowdown. (Call it
+        """A step of `batch` took `seconds`: update the measured slowdown. (Call it
         before the scheduler hears of the step: its requests are still tracked.)"""
         block, tokens, kind = self.scheduler.config.block_len, 0, StepKind.CACHE
         for item in batch.items:

@@ -422,7 +422,7 @@ class Cluster:
         self.step_times.append((now - launched, event.seconds))
         self.steps_run += 1
         tp = self.scheduler.instances[iid].tp
-        self.admission.observe_step(tp, batch, event.seconds)
+        self.admission.observe_step(tp, batch, now - launched)  # the step's cost, end to end
         if self.observer is not None:
             self.observer.step_done(iid, tp, event.output, event.seconds)
         if self.recording is not None:

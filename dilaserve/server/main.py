@@ -28,6 +28,10 @@ from dilaserve.server.metrics import ServerMetrics
 
 log = logging.getLogger("dilaserve.server")
 FLUSH_SECONDS = 0.5  # after failing what is left, time for those answers to go out
+# Idle keep-alive connections are closed after this (uvicorn's default is 5 s). A client that
+# reuses one just as the server closes it loses that request (a read error), so the server
+# should outlast the clients and proxies in front of it (commonly 60 s).
+KEEP_ALIVE_SECONDS = 65
 
 
 def build_app(config: ClusterConfig, settings: ServerSettings | None = None, address: str = ""):
@@ -120,7 +124,8 @@ def serve(
         **({} if max_body_bytes is None else {"max_body_bytes": max_body_bytes}),
     )
     app, cluster = build_app(config, settings)
-    server = DrainingServer(
-        uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5), cluster, settings
+    uv = uvicorn.Config(
+        app, log_level="info", timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_SECONDS
     )
+    server = DrainingServer(uv, cluster, settings)
     server.run(sockets=[sock])
