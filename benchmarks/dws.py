@@ -222,7 +222,11 @@ def step_prior(args, log) -> list[dict]:
 
 
 def live_sjf(args, log) -> list[dict]:
+    """Each variant's server started once; at each rate the load runs against them in the
+    order A B C, then C B A, so that a machine whose background load drifts (a shared one)
+    weighs on every variant alike. A row per (rate, variant, pass)."""
     import sys
+    from contextlib import ExitStack
 
     from dilaserve.bench.loadgen import BenchSpec, run_bench
 
@@ -233,22 +237,28 @@ def live_sjf(args, log) -> list[dict]:
     if getattr(args, "minilm_dws", None):
         variants.append(("dws-sjf (minilm)", "dws-sjf", ["--dws", str(args.minilm_dws)]))
     rows = []
-    for name, policy, extra in variants:
-        port = free_port()
-        options = ["--instances", "1", "--max-batch-requests", str(args.batch), *extra]
-        server = start_server(policy, port, options)
-        try:
-            for rate in args.live_rates:
+    with ExitStack() as servers:
+        ports = {}
+        for name, policy, extra in variants:
+            ports[name] = free_port()
+            options = ["--instances", "1", "--max-batch-requests", str(args.batch), *extra]
+            servers.callback(_stop, start_server(policy, ports[name], options))
+        names = [v[0] for v in variants]
+        for rate in args.live_rates:
+            for run, name in enumerate(names + names[::-1]):
                 trace = f"poisson:{rate}:{args.seconds}"
-                url = f"http://127.0.0.1:{port}"
+                url = f"http://127.0.0.1:{ports[name]}"
                 _, s = run_bench(BenchSpec(url=url, trace=trace, slo_ms=1e6))
                 keys = ("latency_mean", "latency_p99", "ttft_mean", "ttft_p99", "ok")
-                rows.append({"rps": rate, "policy": name, **{k: s.get(k) for k in keys}})
+                row = {"rps": rate, "policy": name, "pass": 1 + run // len(names)}
+                rows.append({**row, **{k: s.get(k) for k in keys}})
                 log(rows[-1])
-        finally:
-            server.terminate()
-            server.wait(60)
     return rows
+
+
+def _stop(server) -> None:
+    server.terminate()
+    server.wait(60)
 
 
 def parse_args():

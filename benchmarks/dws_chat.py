@@ -165,19 +165,25 @@ def dws_costs(models: ChatModels, kernel, encoder: str) -> np.ndarray:
     return np.array([c for c, _ in estimates])
 
 
-def chat_cost(args, log) -> list[dict]:
+def chat_cost(args, log) -> tuple[list[dict], dict]:
     """Cost-prediction error on the held-out chat prompts, per profile: DWS (surface x kernel)
-    against the scalar proxies (mapped to ms by a linear fit on the probes), each encoder; and
-    the ceilings: each predictor fed the truth (the true surface x kernel; the true output
-    length or total steps through the proxies' linear map)."""
+    against the scalar proxies (mapped to ms by a linear fit on the probes), each encoder; a
+    constant (the probes' median), which knows nothing of the prompt; and the ceilings: each
+    predictor fed the truth (the true surface x kernel; the true output length or total steps
+    through the proxies' linear map)."""
     from dilaserve.sim.latency import load_profile
 
     models = chat_models()
     labels, held, probes_at = models.labels, models.held, models.rest[:CHAT_PROBES]
-    rows = []
+    rows, summary = [], {"workload": workload_stats(labels)}
     for profile_name in PROFILES:
         profile = load_profile(profile_name)
         truth = np.array([_alone(labels, i, profile).total_ms for i in held])
+        summary[profile_name] = {
+            "held_out_true_ms_mean": round(float(truth.mean()), 1),
+            "held_out_true_ms_cv": round(float(truth.std() / truth.mean()), 3),
+            "held_out_true_ms_spread": round(float(truth.max() / truth.min()), 1),
+        }
         calib_ms = np.array([_alone(labels, i, profile).total_ms for i in probes_at])
         kernel = chat_kernel(models, profile)
         table = []
@@ -189,6 +195,8 @@ def chat_cost(args, log) -> list[dict]:
                 calib = predict([labels.texts[i] for i in probes_at])
                 ms = _linear_ms(calib, calib_ms, predict([labels.texts[i] for i in held]))
                 table.append(_errors(f"{proxy} ({encoder})", ms, truth))
+        constant = np.full(len(held), np.median(calib_ms))  # knows nothing of the prompt
+        table.append(_errors("constant: the probes' median ms", constant, truth))
         true_cost = np.array([kernel.cost_of_run(_alone(labels, i, profile)) for i in held])
         table.append(_errors("ceiling: true surface x kernel", true_cost, truth))
         for proxy, values in (
@@ -202,7 +210,19 @@ def chat_cost(args, log) -> list[dict]:
             log(rows[-1])
         rows.append(_ratio_row(profile_name, table))
         log(rows[-1])
-    return rows
+    log(summary)
+    return rows, summary
+
+
+def workload_stats(labels) -> dict:
+    blocks = (labels.steps > 0).sum(axis=1)
+    return {
+        "requests": len(labels),
+        "blocks_mean": round(float(blocks.mean()), 2),
+        "blocks_max": int(blocks.max()),
+        "steps_mean": round(float(labels.steps.sum(axis=1).mean()), 1),
+        "steps_per_block_mean": round(float(labels.steps.sum() / blocks.sum()), 2),
+    }
 
 
 def _ratio_row(profile_name: str, table: list[dict]) -> dict:
