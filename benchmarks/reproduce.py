@@ -52,6 +52,7 @@ class Experiments:
         self.out, self.base = out, base
         self.sections: list[str] = []
         self.plots: list[str] = []
+        self.shapes: list[str] = []  # mechanisms: only these workload shapes (all if empty)
 
     def run(self, name: str, **changes) -> dict:
         spec = replace(self.base, **changes)
@@ -350,10 +351,13 @@ MECHANISM_POLICIES = (
 
 def mechanisms(x: Experiments, seeds=(0, 1)) -> None:
     """Each mechanism's and baseline's effect on SLO attainment, in points, per workload shape:
-    the mean over seeds and the range, beside the paper's number."""
+    the mean over seeds and the range, beside the paper's number (`--shapes`: only the shapes
+    whose names contain one of these words)."""
     rows = [{"shape": "paper", **{col: paper for col, _, _, paper in EFFECTS}}]
     for shape, changes in SHAPES.items():
         if changes["trace"] == AZURE and not Path(AZURE).exists():
+            continue
+        if x.shapes and not any(word in shape for word in x.shapes):
             continue
         attained = {}
         for seed in seeds:
@@ -479,6 +483,7 @@ def main() -> None:
     ap.add_argument("--peak-rps", type=float, default=14.0)
     ap.add_argument("--minutes-per-hour", type=float, default=1.25)
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--shapes", default="", help="mechanisms: shapes naming one of these words")
     args = ap.parse_args()
     names = experiments_named(args.only)
     out = create_run_dir(args.out, "reproduce")
@@ -492,6 +497,7 @@ def main() -> None:
     )
     write_json(out / "config.json", {**vars(args), **commit(), "base": base.__dict__})
     x = Experiments(out, base)
+    x.shapes = [w for w in args.shapes.split(",") if w]
     for name in names:
         EXPERIMENTS[name](x)
         (out / "report.md").write_text("# DiLaServe reproduction\n\n" + "\n".join(x.sections))

@@ -132,8 +132,10 @@ def test_monitor_rates_carry_the_safety_buffer_and_forget_old_arrivals():
     assert [c.output_len for c in m.classes(19.4)] == [256]  # the small ones left the window
 
 
-def scheduler_with_planner(policy: str, guard_moves: bool = False) -> Scheduler:
-    cfg = config(period=10.0, guard_moves=guard_moves)
+def scheduler_with_planner(
+    policy: str, guard_moves: bool = False, startup_delay: float = 30.0
+) -> Scheduler:
+    cfg = config(period=10.0, guard_moves=guard_moves, startup_delay=startup_delay)
     s = Scheduler(
         get_policy(policy, fixed_threshold=0.9, candidates=(0.5, 0.9)),
         PROFILE,
@@ -162,16 +164,19 @@ def test_on_tick_returns_the_reconfiguration_each_period(policy, replans):
     assert s.on_tick(15.0).reconfiguration is None  # next round at 20 s
 
 
-def test_a_move_that_leaves_too_few_gpus_serving_is_skipped():
+@pytest.mark.parametrize("startup_delay, applied", [(30.0, False), (0.0, True)])
+def test_a_move_that_leaves_too_few_gpus_serving_too_long_is_skipped(startup_delay, applied):
     # the move above stops both TP-1 instances before the TP-2 one is up: no GPU serves for a
-    # whole start-up, while the class needs 0.4/s x 16 steps x 128 tokens / 1,280 tokens/s
-    s = scheduler_with_planner("dilaserve", guard_moves=True)
+    # whole start-up, while the class needs 0.4/s x 16 steps x 128 tokens / 1,280 tokens/s.
+    # A 30 s start-up is longer than the slack the 2.5 s SLO leaves; an instant one is not
+    s = scheduler_with_planner("dilaserve", guard_moves=True, startup_delay=startup_delay)
     for i in range(4):
         s.on_arrival(Request(f"r{i}", tuple(range(3, 67)), 64, 32, 1, 0.9, i * 2.5), i * 2.5)
-    assert s.on_tick(10.0).reconfiguration is None
+    assert (s.on_tick(10.0).reconfiguration is not None) is applied
     round_ = s.reconfigurer.history[-1]
     assert round_["proposal"] == {2: 1} and round_["fewest_serving"] == 0
-    assert round_["gpus_needed"] == pytest.approx(0.64) and not round_["applied"]
+    assert round_["gpus_needed"] == pytest.approx(0.64) and 0 <= round_["class_slack"] < 2.5
+    assert round_["applied"] is applied
 
 
 def test_a_proposal_that_keeps_the_running_counts_costs_one_solve(monkeypatch):

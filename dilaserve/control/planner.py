@@ -75,7 +75,8 @@ class PlannerConfig:
     time_limit: float = 30.0  # seconds per solve
     period: float = 300.0  # seconds between planning rounds
     improvement: float = 0.10  # apply a plan only if an objective improves this much
-    guard_moves: bool = True  # skip a move whose steps leave too few GPUs serving the load
+    guard_moves: bool = True  # skip a move whose steps leave too few GPUs serving the load ...
+    startup_delay: float = 30.0  # ... for longer than this (an instance's start-up) > SLO slack
 
     def __post_init__(self):
         if not self.gpus_per_node or min(self.gpus_per_node) <= 0:

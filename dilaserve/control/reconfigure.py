@@ -10,12 +10,14 @@ many running instances as it can, and `launch_order` sequences the moves. Called
 `Scheduler.on_tick(now)`.
 
 Our addition, on by default (`PlannerConfig.guard_moves`; the paper says nothing of the cost of
-a move): a move from a configuration that meets the SLOs is carried out only if, at every
-step of it, the instances still serving have the GPUs the observed load needs (each class's
-token-steps at the lowest threshold, at TP-1's best throughput; a lenient bound). Stopping
-instances to load others takes their GPUs away for a whole start-up: 4 TP-1 instances replaced
-by one TP-4 serve nobody for 30 s, which at a 4.6 s SLO misses every request that comes
-meanwhile (docs/simulator.md).
+a move): a move from a configuration that meets the SLOs is skipped when, at some step of it,
+the instances still serving have fewer GPUs than the observed load needs (each class's
+token-steps at the lowest threshold, at TP-1's best throughput; a lenient bound) for longer
+than the SLOs can absorb: an instance's start-up (`PlannerConfig.startup_delay`) exceeds the
+smallest slack the current configuration leaves a class (SLO_k - t_k). Stopping instances to
+load others takes their GPUs away for a whole start-up: 4 TP-1 instances replaced by one TP-4
+serve nobody for 30 s, which at a 4.6 s SLO misses every request that comes meanwhile, while a
+2 s gap within a 27 s SLO costs little (docs/simulator.md).
 """
 
 from __future__ import annotations
@@ -131,11 +133,18 @@ class Reconfigurer:
             proposal.counts(), self.config.gpus_per_node, running, self.config.time_limit
         )
         plan = launch_order(layout, running, proposal, f"r{self._rounds}")
-        if self.config.guard_moves and current.feasible:
-            needed = gpus_needed(classes, self.profile, self.config)
-            fewest = fewest_serving_gpus(plan, running)
-            self.history[-1].update(gpus_needed=round(needed, 2), fewest_serving=fewest)
-            if fewest < needed:
-                self.history[-1]["applied"] = False
-                return None
+        guarded = self.config.guard_moves and current.feasible
+        if guarded and self._move_hurts(plan, running, classes, current):
+            self.history[-1]["applied"] = False
+            return None
         return plan
+
+    def _move_hurts(self, plan: Reconfiguration, running, classes, current) -> bool:
+        """Whether the move leaves too few GPUs serving for longer than the SLOs' slack."""
+        needed = gpus_needed(classes, self.profile, self.config)
+        fewest = fewest_serving_gpus(plan, running)
+        slack = min(c.slo - t for c, t in zip(classes, current.latency))
+        self.history[-1].update(
+            gpus_needed=round(needed, 2), fewest_serving=fewest, class_slack=round(slack, 3)
+        )
+        return fewest < needed and self.config.startup_delay > slack

@@ -240,6 +240,7 @@ def simulate(spec: SimulationSpec, progress=None) -> SimulationRun:
             tp_degrees=tuple(d for d in (1, 2, 4, 8) if d in profile.tp_degrees),
             cache_block=None if spec.kv_cache == "none" else spec.block_len,
             period=spec.planner_period,
+            startup_delay=spec.startup_delay,
         )
         reconfigurer = Reconfigurer(profile, planner)
     scheduler = Scheduler(policy, profile, predictor, config, reconfigurer)
