@@ -364,7 +364,8 @@ def mechanisms(x: Experiments, seeds=(0, 1)) -> None:
             for policy, run_as, extra in shape_policies(changes):
                 tag = re.sub(r"[^A-Za-z0-9]+", "-", shape.split(":")[0]).strip("-")
                 name = f"mech-{tag}-{policy}-s{seed}"
-                s = x.run(name, policy=run_as, gpus=4, profile=GH200, seed=seed, **changes, **extra)
+                spec = {**changes, **extra}
+                s = x.run(name, policy=run_as, gpus=4, profile=GH200, seed=seed, **spec)
                 attained[policy, seed] = s["slo_attainment"]
         rows.append({"shape": shape, **effects(attained, seeds)})
     x.section(
