@@ -287,3 +287,14 @@ def test_version_and_defaults_in_help(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
     assert "(default: dilaserve)" in capsys.readouterr().out
+
+
+def test_a_model_that_fails_to_load_is_one_error_line(tmp_path, capsys):
+    model = write_random_llada(tmp_path / "broken")
+    (model / "model-00002-of-00003.safetensors").unlink()
+    argv = ["serve", str(model), "--profile", "llada-8b-h100", "--predictor"]
+    argv += [str(BUNDLED_PREDICTOR), "--layout", "1", "--port", "0"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "instance i0 failed" in err and "model-00002-of-00003.safetensors" in err

@@ -34,12 +34,17 @@ FLUSH_SECONDS = 0.5  # after failing what is left, time for those answers to go 
 KEEP_ALIVE_SECONDS = 65
 
 
-def build_app(config: ClusterConfig, settings: ServerSettings | None = None, address: str = ""):
-    """The app and its cluster (not started: the app starts it)."""
+def build_app(
+    config: ClusterConfig,
+    settings: ServerSettings | None = None,
+    address: str = "",
+    manage: bool = True,
+):
+    """The app and its cluster (not started; with `manage`, the app starts and closes it)."""
     metrics = ServerMetrics()
     cluster = Cluster(config, observer=metrics)
     settings = settings or ServerSettings(Path(config.worker.model).name, address)
-    return create_app(cluster, settings, metrics), cluster
+    return create_app(cluster, settings, metrics, manage), cluster
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -123,9 +128,13 @@ def serve(
         calibration=calibration,
         **({} if max_body_bytes is None else {"max_body_bytes": max_body_bytes}),
     )
-    app, cluster = build_app(config, settings)
+    app, cluster = build_app(config, settings, manage=False)
+    cluster.start()  # before uvicorn: a model that fails to load is one error line, not a trace
     uv = uvicorn.Config(
         app, log_level="info", timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_SECONDS
     )
     server = DrainingServer(uv, cluster, settings)
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    finally:
+        cluster.close()
