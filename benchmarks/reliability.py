@@ -8,7 +8,8 @@ process group of its own and runs these phases, each bounded in time:
 1. fuzz: `--fuzz` hostile bodies (wrong types, values at and past every bound, NaN, lone
    surrogates, broken JSON, deep nesting, bodies over the size limit, prompts past the
    context), 16 at a time. Every answer must be a completion or an error in OpenAI's shape, and
-   never a 5xx; afterwards a normal request is served and nothing is left in flight.
+   never a 5xx; afterwards a normal request is served and nothing is left in flight. Then
+   /health is timed while 8 clients send the largest bodies the server reads and long prompts.
 2. capacity: a closed loop of 32 clients for `--capacity-seconds`: requests served per second
    at saturation (the capacity).
 3. overload: Poisson arrivals at 3x that capacity for `--overload-seconds`: how fast refusals
@@ -207,6 +208,39 @@ async def fuzz(url: str, count: int, seed: int, deadline: float) -> dict:
     await asyncio.gather(*(client() for _ in range(16)))
     sent = sum(statuses.values())
     return {"bodies": sent, "statuses": statuses, "bad": len(bad), "bad_examples": bad[:10]}
+
+
+async def health_under_large_bodies(url: str, seconds: float) -> dict:
+    """/health polled every 20 ms while 8 clients send the largest bodies the server reads
+    (just under its 1 MiB limit, a prompt past the context) and long prompts it admits."""
+    huge = json.dumps({"model": MODEL, "prompt": "7" * ((1 << 20) - 100)}).encode()
+    long = json.dumps({"model": MODEL, "prompt": "7 " * 200, "max_tokens": 32}).encode()
+    end, waits, statuses = time.monotonic() + seconds, [], {}
+
+    async def sender(body: bytes):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            while time.monotonic() < end:
+                r = await http.post("/v1/completions", content=body,
+                                    headers={"content-type": "application/json"})  # fmt: skip
+                statuses[str(r.status_code)] = statuses.get(str(r.status_code), 0) + 1
+
+    async def poller():
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            while time.monotonic() < end:
+                start = time.perf_counter()
+                await http.get("/health")
+                waits.append(time.perf_counter() - start)
+                await asyncio.sleep(0.02)
+
+    await asyncio.gather(poller(), *(sender(b) for b in [huge] * 4 + [long] * 4))
+    return {
+        "seconds": seconds,
+        "large_requests": statuses,
+        "health_polls": len(waits),
+        "health_p50_s": percentile(waits, 0.5),
+        "health_p99_s": percentile(waits, 0.99),
+        "health_max_s": round(max(waits), 4),
+    }
 
 
 # -- load: one request, and loops of them --------------------------------------------------
@@ -429,6 +463,8 @@ async def run(args, folder: Path) -> dict:
         summary["after_fuzz"] = {"health": health["status"], "in_flight": health["in_flight"],
                                  "normal_request": served["status"]}  # fmt: skip
         print("fuzz:", summary["fuzz"], summary["after_fuzz"], flush=True)
+        summary["large_bodies"] = await health_under_large_bodies(url, 15.0)
+        print("/health under large bodies:", summary["large_bodies"], flush=True)
 
         records = await closed_loop(url, 32, args.capacity_seconds, args.slo_ms)
         capacity = served_rate(records, args.capacity_seconds)
@@ -482,6 +518,7 @@ def report(summary: dict, args) -> str:
         "",
         f"- fuzz: {f['bodies']} hostile bodies, statuses {f['statuses']}; answers not in OpenAI's "
         f"shape or 5xx: {f['bad']}; after: {summary['after_fuzz']}",
+        f"- /health under the largest bodies: {summary['large_bodies']}",
         f"- capacity: {summary['capacity']['served_per_s']} requests/s served (32 clients)",
         f"- overload at {o['rate_per_s']}/s for {o['seconds']} s: {o['refused_429']} refused "
         f"(p50 {o['refusal_latency_p50_s']} s, p99 {o['refusal_latency_p99_s']} s; "
