@@ -526,3 +526,17 @@ def test_admission_measures_how_much_slower_steps_run_than_profiled():
     for _ in range(200):
         admission.observe_step(1, batch, 3 * predicted)
     assert admission.slowdown == pytest.approx(3.0, rel=1e-3)
+
+
+def test_refusing_at_once_ends_when_capacity_frees_in_any_way():
+    with Cluster(config()) as cluster:
+        handle = cluster.submit(QUESTIONS[0], max_tokens=256)
+        cluster._full_below = 0  # as after a refusal for capacity at priority 0
+        assert cluster.is_full(0) and not cluster.is_full(1)
+        with pytest.raises(Overloaded):
+            cluster.submit(QUESTIONS[1])
+        cluster.cancel(handle.request_id)  # (cancelled, not finished: capacity frees too)
+        with pytest.raises(concurrent.futures.CancelledError):
+            handle.result(60)
+        assert not cluster.is_full(0)
+        assert cluster.submit(QUESTIONS[1]).result(60).num_steps > 0

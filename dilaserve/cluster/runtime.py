@@ -391,8 +391,9 @@ class Cluster:
 
     def is_full(self, priority: int) -> bool:
         """Would a request of `priority` be refused now? (Requests of no higher priority were
-        refused for capacity, and none has finished since.)"""
-        return isinstance(priority, int) and priority <= self._full_below
+        refused for capacity, and none has finished, failed or been cancelled since, nor has an
+        instance come up.)"""
+        return isinstance(priority, int) and priority <= self._full_below and bool(self._handles)
 
     def _cancel(self, rid: str, now: float) -> None:
         handle = self._handles.get(rid)
@@ -501,6 +502,7 @@ class Cluster:
             self._events.append(WorkerEvent("died", spec.instance_id, error=f"not started: {e}"))
 
     def instance_added(self, spec: InstanceSpec, now: float) -> None:
+        self._full_below = NOT_FULL  # more capacity
         self._log_instances(now)
 
     def instance_removed(self, instance_id: str, now: float) -> None:
@@ -521,5 +523,6 @@ class Cluster:
             self.answers.finish(handle, now)
 
     def _fail(self, handle: RequestHandle, error: BaseException) -> None:
+        self._full_below = NOT_FULL  # capacity freed: ask admission again
         self._handles.pop(handle.request_id, None)
         self.answers.fail(handle, error)
