@@ -27,6 +27,7 @@ from dilaserve.control.decisions import InstanceSpec, SchedulerConfig
 from dilaserve.control.monitor import WorkloadMonitor
 from dilaserve.protocol import StepBatch, StepItem, StepKind
 from dilaserve.server.app import ServerSettings, create_app
+from dilaserve.server.guards import allowed_hosts_for
 from dilaserve.server.main import DrainingServer, build_app, serve
 from dilaserve.server.metrics import ServerMetrics
 from dilaserve.tasks import arith
@@ -540,3 +541,38 @@ def test_refusing_at_once_ends_when_capacity_frees_in_any_way():
             handle.result(60)
         assert not cluster.is_full(0)
         assert cluster.submit(QUESTIONS[1]).result(60).num_steps > 0
+
+
+# -- security: the HTTP surface ---------------------------------------------------------------
+
+
+def stub_client(**settings) -> TestClient:
+    settings = ServerSettings(MODEL, **settings)
+    return TestClient(create_app(_AdmittingCluster(), settings, ServerMetrics(), manage=False))
+
+
+def test_docs_are_closed_unless_asked_and_then_need_the_key():
+    with stub_client() as client:
+        assert client.get("/docs").status_code == 404
+        assert client.get("/openapi.json").status_code == 404
+    with stub_client(docs=True, api_key="sekret") as client:
+        assert client.get("/openapi.json").status_code == 401
+        good = {"Authorization": "Bearer sekret"}
+        assert client.get("/openapi.json", headers=good).status_code == 200
+        assert client.get("/health").status_code == 200  # probes need no key
+
+
+@pytest.mark.parametrize("key", ["", "  "])
+def test_an_empty_api_key_is_refused(key):
+    with pytest.raises(ValueError, match="empty"):
+        ServerSettings(MODEL, api_key=key)
+
+
+def test_a_loopback_server_answers_only_loopback_host_names():
+    with stub_client(allowed_hosts=allowed_hosts_for("127.0.0.1", None)) as client:
+        r = client.get("/health", headers={"host": "evil.example:8000"})  # DNS rebinding
+        assert r.status_code == 400 and "Host" in r.json()["error"]["message"]
+        assert client.get("/health", headers={"host": "localhost:8000"}).status_code == 200
+        assert client.get("/health", headers={"host": "[::1]:8000"}).status_code == 200
+    assert allowed_hosts_for("0.0.0.0", None) == ("*",)
+    assert allowed_hosts_for("127.0.0.1", ["api.example"]) == ("api.example",)
