@@ -53,6 +53,7 @@ class Experiments:
         self.sections: list[str] = []
         self.plots: list[str] = []
         self.shapes: list[str] = []  # mechanisms: only these workload shapes (all if empty)
+        self.seeds: tuple[int, ...] = (0, 1)  # mechanisms: the seeds of each shape
 
     def run(self, name: str, **changes) -> dict:
         spec = replace(self.base, **changes)
@@ -349,11 +350,11 @@ MECHANISM_POLICIES = (
 )
 
 
-def mechanisms(x: Experiments, seeds=(0, 1)) -> None:
+def mechanisms(x: Experiments) -> None:
     """Each mechanism's and baseline's effect on SLO attainment, in points, per workload shape:
     the mean over seeds and the range, beside the paper's number (`--shapes`: only the shapes
     whose names contain one of these words)."""
-    rows = [{"shape": "paper", **{col: paper for col, _, _, paper in EFFECTS}}]
+    rows, seeds = [{"shape": "paper", **{col: paper for col, _, _, paper in EFFECTS}}], x.seeds
     for shape, changes in SHAPES.items():
         if changes["trace"] == AZURE and not Path(AZURE).exists():
             continue
@@ -485,6 +486,7 @@ def main() -> None:
     ap.add_argument("--minutes-per-hour", type=float, default=1.25)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--shapes", default="", help="mechanisms: shapes naming one of these words")
+    ap.add_argument("--seeds", default="0,1", help="mechanisms: the seeds of each shape")
     args = ap.parse_args()
     names = experiments_named(args.only)
     out = create_run_dir(args.out, "reproduce")
@@ -499,6 +501,7 @@ def main() -> None:
     write_json(out / "config.json", {**vars(args), **commit(), "base": base.__dict__})
     x = Experiments(out, base)
     x.shapes = [w for w in args.shapes.split(",") if w]
+    x.seeds = tuple(int(seed) for seed in args.seeds.split(","))
     for name in names:
         EXPERIMENTS[name](x)
         (out / "report.md").write_text("# DiLaServe reproduction\n\n" + "\n".join(x.sections))
