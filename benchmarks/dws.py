@@ -1,7 +1,13 @@
 """DWS evaluation: cost-prediction error against scalar proxies, and DWS-SJF against FCFS.
 
-    python benchmarks/dws.py [--prompts 300] [--rates 20,40,60,80] [--chat-rates 0.3,0.5]
-                             [--skip cost,sim,chat,prior] [--live]
+    python benchmarks/dws.py [--prompts 300] [--rates 20,40,60,80] [--chat-rates 1.0,1.5]
+                             [--skip chat-cost,chat,latency,minilm,cost,sim,prior] [--live]
+
+0. On real prompts (`dws_chat.py`, needs the `dws` extra): ShareGPT first turns with their real
+   answer lengths, DWS and the proxies with the packaged all-MiniLM-L6-v2 and with the hashed
+   encoder: cost error with ceilings (`chat-cost`), SJF in the simulator (`chat`), and each
+   predictor's latency per prompt (`latency`). `minilm` trains a MiniLM DWS on the bundled
+   labels, used beside the hashed one by the prior and live parts.
 
 1. Cost prediction on held-out prompts of the bundled task. Each prompt runs alone (batch 1) on
    the engine at threshold 0.9; its measured ms is the truth. DWS predicts the cost from the
@@ -21,13 +27,10 @@
    replayed steps priced by the profile at batch 1): the most any cost predictor could gain on
    this workload. Reported: mean and p99 latency and mean time to first block per policy and
    load, and each SJF's mean-latency ratio over FCFS.
-   The chat part (`chat_sjf`, `--chat-rates`) runs the same comparison on chat-shaped work:
-   ShareGPT first turns (real prompt texts and answer lengths; per-block steps from the
-   simulator's LLaDA model) on the LLaDA-8B H100 preset, ordered by DWS trained on the other
-   chat prompts, and by true costs with log-normal error of several widths.
 3. The DWS step prior: `dilaserve` on an in-process cluster with and without DWS's expected
    steps as the step predictor's prior before the first step (SLO attainment).
-4. With `--live`: DWS-SJF against FCFS on `dilaserve serve` (the same sweep through HTTP).
+4. With `--live`: DWS-SJF against FCFS on `dilaserve serve` (each variant's server up once,
+   the load run A B C then C B A per rate).
 
 Writes one run folder with every table and the report.
 """
