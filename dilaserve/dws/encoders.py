@@ -123,6 +123,21 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+@contextmanager
+def _quiet_loading() -> Iterator[None]:
+    """transformers' weight-loading progress bar off inside the block (a server's log is not a
+    terminal), restored after."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
 def log_words(text: str) -> float:
     return float(np.log1p(len(_words(text))))
 
@@ -142,7 +157,8 @@ class SentenceTransformerEncoder(nn.Module):
         # the packaged model by name (a dws.json stays portable), any other folder absolute
         self.folder = MINILM if str(folder) == MINILM else str(path.resolve())
         self.path = path
-        self.model = SentenceTransformer(str(path), device="cpu", local_files_only=True)
+        with _quiet_loading():
+            self.model = SentenceTransformer(str(path), device="cpu", local_files_only=True)
         dimension = getattr(self.model, "get_embedding_dimension", None)
         self.embedding_dim = (dimension or self.model.get_sentence_embedding_dimension)()
         self.dim = self.embedding_dim + 1  # the embedding and the log word count
