@@ -205,10 +205,12 @@ def step_prior(args, log) -> list[dict]:
     from dilaserve.control.decisions import SchedulerConfig
 
     priors = {"none": None, "hashed": str(BUNDLED_DWS)}
-    if getattr(args, "minilm_dws", None):
+    if args.minilm_dws:
         priors["all-MiniLM-L6-v2"] = str(args.minilm_dws)
     rows = []
-    for name, dws in priors.items():
+    names = list(priors)
+    for run, name in enumerate(names + names[::-1]):  # A B C C B A: drift weighs alike
+        dws = priors[name]
         config = ClusterConfig(
             WorkerConfig(threads=1),
             ControlSpec(scheduler=SchedulerConfig(slo=args.slo, refresh_every_tokens=2)),
@@ -219,7 +221,7 @@ def step_prior(args, log) -> list[dict]:
         spec = TraceRunSpec(f"poisson:{args.prior_rps}:{args.seconds}", slo=args.slo)
         s = run_trace(config, spec)["summary"]
         keys = ("slo_attainment", "latency_mean", "mean_threshold", "accuracy")
-        rows.append({"dws_prior": name, **{k: s[k] for k in keys}})
+        rows.append({"dws_prior": name, "pass": 1 + run // len(names), **{k: s[k] for k in keys}})
         log(rows[-1])
     return rows
 
@@ -237,7 +239,7 @@ def live_sjf(args, log) -> list[dict]:
     from serve_policies import free_port, start_server
 
     variants = [("fcfs", "fcfs", []), ("dws-sjf (hashed)", "dws-sjf", [])]
-    if getattr(args, "minilm_dws", None):
+    if args.minilm_dws:
         variants.append(("dws-sjf (minilm)", "dws-sjf", ["--dws", str(args.minilm_dws)]))
     rows = []
     with ExitStack() as servers:
@@ -275,6 +277,11 @@ def parse_args():
     parser.add_argument("--slo", type=float, default=0.3)
     parser.add_argument("--prior-rps", type=float, default=44.0)
     parser.add_argument("--live", action="store_true")
+    parser.add_argument(
+        "--minilm-dws",
+        default=None,
+        help="a MiniLM DWS folder for the bundled model (else the minilm part trains one)",
+    )
     parser.add_argument("--live-rates", default="10,20,30")
     parser.add_argument("--chat-rates", default="0.5,1,1.5,2")
     parser.add_argument("--chat-seconds", type=float, default=1200.0)
