@@ -576,3 +576,10 @@ def test_a_loopback_server_answers_only_loopback_host_names():
         assert client.get("/health", headers={"host": "[::1]:8000"}).status_code == 200
     assert allowed_hosts_for("0.0.0.0", None) == ("*",)
     assert allowed_hosts_for("127.0.0.1", ["api.example"]) == ("api.example",)
+
+
+def test_a_failing_admission_check_admits_the_request():
+    with Cluster(config()) as cluster:
+        cluster.admission.refusal = lambda request, now: 1 / 0  # a bug in the check
+        assert cluster.submit(QUESTIONS[0]).result(60).num_steps > 0
+        assert cluster.stats["controller_errors"] == 1

@@ -375,7 +375,12 @@ class Cluster:
         """Admission by capacity (`admission`): a request that cannot meet its SLO is refused,
         or served last. While requests are refused and none has finished since, `submit`
         refuses those of no higher priority at once (`is_full`)."""
-        refusal = self.admission.refusal(handle.request, now)
+        try:
+            refusal = self.admission.refusal(handle.request, now)
+        except Exception:  # a bug in the check must not fail the request: admit it
+            self.stats["controller_errors"] += 1
+            log.exception("admission check of request %s failed; admitted", handle.request_id)
+            return True
         if refusal is None:
             return True
         if self.admission.mode == "deprioritize":
