@@ -14,7 +14,8 @@ from dilaserve.cli_args import (
     resolve_model,
     show_defaults,
 )
-from dilaserve.cli_serving import add_serving_commands, tp_list
+from dilaserve.cli_cluster import tp_list
+from dilaserve.cli_serving import add_serving_commands
 from dilaserve.config import DEFAULT_THRESHOLD
 
 

@@ -1,4 +1,4 @@
-"""Command-line arguments shared by `cli.py` and `cli_serving.py`."""
+"""Command-line arguments shared by `cli.py`, `cli_cluster.py` and `cli_serving.py`."""
 
 from __future__ import annotations
 

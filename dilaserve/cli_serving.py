@@ -10,278 +10,8 @@ import os
 import sys
 from pathlib import Path
 
-from dilaserve.cli_args import model_arg, parse_thresholds, precision_args
-
-INSTANCES_DEFAULT = "2"
-
-
-def _cluster_config(args, record: bool = False):
-    """A ClusterConfig from the options `_add_cluster_args` defines, its control plane built
-    from the model's calibration (or the profile and predictor given)."""
-    import json
-
-    from dilaserve.cluster.runtime import ClusterConfig, refuse_block_diffusion
-    from dilaserve.cluster.worker import WorkerConfig
-    from dilaserve.config import EngineConfig
-    from dilaserve.control.build import ControlSpec
-    from dilaserve.control.decisions import SchedulerConfig
-    from dilaserve.models.registry import family_of, load_config
-
-    refuse_block_diffusion(args.model, family_of(load_config(args.model)))
-    instances = layout(args)
-    inputs = control_inputs(args, set(instances))
-    meta = Path(inputs.predictor or "") / "gbm-full.json"
-    k = json.loads(meta.read_text()).get("refresh_every_tokens", 8) if meta.is_file() else 8
-    engine = EngineConfig(
-        args.kv_cache, dtype=args.dtype, device=args.device, cuda_graphs=args.cuda_graphs
-    )
-    scheduler = SchedulerConfig(
-        kv_cache=args.kv_cache,
-        slo=args.slo,
-        refresh_every_tokens=k,
-        slo_headroom=args.slo_headroom,
-        max_batch_requests=args.max_batch_requests,
-    )
-    nodes = _nodes(args.nodes, instances)
-    control = ControlSpec(
-        args.policy,
-        inputs.profile,
-        inputs.predictor or "",
-        scheduler,
-        nodes=nodes,
-        planner_period=args.planner_period,
-        candidates=args.candidates,
-    )
-    config = ClusterConfig(
-        worker=WorkerConfig(args.model, engine, args.threads),
-        control=control,
-        instances=instances,
-        backend=args.backend,
-        ray_address=args.ray_address,
-        tick=args.tick,
-        max_tokens=args.max_tokens,
-        max_in_flight=args.max_in_flight,
-        overload=args.overload,
-        step_timeout=args.step_timeout,
-        record=record,
-        **_dws_args(args, inputs.dws_cost),
-    )
-    return config, inputs
-
-
-def tp_list(text: str) -> tuple[int, ...]:
-    """TP degrees such as "1,2,4"."""
-    try:
-        degrees = tuple(int(t) for t in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a list of TP degrees: {text!r}") from None
-    if not degrees or min(degrees) < 1:
-        raise argparse.ArgumentTypeError(f"TP degrees must be >= 1: {text!r}")
-    return degrees
-
-
-def layout(args) -> tuple[int, ...]:
-    """The TP degree of each instance at start: --layout, else --instances of --tp."""
-    if "," in args.instances:
-        raise ValueError(
-            f"--instances is a count; for a layout of TP degrees use --layout {args.instances}"
-        )
-    try:
-        count = int(args.instances)
-    except ValueError:
-        raise ValueError(f"--instances {args.instances!r} must be a number of instances") from None
-    if args.layout is not None:
-        if args.instances != INSTANCES_DEFAULT or args.tp != 1:
-            raise ValueError("give --layout, or --tp and --instances, not both")
-        return args.layout
-    if count < 1:
-        raise ValueError(f"--instances {count} must be at least 1")
-    return (args.tp,) * count
-
-
-def _device_name(args) -> str:
-    """The device the calibration must have been made on: this machine's, or, for a Ray
-    cluster whose GPUs are on other machines, the one the given --calibration names."""
-    from dilaserve.calibration.run import device_name
-    from dilaserve.calibration.store import Calibration
-
-    try:
-        return device_name(args.device)
-    except ValueError:
-        if args.backend != "ray" or not args.calibration:
-            raise
-        return Calibration.load(args.calibration).key.device
-
-
-def control_inputs(args, tps: set[int]):
-    """The latency profile and step predictor the control plane is built from: the
-    calibration that matches the model, device, dtype and TP degrees (made now with
-    --calibrate), or the --profile and --predictor given."""
-    import logging
-
-    from dilaserve.calibration.run import CalibrateConfig, calibrate
-    from dilaserve.calibration.store import (
-        CalibrationMissing,
-        model_key,
-        resolve_control_inputs,
-    )
-    from dilaserve.control.policy import get_policy
-
-    policy = get_policy(args.policy)
-    key = model_key(args.model, _device_name(args), args.dtype)
-    options = {
-        "calibration": args.calibration,
-        "profile": args.profile,
-        "predictor": args.predictor,
-        "needs_predictor": policy.is_dynamic or policy.reconfigure or bool(args.dws),
-    }
-    try:
-        inputs = resolve_control_inputs(args.model, key, tps, args.device, **options)
-    except CalibrationMissing:
-        if not args.calibrate:
-            raise
-        tp = tuple(sorted(tps))
-        calibrate(
-            CalibrateConfig(
-                args.model,
-                args.device,
-                args.dtype,
-                tp,
-                threads=args.threads,
-                calibration=args.calibration,
-            )
-        )
-        inputs = resolve_control_inputs(args.model, key, tps, args.device, **options)
-    log = logging.getLogger("dilaserve.calibration")
-    for warning in inputs.warnings:
-        log.warning(warning)
-    return inputs
-
-
-def _nodes(text: str | None, instances: tuple[int, ...]) -> tuple[int, ...]:
-    """The planner's GPUs (or CPU slots) per node: given, or the initial instances' total on one
-    node; "0" turns the planner off."""
-    if text is None:
-        return (sum(instances),)
-    try:
-        nodes = tuple(int(n) for n in text.split(","))
-    except ValueError:
-        raise ValueError(
-            f"--nodes {text!r} must be GPUs per node, e.g. 8,8 (0: no planner)"
-        ) from None
-    return () if nodes == (0,) else nodes
-
-
-def _dws_args(args, calibrated_cost: str | None) -> dict:
-    """DWS at admission: asked for, or needed by the dws-sjf policy (the bundled one then). Its
-    cost kernel: --dws-cost, else the calibration's (`calibrate --dws`), else the bundled one's
-    for the bundled predictor."""
-    from dilaserve.config import BUNDLED_DWS, BUNDLED_DWS_COST
-
-    dws = args.dws or (str(BUNDLED_DWS) if args.policy == "dws-sjf" or args.dws_prior else None)
-    if dws is None:
-        return {}
-    bundled = str(BUNDLED_DWS_COST) if dws == str(BUNDLED_DWS) else None
-    cost = args.dws_cost or calibrated_cost or bundled
-    return {"dws": dws, "dws_cost": cost, "dws_prior": args.dws_prior}
-
-
-def _add_cluster_args(p: argparse.ArgumentParser) -> None:
-    model_arg(p)
-    p.add_argument("--kv-cache", choices=["none", "prefix", "dual"], default="dual")
-    precision_args(p)
-    p.add_argument(
-        "--max-tokens",
-        type=int,
-        default=None,
-        help="requests' default output window (whole 32-token blocks); default: the "
-        "checkpoint's generation_config.json max_new_tokens, else 256",
-    )
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads per worker rank")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of each instance")
-    p.add_argument("--instances", default=INSTANCES_DEFAULT, help="number of instances at start")
-    p.add_argument(
-        "--layout",
-        type=tp_list,
-        default=None,
-        help="instead of --tp/--instances: the TP degree of each instance, e.g. 2,1",
-    )
-    p.add_argument(
-        "--policy",
-        default="dilaserve",
-        help="dilaserve, fcfs, infaas, llumnix, or an ablation (see docs/control.md)",
-    )
-    p.add_argument(
-        "--calibration",
-        default=None,
-        help="the model's calibration folder (dilaserve calibrate); default: the one that "
-        "matches, next to the model or in ~/.cache/dilaserve",
-    )
-    p.add_argument(
-        "--calibrate",
-        action="store_true",
-        help="calibrate the model now if no calibration matches",
-    )
-    p.add_argument(
-        "--profile",
-        default=None,
-        help="latency profile JSON or preset name (e.g. llada-8b-h200) instead of the "
-        "calibration's",
-    )
-    p.add_argument(
-        "--predictor", default=None, help="step predictor folder instead of the calibration's"
-    )
-    p.add_argument("--slo", type=float, default=1.0, help="seconds; requests' default SLO")
-    p.add_argument(
-        "--slo-headroom",
-        type=float,
-        default=1.0,
-        help="share of a request's remaining SLO its predicted time must fit (docs/control.md)",
-    )
-    p.add_argument(
-        "--candidates",
-        type=parse_thresholds,
-        default=None,
-        help="the thresholds a dynamic policy chooses from (default 0.5,0.6,0.7,0.8,0.9)",
-    )
-    p.add_argument(
-        "--max-in-flight",
-        type=int,
-        default=1024,
-        help="requests waiting or running, at most (a backstop: admission is by capacity)",
-    )
-    p.add_argument(
-        "--overload",
-        choices=["reject", "deprioritize"],
-        default="reject",
-        help="a request the cluster cannot serve within its SLO now: refused (429, "
-        "Retry-After), or served after everything else",
-    )
-    p.add_argument(
-        "--step-timeout",
-        type=float,
-        default=None,
-        help="seconds a step may run before its instance counts as hung (killed and replaced); "
-        "default: 10x the slowest step the latency profile predicts, at least 10",
-    )
-    p.add_argument(
-        "--nodes",
-        default=None,
-        help="GPUs (CPU slots) per node for the ILP planner, e.g. 8,8; default: the instances' "
-        "total on one node; 0: no reconfiguration",
-    )
-    p.add_argument("--planner-period", type=float, default=300.0, help="seconds between rounds")
-    p.add_argument(
-        "--max-batch-requests", type=int, default=None, help="requests per step batch (no limit)"
-    )
-    p.add_argument("--dws", default=None, help="DWS predictor folder (dws-sjf: the bundled one)")
-    p.add_argument("--dws-cost", default=None, help="DWS cost kernel JSON (profile --dws)")
-    p.add_argument(
-        "--dws-prior", action="store_true", help="DWS expected steps as the step predictor's prior"
-    )
-    p.add_argument("--backend", choices=["local", "ray"], default="local")
-    p.add_argument("--ray-address", default=None, help="a running Ray cluster (HEAD:PORT)")
-    p.add_argument("--tick", type=float, default=0.5, help="seconds between scheduler ticks")
+from dilaserve.cli_args import model_arg
+from dilaserve.cli_cluster import add_cluster_args, cluster_config
 
 
 def cmd_run_trace(args) -> None:
@@ -290,7 +20,7 @@ def cmd_run_trace(args) -> None:
     from dilaserve.cluster.trace_run import TraceRunSpec, run_trace, write_trace_run
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    config, inputs = _cluster_config(args, record=True)
+    config, inputs = cluster_config(args, record=True)
     logging.getLogger("dilaserve.calibration").info("control inputs: %s", inputs.label)
     spec = TraceRunSpec(
         args.trace,
@@ -315,7 +45,7 @@ def cmd_run_trace(args) -> None:
 
 def _add_run_trace_command(sub) -> None:
     rt = sub.add_parser("run-trace", help="replay a trace against an in-process cluster")
-    _add_cluster_args(rt)
+    add_cluster_args(rt)
     rt.add_argument("--trace", default="poisson:4:20", help="trace CSV or poisson:RPS:SECONDS")
     rt.add_argument("--rate-scale", type=float, default=1.0)
     rt.add_argument("--duration", type=float, default=None)
@@ -333,7 +63,7 @@ def cmd_serve(args) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     bind(args.host, args.port).close()  # a port in use stops us before calibration or loading
-    config, inputs = _cluster_config(args)
+    config, inputs = cluster_config(args)
     serve(
         config,
         args.host,
@@ -353,7 +83,7 @@ def _add_serve_command(sub) -> None:
     sv = sub.add_parser(
         "serve", help="serve the model over an OpenAI-compatible HTTP API (FastAPI)"
     )
-    _add_cluster_args(sv)
+    add_cluster_args(sv)
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument(

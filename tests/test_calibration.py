@@ -117,7 +117,7 @@ def test_calibrate_at_start_up_when_none_matches(tmp_path, monkeypatch):
     import dilaserve.calibration.run as run
     from dilaserve.cli import build_parser
     from dilaserve.cli_args import resolve_model
-    from dilaserve.cli_serving import control_inputs
+    from dilaserve.cli_cluster import control_inputs
 
     real, seen = run.calibrate, []
 
@@ -138,7 +138,7 @@ def test_calibrate_at_start_up_when_none_matches(tmp_path, monkeypatch):
 def test_a_ray_head_without_gpus_takes_the_device_from_the_calibration(calibrated):
     """On a Ray cluster the GPUs may all be on other machines than `serve`'s."""
     from dilaserve.cli import build_parser
-    from dilaserve.cli_serving import _device_name
+    from dilaserve.cli_cluster import _device_name
 
     model, _ = calibrated
     folder = str(model / "dilaserve-calibration" / "cpu-float32")
@@ -266,7 +266,7 @@ def test_the_output_window_defaults_to_the_checkpoints_generation_config(tmp_pat
 
 def test_instance_layouts_read_unambiguously(capsys):
     from dilaserve.cli import build_parser
-    from dilaserve.cli_serving import layout
+    from dilaserve.cli_cluster import layout
 
     def parse(*argv):
         return layout(build_parser().parse_args(["serve", *argv]))
