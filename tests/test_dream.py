@@ -189,3 +189,26 @@ def test_dilaserve_generate_runs_it(path, capsys):
     assert main(["generate", "--model", str(path), "--prompt", "w1 w2", "--max-tokens", "32"]) == 0
     out = capsys.readouterr().out
     assert "### w1 w2" in out and "recompute" in out
+
+
+def test_it_calibrates_and_serves_through_the_cluster(path, tmp_path):
+    """The user's path: calibrate (through the cluster's workers), then a cluster built from the
+    calibration answers as the offline engine does at a pinned threshold."""
+    from dilaserve.cli import build_parser
+    from dilaserve.cli_args import resolve_model
+    from dilaserve.cli_cluster import cluster_config
+    from dilaserve.cluster.runtime import Cluster
+
+    folder = tmp_path / "calibration"
+    argv = ["calibrate", str(path), "--requests", "1,2", "--repeats", "1", "--num-prompts", "6"]
+    assert main([*argv, "--max-tokens", "32", "--calibration", str(folder)]) == 0
+    serve = ["run-trace", str(path), "--calibration", str(folder), "--instances", "1"]
+    args = build_parser().parse_args([*serve, "--max-tokens", "32"])
+    resolve_model(args)
+    config, inputs = cluster_config(args)
+    assert inputs.label["source"] == "calibrated"
+    prompts = ["w3 w5 w7", "w11 w2"]
+    with Cluster(config) as cluster:
+        served = [cluster.submit(p, threshold=0.9).result(60).text for p in prompts]
+    offline = LLM(path).generate(prompts, SamplingParams(0.9, 32))
+    assert served == [c.text for c in offline]
