@@ -28,6 +28,7 @@ from dilaserve.models.layers import (
     TPGroup,
     attend,
     init_normal,
+    run_layers,
 )
 from dilaserve.models.llada import ForwardResult, KVContext
 
@@ -194,14 +195,7 @@ class DreamModel(nn.Module):
         mask = key_valid[:, None, None, :]
         angles = self.rotary.angles(positions)
         x = self.model.embed_tokens(input_ids)
-        keys, values = ([], []) if keep_kv else (None, None)
-        for i, layer in enumerate(self.model.layers):
-            ctx_k = context.keys[i] if context is not None else None
-            ctx_v = context.values[i] if context is not None else None
-            x, k, v = layer(x, angles, mask, ctx_k, ctx_v)
-            if keep_kv:
-                keys.append(k)
-                values.append(v)
+        x, keys, values = run_layers(self.model.layers, x, angles, mask, context, keep_kv)
         return ForwardResult(self.model.norm(x), keys, values)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -223,6 +223,20 @@ class GatedMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def run_layers(layers, x: torch.Tensor, angles, mask, context, keep_kv: bool):
+    """Every layer in turn, each with its cached K/V from `context` (or none); (x, keys,
+    values), the new keys and values of each layer kept only with `keep_kv`."""
+    keys, values = ([], []) if keep_kv else (None, None)
+    for i, layer in enumerate(layers):
+        ctx_k = context.keys[i] if context is not None else None
+        ctx_v = context.values[i] if context is not None else None
+        x, k, v = layer(x, angles, mask, ctx_k, ctx_v)
+        if keep_kv:
+            keys.append(k)
+            values.append(v)
+    return x, keys, values
+
+
 def init_normal(model: nn.Module, seed: int, std: float) -> None:
     """Random parameters for training from scratch and for tests: norm weights 1, every other
     parameter (biases included) N(0, std). Buffers are left as they are."""

@@ -24,6 +24,7 @@ from dilaserve.models.layers import (
     Rotary,
     RowParallelLinear,
     TPGroup,
+    run_layers,
 )
 
 
@@ -124,14 +125,7 @@ class LLaDAModel(nn.Module):
         x = t.wte(input_ids)
         key_valid = valid if context is None else torch.cat((context.valid, valid), dim=1)
         angles = self.rotary.angles(positions)
-        keys, values = ([], []) if keep_kv else (None, None)
-        for i, block in enumerate(t.blocks):
-            ctx_k = context.keys[i] if context is not None else None
-            ctx_v = context.values[i] if context is not None else None
-            x, k, v = block(x, angles, key_valid, ctx_k, ctx_v)
-            if keep_kv:
-                keys.append(k)
-                values.append(v)
+        x, keys, values = run_layers(t.blocks, x, angles, key_valid, context, keep_kv)
         return ForwardResult(t.ln_f(x), keys, values)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

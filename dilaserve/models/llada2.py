@@ -34,6 +34,7 @@ from dilaserve.models.layers import (
     TPGroup,
     attend,
     init_normal,
+    run_layers,
 )
 from dilaserve.models.llada import ForwardResult, KVContext
 from dilaserve.models.moe import SparseMoeBlock
@@ -278,14 +279,7 @@ class LLaDA2MoeModelLM(nn.Module):
         mask = block_causal_mask(positions, valid, ctx_valid, block_len)
         angles = self.rotary.angles(positions)
         x = self.model.word_embeddings(input_ids)
-        keys, values = ([], []) if keep_kv else (None, None)
-        for i, layer in enumerate(self.model.layers):
-            ctx_k = context.keys[i] if context is not None else None
-            ctx_v = context.values[i] if context is not None else None
-            x, k, v = layer(x, angles, mask, ctx_k, ctx_v)
-            if keep_kv:
-                keys.append(k)
-                values.append(v)
+        x, keys, values = run_layers(self.model.layers, x, angles, mask, context, keep_kv)
         return ForwardResult(self.model.norm(x), keys, values)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
