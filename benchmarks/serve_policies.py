@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import os
 import socket
 import subprocess
@@ -133,21 +134,39 @@ def _compare(fcfs: dict, ours: dict) -> dict:
     }
 
 
-def plot(rows: list[dict], folder) -> list[str]:
+UNITS = {
+    "slo_attainment": "share of requests within their SLO",
+    "accuracy": "exact-match accuracy",
+    "latency_p50": "median latency (s)",
+    "ttft_mean": "mean time to first text (s)",
+}
+
+
+def plot(rows: list[dict], folder, title: str) -> list[str]:
+    """One chart per metric: each policy's mean over the repeats against the offered load, the
+    bars spanning the repeats' lowest to highest."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = []
-    for metric in ("slo_attainment", "accuracy", "latency_p50", "ttft_mean"):
-        fig, ax = plt.subplots(figsize=(5, 3.2))
+    for metric, unit in UNITS.items():
+        fig, ax = plt.subplots(figsize=(5.5, 3.6))
         for policy in dict.fromkeys(r["policy"] for r in rows):
-            mine = [r for r in rows if r["policy"] == policy]
-            ax.plot([r["rps"] for r in mine], [r[metric] for r in mine], marker="o", label=policy)
-        ax.set_xlabel("requests per second")
-        ax.set_ylabel(metric)
-        ax.legend()
+            runs: dict[float, list[float]] = {}
+            for r in rows:
+                if r["policy"] == policy:
+                    runs.setdefault(r["rps"], []).append(r[metric])
+            rates = sorted(runs)
+            mean = [sum(runs[x]) / len(runs[x]) for x in rates]
+            low = [m - min(runs[x]) for m, x in zip(mean, rates)]
+            high = [max(runs[x]) - m for m, x in zip(mean, rates)]
+            ax.errorbar(rates, mean, yerr=[low, high], marker="o", capsize=3, label=policy)
+        ax.set_xlabel("offered load (requests/s)")
+        ax.set_ylabel(unit)
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(folder / f"{metric}.png", dpi=110)
         plt.close(fig)
@@ -195,7 +214,14 @@ def report(rows: list[dict], folder: Path) -> None:
     write_json(folder / "summary.json", {"verdict": result, "rows": means})
     table = markdown_table(means, ["policy", "rps", "runs", *COLUMNS, "slo_min", "slo_max"])
     lines = ["# live serving: policies under rising load", "", f"verdict: {result}", "", table]
-    lines += [f"\n![{name}]({name})" for name in plot(means, folder)]
+    config = json.loads((folder / "config.json").read_text())
+    layout = config.get("layout") or config.get("instances")
+    repeats = max(int(r.get("repeat", 0)) for r in rows) + 1
+    title = (
+        f"{folder.name}\nbundled model, TP layout {layout}, SLO {config['slo_ms']:g} ms; "
+        f"bars: range of {repeats} repeat(s)"
+    )
+    lines += [f"\n![{name}]({name})" for name in plot(rows, folder, title)]
     (folder / "report.md").write_text("\n".join(lines) + "\n")
     print(table)
     print(f"verdict: {result}")
