@@ -162,11 +162,13 @@ def test_bench_against_stub(server, trace_csv, tmp_path, endpoint):
 
     folder = write_bench_run(records, summary, spec, tmp_path / "runs")
     assert sorted(p.name for p in folder.iterdir()) == [
+        "bench.png",  # matplotlib is in the dev extra
         "config.json",
         "records.csv",
         "report.md",
         "summary.json",
     ]
+    assert "![each request and the latency CDF](bench.png)" in (folder / "report.md").read_text()
     assert json.loads((folder / "config.json").read_text())["bench"]["endpoint"] == endpoint
     assert "sekret" not in (folder / "config.json").read_text()  # a key is never saved
     assert json.loads((folder / "summary.json").read_text())["ok"] == n - 1
@@ -216,7 +218,7 @@ def test_the_command_line_never_writes_the_api_key(server, trace_csv, tmp_path, 
     monkeypatch.setattr(sys, "argv", ["dilaserve", *argv])
     assert main(argv) == 0
     (folder,) = out.iterdir()
-    assert not any("sekret" in p.read_text() for p in folder.iterdir())
+    assert not any(b"sekret" in p.read_bytes() for p in folder.iterdir())
     key_file = tmp_path / "key"
     key_file.write_text("\n")
     assert main(argv + ["--api-key-file", str(key_file)]) == 2  # an empty key is refused

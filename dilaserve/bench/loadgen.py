@@ -24,6 +24,7 @@ from typing import TextIO
 import httpx
 import numpy as np
 
+from dilaserve.bench.plots import plot_bench
 from dilaserve.cluster.trace_run import TraceRunSpec, trace_arrivals
 from dilaserve.runs import create_run_dir, environment, markdown_table, write_json, write_records
 from dilaserve.tasks import arith
@@ -329,5 +330,9 @@ def write_bench_run(records: list[dict], summary: dict, spec: BenchSpec, root) -
     rows = [{"metric": k, "value": v} for k, v in summary.items()]
     head = f"# bench\n\n{spec.endpoint} requests to {spec.url}, trace {spec.trace} "
     head += f"x{spec.rate_scale:g}, SLO {spec.slo_ms:g} ms\n\n"
-    (folder / "report.md").write_text(head + markdown_table(rows, ["metric", "value"]) + "\n")
+    table = markdown_table(rows, ["metric", "value"]) + "\n"
+    title = f"{folder.name}: {spec.trace} x{spec.rate_scale:g} against {spec.url}"
+    if plot_bench(records, spec.slo_ms / 1000, title, folder) is not None:
+        table += "\n![each request and the latency CDF](bench.png)\n"
+    (folder / "report.md").write_text(head + table)
     return folder
