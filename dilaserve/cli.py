@@ -215,35 +215,47 @@ def _add_plan_command(sub) -> None:
 
 
 def cmd_simulate(args) -> None:
-    from dataclasses import fields
+    from dataclasses import asdict, fields
 
+    from dilaserve.runs import create_run_dir, write_json
     from dilaserve.sim.run import SimulationSpec, simulate, write_run
 
     names = {f.name for f in fields(SimulationSpec)}
     spec = SimulationSpec(**{k: v for k, v in vars(args).items() if k in names})
-    run = simulate(spec, progress=None if args.quiet else _progress_bar())
-    folder = write_run(run, args.out)
+    folder = create_run_dir(args.out, "simulate")  # at once, so that a long run can be watched
+    write_json(folder / "config.json", asdict(spec))
+    run = simulate(spec, progress=_progress(folder, show=not args.quiet))
+    write_run(run, args.out, folder=folder)
+    (folder / "progress.json").unlink(missing_ok=True)  # summary.json now says it all
     print(file=sys.stderr)
     for key, value in {**run.summary, **run.timing}.items():
         print(f"{key}: {value}")
     print(f"run folder: {folder}")
 
 
-def _progress_bar():
-    """Simulated time and requests done, redrawn on one stderr line every 30 simulated s."""
-    last = [-30.0]
+def _progress(folder, show: bool, every: float = 30.0):
+    """Every `every` simulated seconds: the run folder's progress.json (simulated time,
+    requests done, wall time, and the wall time left at the pace so far; removed when the run
+    is written), and a stderr line."""
+    import json
+    import time
 
-    def show(now: float, done: int, total: int) -> None:
-        if now - last[0] >= 30.0:
-            last[0] = now
-            print(
-                f"\rsimulated {now:8.0f} s  {done}/{total} requests done",
-                end="",
-                file=sys.stderr,
-                flush=True,
-            )
+    start, last = time.monotonic(), [-every]
 
-    return show
+    def update(now: float, done: int, total: int) -> None:
+        if now - last[0] < every:
+            return
+        last[0] = now
+        wall = time.monotonic() - start
+        left = wall / done * (total - done) if done else None
+        state = {"simulated_s": round(now, 1), "requests_done": done, "requests": total}
+        state |= {"wall_s": round(wall, 1), "wall_s_left": left and round(left, 1)}
+        (folder / "progress.json").write_text(json.dumps(state) + "\n")
+        if show:
+            line = f"\rsimulated {now:8.0f} s  {done}/{total} requests done"
+            print(line, end="", file=sys.stderr, flush=True)
+
+    return update
 
 
 def _add_simulate_command(sub) -> None:

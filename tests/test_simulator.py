@@ -182,3 +182,28 @@ def test_the_summary_says_what_of_the_quality_estimate_is_extrapolated(tmp_path)
     low = simulate(spec(tmp_path, slo=1.0, planner_period=1e9)).summary  # tight: low thresholds
     assert low["quality_extrapolated_share"] > 0
     assert low["quality_accelerating_drop"] < low["quality"]
+
+
+def test_simulate_writes_its_run_folder_as_it_goes(tmp_path, monkeypatch):
+    """config.json at once, progress.json while it runs (a long run can be watched), and the
+    rest at the end, when progress.json goes."""
+    import dilaserve.sim.run as run_module
+    from dilaserve.cli import main
+
+    real, seen = run_module.simulate, []
+
+    def watched(spec, progress=None):
+        def spy(now, done, total):
+            progress(now, done, total)
+            (folder,) = tmp_path.iterdir()
+            seen.append(sorted(p.name for p in folder.iterdir()))
+
+        return real(spec, spy)
+
+    monkeypatch.setattr(run_module, "simulate", watched)
+    argv = ["simulate", "--trace", "poisson:5:40", "--gpus", "2", "--profile", "llada-8b-gh200"]
+    assert main([*argv, "--out", str(tmp_path), "--quiet"]) == 0
+    assert ["config.json", "progress.json"] in seen
+    (folder,) = tmp_path.iterdir()
+    names = {p.name for p in folder.iterdir()}
+    assert "summary.json" in names and "progress.json" not in names

@@ -341,11 +341,14 @@ def initial_instances(spec: SimulationSpec) -> list[InstanceSpec]:
     return out
 
 
-def write_run(run: SimulationRun, root: str | Path, name: str = "simulate") -> Path:
+def write_run(
+    run: SimulationRun, root: str | Path, name: str = "simulate", folder: Path | None = None
+) -> Path:
+    """The run folder (a new one under `root`, or `folder`, made when the run began)."""
     from dilaserve.runs import create_run_dir, markdown_table, write_json, write_records
     from dilaserve.sim.dashboard import write_dashboard
 
-    folder = create_run_dir(root, name)
+    folder = folder or create_run_dir(root, name)
     write_json(folder / "config.json", {**asdict(run.spec), "slo_s": run.slo})
     write_records(folder / "records.csv", run.rows)
     write_records(folder / "intervals.csv", run.intervals)
