@@ -55,7 +55,7 @@ class Admission:
             raise ValueError(f"overload mode {mode!r} must be one of {OVERLOAD_MODES}")
         self.scheduler = scheduler  # control.scheduler.Scheduler, read on the controller thread
         self.mode = mode
-        self._loads = scheduler._loads  # its load control; None for fixed-threshold policies
+        self._loads = scheduler.load_control  # None for fixed-threshold policies
         self.slowdown = 1.0  # steps' measured time over the profile's prediction (running)
 
     @property

@@ -97,6 +97,12 @@ class Scheduler:
             else None
         )
 
+    @property
+    def load_control(self) -> LoadControl | None:
+        """The load control of a dynamic-threshold policy (predicted steps, capacity), else
+        None. Admission asks it the same question Algorithm 2 does."""
+        return self._loads
+
     # -- instances ---------------------------------------------------------------------------
 
     def add_instance(
