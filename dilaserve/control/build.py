@@ -24,8 +24,8 @@ from dilaserve.control.scheduler import Scheduler
 @dataclass(frozen=True)
 class ControlSpec:
     policy: str = "dilaserve"
-    profile: str = str(BUNDLED_PROFILE)  # a latency-profile JSON (`dilaserve profile`)
-    predictor: str = str(BUNDLED_PREDICTOR)  # a trained step-predictor folder
+    profile: str = str(BUNDLED_PROFILE)  # a latency-profile JSON (a calibration's, or a preset)
+    predictor: str = str(BUNDLED_PREDICTOR)  # a step-predictor folder ("": none needed)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     nodes: tuple[int, ...] = ()  # GPUs (or CPU slots) per node; () turns the planner off
     planner_period: float = 300.0
