@@ -64,6 +64,13 @@ def parse_thresholds(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"not a list of numbers: {text!r}") from None
 
 
+def parse_ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from None
+
+
 def show_defaults(parser: argparse.ArgumentParser) -> None:
     """Every option of `parser` and its subcommands says its default in --help."""
     for action in parser._actions:

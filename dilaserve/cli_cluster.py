@@ -196,6 +196,16 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
         "checkpoint's generation_config.json max_new_tokens, else 256",
     )
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per worker rank")
+    _layout_args(p)
+    _control_args(p)
+    _protection_args(p)
+    _planner_args(p)
+    _dws_options(p)
+    _backend_args(p)
+
+
+def _layout_args(p: argparse.ArgumentParser) -> None:
+    """How many instances of which TP degree start."""
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of each instance")
     p.add_argument("--instances", default=INSTANCES_DEFAULT, help="number of instances at start")
     p.add_argument(
@@ -209,6 +219,10 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
         default="dilaserve",
         help="dilaserve, fcfs, infaas, llumnix, or an ablation (see docs/control.md)",
     )
+
+
+def _control_args(p: argparse.ArgumentParser) -> None:
+    """The control plane: its inputs (calibration, or profile and predictor) and its knobs."""
     p.add_argument(
         "--calibration",
         default=None,
@@ -242,6 +256,10 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="the thresholds a dynamic policy chooses from (default 0.5,0.6,0.7,0.8,0.9)",
     )
+
+
+def _protection_args(p: argparse.ArgumentParser) -> None:
+    """What keeps the service up: admission, the step timeout."""
     p.add_argument(
         "--max-in-flight",
         type=int,
@@ -262,6 +280,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
         help="seconds a step may run before its instance counts as hung (killed and replaced); "
         "default: 10x the slowest step the latency profile predicts, at least 10",
     )
+
+
+def _planner_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--nodes",
         default=None,
@@ -272,11 +293,17 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-batch-requests", type=int, default=None, help="requests per step batch (no limit)"
     )
+
+
+def _dws_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dws", default=None, help="DWS predictor folder (dws-sjf: the bundled one)")
     p.add_argument("--dws-cost", default=None, help="DWS cost kernel JSON (profile --dws)")
     p.add_argument(
         "--dws-prior", action="store_true", help="DWS expected steps as the step predictor's prior"
     )
+
+
+def _backend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=["local", "ray"], default="local")
     p.add_argument("--ray-address", default=None, help="a running Ray cluster (HEAD:PORT)")
     p.add_argument("--tick", type=float, default=0.5, help="seconds between scheduler ticks")
