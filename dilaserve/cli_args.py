@@ -44,17 +44,20 @@ def precision_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def engine_args(p: argparse.ArgumentParser) -> None:
+def engine_args(
+    p: argparse.ArgumentParser, threads: int | None = None, threads_help: str = "torch CPU threads"
+) -> None:
+    """The engine's options: cache mode, precision and device, the output window, threads."""
     p.add_argument("--kv-cache", choices=["none", "prefix", "dual"], default="dual")
     precision_args(p)
     p.add_argument(
         "--max-tokens",
         type=int,
         default=None,
-        help="output window, rounded up to whole blocks; default: the checkpoint's "
-        "generation_config.json max_new_tokens, else 256",
+        help="output window (a request's default when serving), rounded up to whole blocks; "
+        "default: the checkpoint's generation_config.json max_new_tokens, else 256",
     )
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=threads, help=threads_help)
 
 
 def parse_thresholds(text: str) -> tuple[float, ...]:

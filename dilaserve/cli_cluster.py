@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dilaserve.cli_args import model_arg, parse_thresholds, precision_args
+from dilaserve.cli_args import engine_args, model_arg, parse_thresholds
 
 INSTANCES_DEFAULT = "2"
 
@@ -186,16 +186,7 @@ def _dws_args(args, calibrated_cost: str | None) -> dict:
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
     model_arg(p)
-    p.add_argument("--kv-cache", choices=["none", "prefix", "dual"], default="dual")
-    precision_args(p)
-    p.add_argument(
-        "--max-tokens",
-        type=int,
-        default=None,
-        help="requests' default output window (whole 32-token blocks); default: the "
-        "checkpoint's generation_config.json max_new_tokens, else 256",
-    )
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads per worker rank")
+    engine_args(p, threads=1, threads_help="torch CPU threads per worker rank")
     _layout_args(p)
     _control_args(p)
     _protection_args(p)

@@ -11,13 +11,13 @@ business. The computation follows Dream's published modeling code (as in Fast-dL
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dilaserve.models.family import ModelFamily, build_config, check_divisible
+from dilaserve.models.family import ModelFamily, build_config, check_divisible, config_dict
 from dilaserve.models.layers import (
     ColumnParallelLinear,
     Embedding,
@@ -81,11 +81,7 @@ class DreamConfig:
         return build_config(cls, raw, REQUIRED, ACCEPTED)
 
     def to_dict(self) -> dict:
-        out = asdict(self)
-        out.update(out.pop("extra"))
-        out.setdefault("architectures", list(FAMILY.architectures))
-        out.setdefault("model_type", FAMILY.model_types[0])
-        return out
+        return config_dict(self, FAMILY)
 
     def check_tensor_parallel(self, size: int) -> None:
         """KV heads are split like query heads; fewer KV heads than ranks (which would need

@@ -14,7 +14,7 @@ The engine reads these; the registry (`models/registry.py`) maps a checkpoint to
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from dilaserve.protocol import KVCacheMode
 
@@ -84,6 +84,16 @@ def build_config(cls, raw: dict, required: tuple[str, ...], accepted: dict[str, 
     fields = {f for f in cls.__dataclass_fields__ if f != "extra"}
     kwargs = {k: v for k, v in raw.items() if k in fields}
     return cls(**kwargs, extra={k: v for k, v in raw.items() if k not in fields})
+
+
+def config_dict(config, family: ModelFamily) -> dict:
+    """A family's config back as config.json's dict: the fields, the kept `extra` keys, and the
+    family's architecture and model type where the file named none."""
+    out = asdict(config)
+    out.update(out.pop("extra"))
+    out.setdefault("architectures", list(family.architectures))
+    out.setdefault("model_type", family.model_types[0])
+    return out
 
 
 def check_divisible(size: int, counts: dict[str, int]) -> None:

@@ -17,13 +17,19 @@ checkpoint's; no code from a checkpoint folder is ever run.
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dilaserve.models.family import Attention, ModelFamily, build_config, check_divisible
+from dilaserve.models.family import (
+    Attention,
+    ModelFamily,
+    build_config,
+    check_divisible,
+    config_dict,
+)
 from dilaserve.models.layers import (
     ColumnParallelLinear,
     Embedding,
@@ -129,11 +135,7 @@ class LLaDA2Config:
         return build_config(cls, raw, REQUIRED, ACCEPTED)
 
     def to_dict(self) -> dict:
-        out = asdict(self)
-        out.update(out.pop("extra"))
-        out.setdefault("architectures", list(FAMILY.architectures))
-        out.setdefault("model_type", FAMILY.model_types[0])
-        return out
+        return config_dict(self, FAMILY)
 
     def check_tensor_parallel(self, size: int) -> None:
         """Heads, MLP widths and the routed experts must split evenly across `size` ranks."""
