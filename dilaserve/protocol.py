@@ -28,6 +28,10 @@ class StepKind(str, enum.Enum):
     COMMIT = "commit"  # the finished block + the next one; the finished block's K/V stored
 
 
+# steps that run one or two blocks against stored K/V (the rest run the whole sequence)
+CACHED_KINDS = frozenset((StepKind.CACHE, StepKind.BLOCK, StepKind.COMMIT))
+
+
 class KVCacheMode(str, enum.Enum):
     NONE = "none"
     PREFIX = "prefix"  # approximate (bidirectional models)

@@ -35,7 +35,7 @@ from dilaserve.control.thresholds import (
     load_matrix,
     predicted_time_left,
 )
-from dilaserve.protocol import StepBatch, StepKind
+from dilaserve.protocol import CACHED_KINDS, StepBatch
 from dilaserve.request import Request
 
 OVERLOAD_MODES = ("reject", "deprioritize")
@@ -108,10 +108,10 @@ class Admission:
             {threshold: steps},
             request.num_blocks_to_recompute,
         )
-        block = self.scheduler.config.cache_block
+        costs = self.scheduler.config.costs
         seconds = min(
             predicted_time_left(
-                view, threshold, InstanceLoad(tp, request.num_tokens, 1), self._profile, block
+                view, threshold, InstanceLoad(tp, request.num_tokens, 1), self._profile, costs
             )
             for tp in {inst.tp for inst in self.scheduler.instances.values()}
         )
@@ -124,13 +124,14 @@ class Admission:
     def observe_step(self, tp: int, batch: StepBatch, seconds: float) -> None:
         """A step of `batch` took `seconds`: update the measured slowdown. (Call it
         before the scheduler hears of the step: its requests are still tracked.)"""
-        block, tokens, kind = self.scheduler.config.block_len, 0, StepKind.CACHE
+        costs = self.scheduler.config.costs
+        tokens, kind = 0, costs.inner_kind
         for item in batch.items:
             tracked = self.scheduler.requests.get(item.request_id)
-            if item.kind is StepKind.CACHE or tracked is None:
-                tokens += block
-            else:
-                tokens, kind = tokens + tracked.request.num_tokens, StepKind.RECOMPUTE
+            if item.kind in CACHED_KINDS:
+                tokens += costs.tokens(item.kind, 0)
+            elif tracked is not None:
+                tokens, kind = tokens + tracked.request.num_tokens, costs.sequence_kind
         predicted = self.scheduler.profile.step_latency(tp, tokens, kind)
         if tokens and predicted > 0:
             ratio = seconds / predicted
@@ -149,7 +150,7 @@ class Admission:
             np.maximum(np.array(steps, dtype=np.float64)[:, None], 1.0),
             [r.num_tokens for r in requests],
             [r.num_blocks_to_recompute for r in requests],
-            self.scheduler.config.cache_block,
+            self.scheduler.config.costs,
         )
         return float(loads.sum())
 
@@ -163,7 +164,7 @@ class Admission:
                 self.scheduler.profile,
                 tp,
                 config.slo,
-                config.cache_block,
+                config.costs,
                 mean_tokens,
                 config.max_requests_per_instance,
             )

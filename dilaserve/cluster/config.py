@@ -11,7 +11,6 @@ from dilaserve.cluster.worker import WorkerConfig
 from dilaserve.control.build import ControlSpec
 from dilaserve.control.decisions import InstanceSpec
 from dilaserve.control.profile import LatencyProfile
-from dilaserve.protocol import StepKind
 
 HUNG_STEP_FACTOR = 10.0  # a step this many times the slowest predicted one counts as hung
 MIN_STEP_TIMEOUT = 10.0  # seconds, whatever the profile says (a busy machine, a cold start)
@@ -66,7 +65,7 @@ class ClusterConfig:
         times `HUNG_STEP_FACTOR`, and at least `MIN_STEP_TIMEOUT` seconds."""
         if self.step_timeout is not None:
             return self.step_timeout
-        kind = StepKind.FULL if self.control.scheduler.cache_block is None else StepKind.RECOMPUTE
+        kind = self.control.scheduler.costs.sequence_kind
         slowest = max(
             profile.step_latency(tp, self.max_batch_tokens, kind) for tp in set(self.instances)
         )

@@ -62,6 +62,7 @@ def build_scheduler(spec: ControlSpec) -> Scheduler:
             tokens_per_step(spec.predictor),
             tp_degrees=profile.tp_degrees,
             cache_block=spec.scheduler.cache_block,
+            exact_cache=spec.scheduler.costs.exact,
             period=spec.planner_period,
         )
         reconfigurer = Reconfigurer(profile, planner)

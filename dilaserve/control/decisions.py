@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+from dilaserve.control.step_costs import StepCosts
 from dilaserve.protocol import KVCacheMode, StepBatch, StepKind
 
 
@@ -35,6 +36,11 @@ class SchedulerConfig:
     def cache_block(self) -> int | None:
         """The block length Alg. 4/5 need, or None without a KV cache."""
         return None if self.kv_cache is KVCacheMode.NONE else self.block_len
+
+    @property
+    def costs(self) -> StepCosts:
+        """The kinds, tokens and curves of a request's steps under this cache mode."""
+        return StepCosts(self.kv_cache, self.block_len)
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dilaserve.control.profile import Curve
-from dilaserve.protocol import StepKind
+from dilaserve.protocol import CACHED_KINDS, StepKind
 
 
 @dataclass
@@ -19,8 +19,8 @@ class InstanceState:
     instance_id: str
     tp: int
     max_batch_tokens: int
-    full_curve: Curve  # latency of full / recompute steps on this TP degree
-    cache_curve: Curve | None = None  # latency of cache steps (with a KV cache)
+    full_curve: Curve  # latency of sequence steps (full, recompute, prefill) on this TP degree
+    cache_curve: Curve | None = None  # latency of cache (block, commit) steps, with a KV cache
     node: int = 0
     gpus: tuple[int, ...] = ()
     draining: bool = False  # being stopped: finishes its running step, takes no new work
@@ -60,7 +60,7 @@ class InstanceState:
         self.pending.append(request_id)
         self.pending_kinds.append(kind)
         self.pending_tokens.append(tokens)
-        if kind is StepKind.CACHE:
+        if kind in CACHED_KINDS:
             self.pending_cache += tokens
         else:
             self.pending_full += tokens
@@ -73,7 +73,7 @@ class InstanceState:
         kind, tokens = self.pending_kinds.pop(i), self.pending_tokens.pop(i)
         del self.pending[i]
         self.solo = self.solo and bool(self.pending)
-        if kind is StepKind.CACHE:
+        if kind in CACHED_KINDS:
             self.pending_cache -= tokens
         else:
             self.pending_full -= tokens

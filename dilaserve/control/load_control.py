@@ -128,7 +128,7 @@ class LoadControl:
             return
         self._last_run = now
         capacity = self._cluster_capacity(instances) * self._window(now)
-        for rid, rank in self._table.run(capacity, self.config.cache_block):
+        for rid, rank in self._table.run(capacity, self.config.costs):
             t = self._tracked[rid]
             t.allowed = self.ladder[rank:]
             t.needs_threshold = True
@@ -147,7 +147,7 @@ class LoadControl:
                 self.profile,
                 tp,
                 1.0,
-                self.config.cache_block,
+                self.config.costs,
                 per_request,
                 self.config.max_requests_per_instance,
             )

@@ -117,7 +117,7 @@ class LoadTable:
             self._order = slots[np.lexsort((keys[:, 2], keys[:, 1], keys[:, 0]))]
         return self._order
 
-    def run(self, capacity: float, block_len: int | None) -> list[tuple[str, int]]:
+    def run(self, capacity: float, costs) -> list[tuple[str, int]]:
         """Algorithm 2/4 over every row; returns (request, rank) for rows whose rank changed.
 
         A rank is the index, in the descending threshold ladder, of the highest allowed one.
@@ -127,7 +127,7 @@ class LoadTable:
             return []
         self._count()
         steps = np.maximum(self.steps[order] - self.counted[order, None], 1.0)
-        loads = load_matrix(steps, self.tokens[order], self.recompute[order], block_len)
+        loads = load_matrix(steps, self.tokens[order], self.recompute[order], costs)
         ranks = allowed_ranks(loads, capacity)
         changed = np.flatnonzero(ranks != self.ranks[order])
         self.ranks[order] = ranks

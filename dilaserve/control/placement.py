@@ -2,7 +2,9 @@
 
 The candidates are every instance taking new work, unless the request may not move: a request
 bound to one instance (no migration, or bound at arrival), or, with migration only before
-recompute steps, a request whose next step is a cache step where its cache lives. Among the
+recompute steps, a request whose next step is a cache step where its approximate cache lives.
+An exact (block-diffusion) cache makes that rule a priced decision: away from its cache the
+request's step is a prefill, so it moves only where that prefill still finishes first. Among the
 candidates with room, the request goes where its step is predicted to finish first (a busy
 instance starts the gathered batch when its running step ends; ties go to an idle one), or, for
 least-tokens placement, where the batch has the fewest tokens. A queue (first-free placement:
@@ -19,7 +21,7 @@ from collections.abc import Mapping, Sequence, Set
 from dilaserve.control.decisions import SchedulerConfig
 from dilaserve.control.instance import InstanceState
 from dilaserve.control.policy import Migration, Placement, Policy
-from dilaserve.protocol import StepKind
+from dilaserve.protocol import CACHED_KINDS, StepKind
 
 
 class Placer:
@@ -35,10 +37,11 @@ class Placer:
         self.instances, self.tracked, self.solo = instances, tracked, solo
         self._queue = policy.placement is Placement.FIRST_FREE
         self._max_requests = config.max_batch_requests or float("inf")
+        self._costs = config.costs
 
     def tokens(self, t, kind: StepKind) -> int:
         """Tokens the request's step of `kind` processes."""
-        return self.config.block_len if kind is StepKind.CACHE else t.request.num_tokens
+        return self._costs.tokens(kind, t.request.num_tokens)
 
     def has_room(self, inst: InstanceState, tokens: int, solo: bool = False) -> bool:
         """Whether the batch gathered there takes the request (`solo`: one that runs alone)."""
@@ -54,7 +57,8 @@ class Placer:
         home = self.instances.get(t.instance) if t.instance is not None else None
         home_kind = r.next_kind(mode, r.request_id in home.holds) if home is not None else None
         if home is not None and home.draining:
-            if home_kind is not StepKind.CACHE or self.policy.migration is Migration.ANY:
+            stays = self._costs.stays_with_cache(home_kind)
+            if not stays or self.policy.migration is Migration.ANY:
                 home, home_kind = None, None  # leave now; a cache step stays with its cache
         candidates = self._candidates(t, home, home_kind, open_instances)
         away = r.next_kind(mode, has_cache=False)
@@ -71,7 +75,7 @@ class Placer:
             if not self.has_room(inst, n, solo):
                 continue
             full, cache = inst.next_batch() if fastest else (inst.pending_full, inst.pending_cache)
-            if kind is StepKind.CACHE:
+            if kind in CACHED_KINDS:
                 cache += n
             else:
                 full += n
@@ -102,7 +106,7 @@ class Placer:
         if (
             home is not None
             and self.policy.migration is Migration.RECOMPUTE
-            and home_kind is StepKind.CACHE
+            and self._costs.stays_with_cache(home_kind)
         ):
             return [home]
         return open_instances

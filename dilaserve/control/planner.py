@@ -33,12 +33,14 @@ chosen b / L_db, which is positive, giving the equivalent
 sum_k RPS_k (P_k + O_k) sum_b (L_db / b) w_kdb <= sum_n x_nd:
 "GPU-seconds per second demanded <= instances", linear again, with no product of z and x.
 
-*With an approximate KV cache* (`cache_block` B set; papers.md 1.9): a class's steps are
+*With a KV cache* (`cache_block` B set; papers.md 1.9): a class's steps are
 recompute steps r_kd (one per block: sum_d r_kd = O_k / B) over the whole sequence and cache steps
 q_kd over one block, each with its own batch-size choice (z_db from the recompute curve, z'_db
 from the cache curve), so that sum_c s_kc = sum_d (r_kd + q_kd), t_k = sum (z L r + z' L' q),
 and stability is sum_k RPS_k [(P_k + O_k) r_kd alpha_d + B q_kd beta_d] <= sum_n x_nd with
 alpha_d = sum_b z_db L_db / b and beta_d = sum_b z'_db L'_db / b; both linearise as above.
+With an exact (block-diffusion) cache the boundary step is a commit of 2B tokens on the commit
+curve instead of a recompute of P + O (`exact_cache`; a request's one prefill is not planned).
 
 If no configuration can meet the SLOs, the plan falls back to TP-1 instances on every GPU.
 Stage 2 (where the instances go, and the order of the moves) is in `control/layout.py`.
@@ -51,7 +53,8 @@ from dataclasses import dataclass
 
 from dilaserve.control.monitor import WorkloadClass
 from dilaserve.control.profile import LatencyProfile
-from dilaserve.protocol import StepKind
+from dilaserve.control.step_costs import StepCosts
+from dilaserve.protocol import KVCacheMode
 
 # HiGHS's MIP search, and so which of several near-equal plans it returns, depends on its number
 # of threads, by default derived from the machine's hardware threads: with one thread 3 of the
@@ -68,7 +71,8 @@ class PlannerConfig:
     gpus_per_node: tuple[int, ...]  # G_n for each node
     tokens_per_step: Mapping[float, float]  # T_c: mean tokens committed per step at threshold c
     tp_degrees: tuple[int, ...] = (1, 2, 4, 8)
-    cache_block: int | None = 32  # B; None without an approximate KV cache
+    cache_block: int | None = 32  # B; None without a KV cache
+    exact_cache: bool = False  # block diffusion: a block's first step commits (2B tokens)
     batch_sizes: tuple[int, ...] | None = None  # batch tokens; None: the profile's points
     cache_batch_sizes: tuple[int, ...] | None = None
     tolerance: float = 1e-3  # relative slack when an objective is held at its optimum
@@ -77,6 +81,13 @@ class PlannerConfig:
     improvement: float = 0.10  # apply a plan only if an objective improves this much
     guard_moves: bool = True  # skip a move whose steps leave too few GPUs serving the load ...
     startup_delay: float = 30.0  # ... for longer than this (an instance's start-up) > SLO slack
+
+    @property
+    def costs(self) -> StepCosts:
+        if self.cache_block is None:
+            return StepCosts(KVCacheMode.NONE)
+        mode = KVCacheMode.BLOCK if self.exact_cache else KVCacheMode.DUAL
+        return StepCosts(mode, self.cache_block)
 
     def __post_init__(self):
         if not self.gpus_per_node or min(self.gpus_per_node) <= 0:
@@ -163,6 +174,7 @@ class _Stage1:
     def add_class(self, k: int, cls: WorkloadClass):
         """A class's steps over thresholds and (TP degree, batch size); returns t_k."""
         h, cfg, tps = self.h, self.cfg, self.cfg.tokens_per_step
+        costs = cfg.costs
         most_steps = cls.output_len / min(tps.values())  # the big-M: a true bound on steps
         for c in cfg.thresholds:
             self.thr_steps[k, c] = h.addVariable(lb=0, ub=most_steps)
@@ -176,7 +188,7 @@ class _Stage1:
             bound["cache"] = max(most_steps - bound["full"], 0.0)
         for d in self.degrees:
             for fam, _, sizes in self.families[d]:
-                tokens = cls.num_tokens if fam == "full" else cfg.cache_block
+                tokens = costs.boundary_tokens(cls.num_tokens) if fam == "full" else cfg.cache_block
                 for b in sizes:
                     w = h.addVariable(lb=0, ub=bound[fam])  # w_kdb
                     h.addConstr(w <= bound[fam] * self.z[fam, d, b])
@@ -221,11 +233,12 @@ def _qsum(terms):
 
 def _families(profile: LatencyProfile, cfg: PlannerConfig, tp: int):
     """Step families with their batch-size candidates: (name, kind, batch sizes)."""
-    full_kind = StepKind.FULL if cfg.cache_block is None else StepKind.RECOMPUTE
+    costs = cfg.costs
+    full_kind = costs.boundary_kind
     out = [("full", full_kind, cfg.batch_sizes or profile.curve(tp, full_kind).tokens)]
-    if cfg.cache_block is not None:
-        sizes = cfg.cache_batch_sizes or profile.curve(tp, StepKind.CACHE).tokens
-        out.append(("cache", StepKind.CACHE, sizes))
+    if costs.cached:
+        sizes = cfg.cache_batch_sizes or profile.curve(tp, costs.inner_kind).tokens
+        out.append(("cache", costs.inner_kind, sizes))
     return out
 
 

@@ -29,7 +29,6 @@ from dilaserve.control.layout import InstanceSlot, launch_order, plan_layout
 from dilaserve.control.monitor import WorkloadClass, WorkloadMonitor
 from dilaserve.control.planner import CapacityPlan, PlannerConfig, counts_by_tp, plan_capacity
 from dilaserve.control.profile import LatencyProfile
-from dilaserve.protocol import StepKind
 from dilaserve.request import Request
 
 
@@ -52,16 +51,16 @@ def gpus_needed(
     """GPUs the classes keep busy at the least: every class at the lowest threshold (the most
     tokens per step), every step at TP-1's best token throughput."""
     most_per_step = max(config.tokens_per_step.values())
-    block = config.cache_block
-    full_kind = StepKind.FULL if block is None else StepKind.RECOMPUTE
-    full_rate = profile.curve(1, full_kind).best_throughput()[1]
-    cache_rate = profile.curve(1, StepKind.CACHE).best_throughput()[1] if block else 1.0
+    costs, block = config.costs, config.cache_block
+    full_rate = profile.curve(1, costs.boundary_kind).best_throughput()[1]
+    cache_rate = profile.curve(1, costs.inner_kind).best_throughput()[1] if block else 1.0
     total = 0.0
     for cls in classes:
         steps = cls.output_len / most_per_step
         full_steps = steps if block is None else max(cls.output_len / block, 1.0)
         cache_tokens = 0.0 if block is None else max(steps - full_steps, 0.0) * block
-        total += cls.rate * (full_steps * cls.num_tokens / full_rate + cache_tokens / cache_rate)
+        full_tokens = full_steps * costs.boundary_tokens(cls.num_tokens)
+        total += cls.rate * (full_tokens / full_rate + cache_tokens / cache_rate)
     return total
 
 

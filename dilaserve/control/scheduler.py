@@ -37,7 +37,7 @@ from dilaserve.control.thresholds import (
     highest_fitting,
     step_seconds,
 )
-from dilaserve.protocol import KVCacheMode, StepBatch, StepItem, StepKind, StepOutput
+from dilaserve.protocol import StepBatch, StepItem, StepKind, StepOutput
 from dilaserve.request import Request, RequestStatus
 
 
@@ -73,12 +73,11 @@ class Scheduler:
         self._solo: set[str] = set()  # requests whose steps run alone (after a failed batch)
         self._ladder = tuple(sorted(policy.candidates, reverse=True))
         self._headroom = policy.slo_headroom or config.slo_headroom
-        self._full_kind = (
-            StepKind.FULL if config.kv_cache is KVCacheMode.NONE else StepKind.RECOMPUTE
-        )
-        # mid-block steps stay with their cache: with one, unless migration may happen anywhere
-        self._short_path = (
-            policy.migration is not Migration.ANY and config.kv_cache is not KVCacheMode.NONE
+        self._costs = config.costs
+        # mid-block steps stay with an approximate cache, unless migration may happen anywhere
+        # (an exact cache moves at the price of a prefill: placement weighs it every step)
+        self._short_path = policy.migration is not Migration.ANY and self._costs.stays_with_cache(
+            self._costs.inner_kind
         )
         self._placer = Placer(policy, config, self.instances, self.requests, self._solo)
         self._admitted = 0
@@ -116,10 +115,10 @@ class Scheduler:
         """An instance is up and takes work. `node` and `gpus` tell the planner where it is."""
         if instance_id in self.instances:
             raise ValueError(f"instance {instance_id} already exists")
-        full_curve = self.profile.curve(tp, self._full_kind)  # a missing TP fails here
+        full_curve = self.profile.curve(tp, self._costs.sequence_kind)  # a missing TP fails here
         cache_curve = None
-        if self.config.kv_cache is not KVCacheMode.NONE:
-            cache_curve = self.profile.curve(tp, StepKind.CACHE)
+        if self._costs.cached:
+            cache_curve = self.profile.curve(tp, self._costs.inner_kind)
         self.instances[instance_id] = InstanceState(
             instance_id, tp, max_batch_tokens, full_curve, cache_curve, node, gpus
         )
@@ -160,7 +159,7 @@ class Scheduler:
         inst = self.instances[instance_id]
         if inst.busy or inst.pending:
             return False
-        if self.config.kv_cache is KVCacheMode.NONE or self.policy.migration is Migration.ANY:
+        if not self._short_path:  # its requests may move at any step
             return True
         return all(
             self.requests[rid].request.starts_block for rid in inst.holds if rid in self.requests
@@ -291,7 +290,7 @@ class Scheduler:
         if self._loads is not None:
             refreshed = self._loads.refresh(now)
             self._loads.run_if_due(now, load_changed, refreshed, self.instances.values())
-        releases, waiting, block = [], [], self.config.block_len
+        releases, waiting, block = [], [], self._costs.block_len
         for rid in ready:
             t = self.requests[rid]
             home = self._cache_home(t)
@@ -300,7 +299,7 @@ class Scheduler:
                 if not self._placer.has_room(home, block, solo):
                     waiting.append(rid)
                     continue
-                home.gather(rid, StepKind.CACHE, block, solo)
+                home.gather(rid, self._costs.inner_kind, block, solo)
                 if t.needs_threshold and self.policy.is_dynamic:  # its predictions refreshed
                     t.request.threshold = self._threshold(t, home, now)
                 continue
@@ -380,17 +379,19 @@ class Scheduler:
         key = (inst.resident_tokens, inst.residents)
         if inst.seconds_memo[0] != key:  # the same for every request placed there this round
             load = InstanceLoad(inst.tp, *key)
-            inst.seconds_memo = (key, step_seconds(load, self.profile, self.config.cache_block))
+            inst.seconds_memo = (key, step_seconds(load, self.profile, self._costs))
         slo_left = (r.deadline - now) * self._headroom
         steps = self._loads.steps_left(r.request_id, allowed)
-        return highest_fitting(
-            allowed,
-            steps,
-            r.num_blocks_to_recompute,
-            slo_left,
-            inst.seconds_memo[1],
-            self.config.cache_block,
-        )
+        if self._costs.exact and r.request_id not in inst.holds:  # it prefills there first
+            slo_left -= self._prefill_extra(r, inst)
+        blocks_left, seconds = r.num_blocks_to_recompute, inst.seconds_memo[1]
+        return highest_fitting(allowed, steps, blocks_left, slo_left, seconds)
+
+    def _prefill_extra(self, r: Request, inst: InstanceState) -> float:
+        """What a prefill of `r` on `inst` costs beyond the block step it replaces."""
+        costs = self._costs
+        prefill = inst.full_curve.at(r.num_tokens)
+        return max(prefill - inst.cache_curve.at(costs.inner_tokens(r.num_tokens)), 0.0)
 
     def _launch(self, now: float) -> list[StepLaunch]:
         launches = []

@@ -2,8 +2,9 @@
 
 papers.md 1.4, 1.5 and 1.9. A request's work is its predicted remaining steps times the tokens
 each step processes; with an approximate KV cache, cache steps process one block and only the
-remaining recompute steps (one per unfinished block) process the whole sequence. Load control
-gives requests, in arrival order (higher priority first), the widest threshold range whose
+remaining recompute steps (one per unfinished block) process the whole sequence; with an
+exact (block-diffusion) cache a block's first step commits two blocks (`step_costs.py`). Load
+control gives requests, in arrival order (higher priority first), the widest threshold range whose
 worst-case total load still fits the cluster's capacity over one SLO window; threshold selection
 then picks, within that range, the highest threshold whose predicted remaining time fits the
 request's remaining SLO budget. Pure functions over small views: no clock, no I/O.
@@ -17,7 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from dilaserve.control.profile import LatencyProfile
+from dilaserve.control.step_costs import StepCosts
 from dilaserve.protocol import StepKind
+
+Costs = StepCosts | int | None  # the cache's step costs, or (approximate cache) its block length
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,47 +45,58 @@ class InstanceLoad:
     num_requests: int
 
 
-def request_load(req: LoadView, threshold: float, block_len: int | None) -> float:
-    """Token-steps left (Algorithm 2; Algorithm 4 when `block_len` is given, i.e. with a cache)."""
-    steps = req.steps_left[threshold]
-    if block_len is None:
-        return steps * req.num_tokens
-    recompute = min(req.recompute_steps_left, steps)
-    return (steps - recompute) * block_len + recompute * req.num_tokens
+def request_load(req: LoadView, threshold: float, costs: Costs) -> float:
+    """Token-steps left (Algorithm 2; Algorithm 4 with a cache: `costs`, or its block length)."""
+    return float(
+        load_matrix(
+            np.array([[req.steps_left[threshold]]]),
+            [req.num_tokens],
+            [req.recompute_steps_left],
+            costs,
+        )[0, 0]
+    )
 
 
 def instance_capacity(
     profile: LatencyProfile,
     tp: int,
     slo: float,
-    block_len: int | None,
+    costs: Costs,
     tokens_per_request: float = 0.0,
     max_requests: int = 0,
 ) -> float:
     """Token-steps one instance can process within one SLO window.
 
     Without a cache: its best measured token throughput times the SLO. With a cache
-    (Algorithm 4): the throughput of the steady block pattern, (block_len - 1) cache steps over
-    `max_requests` requests plus one recompute step of an average request.
+    (Algorithm 4): the throughput of the steady block pattern, (block_len - 1) inner steps over
+    `max_requests` requests plus one boundary step: a recompute of an average request
+    (`tokens_per_request`) with an approximate cache, a commit of every request with an exact one.
     """
-    if block_len is None:
+    costs = StepCosts.of(costs)
+    if not costs.cached:
         return profile.curve(tp, StepKind.FULL).best_throughput()[1] * slo
-    cache_tokens = block_len * max_requests
-    cache_s = profile.step_latency(tp, cache_tokens, StepKind.CACHE)
-    recompute_s = profile.step_latency(tp, tokens_per_request, StepKind.RECOMPUTE)
-    tokens = cache_tokens * (block_len - 1) + tokens_per_request
-    return tokens / (cache_s * (block_len - 1) + recompute_s) * slo
+    block = costs.block_len
+    inner_tokens = block * max_requests
+    boundary_tokens = costs.boundary_tokens(0) * max_requests if costs.exact else tokens_per_request
+    inner_s = profile.step_latency(tp, inner_tokens, costs.inner_kind)
+    boundary_s = profile.step_latency(tp, boundary_tokens, costs.boundary_kind)
+    tokens = inner_tokens * (block - 1) + boundary_tokens
+    return tokens / (inner_s * (block - 1) + boundary_s) * slo
 
 
 def load_matrix(
-    steps: np.ndarray, num_tokens: np.ndarray, recompute_left: np.ndarray, block_len: int | None
+    steps: np.ndarray, num_tokens: np.ndarray, recompute_left: np.ndarray, costs: Costs
 ) -> np.ndarray:
-    """`request_load` for many requests and thresholds at once: steps [n, T] -> loads [n, T]."""
+    """`request_load` for many requests and thresholds at once: steps [n, T] -> loads [n, T].
+    Boundary steps (at most `recompute_left`) process the whole sequence (`num_tokens`), or
+    two blocks with an exact cache; the others one block."""
+    costs = StepCosts.of(costs)
     tokens = np.asarray(num_tokens, dtype=np.float64)[:, None]
-    if block_len is None:
+    if not costs.cached:
         return steps * tokens
+    boundary = costs.boundary_tokens(0) if costs.exact else tokens
     recompute = np.minimum(np.asarray(recompute_left, dtype=np.float64)[:, None], steps)
-    return (steps - recompute) * block_len + recompute * tokens
+    return (steps - recompute) * costs.block_len + recompute * boundary
 
 
 def allowed_ranks(loads: np.ndarray, capacity: float) -> np.ndarray:
@@ -125,7 +140,7 @@ def allowed_thresholds(
     requests: Sequence[LoadView],
     candidates: Sequence[float],
     capacity: float,
-    block_len: int | None,
+    costs: Costs,
 ) -> dict[str, tuple[float, ...]]:
     """Algorithm 2/4: each request's allowed thresholds (descending), earliest arrivals first.
 
@@ -140,21 +155,25 @@ def allowed_thresholds(
         steps.reshape(len(order), len(ladder)),
         [r.num_tokens for r in order],
         [r.recompute_steps_left for r in order],
-        block_len,
+        costs,
     )
     ranks = allowed_ranks(loads, capacity)
     return {r.request_id: tuple(ladder[rank:]) for r, rank in zip(order, ranks.tolist())}
 
 
 def step_seconds(
-    instance: InstanceLoad, profile: LatencyProfile, block_len: int | None
+    instance: InstanceLoad, profile: LatencyProfile, costs: Costs
 ) -> tuple[float, float]:
-    """(seconds of a cache step, seconds of a full or recompute step) on this instance."""
-    if block_len is None:
-        full = profile.step_latency(instance.tp, instance.num_tokens, StepKind.FULL)
+    """(seconds of an inner step, seconds of a boundary step) on this instance: a cache and a
+    recompute step, a block and a commit step (exact cache), or a full step twice (none)."""
+    costs = StepCosts.of(costs)
+    tp, n = instance.tp, instance.num_requests
+    if not costs.cached:
+        full = profile.step_latency(tp, instance.num_tokens, StepKind.FULL)
         return full, full
-    cache = profile.step_latency(instance.tp, block_len * instance.num_requests, StepKind.CACHE)
-    return cache, profile.step_latency(instance.tp, instance.num_tokens, StepKind.RECOMPUTE)
+    inner = profile.step_latency(tp, costs.block_len * n, costs.inner_kind)
+    boundary_tokens = costs.boundary_tokens(0) * n if costs.exact else instance.num_tokens
+    return inner, profile.step_latency(tp, boundary_tokens, costs.boundary_kind)
 
 
 def predicted_time_left(
@@ -162,26 +181,22 @@ def predicted_time_left(
     threshold: float,
     instance: InstanceLoad,
     profile: LatencyProfile,
-    block_len: int | None,
+    costs: Costs,
     seconds: tuple[float, float] | None = None,
 ) -> float:
     """Algorithm 1 (no cache) / Algorithm 5 (cache): seconds of remaining steps at `threshold`.
 
     `seconds` are the instance's `step_seconds`, when the caller already has them.
     """
-    seconds = seconds or step_seconds(instance, profile, block_len)
-    return _seconds_left(req.steps_left[threshold], req.recompute_steps_left, seconds, block_len)
+    seconds = seconds or step_seconds(instance, profile, costs)
+    return _seconds_left(req.steps_left[threshold], req.recompute_steps_left, seconds)
 
 
-def _seconds_left(
-    steps: float, recompute_left: int, seconds: tuple[float, float], block_len: int | None
-) -> float:
-    """`steps` more steps, the first `recompute_left` of them (at most) recompute steps."""
-    cache_s, full_s = seconds
-    if block_len is None:
-        return steps * full_s
+def _seconds_left(steps: float, recompute_left: int, seconds: tuple[float, float]) -> float:
+    """`steps` more steps, the first `recompute_left` of them (at most) boundary steps."""
+    inner_s, boundary_s = seconds
     recompute = min(recompute_left, steps)
-    return (steps - recompute) * cache_s + recompute * full_s
+    return (steps - recompute) * inner_s + recompute * boundary_s
 
 
 def select_threshold(
@@ -190,16 +205,16 @@ def select_threshold(
     slo_left: float,
     instance: InstanceLoad,
     profile: LatencyProfile,
-    block_len: int | None,
+    costs: Costs,
     seconds: tuple[float, float] | None = None,
 ) -> float:
     """Algorithm 1/5: the highest allowed threshold whose predicted time fits `slo_left`;
     the lowest allowed one if none does. `seconds`: the instance's `step_seconds`, when the
     caller already has them."""
     ladder = sorted(allowed, reverse=True)
-    seconds = seconds or step_seconds(instance, profile, block_len)
+    seconds = seconds or step_seconds(instance, profile, costs)
     steps = [req.steps_left[g] for g in ladder]
-    return highest_fitting(ladder, steps, req.recompute_steps_left, slo_left, seconds, block_len)
+    return highest_fitting(ladder, steps, req.recompute_steps_left, slo_left, seconds)
 
 
 def highest_fitting(
@@ -208,11 +223,10 @@ def highest_fitting(
     recompute_left: int,
     slo_left: float,
     seconds: tuple[float, float],
-    block_len: int | None,
 ) -> float:
     """`select_threshold` on plain lists (the scheduler's hot path): `ladder` descending,
     `steps_left` the predicted steps at each, `seconds` the instance's `step_seconds`."""
     for threshold, steps in zip(ladder, steps_left):
-        if _seconds_left(steps, recompute_left, seconds, block_len) <= slo_left:
+        if _seconds_left(steps, recompute_left, seconds) <= slo_left:
             return threshold
     return ladder[-1]

@@ -26,6 +26,7 @@ from dilaserve.models import registry
 from dilaserve.models.family import ModelFamily
 from dilaserve.models.tokenizer import SpecialIds
 from dilaserve.protocol import (
+    CACHED_KINDS,
     KVCacheMode,
     RequestStepResult,
     StepBatch,
@@ -34,7 +35,6 @@ from dilaserve.protocol import (
     StepOutput,
 )
 
-CACHED_KINDS = (StepKind.CACHE, StepKind.BLOCK, StepKind.COMMIT)  # attend to stored K/V
 STORING_KINDS = (StepKind.RECOMPUTE, StepKind.PREFILL, StepKind.COMMIT)  # store K/V
 APPROXIMATE_KINDS = (StepKind.FULL, StepKind.RECOMPUTE, StepKind.CACHE)
 

@@ -238,7 +238,8 @@ def simulate(spec: SimulationSpec, progress=None) -> SimulationRun:
             nodes_for(spec.gpus, spec.gpus_per_node),
             {c: behaviour.tokens_per_step(c) for c in policy.candidates},
             tp_degrees=tuple(d for d in (1, 2, 4, 8) if d in profile.tp_degrees),
-            cache_block=None if spec.kv_cache == "none" else spec.block_len,
+            cache_block=config.cache_block,
+            exact_cache=config.costs.exact,
             period=spec.planner_period,
             startup_delay=spec.startup_delay,
         )

@@ -28,7 +28,7 @@ from dilaserve.control.decisions import DecisionLog, Decisions, InstanceSpec
 from dilaserve.control.profile import LatencyProfile
 from dilaserve.control.rollout import Rollout
 from dilaserve.control.scheduler import Scheduler
-from dilaserve.protocol import KVCacheMode, StepBatch, StepKind, StepOutput
+from dilaserve.protocol import CACHED_KINDS, StepBatch, StepOutput
 from dilaserve.request import Request
 
 ARRIVAL, STEP_DONE, TICK, INSTANCE_UP = range(4)
@@ -174,22 +174,21 @@ class Simulator:
         self._done.append(self._unfinished.pop(rid))  # the request object carries the record
 
     def _profile_duration(self, instance_id: str, batch: StepBatch, now: float) -> float:
+        """The profile's latency of the batch's sequence steps plus its cached steps, as the
+        scheduler prices them (`control/step_costs.py`)."""
         inst = self.scheduler.instances[instance_id]
-        full_kind = (
-            StepKind.FULL
-            if self.scheduler.config.kv_cache is KVCacheMode.NONE
-            else StepKind.RECOMPUTE
-        )
+        costs = self.scheduler.config.costs
         full = cache = 0
         requests = self.scheduler.requests
         for item in batch.items:
-            if item.kind is StepKind.CACHE:
-                cache += self.scheduler.config.block_len
+            tokens = costs.tokens(item.kind, requests[item.request_id].request.num_tokens)
+            if item.kind in CACHED_KINDS:
+                cache += tokens
             else:
-                full += requests[item.request_id].request.num_tokens
-        seconds = self.profile.step_latency(inst.tp, full, full_kind) if full else 0.0
+                full += tokens
+        seconds = self.profile.step_latency(inst.tp, full, costs.sequence_kind) if full else 0.0
         if cache:
-            seconds += self.profile.step_latency(inst.tp, cache, StepKind.CACHE)
+            seconds += self.profile.step_latency(inst.tp, cache, costs.inner_kind)
         if self.config.latency_noise:
             seconds *= float(self.rng.lognormal(0.0, self.config.latency_noise))
         return seconds

@@ -1,0 +1,83 @@
+"""What a request's steps cost under each KV-cache mode: their kinds, tokens and latency curves.
+
+A family declares its cache semantics (DESIGN section 1); the control plane reads them here, and
+nowhere else branches on the cache mode. Every step falls in one of two groups that an instance
+batches and a latency profile prices on separate curves: *sequence* steps run the prompt and
+the output window up to (at least) the current block, *block* steps run one or two blocks
+against stored K/V (`protocol.CACHED_KINDS`).
+
+| mode | new to an instance | a block's first step | other steps | moving mid-block |
+| --- | --- | --- | --- | --- |
+| none | full (P + L) | full | full | free: no cache |
+| prefix, dual | recompute (P + L) | recompute | cache (B) | never: approximate cache |
+| block (exact) | prefill (P + blocks) | commit (2B) | block (B) | priced: a prefill |
+
+Algorithms 2/4 and 1/5 count a request's remaining steps as *boundary* steps (one per block not
+yet started: recompute, or commit with an exact cache) and *inner* steps (the rest: cache or
+block steps). Without a cache every step is a full step over the whole sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dilaserve.protocol import CACHED_KINDS, KVCacheMode, StepKind
+
+
+@dataclass(frozen=True, slots=True)
+class StepCosts:
+    mode: KVCacheMode = KVCacheMode.DUAL
+    block_len: int = 32
+
+    @classmethod
+    def of(cls, spec: StepCosts | int | None) -> StepCosts:
+        """`spec` itself, or the approximate cache of block `spec` (None: no cache)."""
+        if isinstance(spec, StepCosts):
+            return spec
+        return cls(KVCacheMode.NONE) if spec is None else cls(KVCacheMode.DUAL, spec)
+
+    @property
+    def cached(self) -> bool:
+        return self.mode is not KVCacheMode.NONE
+
+    @property
+    def exact(self) -> bool:
+        return self.mode is KVCacheMode.BLOCK
+
+    @property
+    def sequence_kind(self) -> StepKind:
+        """The kind of a step of a request new to an instance (the sequence group's curve)."""
+        if self.exact:
+            return StepKind.PREFILL
+        return StepKind.RECOMPUTE if self.cached else StepKind.FULL
+
+    @property
+    def inner_kind(self) -> StepKind:
+        """The kind of a block's later steps (the block group's curve, with a cache)."""
+        if self.exact:
+            return StepKind.BLOCK
+        return StepKind.CACHE if self.cached else StepKind.FULL
+
+    @property
+    def boundary_kind(self) -> StepKind:
+        """The kind of a block's first step where the request's cache is."""
+        return StepKind.COMMIT if self.exact else self.sequence_kind
+
+    def tokens(self, kind: StepKind, num_tokens: int) -> int:
+        """Tokens a step of `kind` processes for a request of `num_tokens` (prompt + window):
+        one block for cache and block steps, two for a commit, else the whole sequence (a
+        prefill runs up to the current block: this prices its longest case)."""
+        if kind is StepKind.COMMIT:
+            return 2 * self.block_len
+        return self.block_len if kind in CACHED_KINDS else num_tokens
+
+    def boundary_tokens(self, num_tokens: int) -> int:
+        return self.tokens(self.boundary_kind, num_tokens)
+
+    def inner_tokens(self, num_tokens: int) -> int:
+        return self.tokens(self.inner_kind, num_tokens)
+
+    def stays_with_cache(self, kind: StepKind) -> bool:
+        """Whether a step of `kind` must run where the request's cache is: an approximate
+        cache's mid-block steps. (An exact cache moves at the price of a prefill.)"""
+        return kind is StepKind.CACHE
