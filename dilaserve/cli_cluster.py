@@ -18,14 +18,12 @@ def cluster_config(args, record: bool = False):
     from the model's calibration (or the profile and predictor given)."""
     import json
 
-    from dilaserve.cluster.runtime import ClusterConfig, refuse_block_diffusion
+    from dilaserve.cluster.runtime import ClusterConfig
     from dilaserve.cluster.worker import WorkerConfig
     from dilaserve.config import EngineConfig
     from dilaserve.control.build import ControlSpec
     from dilaserve.control.decisions import SchedulerConfig
-    from dilaserve.models.registry import family_of, load_config
 
-    refuse_block_diffusion(args.model, family_of(load_config(args.model)))
     instances = layout(args)
     inputs = control_inputs(args, set(instances))
     meta = Path(inputs.predictor or "") / "gbm-full.json"

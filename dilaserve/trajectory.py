@@ -24,6 +24,7 @@ class Trajectory:
     kinds: tuple[str, ...]  # step kind of each step
     commits: tuple[np.ndarray, ...]  # output positions committed by each step
     confidences: np.ndarray  # [num_steps, gen_len], after each step
+    block_offset: int = 0  # block-causal models: blocks start at absolute positions
 
     @property
     def num_steps(self) -> int:
@@ -63,6 +64,7 @@ def save_trajectories(path: str | Path, trajectories: list[Trajectory]) -> None:
         positions=positions.astype(np.int32),
         confidences=conf,
         kinds=kinds,
+        offsets=np.array([t.block_offset for t in trajectories], dtype=np.int32),
     )
 
 
@@ -70,8 +72,12 @@ def load_trajectories(path: str | Path) -> list[Trajectory]:
     data = np.load(path)
     meta, counts, positions = data["meta"], data["counts"], data["positions"]
     conf, kinds = data["confidences"], data["kinds"]
+    # files written before block-causal models had no offsets: every block at the window
+    offsets = data["offsets"] if "offsets" in data else np.zeros(len(meta), dtype=np.int32)
     out, step, pos = [], 0, 0
-    for prompt_index, threshold, prompt_len, gen_len, block_len, num_steps in meta:
+    for (prompt_index, threshold, prompt_len, gen_len, block_len, num_steps), offset in zip(
+        meta, offsets
+    ):
         n, gen_len = int(num_steps), int(gen_len)
         commits = []
         for c in counts[step : step + n]:
@@ -87,6 +93,7 @@ def load_trajectories(path: str | Path) -> list[Trajectory]:
                 tuple(str(k) for k in kinds[step : step + n]),
                 tuple(commits),
                 conf[step : step + n, :gen_len],
+                int(offset),
             )
         )
         step += n

@@ -2,7 +2,7 @@
 independent re-statement), group-limited routing with a selection-only expert bias, block
 causality, the exact block cache (prefill, block and commit steps equal to the no-cache
 forward), batch invariance, tensor parallelism with experts split across ranks, and the
-offline path; the cluster refuses it until the control plane can price its steps."""
+offline path; calibration and serving through the cluster."""
 
 import json
 
@@ -266,11 +266,32 @@ def test_the_offline_path_generates(path, capsys):
     assert "### w1 w2" in capsys.readouterr().out
 
 
-def test_serving_refuses_it_naming_what_is_missing(path, capsys):
-    with pytest.raises(ValueError, match="block-diffusion model.*prefill/block/commit"):
-        Cluster(ClusterConfig(worker=WorkerConfig(model=str(path))))
-    assert main(["serve", str(path)]) == 2
-    assert "block-diffusion model (LLaDA2)" in capsys.readouterr().err
+def test_it_calibrates_and_serves_through_the_cluster(path, tmp_path):
+    """The user's path: calibrate (prefill, block and commit steps profiled through the
+    cluster's workers), then a cluster built from the calibration answers as the offline
+    engine does at a pinned threshold, its steps of the exact cache's kinds."""
+    from dilaserve.cli import build_parser
+    from dilaserve.cli_args import resolve_model
+    from dilaserve.cli_cluster import cluster_config
+
+    folder = tmp_path / "calibration"
+    argv = ["calibrate", str(path), "--requests", "1,2", "--repeats", "1", "--num-prompts", "6"]
+    assert main([*argv, "--max-tokens", "32", "--calibration", str(folder)]) == 0
+    profile = json.loads((folder / "profile.json").read_text())
+    assert {e["kind"] for e in profile["entries"]} == {"prefill", "block", "commit"}
+    serve = ["run-trace", str(path), "--calibration", str(folder), "--instances", "2"]
+    args = build_parser().parse_args([*serve, "--max-tokens", "32"])
+    resolve_model(args)
+    config, _ = cluster_config(args)
+    prompts = ["w3 w5 w7", "w11 w2", "w1 + w4 ="]
+    with Cluster(config) as cluster:
+        assert cluster.scheduler.config.kv_cache.value == "block"
+        handles = [cluster.submit(p, threshold=0.9) for p in prompts]
+        served = [h.result(60) for h in handles]
+    offline = LLM(path).generate(prompts, SamplingParams(0.9, 32))
+    assert [s.text for s in served] == [c.text for c in offline]
+    kinds = set().union(*(h.request.steps_by_kind for h in handles))
+    assert {StepKind.PREFILL, StepKind.BLOCK} <= kinds
 
 
 def test_bfloat16_generates_close_to_float32(path):
@@ -282,11 +303,6 @@ def test_bfloat16_generates_close_to_float32(path):
     assert (want.argmax(-1) == got.argmax(-1)).float().mean() >= 0.8
     llm = LLM(path, EngineConfig("dual", block_len=BLOCK, dtype="bfloat16"))
     assert llm.generate(["w1 w2"], SamplingParams(0.9, BLOCK))[0].num_steps >= 1
-
-
-def test_calibration_refuses_it_too(path, capsys):
-    assert main(["calibrate", str(path)]) == 2
-    assert "block-diffusion model (LLaDA2)" in capsys.readouterr().err
 
 
 def test_a_request_counts_the_blocks_the_engine_decodes(path):

@@ -1,10 +1,12 @@
 """Measure a latency profile through the cluster's own workers, at any TP degree.
 
 An instance of TP degree d is started on a cluster backend (`cluster/backends.py`: the worker
-processes and `torch.distributed` gang that serving uses), and fed step batches of growing size:
-recompute steps (whole sequences, K/V stored) and cache steps (one block per request against
-the stored K/V). Each point is the median engine time of `repeats` runs after a warm-up, as the
-worker measures it.
+processes and `torch.distributed` gang that serving uses), and fed step batches of growing size
+of each step kind the model's cache has (`KINDS`): with an approximate cache, recompute steps
+(whole sequences, K/V stored) and cache steps (one block per request against the stored K/V);
+with an exact one (block diffusion), prefill, block and commit steps. Each point is the median
+engine time of `repeats` runs after a warm-up, as the worker measures it; the untimed steps
+before it bring fresh requests to the state its kind needs (`BEFORE`).
 
 Implausible points are measured again, up to `retries` times, and reported if they stay so:
 a spread between repeats above `max_spread` of the median (a busy moment), or a step slower
@@ -19,9 +21,23 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dilaserve.protocol import SequenceSpec, StepBatch, StepItem, StepKind
+from dilaserve.protocol import KVCacheMode, SequenceSpec, StepBatch, StepItem, StepKind
 
-KINDS = (StepKind.RECOMPUTE, StepKind.CACHE)
+KINDS = {
+    KVCacheMode.NONE: (StepKind.FULL,),
+    KVCacheMode.PREFIX: (StepKind.RECOMPUTE, StepKind.CACHE),
+    KVCacheMode.DUAL: (StepKind.RECOMPUTE, StepKind.CACHE),
+    KVCacheMode.BLOCK: (StepKind.PREFILL, StepKind.BLOCK, StepKind.COMMIT),
+}
+# the untimed step that brings a fresh request to the state a kind needs: a commit step follows
+# a prefill that finished the first block (its fresh output has that block committed but for
+# the last position, which the prefill's one-token fallback commits at threshold 1)
+BEFORE = {
+    StepKind.CACHE: StepKind.RECOMPUTE,
+    StepKind.BLOCK: StepKind.PREFILL,
+    StepKind.COMMIT: StepKind.PREFILL,
+}
+FILLER_ID = 3  # the token of already committed output positions
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +49,7 @@ class ProfileGrid:
     max_spread: float = 0.2
     max_inversion: float = 2.0
     retries: int = 2
+    block_len: int = 32
 
     def __post_init__(self):
         if not 0 < self.gen_len < self.seq_len:
@@ -71,23 +88,34 @@ class InstanceTimer:
         self.backend.release(self.instance_id, request_ids)
 
 
-def _batch(grid: ProfileGrid, mask_id: int, n: int, kind: StepKind) -> StepBatch:
-    fresh = kind is not StepKind.CACHE
-    prompt = tuple(3 + i % 50 for i in range(grid.seq_len - grid.gen_len))
-    spec = SequenceSpec(prompt, (mask_id,) * grid.gen_len) if fresh else None
+def _fresh_output(grid: ProfileGrid, mask_id: int, kind: StepKind) -> tuple[int, ...]:
+    """A profiled request's output window when it is sent: masked, or for a commit step the
+    first block committed but for its last position."""
+    committed = grid.block_len - 1 if kind is StepKind.COMMIT else 0
+    return (FILLER_ID,) * committed + (mask_id,) * (grid.gen_len - committed)
+
+
+def _batch(grid: ProfileGrid, mask_id: int, n: int, kind: StepKind, fresh: tuple | None):
+    """`n` requests' step of `kind`; `fresh`: their output window, sent with them."""
+    prompt = tuple(FILLER_ID + i % 50 for i in range(grid.seq_len - grid.gen_len))
+    spec = SequenceSpec(prompt, fresh) if fresh is not None else None
     return StepBatch(tuple(StepItem(f"p{i}", 1.0, kind, spec) for i in range(n)))
 
 
 def measure_point(timer: InstanceTimer, grid: ProfileGrid, mask_id: int, n: int, kind) -> Point:
-    """Median step time of `n` requests (a warm-up run first). A cache step runs after a fresh
-    recompute step of the same requests, whose time is not counted."""
+    """Median step time of `n` requests (a warm-up run first). A step that needs a state
+    (`BEFORE`) runs after the untimed step of the same fresh requests that makes it."""
     samples, tokens = [], 0
     ids = [f"p{i}" for i in range(n)]
+    fresh = _fresh_output(grid, mask_id, kind)
+    before = BEFORE.get(kind)
     for _ in range(grid.repeats + 1):
         timer.release(ids)
-        seconds, tokens = timer.run(_batch(grid, mask_id, n, StepKind.RECOMPUTE))
-        if kind is StepKind.CACHE:
-            seconds, tokens = timer.run(_batch(grid, mask_id, n, kind))
+        if before is None:
+            seconds, tokens = timer.run(_batch(grid, mask_id, n, kind, fresh))
+        else:
+            timer.run(_batch(grid, mask_id, n, before, fresh))
+            seconds, tokens = timer.run(_batch(grid, mask_id, n, kind, None))
         samples.append(seconds)
     timer.release(ids)
     kept = samples[1:]
@@ -154,11 +182,12 @@ def profile_instance(
     mask_id: int,
     max_batch_tokens: int,
     progress: Callable[[str], None],
+    kinds: tuple[StepKind, ...] = KINDS[KVCacheMode.DUAL],
 ) -> tuple[list[dict], list[str]]:
     """Profile entries (`control/profile.py` rows) of one TP degree, and warnings."""
     entries, warnings = [], []
     sizes = batch_sizes(grid, max_batch_tokens)
-    for kind in KINDS:
+    for kind in kinds:
         points, notes = measure_curve(timer, grid, mask_id, kind, sizes, progress)
         warnings += [f"tp={tp} {note}" for note in notes]
         entries += [

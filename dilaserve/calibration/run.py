@@ -18,10 +18,10 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from dilaserve.calibration.latency import ProfileGrid, batch_sizes, profile_instance
+from dilaserve.calibration.latency import KINDS, ProfileGrid, batch_sizes, profile_instance
 from dilaserve.calibration.store import (
     DWS_COST_FILE,
     PREDICTOR_DIR,
@@ -33,6 +33,7 @@ from dilaserve.calibration.store import (
     writable_folder,
 )
 from dilaserve.config import ASSETS, EngineConfig, SamplingParams
+from dilaserve.protocol import KVCacheMode, StepKind
 from dilaserve.runs import create_run_dir, environment, markdown_table, write_json, write_records
 
 SHIPPED_PROMPTS = ASSETS / "prompts" / "calibration.jsonl"
@@ -123,15 +124,12 @@ def load_prompts(cfg: CalibrateConfig) -> tuple[list[str], str]:
 
 
 def _model(model: str):
-    """The checkpoint's config and tokenizer (no weights); a block-diffusion model is refused
-    (its prefill/block/commit steps are not profiled yet)."""
-    from dilaserve.cluster.runtime import refuse_block_diffusion
+    """The checkpoint's config, family and tokenizer (no weights)."""
     from dilaserve.models.registry import family_of, load_config
     from dilaserve.models.tokenizer import Tokenizer
 
     config = load_config(model)
-    refuse_block_diffusion(model, family_of(config))
-    return config, Tokenizer(Path(model), config)
+    return config, family_of(config), Tokenizer(Path(model), config)
 
 
 def _fitting(tokenizer, context: int, prompts: list[str], gen_len: int) -> list[str]:
@@ -139,16 +137,17 @@ def _fitting(tokenizer, context: int, prompts: list[str], gen_len: int) -> list[
     return [p for p in prompts if len(tokenizer.encode_chat(p)) + gen_len <= context]
 
 
-def measure_profile(worker, tps, grid: ProfileGrid, mask_id: int, progress):
-    """Profile entries and warnings at every TP degree in `tps`, each through an instance of
-    the cluster's local backend (`worker`: a `WorkerConfig`)."""
+def measure_profile(worker, tps, grid: ProfileGrid, mask_id: int, progress, kinds):
+    """Profile entries and warnings of step `kinds` at every TP degree in `tps`, each through
+    an instance of the cluster's local backend (`worker`: a `WorkerConfig`). Its engine never
+    finishes a request early: a profiled request stays for the step after its untimed one."""
     from dilaserve.calibration.latency import InstanceTimer
     from dilaserve.cluster.backends import LocalBackend, start_all
     from dilaserve.control.decisions import InstanceSpec
 
     entries, warnings = [], []
     for tp in tps:
-        backend = LocalBackend(worker)
+        backend = LocalBackend(replace(worker, engine=replace(worker.engine, early_finish=False)))
         spec = InstanceSpec(f"calibrate-tp{tp}", 0, tp, tuple(range(tp)), None)
         start_all(backend, [spec], timeout=600.0)
         try:
@@ -160,6 +159,7 @@ def measure_profile(worker, tps, grid: ProfileGrid, mask_id: int, progress):
                 mask_id,
                 worker.engine.max_batch_tokens,
                 lambda what, tp=tp: progress.advance(f"tp={tp} {what}"),
+                kinds,
             )
         finally:
             backend.shutdown()
@@ -189,32 +189,39 @@ class _Plan:
     mask_id: int
     prompts: tuple[str, ...]
     source: str  # where the prompts came from
+    gen_len: int  # the output window of the prompts' trajectories
 
     @property
-    def gen_len(self) -> int:
-        return self.grid.gen_len
+    def kinds(self) -> tuple[StepKind, ...]:
+        return KINDS[self.engine.kv_cache]
 
     def num_points(self, tps) -> int:
-        """Profile points to measure at TP degrees `tps`: two step kinds per batch size."""
-        return len(tps) * len(batch_sizes(self.grid, self.engine.max_batch_tokens)) * 2
+        """Profile points to measure at TP degrees `tps`: each step kind at each batch size."""
+        sizes = batch_sizes(self.grid, self.engine.max_batch_tokens)
+        return len(tps) * len(sizes) * len(self.kinds)
 
 
 def _plan(cfg: CalibrateConfig, with_prompts: bool = True) -> _Plan:
     from dilaserve.models.generation import default_max_tokens
 
     key = model_key(cfg.model, device_name(cfg.device), cfg.dtype)
-    model_config, tokenizer = _model(cfg.model)
+    model_config, family, tokenizer = _model(cfg.model)
     for tp in cfg.tp:
         model_config.check_tensor_parallel(tp)
-    engine = EngineConfig("dual", dtype=cfg.dtype, device=cfg.device, cuda_graphs=cfg.cuda_graphs)
+    mode = family.cache_mode(KVCacheMode.DUAL)  # the exact block cache of block diffusion
+    engine = EngineConfig(mode, dtype=cfg.dtype, device=cfg.device, cuda_graphs=cfg.cuda_graphs)
     window = SamplingParams(max_tokens=cfg.max_tokens or default_max_tokens(cfg.model))
     gen_len = window.gen_len(engine.block_len)
-    grid = ProfileGrid(cfg.seq_len or 2 * gen_len, gen_len, cfg.requests, cfg.repeats)
+    # a commit step needs a block after the first: the profiled window holds two at least
+    profiled = max(gen_len, 2 * engine.block_len) if mode is KVCacheMode.BLOCK else gen_len
+    grid = ProfileGrid(
+        cfg.seq_len or 2 * profiled, profiled, cfg.requests, cfg.repeats, block_len=engine.block_len
+    )
     prompts, source = load_prompts(cfg) if with_prompts else ([], "")
     prompts = _fitting(tokenizer, model_config.max_sequence_length, prompts, gen_len)
     if with_prompts and len(prompts) < 5:
         raise ValueError(f"fewer than 5 prompts of {source} fit the context with {gen_len} tokens")
-    return _Plan(key, engine, grid, tokenizer.special.mask, tuple(prompts), source)
+    return _Plan(key, engine, grid, tokenizer.special.mask, tuple(prompts), source, gen_len)
 
 
 def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
@@ -234,7 +241,9 @@ def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
         f"{len(plan.prompts) if runs else 0} prompts x {runs} thresholds ({plan.source})"
     )
     worker = WorkerConfig(cfg.model, plan.engine, cfg.threads)
-    entries, warnings = measure_profile(worker, cfg.tp, plan.grid, plan.mask_id, progress)
+    entries, warnings = measure_profile(
+        worker, cfg.tp, plan.grid, plan.mask_id, progress, plan.kinds
+    )
     for text in warnings:
         log(f"warning: {text}")
     fitted = None if cfg.profile_only else _fit_predictor(cfg, plan, folder, progress)
@@ -327,7 +336,9 @@ def profile_command(cfg: CalibrateConfig, out: str, profile_out: str | None, log
     plan = _plan(cfg, with_prompts=False)
     progress = Progress(plan.num_points(cfg.tp), log)
     worker = WorkerConfig(cfg.model, plan.engine, cfg.threads)
-    entries, warnings = measure_profile(worker, cfg.tp, plan.grid, plan.mask_id, progress)
+    entries, warnings = measure_profile(
+        worker, cfg.tp, plan.grid, plan.mask_id, progress, plan.kinds
+    )
     profile = _profile_file(plan.key, plan.engine, cfg.threads, entries)
     run = create_run_dir(out, "profile")
     write_json(run / "config.json", {**asdict(cfg), "environment": environment()})

@@ -27,7 +27,10 @@ class Submission:
     prior_steps: dict[float, float] | None  # DWS's expected steps, when the prior is on
     stop: tuple[str, ...] = ()  # the answer ends before the first of these strings
 
-    def request(self, request_id: str, submitted: float, block_len: int, mask_id: int) -> Request:
+    def request(
+        self, request_id: str, submitted: float, block_len: int, mask_id: int, aligned: bool = False
+    ) -> Request:
+        """`aligned`: the model's blocks start at absolute positions (block diffusion)."""
         return Request(
             request_id,
             self.prompt_ids,
@@ -40,6 +43,7 @@ class Submission:
             threshold_bounds=self.bounds,
             cost=self.cost,
             prior_steps=self.prior_steps,
+            block_offset=len(self.prompt_ids) % block_len if aligned else 0,
         )
 
 

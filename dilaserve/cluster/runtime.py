@@ -35,6 +35,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from dilaserve.cluster.admission import LOWEST_PRIORITY, Admission
@@ -61,13 +62,15 @@ STEP_TIMES_KEPT = 100_000  # steps whose timings a cluster keeps (the latest)
 NOT_FULL = LOWEST_PRIORITY - 1  # `is_full` for no priority
 
 
-def refuse_block_diffusion(model, family) -> None:
-    """The control plane cannot yet schedule or price a block-diffusion model's steps."""
-    if family.is_block_causal:
-        raise ValueError(
-            f"{model} is a block-diffusion model ({family.name}): the control plane cannot yet "
-            "schedule or price its prefill/block/commit steps; use `dilaserve generate` for it"
-        )
+def with_family_cache(config: ClusterConfig, family) -> ClusterConfig:
+    """`config` with the control plane's cache mode resolved as the engine resolves it: a
+    block-diffusion family runs its exact block cache for any mode but none."""
+    scheduler = config.control.scheduler
+    mode = family.cache_mode(scheduler.kv_cache)
+    if mode is scheduler.kv_cache:
+        return config
+    control = replace(config.control, scheduler=replace(scheduler, kv_cache=mode))
+    return replace(config, control=control)
 
 
 class Cluster:
@@ -80,10 +83,11 @@ class Cluster:
         from dilaserve.models.registry import family_of, load_config
         from dilaserve.models.tokenizer import Tokenizer
 
-        self.config = config
         model = Path(config.worker.model)
         model_config = load_config(model)
-        refuse_block_diffusion(model, family_of(model_config))
+        family = family_of(model_config)
+        self.config = config = with_family_cache(config, family)
+        self.aligned_blocks = family.is_block_causal  # blocks at absolute positions
         for tp in sorted(set(config.instances)):
             model_config.check_tensor_parallel(tp)
         self.tokenizer = Tokenizer(model, model_config)
@@ -273,7 +277,7 @@ class Cluster:
                 raise InvalidRequest("request_id", f"request_id {rid!r} is already in flight")
             submitted = self.now() if received is None else min(self.now(), received - self._t0)
             request = submission.request(
-                rid, submitted, self.block_len, self.tokenizer.special.mask
+                rid, submitted, self.block_len, self.tokenizer.special.mask, self.aligned_blocks
             )
             handle = RequestHandle(request, submitted, submission.stop, loop)
             self._handles[rid] = handle

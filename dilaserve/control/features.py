@@ -39,25 +39,28 @@ def state_matrix(
     steps_done: np.ndarray,
     block_len: int,
     lengths: np.ndarray | None = None,
+    offsets: np.ndarray | None = None,
 ) -> np.ndarray:
     """`state_features` of n requests at once: [n, width] -> [n, 10].
 
     Rows may have different output lengths (`lengths`; cells past a row's length are padding
-    and ignored), so one call serves a whole scheduling round.
+    and ignored), so one call serves a whole scheduling round. `offsets`: each row's
+    `block_offset` (block-causal models: blocks at absolute positions; default 0).
     """
     n, width = committed.shape
     rows = np.arange(n)
     gen_len = np.full(n, width) if lengths is None else np.asarray(lengths)
+    offset = np.zeros(n, dtype=np.int64) if offsets is None else np.asarray(offsets)
     pad = np.arange(width)[None, :] >= gen_len[:, None]
     done = committed & ~pad
     first_masked = np.argmin(done | pad, axis=1)
     first_masked = np.where((done | pad).all(axis=1), gen_len, first_masked)
-    num_blocks = gen_len // block_len
-    block = first_masked // block_len
+    num_blocks = -(-(gen_len + offset) // block_len)
+    block = (first_masked + offset) // block_len
     counts = np.zeros((n, width + 1))
     np.cumsum(done, axis=1, out=counts[:, 1:])
-    start = np.minimum(block * block_len, gen_len)
-    end = np.minimum(start + block_len, gen_len)
+    start = np.clip(block * block_len - offset, 0, gen_len)
+    end = np.clip((block + 1) * block_len - offset, 0, gen_len)
     in_block = np.where(
         block < num_blocks, (counts[rows, end] - counts[rows, start]) / block_len, 1.0
     )
@@ -134,10 +137,15 @@ def request_states(requests) -> np.ndarray:
     outputs padded to the longest."""
     gen_len = np.array([r.gen_len for r in requests])
     block_len = requests[0].block_len
-    counters = np.array([(r.num_steps, r.num_committed, r.current_block) for r in requests])
-    steps, committed, block = counters.T
-    num_blocks = gen_len // block_len
-    in_block = np.where(block < num_blocks, (committed - block * block_len) / block_len, 1.0)
+    counters = np.array(
+        [
+            (r.num_steps, r.num_committed, r.current_block, r.num_blocks, r.block_offset)
+            for r in requests
+        ]
+    )
+    steps, committed, block, num_blocks, offset = counters.T
+    start = np.maximum(block * block_len - offset, 0)  # the current block's first position
+    in_block = np.where(block < num_blocks, (committed - start) / block_len, 1.0)
     progress = (steps / gen_len, committed / gen_len, block / num_blocks, in_block)
     width = int(gen_len.max())
     if (gen_len == width).all():  # one length: stacked without padding

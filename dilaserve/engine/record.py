@@ -36,6 +36,7 @@ def record_trajectories(
                     tuple(kinds),
                     tuple(commits),
                     np.stack(confs),
+                    r.block_offset,
                 )
             )
     return out

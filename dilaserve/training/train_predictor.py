@@ -50,7 +50,10 @@ def trajectory_rows(trajs: list[Trajectory]):
     for i, t in enumerate(trajs):
         steps, masks, confs = zip(*((s, m, c) for s, m, c in t.states()))
         masks = np.stack(masks)
-        states.append(state_matrix(masks, np.stack(confs), np.array(steps), t.block_len))
+        offsets = np.full(len(steps), t.block_offset)
+        states.append(
+            state_matrix(masks, np.stack(confs), np.array(steps), t.block_len, offsets=offsets)
+        )
         n = len(steps)
         thresholds.append(np.full(n, t.threshold))
         labels.append(t.num_steps - np.array(steps, dtype=np.float64))
