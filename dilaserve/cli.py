@@ -73,6 +73,9 @@ def cmd_train_model(args) -> None:
         init_from=args.init_from,
         lr=args.lr,
         difficulty=args.difficulty,
+        arch=args.arch,
+        batch_size=args.batch_size,
+        threads=args.threads,
     )
     path = train(cfg)
     print(f"checkpoint written to {path}")
@@ -230,6 +233,16 @@ def _add_measurement_commands(sub) -> None:
         choices=["narrow", "wide"],
         default="narrow",
         help="number ranges of the generated problems",
+    )
+    tr.add_argument(
+        "--arch",
+        choices=["llada", "llada2"],
+        default="llada",
+        help="model family: llada (bidirectional) or llada2 (block-causal MoE, block diffusion)",
+    )
+    tr.add_argument("--batch-size", type=int, default=64, help="problems per step")
+    tr.add_argument(
+        "--threads", type=int, default=2, help="torch threads (1 on a CPU shared with others)"
     )
     tr.set_defaults(func=cmd_train_model)
 

@@ -121,7 +121,8 @@ def evaluate(cfg: EvalConfig, log=print, show_progress: bool = True) -> Path:
     llm = LLM(cfg.model, engine)
     problems = load_problems(cfg)
     run = create_run_dir(cfg.out, f"eval-{cfg.task}")
-    write_json(run / "config.json", {**asdict(cfg), "environment": environment()})
+    used = {"kv_cache_used": llm.config.kv_cache.value}  # a block-causal model's: block
+    write_json(run / "config.json", {**asdict(cfg), **used, "environment": environment()})
     records, table = [], []
     for threshold in cfg.thresholds:
         progress = ProgressLine(f"threshold {threshold}", len(problems), sys.stderr)

@@ -1,4 +1,5 @@
-"""Train the bundled dLLM: a small LLaDA-architecture model on generated arithmetic problems.
+"""Train the bundled dLLMs: small LLaDA (`--arch llada`) or LLaDA2 MoE (`--arch llada2`) models
+on generated arithmetic problems.
 
 Masked-diffusion SFT as in LLaDA: the prompt is never masked; each response token (the worked
 solution, `#### answer`, then EOS padding to the output window) is masked with probability t,
@@ -7,8 +8,9 @@ t ~ U(eps, 1), and the loss is the mean cross-entropy over masked tokens (LLaDA 
 run's loss rose from 3.3 to 11.9 in 150 steps, unweighted at lr 1e-3 it fell steadily). Half the
 rows use a block-structured mask instead (earlier blocks clean, later blocks fully masked, the
 current block masked with probability t), the states that semi-autoregressive block decoding
-visits. Writes a checkpoint folder in the Hugging Face layout, with its tokenizer, plus a
-training log.
+visits. The LLaDA2 family attends block-causally and is trained on exactly the states block
+decoding visits (`training/block_diffusion.py`). Writes a checkpoint folder in the Hugging Face
+layout, with its tokenizer, plus a training log.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import math
 import random
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -29,7 +32,14 @@ from dilaserve.models.config import LLaDAConfig
 from dilaserve.models.llada import LLaDAModelLM
 from dilaserve.models.tokenizer import Tokenizer
 from dilaserve.tasks import arith
-from dilaserve.training.tokenizer import train_tokenizer
+from dilaserve.training import block_diffusion
+from dilaserve.training.tokenizer import (
+    EOS_TOKEN,
+    LLADA2_FORMAT,
+    LLADA_FORMAT,
+    ChatFormat,
+    train_tokenizer,
+)
 
 MIN_MASK_RATIO = 1e-3
 CHECKPOINT_EVERY = 500
@@ -57,10 +67,17 @@ class TrainConfig:
     num_shards: int = 2
     difficulty: str = arith.DEFAULT_DIFFICULTY
     init_from: str | None = None  # continue training this checkpoint
+    arch: str = "llada"  # a key of ARCHS
+    num_kv_heads: int = 2  # llada2: K/V heads
+    num_experts: int = 8  # llada2: routed experts (top-2 of 4 groups, 2 groups kept)
+    moe_hidden_size: int = 128  # llada2: width of each routed expert and of the shared one
+    expert_bias_rate: float = 1e-3  # llada2: the expert-bias balancing step
 
     def __post_init__(self):
         if self.gen_len % self.block_len:
             raise ValueError(f"{self.block_len=} must divide {self.gen_len=}")
+        if self.arch not in ARCHS:
+            raise ValueError(f"{self.arch=} must be one of {sorted(ARCHS)}")
 
 
 def _encode(tok: Tokenizer, problem: arith.Problem, gen_len: int) -> tuple[list[int], list[int]]:
@@ -109,33 +126,73 @@ def diffusion_loss(model, batch) -> torch.Tensor:
     return F.cross_entropy(logits, targets[masked])
 
 
+def block_loss(model, tok, problems, cfg: TrainConfig, rng: torch.Generator) -> torch.Tensor:
+    pairs = [_encode(tok, p, cfg.gen_len) for p in problems]
+    batch = block_diffusion.make_block_batch(
+        pairs, cfg.gen_len, cfg.block_len, tok.special.mask, rng
+    )
+    return block_diffusion.block_diffusion_loss(model, batch, cfg.block_len)
+
+
+def masked_loss(model, tok, problems, cfg: TrainConfig, rng: torch.Generator) -> torch.Tensor:
+    return diffusion_loss(model, make_batch(tok, problems, cfg, rng))
+
+
 def _lr(cfg: TrainConfig, step: int, progress: float) -> float:
     warm = min(1.0, (step + 1) / cfg.warmup_steps)
     return cfg.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
-def _fresh_model(cfg: TrainConfig, out: Path) -> LLaDAModelLM:
+def _fresh_model(cfg: TrainConfig, out: Path) -> torch.nn.Module:
     """A randomly initialised model and a newly trained tokenizer, written to `out`."""
+    arch = ARCHS[cfg.arch]
     problems = arith.generate(20_000, seed=cfg.seed + 12345)
-    train_tokenizer(
-        [p.question for p in problems] + [p.target for p in problems], out, cfg.vocab_size
-    )
-    tok = Tokenizer(out)
+    texts = [p.question for p in problems] + [p.target for p in problems]
+    tok = train_tokenizer(texts, out, cfg.vocab_size, arch.chat)
+    mask_id, eos_id = tok.token_to_id(arch.chat.mask_token), tok.token_to_id(EOS_TOKEN)
+    return arch.create_model(cfg, tok.get_vocab_size(), mask_id, eos_id)
+
+
+def _create_llada(cfg: TrainConfig, vocab_size: int, mask_id: int, eos_id: int) -> LLaDAModelLM:
     model_cfg = LLaDAConfig(
         d_model=cfg.d_model,
         n_heads=cfg.n_heads,
         n_layers=cfg.n_layers,
         mlp_hidden_size=cfg.mlp_hidden_size,
-        vocab_size=tok.vocab_size,
+        vocab_size=vocab_size,
         max_sequence_length=512,
-        mask_token_id=tok.special.mask,
-        eos_token_id=tok.special.eos,
-        pad_token_id=tok.special.eos,
+        mask_token_id=mask_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
         extra={"block_len": cfg.block_len, "gen_len": cfg.gen_len},
     )
     model = LLaDAModelLM(model_cfg)
     model.init_weights(cfg.seed)
     return model
+
+
+def _no_balancing(model, cfg: TrainConfig) -> Callable[[], None]:
+    return lambda: None
+
+
+def _expert_balancing(model, cfg: TrainConfig) -> Callable[[], None]:
+    return block_diffusion.ExpertBalancer(model, cfg.expert_bias_rate).update
+
+
+@dataclass(frozen=True, slots=True)
+class Arch:
+    """How `train` builds, trains and balances one model family."""
+
+    chat: ChatFormat  # the tokenizer's special tokens and chat template
+    create_model: Callable  # (cfg, vocab_size, mask_id, eos_id) -> a randomly initialised model
+    batch_loss: Callable  # (model, tok, problems, cfg, rng) -> the batch's loss
+    balancing: Callable  # (model, cfg) -> called after each optimizer step
+
+
+ARCHS = {
+    "llada": Arch(LLADA_FORMAT, _create_llada, masked_loss, _no_balancing),
+    "llada2": Arch(LLADA2_FORMAT, block_diffusion.create_llada2, block_loss, _expert_balancing),
+}
 
 
 def _resume(cfg: TrainConfig, out: Path) -> LLaDAModelLM:
@@ -162,6 +219,8 @@ def train(cfg: TrainConfig) -> Path:
     out = Path(cfg.out)
     model = _resume(cfg, out) if cfg.init_from else _fresh_model(cfg, out)
     tok = Tokenizer(out, model.config)
+    arch = ARCHS[cfg.arch]
+    after_step = arch.balancing(model, cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.98))
     rng, py_rng = torch.Generator().manual_seed(cfg.seed), random.Random(cfg.seed)
     log, start, step = [], time.monotonic(), 0
@@ -169,11 +228,12 @@ def train(cfg: TrainConfig) -> Path:
     while step < cfg.max_steps and time.monotonic() - start < budget:
         for group in opt.param_groups:
             group["lr"] = _lr(cfg, step, (time.monotonic() - start) / budget)
-        loss = diffusion_loss(model, make_batch(tok, _training_batch(cfg, py_rng), cfg, rng))
+        loss = arch.batch_loss(model, tok, _training_batch(cfg, py_rng), cfg, rng)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        after_step()
         step += 1
         if step % 25 == 0:
             minutes = round((time.monotonic() - start) / 60, 2)
