@@ -20,8 +20,7 @@ from family_checkpoints import (
 from safetensors.torch import load_file
 
 from dilaserve.cli import main
-from dilaserve.cluster.runtime import Cluster, ClusterConfig
-from dilaserve.cluster.worker import WorkerConfig
+from dilaserve.cluster.runtime import Cluster
 from dilaserve.config import EngineConfig, SamplingParams
 from dilaserve.engine.engine import Engine
 from dilaserve.engine.llm import LLM
@@ -266,32 +265,61 @@ def test_the_offline_path_generates(path, capsys):
     assert "### w1 w2" in capsys.readouterr().out
 
 
-def test_it_calibrates_and_serves_through_the_cluster(path, tmp_path):
-    """The user's path: calibrate (prefill, block and commit steps profiled through the
-    cluster's workers), then a cluster built from the calibration answers as the offline
-    engine does at a pinned threshold, its steps of the exact cache's kinds."""
+@pytest.fixture(scope="module")
+def served(path, tmp_path_factory):
+    """The user's path: calibrate (through the cluster's workers), then the cluster config
+    `run-trace`/`serve` build from the calibration, two instances."""
     from dilaserve.cli import build_parser
     from dilaserve.cli_args import resolve_model
     from dilaserve.cli_cluster import cluster_config
 
-    folder = tmp_path / "calibration"
+    folder = tmp_path_factory.mktemp("calibration")
     argv = ["calibrate", str(path), "--requests", "1,2", "--repeats", "1", "--num-prompts", "6"]
     assert main([*argv, "--max-tokens", "32", "--calibration", str(folder)]) == 0
-    profile = json.loads((folder / "profile.json").read_text())
-    assert {e["kind"] for e in profile["entries"]} == {"prefill", "block", "commit"}
     serve = ["run-trace", str(path), "--calibration", str(folder), "--instances", "2"]
     args = build_parser().parse_args([*serve, "--max-tokens", "32"])
     resolve_model(args)
-    config, _ = cluster_config(args)
-    prompts = ["w3 w5 w7", "w11 w2", "w1 + w4 ="]
-    with Cluster(config) as cluster:
+    return folder, cluster_config(args)[0]
+
+
+PROMPTS = ["w3 w5 w7", "w11 w2", "w1 + w4 ="]
+
+
+def test_calibration_profiles_the_exact_caches_step_kinds(served):
+    profile = json.loads((served[0] / "profile.json").read_text())
+    assert {e["kind"] for e in profile["entries"]} == {"prefill", "block", "commit"}
+
+
+def test_the_cluster_answers_as_the_offline_engine_with_the_exact_caches_steps(path, served):
+    with Cluster(served[1]) as cluster:
         assert cluster.scheduler.config.kv_cache.value == "block"
-        handles = [cluster.submit(p, threshold=0.9) for p in prompts]
-        served = [h.result(60) for h in handles]
-    offline = LLM(path).generate(prompts, SamplingParams(0.9, 32))
-    assert [s.text for s in served] == [c.text for c in offline]
+        handles = [cluster.submit(p, threshold=0.9) for p in PROMPTS]
+        answers = [h.result(60).text for h in handles]
+    offline = LLM(path).generate(PROMPTS, SamplingParams(0.9, 32))
+    assert answers == [c.text for c in offline]
     kinds = set().union(*(h.request.steps_by_kind for h in handles))
     assert {StepKind.PREFILL, StepKind.BLOCK} <= kinds
+    assert all(h.request.block_offset == h.request.prompt_len % 32 for h in handles)
+
+
+def test_the_openai_api_answers_through_it(path, served):
+    from fastapi.testclient import TestClient
+
+    from dilaserve.server.main import build_app
+
+    app, _ = build_app(served[1])
+    common = {"model": path.name, "max_tokens": 32, "threshold": 0.9}
+    chat = {**common, "messages": [{"role": "user", "content": PROMPTS[0]}]}
+    with TestClient(app) as client:
+        raw = client.post("/v1/completions", json={**common, "prompt": PROMPTS[1]})
+        templated = client.post("/v1/chat/completions", json=chat)
+    assert raw.status_code == templated.status_code == 200, (raw.text, templated.text)
+    llm, params = LLM(path), SamplingParams(0.9, 32)
+    assert (
+        raw.json()["choices"][0]["text"] == llm.generate([PROMPTS[1]], params, chat=False)[0].text
+    )
+    answer = templated.json()["choices"][0]["message"]["content"]
+    assert answer == llm.generate([PROMPTS[0]], params)[0].text
 
 
 def test_bfloat16_generates_close_to_float32(path):
