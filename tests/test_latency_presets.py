@@ -1,12 +1,15 @@
 import json
+import math
 
 import pytest
 
 from dilaserve.control.profile import LatencyProfile
 from dilaserve.protocol import StepKind
 from dilaserve.sim import latency
+from dilaserve.sim.hardware import LLADA2_FLASH, LLADA2_MINI
 from dilaserve.sim.latency import (
     BLOCK_LEN,
+    BLOCK_PRESETS,
     CALIBRATION,
     DREAM_7B,
     FASTDLLM_BASELINE_TOK_S,
@@ -235,3 +238,73 @@ def test_measured_h200_profile_loads_by_name():
     # the largest batches are compute-bound: 64x the tokens of the smallest cost over 10x more
     assert recompute.seconds[-1] > 10 * recompute.seconds[0]
     assert 0 < request_seconds(p) < request_seconds(load_profile("llada-8b-h100"))
+
+
+# -- block diffusion (LLaDA2.x): analytic MoE presets with prefill, block and commit curves ------
+
+BLOCK_KINDS = {StepKind.FULL, StepKind.PREFILL, StepKind.BLOCK, StepKind.COMMIT}
+
+
+@pytest.fixture(scope="module")
+def block_profiles():
+    return {name: preset_profile(name) for name in BLOCK_PRESETS}
+
+
+def test_block_presets_are_analytic_with_exact_cache_curves(block_profiles):
+    assert set(BLOCK_PRESETS) == {
+        "llada2-mini-h100",
+        "llada2-mini-h200",
+        "llada2-flash-h100",
+        "llada2-flash-h200",
+    }
+    for name, p in block_profiles.items():
+        assert {kind for _, kind in p.curves} == BLOCK_KINDS
+        assert p.meta["source"] == "analytic preset" and p.meta["block_causal"] is True
+        assert load_profile(name).curves.keys() == p.curves.keys()
+    # only the TP degrees that hold the weights: flash's 206 GB need 4 H100s or 2 H200s
+    assert block_profiles["llada2-mini-h100"].tp_degrees == (1, 2, 4, 8)
+    assert block_profiles["llada2-flash-h100"].tp_degrees == (4, 8)
+    assert block_profiles["llada2-flash-h200"].tp_degrees == (2, 4, 8)
+
+
+def test_block_steps_are_ordered_by_the_work_they_do(block_profiles):
+    for p in block_profiles.values():
+        for tp in p.tp_degrees:
+            block = p.step_latency(tp, BLOCK_LEN, StepKind.BLOCK)
+            commit = p.step_latency(tp, 2 * BLOCK_LEN, StepKind.COMMIT)
+            assert commit > block  # two blocks, and more experts routed to
+            assert p.step_latency(tp, 1276, StepKind.PREFILL) > commit
+            for kind in BLOCK_KINDS:
+                curve = p.curve(tp, kind)
+                assert all(b > a for a, b in zip(curve.seconds, curve.seconds[1:]))
+        low, high = p.tp_degrees[:2]
+        for kind, n in ((StepKind.BLOCK, 2048), (StepKind.PREFILL, 16384)):
+            assert p.step_latency(high, n, kind) < p.step_latency(low, n, kind)
+
+
+def test_moe_shapes_match_published_totals_and_active_parameters():
+    assert LLADA2_MINI.derived_params == pytest.approx(16e9, rel=0.02)
+    assert LLADA2_MINI.active_params == pytest.approx(1.4e9, rel=0.03)
+    # flash's assumed shapes (Ling-flash-2.0's): the checkpoint's 102,889,697,280 bf16
+    # parameters less the norms (274,432), and the published 6.1B active
+    assert LLADA2_FLASH.derived_params == 102_889_697_280 - 274_432
+    assert LLADA2_FLASH.active_params == pytest.approx(6.1e9, rel=0.01)
+    assert LLADA2_MINI.kv_bytes_per_token == 20 * 2 * 4 * 128 * 2
+    experts = LLADA2_MINI.experts
+    assert experts.distinct_experts(1) == pytest.approx(8)
+    assert experts.distinct_experts(32) / 256 == pytest.approx(0.64, abs=0.01)
+    assert experts.distinct_experts(64) / 256 == pytest.approx(0.87, abs=0.01)
+    assert experts.distinct_experts(math.inf) == 256
+    # a dense model reads all its weights at any batch
+    assert LLADA_8B.weight_bytes(1) == LLADA_8B.weight_bytes(1e6) == LLADA_8B.params * 2
+
+
+def test_moe_weights_read_grow_with_batch_and_saturate():
+    reads = [LLADA2_MINI.weight_bytes(n) for n in (1, 32, 64, 256, 4096)]
+    assert all(b > a for a, b in zip(reads, reads[1:]))
+    assert reads[-1] == pytest.approx(LLADA2_MINI.derived_params * 2, rel=1e-6)
+    assert reads[0] < 0.1 * reads[-1]
+
+
+def test_block_table_matches_the_docstring():
+    assert latency.block_summary() in latency.__doc__

@@ -92,6 +92,37 @@ for lack of a Dream figure). GH200 at TP-8 spans two 4-GPU nodes and pays the 25
 | dream-7b-h100 | 0.642 | 0.460 | 0.369 | 0.577 | 0.363 | 58.3 | 136.6 |
 | dream-7b-gh200 | 0.661 | 0.488 | 0.425 | 0.577 | 0.363 | 63.9 | 144.1 |
 
+Block diffusion (LLaDA2.x): ANALYTIC presets
+---------------------------------------------
+`BLOCK_PRESETS` price LLaDA2.0-mini and -flash (`sim/hardware.py`: published shapes; flash's
+assumed to be Ling-flash-2.0's) on H100 and H200. None of it is measured: the presets say
+"analytic preset" in their meta until a measured LLaDA2.x profile replaces them. The same step
+formula, with these changes for a mixture of experts and an exact, block-causal cache:
+- FLOPs count the ACTIVE parameters (`2 P_active_mm n`: the dense layers, attention, shared and
+  top-k experts, the output head), plus attention as above;
+- weight bytes are the dense weights plus the distinct routed experts the batch's `n` tokens
+  route to, E (1 - (1 - k/E)^n) a layer (`hardware.py`: the uniform-routing assumption): at one
+  request's block (32 tokens) 64% of LLaDA2.0-mini's experts, 87% at a commit (64), all beyond;
+- step kinds: prefill (the whole sequence, causal between blocks, so a query attends to half
+  its sequence on average, K/V stored), block (32 tokens a request against its cached context
+  of 768), commit (64 tokens a request: the finished block's K/V stored, the cache read), and
+  full for kv_cache none;
+- a TP degree is offered only if the weights fit in 90% of each GPU's HBM (assumed headroom):
+  LLaDA2.0-flash's 206 GB need TP-4 on H100 (80 GB) and TP-2 on H200 (141 GB);
+- MFU, HBM efficiency and overhead stay `CALIBRATION`'s, fitted to LLaDA-8B through Fast-dLLM's
+  research implementation: these presets run at that implementation's speed, not SGLang's.
+
+Milliseconds per step at the smallest TP degree that holds the weights (kind and batch tokens:
+one request's block and commit, 64 requests' block and commit, a 1,276-token and a 4,096-token
+prefill), and the 64-request block step at twice that TP degree over it:
+
+| preset, TP | block 32 | block 2048 | commit 64 | commit 4096 | prefill 1276 | prefill 4096 | 2x |
+|---|---|---|---|---|---|---|---|
+| llada2-mini-h100, TP-1 | 55.2 | 82.0 | 69.6 | 82.3 | 77.9 | 78.4 | 0.582 |
+| llada2-mini-h200, TP-1 | 42.0 | 60.7 | 52.1 | 77.6 | 57.9 | 75.8 | 0.610 |
+| llada2-flash-h100, TP-4 | 79.9 | 121.9 | 103.4 | 125.6 | 118.9 | 124.1 | 0.575 |
+| llada2-flash-h200, TP-2 | 106.8 | 162.9 | 139.6 | 177.3 | 159.7 | 174.5 | 0.551 |
+
 Units are SI throughout (seconds, bytes, FLOP/s); profiles store milliseconds.
 """
 
@@ -106,13 +137,16 @@ import numpy as np
 
 from dilaserve.config import ASSETS
 from dilaserve.control.profile import Curve, LatencyProfile
-from dilaserve.protocol import StepKind
+from dilaserve.protocol import CACHED_KINDS, StepKind
 from dilaserve.sim.behaviour import TOKENS_PER_STEP_09
 from dilaserve.sim.hardware import (
     BYTES_BF16,
     DREAM_7B,
     GH200,
     H100_SXM,
+    H200_SXM,
+    LLADA2_FLASH,
+    LLADA2_MINI,
     LLADA_8B,
     GPUSpec,
     ModelShape,
@@ -139,6 +173,17 @@ PRESETS: dict[str, tuple[ModelShape, GPUSpec]] = {
     "dream-7b-h100": (DREAM_7B, H100_SXM),
     "dream-7b-gh200": (DREAM_7B, GH200),
 }
+# Block-causal MoE models (exact cache): prefill, block and commit steps, and full steps for
+# kv_cache none. ANALYTIC: no LLaDA2.x step has been measured; the constants are `CALIBRATION`'s.
+BLOCK_PRESETS: dict[str, tuple[ModelShape, GPUSpec]] = {
+    "llada2-mini-h100": (LLADA2_MINI, H100_SXM),
+    "llada2-mini-h200": (LLADA2_MINI, H200_SXM),
+    "llada2-flash-h100": (LLADA2_FLASH, H100_SXM),
+    "llada2-flash-h200": (LLADA2_FLASH, H200_SXM),
+}
+APPROXIMATE_KINDS = (StepKind.FULL, StepKind.RECOMPUTE, StepKind.CACHE)
+EXACT_KINDS = (StepKind.FULL, StepKind.PREFILL, StepKind.BLOCK, StepKind.COMMIT)
+WEIGHT_SHARE_OF_HBM = 0.9  # ASSUMED: a TP degree serves a model whose weights fit in 90% of HBM
 # Measured profiles shipped with the package (benchmarks/gpu_profile.py; TP-1 only).
 MEASURED = {"llada-8b-h200": ASSETS / "llada-8b-h200-profile.json"}
 
@@ -175,9 +220,20 @@ def _kv_tokens(kind: StepKind, n: float, context: int, block_len: int) -> float:
     """Tokens whose K/V a step writes or reads."""
     if kind is StepKind.FULL:
         return n
-    if kind is StepKind.RECOMPUTE:
+    if kind in (StepKind.RECOMPUTE, StepKind.PREFILL):
         return 2 * n
+    if kind is StepKind.COMMIT:  # two blocks a request: the finished one's K/V stored
+        return 1.5 * n + n / (2 * block_len) * context
     return n + n / block_len * context
+
+
+def _attention_context(kind: StepKind, n: float, context: int) -> float:
+    """Keys each query attends to: the cached context for block-sized steps; a whole-sequence
+    step's own sequence, half of it on average when attention is (block-)causal."""
+    if kind in CACHED_KINDS:
+        return context
+    own = min(n, context)
+    return own / 2 if kind is StepKind.PREFILL else own
 
 
 def step_cost(
@@ -197,10 +253,10 @@ def step_cost(
     if tp < 1 or batch_tokens <= 0:
         raise ValueError(f"tp ({tp}) and batch_tokens ({batch_tokens}) must be positive")
     n = float(batch_tokens)
-    ctx = context if kind is StepKind.CACHE else min(n, context)
+    ctx = _attention_context(kind, n, context)
     flops = 2 * model.matmul_params * n + 4 * model.n_layers * model.hidden * n * ctx
     kv_share = max(model.n_kv_heads / tp, 1) / model.n_kv_heads
-    weight_bytes = model.params * BYTES_BF16 / tp
+    weight_bytes = model.weight_bytes(n) / tp
     kv_bytes = _kv_tokens(kind, n, context, block_len) * model.kv_bytes_per_token * kv_share
     compute = flops / (tp * gpu.peak_flops * cal.mfu)
     memory = (weight_bytes + kv_bytes) / (gpu.hbm_bytes_per_s * cal.hbm_eff)
@@ -297,18 +353,23 @@ def calibrate(
 CALIBRATION = calibrate()
 
 
+def fits(model: ModelShape, gpu: GPUSpec, tp: int) -> bool:
+    """Whether a TP-`tp` group holds the model's weights within `WEIGHT_SHARE_OF_HBM`."""
+    return model.weight_bytes(math.inf) / tp <= WEIGHT_SHARE_OF_HBM * gpu.memory_gb * 1e9
+
+
 def preset_profile(name: str, tp_degrees=(1, 2, 4, 8)) -> LatencyProfile:
-    """The analytic profile of preset `name` (a key of `PRESETS`) for the given TP degrees."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown latency preset {name!r}; presets: {', '.join(PRESETS)}")
-    model, gpu = PRESETS[name]
+    """The analytic profile of preset `name` (a key of `PRESETS` or `BLOCK_PRESETS`) for the
+    given TP degrees that hold its weights (`fits`)."""
+    block_causal = name in BLOCK_PRESETS
+    if name not in PRESETS and not block_causal:
+        names = ", ".join([*PRESETS, *BLOCK_PRESETS])
+        raise ValueError(f"unknown latency preset {name!r}; presets: {names}")
+    model, gpu = BLOCK_PRESETS[name] if block_causal else PRESETS[name]
     curves = {}
-    for tp in tp_degrees:
-        for kind, grid in (
-            (StepKind.FULL, FULL_GRID),
-            (StepKind.RECOMPUTE, FULL_GRID),
-            (StepKind.CACHE, CACHE_GRID),
-        ):
+    for tp in (d for d in tp_degrees if fits(model, gpu, d)):
+        for kind in EXACT_KINDS if block_causal else APPROXIMATE_KINDS:
+            grid = CACHE_GRID if kind in CACHED_KINDS else FULL_GRID
             secs = tuple(step_seconds(model, gpu, tp, n, kind) for n in grid)
             curves[tp, kind] = (grid, secs)
     meta = {
@@ -317,6 +378,7 @@ def preset_profile(name: str, tp_degrees=(1, 2, 4, 8)) -> LatencyProfile:
         "dtype": "bfloat16",
         "source": "analytic preset",
         "preset": name,
+        **({"block_causal": True} if block_causal else {}),
         "calibration": {
             "mfu": round(CALIBRATION.mfu, 4),
             "hbm_eff": round(CALIBRATION.hbm_eff, 4),
@@ -330,11 +392,11 @@ def preset_profile(name: str, tp_degrees=(1, 2, 4, 8)) -> LatencyProfile:
 def load_profile(spec: str | Path) -> LatencyProfile:
     """A preset (`PRESETS`) or shipped measured profile (`MEASURED`) by name, or a
     latency-profile JSON file by path."""
-    if isinstance(spec, str) and spec in PRESETS:
+    if isinstance(spec, str) and (spec in PRESETS or spec in BLOCK_PRESETS):
         return preset_profile(spec)
     path = MEASURED.get(spec, Path(spec)) if isinstance(spec, str) else Path(spec)
     if not path.is_file():
-        names = ", ".join([*PRESETS, *MEASURED])
+        names = ", ".join([*PRESETS, *BLOCK_PRESETS, *MEASURED])
         raise ValueError(f"{str(spec)!r} is neither a latency-profile file nor a profile ({names})")
     return LatencyProfile.from_file(path)
 
@@ -363,9 +425,38 @@ def summary() -> str:
     return "\n".join(rows)
 
 
+# (kind, batch tokens) of the block-diffusion table: one request's and 64 requests' steps
+BLOCK_REFERENCE_STEPS = (
+    (StepKind.BLOCK, BLOCK_LEN),
+    (StepKind.BLOCK, 64 * BLOCK_LEN),
+    (StepKind.COMMIT, 2 * BLOCK_LEN),
+    (StepKind.COMMIT, 64 * 2 * BLOCK_LEN),
+    (StepKind.PREFILL, GSM8K_PROMPT_TOKENS + GSM8K_GEN_TOKENS),
+    (StepKind.PREFILL, 4096),
+)
+
+
+def block_summary() -> str:
+    """The docstring's block-diffusion table: ms per step at the smallest TP degree that holds
+    the weights, and the block step of 64 requests at twice that degree over it."""
+    heads = " | ".join(f"{kind.value} {n}" for kind, n in BLOCK_REFERENCE_STEPS)
+    rows = [f"| preset, TP | {heads} | 2x |"]
+    rows.append("|---" * (len(BLOCK_REFERENCE_STEPS) + 2) + "|")
+    for name in BLOCK_PRESETS:
+        p = preset_profile(name)
+        tp = p.tp_degrees[0]
+        ms = " | ".join(f"{p.step_latency(tp, n, k) * 1e3:.1f}" for k, n in BLOCK_REFERENCE_STEPS)
+        batch = 64 * BLOCK_LEN
+        ratio = p.step_latency(2 * tp, batch, StepKind.BLOCK) / p.step_latency(
+            tp, batch, StepKind.BLOCK
+        )
+        rows.append(f"| {name}, TP-{tp} | {ms} | {ratio:.3f} |")
+    return "\n".join(rows)
+
+
 if __name__ == "__main__":
     c = CALIBRATION
     sys.stdout.write(
         f"MFU {c.mfu:.4f}, HBM efficiency {c.hbm_eff:.4f}, "
-        f"overhead {c.overhead_s * 1e3:.3f} ms\n{summary()}\n"
+        f"overhead {c.overhead_s * 1e3:.3f} ms\n{summary()}\n\n{block_summary()}\n"
     )
