@@ -134,7 +134,11 @@ def _progress(folder, show: bool, every: float = 30.0):
 def _add_simulate_command(sub) -> None:
     si = sub.add_parser("simulate", help="trace-driven cluster simulation (same control plane)")
     si.add_argument("--policy", default="dilaserve")
-    si.add_argument("--profile", default="llada-8b-h100", help="preset name or profile JSON")
+    si.add_argument(
+        "--profile",
+        default="llada-8b-h100",
+        help="preset name (llada-8b-h100, ..., llada2-mini-h200) or profile JSON",
+    )
     si.add_argument("--trace", default="paper", help="paper | poisson:RPS:SECONDS | CSV path")
     si.add_argument("--peak-rps", type=float, default=20.0, help="peak of the paper trace")
     si.add_argument(
@@ -152,7 +156,24 @@ def _add_simulate_command(sub) -> None:
     si.add_argument("--initial-tp", type=int, default=1)
     si.add_argument("--slo", type=float, default=None, help="seconds (default: a multiple)")
     si.add_argument("--slo-multiple", type=float, default=5.0)
-    si.add_argument("--kv-cache", choices=["none", "dual"], default="dual")
+    si.add_argument(
+        "--kv-cache",
+        choices=["none", "dual", "block"],
+        default="dual",
+        help="block: a block-causal model's exact cache (with an llada2-* profile)",
+    )
+    si.add_argument(
+        "--threshold",
+        type=float,
+        default=0.9,
+        help="fixed-threshold policies' threshold and the SLO's reference (DWS: 0.95)",
+    )
+    si.add_argument(
+        "--candidates",
+        type=lambda t: tuple(float(x) for x in t.split(",")),
+        default=None,
+        help="a dynamic policy's thresholds, e.g. 0.5,0.6,0.7,0.8,0.9,0.95 (default 0.5-0.9)",
+    )
     si.add_argument("--planner-period", type=float, default=300.0)
     si.add_argument("--startup-delay", type=float, default=30.0)
     si.add_argument("--latency-noise", type=float, default=0.0)

@@ -6,7 +6,14 @@ confidences (the inputs of the step predictor's features), and when the request 
   T(g) / difficulty tokens (at least one, the top-1 fallback), with T(0.9) = `TOKENS_PER_STEP_09`
   and T falling 38% in steps from 0.9 to 0.7 (papers.md 1.1, Fig. 3a), geometrically between.
   Masked positions report confidences that are lower for harder requests, so the predictor's
-  confidence features carry the signal they carry on a real model.
+  confidence features carry the signal they carry on a real model. Blocks are the request's own
+  (`Request.block_offset`: a block-causal model's blocks sit at absolute positions, so the
+  window's first block holds `block_len - block_offset` positions and its last `block_offset`).
+  For LLaDA2.x (`tokens_per_step_for`) T is anchored at threshold 0.95 on the published tokens
+  per forward (TPF) of the model cards, 2.55 for LLaDA2.0-mini and 3.19 for -flash (the
+  LLaDA2.0-*-CAP cards' tables, averaged over 12 benchmarks); the cards do not give the
+  threshold, so 0.95 (SGLang's and the DWS paper's default) is ASSUMED, and so is the fall
+  below it, LLaDA-8B's 38% per 0.2 (no LLaDA2.x figure found).
 - `ReplayBehaviour`: recorded trajectories of the real engine (`dilaserve train-predictor` writes
   them), replayed per (prompt, threshold); when the threshold changes mid-request the replay
   continues from the step of the new threshold's trajectory that had committed as many tokens.
@@ -21,6 +28,7 @@ import bisect
 import json
 import zlib
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -35,10 +43,46 @@ _TOKENS = np.full(4096, 7, np.int32)  # committed token ids (they do not matter)
 _TOKENS.flags.writeable = False
 
 
-def llada_tokens_per_step(threshold: float) -> float:
-    """T(g): mean tokens committed per step at threshold g (geometric in g, anchored at 0.9)."""
-    g = min(max(threshold, 0.0), 0.9)
-    return TOKENS_PER_STEP_09 * (1.0 - STEP_CUT_09_TO_07) ** ((g - 0.9) / 0.2)
+# LLaDA2.0 tokens per forward, published (model cards of LLaDA2.0-mini-CAP / -flash-CAP: the
+# base models' TPF over 12 benchmarks); the threshold they were measured at is ASSUMED to be 0.95
+LLADA2_THRESHOLD = 0.95
+LLADA2_MINI_TOKENS_PER_STEP = 2.55
+LLADA2_FLASH_TOKENS_PER_STEP = 3.19
+
+
+@dataclass(frozen=True, slots=True)
+class TokensPerStep:
+    """T(g): mean tokens committed per step at threshold g: `tokens` at the `anchor` threshold
+    and above, and `STEP_CUT_09_TO_07` fewer steps per 0.2 below it (geometric in g)."""
+
+    anchor: float
+    tokens: float
+    source: str = ""  # where the numbers come from, for a run's summary
+
+    def __call__(self, threshold: float) -> float:
+        g = min(max(threshold, 0.0), self.anchor)
+        return self.tokens * (1.0 - STEP_CUT_09_TO_07) ** ((g - self.anchor) / 0.2)
+
+
+llada_tokens_per_step = TokensPerStep(
+    0.9,
+    TOKENS_PER_STEP_09,
+    "tokens per step measured at 0.9 and 0.7 (the paper), extrapolated below 0.7",
+)
+_LLADA2_SOURCE = (
+    "LLaDA2.0 tokens per forward from its model card, at an ASSUMED threshold 0.95; "
+    "LLaDA-8B's fall below it (ASSUMED)"
+)
+TOKENS_PER_STEP_BY_MODEL = {
+    "LLaDA2.0-mini": TokensPerStep(LLADA2_THRESHOLD, LLADA2_MINI_TOKENS_PER_STEP, _LLADA2_SOURCE),
+    "LLaDA2.0-flash": TokensPerStep(LLADA2_THRESHOLD, LLADA2_FLASH_TOKENS_PER_STEP, _LLADA2_SOURCE),
+}
+
+
+def tokens_per_step_for(model: str | None) -> TokensPerStep:
+    """The parametric rates of a latency profile's model: LLaDA2.x's own, LLaDA-8B's otherwise
+    (Dream-7B has no figure of its own)."""
+    return TOKENS_PER_STEP_BY_MODEL.get(model or "", llada_tokens_per_step)
 
 
 class ParametricBehaviour:
@@ -60,8 +104,7 @@ class ParametricBehaviour:
         requests report lower confidences."""
         rng = np.random.default_rng([self.seed, zlib.crc32(r.request_id.encode())])
         difficulty = float(rng.lognormal(0.0, self.sigma))
-        order = np.argsort(rng.random((r.num_blocks, r.block_len)), axis=1)  # intp: fast indexing
-        order += (np.arange(r.num_blocks) * r.block_len)[:, None]
+        order = _commit_order(r, rng.random((r.num_blocks, r.block_len)))
         confidences = rng.beta(2.0, 2.0 * difficulty, r.gen_len).astype(np.float32)
         state = self._state[r.request_id] = (difficulty, order, confidences)
         return state
@@ -71,7 +114,8 @@ class ParametricBehaviour:
         block = r.current_block
         # this model is the request's only committer and commits each block in `order`, so
         # the block's committed positions are a prefix of its order
-        masked = order[block, r.num_committed - block * r.block_len :]
+        end = min((block + 1) * r.block_len - r.block_offset, r.gen_len)
+        masked = order[r.num_committed : end]
         rate = self._rates.get(threshold)
         if rate is None:
             rate = self._rates[threshold] = self.tokens_per_step(threshold)
@@ -92,6 +136,16 @@ class ParametricBehaviour:
             block_done,
             block_done and block == r.num_blocks - 1,
         )
+
+
+def _commit_order(r: Request, keys: np.ndarray) -> np.ndarray:
+    """Window positions in commit order: block by block, each block's positions sorted by its
+    row of `keys` (one key per slot of `block_len`). Block b's slots are the window positions
+    [b B - offset, (b + 1) B - offset); those outside the window are dropped, so block b holds
+    `order[lo:hi]` for its window span [lo, hi)."""
+    slots = np.arange(keys.size).reshape(keys.shape) - r.block_offset
+    order = np.take_along_axis(slots, np.argsort(keys, axis=1), axis=1).ravel()
+    return order if not r.block_offset else order[(order >= 0) & (order < r.gen_len)]
 
 
 class ReplayBehaviour:

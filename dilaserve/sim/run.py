@@ -5,8 +5,13 @@ the records and summary; `write_run` writes the run folder (config, per-request 
 per-interval metrics, summary, report, plots). `dilaserve simulate` is a thin wrapper.
 
 The SLO, unless given in seconds, is `slo_multiple` times the mean latency of the trace's
-requests each running alone on a TP-1 instance at threshold 0.9 (papers.md 1.3): one recompute
-step per block at the whole sequence, cache steps of one block for the rest.
+requests each running alone on a TP-1 instance at the spec's threshold, 0.9 unless set
+(papers.md 1.3): one recompute step per block at the whole sequence, cache steps of one block
+for the rest. A block-causal
+model (a profile whose meta says `block_causal`, e.g. `llada2-mini-h200`) runs with its exact
+cache (`kv_cache="block"`): its requests' blocks sit at absolute positions (`block_offset`), the
+parametric behaviour takes the model's tokens per step, and the isolated latency is a prefill,
+a commit step per later block and block steps, on the smallest TP degree that holds the model.
 """
 
 from __future__ import annotations
@@ -18,14 +23,15 @@ from pathlib import Path
 
 import numpy as np
 
-from dilaserve.control.decisions import InstanceSpec
+from dilaserve.control.decisions import DecisionLog, InstanceSpec
 from dilaserve.control.features import FEATURE_NAMES, PROGRESS_FEATURES
 from dilaserve.control.planner import PlannerConfig
-from dilaserve.control.policy import get_policy
+from dilaserve.control.policy import Order, get_policy
 from dilaserve.control.profile import LatencyProfile
 from dilaserve.control.reconfigure import Reconfigurer
 from dilaserve.control.scheduler import Scheduler, SchedulerConfig
-from dilaserve.protocol import StepKind
+from dilaserve.control.step_costs import StepCosts
+from dilaserve.protocol import KVCacheMode
 from dilaserve.request import Request
 from dilaserve.sim import metrics, plots, synthetic, traces
 from dilaserve.sim.behaviour import (
@@ -34,6 +40,7 @@ from dilaserve.sim.behaviour import (
     ParametricBehaviour,
     QualityModel,
     ReplayBehaviour,
+    tokens_per_step_for,
 )
 from dilaserve.sim.simulator import SimConfig, Simulator
 
@@ -55,8 +62,11 @@ class SimulationSpec:
     initial_tp: int = 1  # the cluster starts as gpus / initial_tp instances of this degree
     slo: float | None = None  # seconds; None: slo_multiple x isolated TP-1 latency
     slo_multiple: float = 5.0
-    kv_cache: str = "dual"
+    kv_cache: str = "dual"  # none | dual | block (a block-causal model's exact cache)
     block_len: int = 32
+    # the default threshold: requests start at it, fixed-threshold policies keep it, the SLO's
+    # isolated latency is taken at it (a dynamic policy's range is `candidates`)
+    threshold: float = DEFAULT_THRESHOLD
     max_batch_tokens: int = 65536
     max_requests_per_instance: int = 64
     refresh_every_tokens: int = 8
@@ -131,49 +141,80 @@ def synthetic_trace(name: str, block_len: int, rng: np.random.Generator) -> trac
 
 
 def isolated_latency(
-    profile: LatencyProfile, prompt: int, output: int, block: int, tokens_per_step: float
+    profile: LatencyProfile,
+    prompt: int,
+    output: int,
+    block: int,
+    tokens_per_step: float,
+    costs: StepCosts | None = None,
 ) -> float:
+    """One request alone on the profile's smallest TP degree (TP-1 unless the model needs more):
+    a boundary step per block and inner steps for the rest, the first step a sequence step
+    (a prefill where the cache is exact). An approximate cache or none is priced as the paper's
+    dual cache (recompute and cache steps), which is what the SLO multiple refers to."""
+    costs = costs if costs is not None and costs.exact else StepCosts(KVCacheMode.DUAL, block)
+    tp = profile.tp_degrees[0]
     blocks = -(-output // block)
     steps = max(output / tokens_per_step, blocks)
-    recompute = profile.step_latency(1, prompt + blocks * block, StepKind.RECOMPUTE)
-    cache = profile.step_latency(1, block, StepKind.CACHE)
-    return blocks * recompute + (steps - blocks) * cache
+    tokens = prompt + blocks * block
+    boundary = profile.step_latency(tp, costs.boundary_tokens(tokens), costs.boundary_kind)
+    inner = profile.step_latency(tp, costs.inner_tokens(tokens), costs.inner_kind)
+    first = profile.step_latency(tp, tokens, costs.sequence_kind) - boundary  # 0 with recompute
+    return first + blocks * boundary + (steps - blocks) * inner
 
 
 def slo_for(
-    spec: SimulationSpec, profile: LatencyProfile, requests: list[Request], t09: float
+    spec: SimulationSpec, profile: LatencyProfile, requests: list[Request], rate: float
 ) -> float:
-    """The spec's SLO in seconds, or its multiple of the requests' mean isolated TP-1 latency
-    at 0.9 (`t09` tokens committed per step)."""
+    """The spec's SLO in seconds, or its multiple of the requests' mean isolated latency at
+    the spec's threshold (`rate` tokens committed per step)."""
     if spec.slo is not None:
         return spec.slo
+    costs = StepCosts(KVCacheMode(spec.kv_cache), spec.block_len)
     isolated = [
-        isolated_latency(profile, r.prompt_len, r.gen_len, spec.block_len, t09) for r in requests
+        isolated_latency(profile, r.prompt_len, r.gen_len, spec.block_len, rate, costs)
+        for r in requests
     ]
     return spec.slo_multiple * float(np.mean(isolated))
 
 
-def requests_from(trace: traces.Trace, block: int) -> list[Request]:
+def requests_from(
+    trace: traces.Trace,
+    block: int,
+    aligned: bool = False,
+    threshold: float = DEFAULT_THRESHOLD,
+) -> list[Request]:
     """The trace's requests, outputs rounded up to whole blocks; a per-request SLO in the trace
-    becomes its deadline (the others get the scheduler's)."""
+    becomes its deadline (the others get the scheduler's). `aligned`: a block-causal model's
+    blocks start at absolute multiples of `block` (`Request.block_offset`)."""
     out = []
     for i in range(len(trace)):
         output = -(-max(int(trace.output_tokens[i]), 1) // block) * block
         arrival = float(trace.arrival[i])
         own = float(trace.slo[i]) if trace.slo is not None else None
+        prompt = int(trace.prompt_tokens[i])
         out.append(
             Request(
                 f"r{i}",
-                (3,) * int(trace.prompt_tokens[i]),
+                (3,) * prompt,
                 output,
                 block,
                 1,
-                DEFAULT_THRESHOLD,
+                threshold,
                 arrival,
                 deadline=None if own is None else arrival + own,
+                block_offset=prompt % block if aligned else 0,
             )
         )
     return out
+
+
+def with_unit_costs(requests: list[Request], rate) -> None:
+    """DWS's unit cost (papers.md 2.6: prompt blocks + output blocks + steps) with each
+    request's TRUE lengths in place of the predicted surface: an oracle DWS, for `dws-sjf`."""
+    for r in requests:
+        steps = max(r.gen_len / rate(r.threshold), r.num_blocks)
+        r.cost = r.prompt_len // r.block_len + r.num_blocks + steps
 
 
 @dataclass
@@ -187,14 +228,19 @@ class SimulationRun:
     timing: dict  # wall-clock figures, kept out of the summary so that it is reproducible
 
 
-def workload(spec: SimulationSpec, trace: traces.Trace, policy):
-    """(behaviour, requests, step predictor): parametric behaviour with the trace's lengths and
-    a predictor trained on it, or recorded trajectories replayed (each arrival takes a recorded
-    prompt's lengths) with the predictor trained on those trajectories."""
+def workload(spec: SimulationSpec, trace: traces.Trace, policy, model: str | None = None):
+    """(behaviour, requests, step predictor): parametric behaviour (at `model`'s tokens per
+    step) with the trace's lengths and a predictor trained on it, or recorded trajectories
+    replayed (each arrival takes a recorded prompt's lengths) with the predictor trained on
+    those trajectories."""
     if not spec.behaviour.startswith("replay:"):
-        behaviour = ParametricBehaviour(seed=spec.seed + 2)
-        requests = requests_from(trace, spec.block_len)
-        return behaviour, requests, make_predictor(spec, policy.predictor, trace)
+        rate = tokens_per_step_for(model)
+        behaviour = ParametricBehaviour(seed=spec.seed + 2, tokens_per_step=rate)
+        aligned = spec.kv_cache == KVCacheMode.BLOCK.value
+        requests = requests_from(trace, spec.block_len, aligned, spec.threshold)
+        if policy.order is Order.COST:
+            with_unit_costs(requests, rate)
+        return behaviour, requests, make_predictor(spec, policy, trace, rate)
     from dilaserve.config import BUNDLED_PREDICTOR
     from dilaserve.control.predictor import OraclePredictor, create_predictor
     from dilaserve.trajectory import load_trajectories
@@ -213,14 +259,41 @@ def workload(spec: SimulationSpec, trace: traces.Trace, policy):
     return behaviour, requests, create_predictor(policy.predictor, folder)
 
 
-def simulate(spec: SimulationSpec, progress=None) -> SimulationRun:
-    profile = load_profile(spec.profile)
-    trace = make_trace(spec)
+def check_profile(spec: SimulationSpec, profile: LatencyProfile) -> None:
+    """The profile prices the cluster's first instances, and the cache mode is the model's: a
+    block-causal model's cache is exact or none, and the exact cache needs such a model."""
+    if spec.initial_tp not in profile.tp_degrees:
+        raise ValueError(
+            f"{spec.initial_tp=} is not among {spec.profile}'s TP degrees {profile.tp_degrees}"
+        )
+    block_causal = bool(profile.meta.get("block_causal"))
+    if block_causal and spec.kv_cache not in ("block", "none"):
+        raise ValueError(
+            f"{spec.kv_cache=}: {profile.meta.get('model')} is block-causal; its cache is "
+            "exact (kv_cache='block') or none"
+        )
+    if spec.kv_cache == "block" and not block_causal:
+        raise ValueError(f"{spec.kv_cache=} needs a block-causal model's profile (llada2-*)")
+
+
+def policy_for(spec: SimulationSpec):
+    """The spec's policy, with its candidates and, for a fixed-threshold one, its threshold."""
     policy = get_policy(spec.policy)
     if spec.candidates is not None:
         policy = dataclasses.replace(policy, candidates=tuple(spec.candidates))
-    behaviour, requests, predictor = workload(spec, trace, policy)
-    slo = slo_for(spec, profile, requests, behaviour.tokens_per_step(DEFAULT_THRESHOLD))
+    if not policy.is_dynamic:
+        policy = dataclasses.replace(policy, fixed_threshold=spec.threshold)
+    return policy
+
+
+def simulate(spec: SimulationSpec, progress=None, log: DecisionLog | None = None) -> SimulationRun:
+    """Run the spec; `log`: a decision log to record into (one with its lines kept, to read)."""
+    profile = load_profile(spec.profile)
+    check_profile(spec, profile)
+    trace = make_trace(spec)
+    policy = policy_for(spec)
+    behaviour, requests, predictor = workload(spec, trace, policy, profile.meta.get("model"))
+    slo = slo_for(spec, profile, requests, behaviour.tokens_per_step(spec.threshold))
     config = SchedulerConfig(
         kv_cache=spec.kv_cache,
         block_len=spec.block_len,
@@ -256,6 +329,7 @@ def simulate(spec: SimulationSpec, progress=None) -> SimulationRun:
             max_batch_tokens=spec.max_batch_tokens,
             seed=spec.seed,
         ),
+        log=log,
     )
     start = time.perf_counter()
     result = simulator.run(requests, progress=progress)
@@ -264,7 +338,7 @@ def simulate(spec: SimulationSpec, progress=None) -> SimulationRun:
     rows = metrics.request_records(result.requests, result.unfinished, quality)
     summary = {
         **metrics.summarize(rows),
-        **quality_notes(quality, rows, spec),
+        **quality_notes(quality, rows, spec, profile.meta.get("model")),
         "slo_s": round(slo, 4),
         "events": result.events,
         "simulated_seconds": round(result.end_time, 2),
@@ -280,7 +354,9 @@ def simulate(spec: SimulationSpec, progress=None) -> SimulationRun:
     )
 
 
-def quality_notes(quality: QualityModel, rows: list[dict], spec: SimulationSpec) -> dict:
+def quality_notes(
+    quality: QualityModel, rows: list[dict], spec: SimulationSpec, model: str | None = None
+) -> dict:
     """What in the quality estimate is measured and what extrapolated: the model, its measured
     range, the share of requests outside it, and (for the paper's curve) the estimate under the
     bundled model's accelerating drop below 0.7 instead of the linear one."""
@@ -294,17 +370,18 @@ def quality_notes(quality: QualityModel, rows: list[dict], spec: SimulationSpec)
         accelerating = [LLADA_GSM8K_ACCELERATING(t) for t in thresholds]
         notes["quality_accelerating_drop"] = round(float(np.mean(accelerating)), 4)
     if not spec.behaviour.startswith("replay:"):
-        notes["speed_model"] = (
-            "tokens per step measured at 0.9 and 0.7 (the paper), extrapolated below 0.7"
-        )
+        notes["speed_model"] = tokens_per_step_for(model).source
     return notes
 
 
-def make_predictor(spec: SimulationSpec, name: str, trace: traces.Trace):
-    """The policy's step predictor for parametric behaviour: trained on simulated runs of
-    sample requests of the trace (full or progress features), or the one-shot rates."""
+def make_predictor(spec: SimulationSpec, policy, trace: traces.Trace, rate=None):
+    """The policy's step predictor for parametric behaviour (at `rate` tokens per step):
+    trained on simulated runs of sample requests of the trace at THRESHOLDS and the policy's
+    candidates (full or progress features), or the one-shot rates."""
     from dilaserve.sim.predictor import simulated_trajectories, train_sim_predictor
 
+    name = policy.predictor
+    thresholds = tuple(sorted(set(THRESHOLDS) | set(policy.candidates)))
     rng = np.random.default_rng(spec.seed + 3)
     picks = rng.integers(0, len(trace), min(spec.predictor_prompts, len(trace)))
     shapes = [
@@ -316,8 +393,8 @@ def make_predictor(spec: SimulationSpec, name: str, trace: traces.Trace):
     ]
     if name in ("full", "progress"):
         features = FEATURE_NAMES if name == "full" else PROGRESS_FEATURES
-        behaviour = ParametricBehaviour(seed=spec.seed + 4)
-        return train_sim_predictor(behaviour, shapes, THRESHOLDS, features=features)
+        behaviour = ParametricBehaviour(seed=spec.seed + 4, tokens_per_step=rate)
+        return train_sim_predictor(behaviour, shapes, thresholds, features=features)
     if name == "oracle":
         raise ValueError(
             "the oracle step predictor knows true remaining steps only for replayed "
@@ -327,8 +404,9 @@ def make_predictor(spec: SimulationSpec, name: str, trace: traces.Trace):
         from dilaserve.control.predictor import OneShotPredictor
         from dilaserve.training.train_predictor import one_shot_rates
 
-        trajs = simulated_trajectories(ParametricBehaviour(seed=spec.seed + 4), shapes, THRESHOLDS)
-        return OneShotPredictor(THRESHOLDS, one_shot_rates(trajs))
+        behaviour = ParametricBehaviour(seed=spec.seed + 4, tokens_per_step=rate)
+        trajs = simulated_trajectories(behaviour, shapes, thresholds)
+        return OneShotPredictor(thresholds, one_shot_rates(trajs))
     raise ValueError(f"no simulated step predictor {name!r}")
 
 
