@@ -18,11 +18,12 @@ def cluster_config(args, record: bool = False):
     from the model's calibration (or the profile and predictor given)."""
     import json
 
-    from dilaserve.cluster.runtime import ClusterConfig
+    from dilaserve.cluster.runtime import ClusterConfig, with_family_cache
     from dilaserve.cluster.worker import WorkerConfig
     from dilaserve.config import EngineConfig
     from dilaserve.control.build import ControlSpec
     from dilaserve.control.decisions import SchedulerConfig
+    from dilaserve.models.registry import family_of, load_config
 
     instances = layout(args)
     inputs = control_inputs(args, set(instances))
@@ -62,7 +63,7 @@ def cluster_config(args, record: bool = False):
         record=record,
         **_dws_args(args, inputs.dws_cost),
     )
-    return config, inputs
+    return with_family_cache(config, family_of(load_config(args.model))), inputs
 
 
 def tp_list(text: str) -> tuple[int, ...]:

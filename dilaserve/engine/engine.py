@@ -49,6 +49,11 @@ class _Row:
     shift: int  # position i's token is read from the output at i - shift
 
     @property
+    def attends_cache(self) -> bool:
+        """Whether the row runs against stored K/V (an exact cache may hold none yet)."""
+        return self.kind in CACHED_KINDS and self.seq.cached_len > 0
+
+    @property
     def window_start(self) -> int:
         """Output-window index of the first position whose logits this row reads."""
         return max(self.q_start + self.shift, self.seq.prompt_len) - self.seq.prompt_len
@@ -110,7 +115,7 @@ class Engine:
         rows = [self._plan_row(item) for item in batch.items]
         results: dict[str, RequestStepResult] = {}
         for cached in (False, True):
-            group = [r for r in rows if (r.kind in CACHED_KINDS) == cached]
+            group = [r for r in rows if r.attends_cache == cached]
             for chunk in self._chunks(group):
                 results.update(self._run(chunk, cached))
         num_tokens = sum(r.q_end - r.q_start for r in rows)
@@ -149,15 +154,18 @@ class Engine:
 
     def _actual_kind(self, requested: StepKind, seq: Sequence) -> StepKind:
         """Without a cache mode every step is FULL; a cache step with no valid cache recomputes.
-        With the exact block cache, the cache's state decides: prefill, commit or block."""
+        With the exact block cache, the cache's state decides: a prefill stores the first K/V
+        (the prompt and the blocks before the current one), a commit adds a finished block, and
+        a block step stores nothing; a prompt that ends inside the first block thus starts with
+        block steps, before any cache exists."""
         mode = self.config.kv_cache
         if mode is KVCacheMode.NONE:
             return StepKind.FULL
         if mode is KVCacheMode.BLOCK:
-            if seq.cached_len == 0:
-                return StepKind.PREFILL
-            behind = seq.cached_len < kv_cache.exact_store_end(seq)
-            return StepKind.COMMIT if behind else StepKind.BLOCK
+            store_end = kv_cache.exact_store_end(seq)
+            if store_end == seq.cached_len:
+                return StepKind.BLOCK
+            return StepKind.PREFILL if seq.cached_len == 0 else StepKind.COMMIT
         if requested not in APPROXIMATE_KINDS:
             raise ValueError(
                 f"request {seq.request_id}: a {requested.value} step needs an exact block cache; "

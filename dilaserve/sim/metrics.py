@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from dilaserve.protocol import CACHED_KINDS
 from dilaserve.request import Request
 
 
@@ -37,6 +38,10 @@ def request_records(
                 if r.first_block_time is not None
                 else float("nan"),
                 "steps": r.num_steps,
+                # steps over the whole sequence (full, recompute, prefill); the rest ran blocks
+                "sequence_steps": sum(
+                    n for kind, n in r.steps_by_kind.items() if kind not in CACHED_KINDS
+                ),
                 "mean_threshold": round(threshold, 4),
                 "quality": round(quality(threshold), 4) if quality else float("nan"),
             }
