@@ -104,3 +104,29 @@ def test_a_probe_too_long_for_the_kernel_is_rejected():
     probes = synthetic_probes(np.full((2, L), 2.0), 0.0, 6, seed=4)
     with pytest.raises(ValueError, match="max_blocks"):
         fit_cost_kernel(probes + [ProbeRun(40, L, [(b, 0, 1.0) for b in range(3)])], 2, L)
+
+
+def test_an_exact_caches_prefill_and_commit_steps_split_into_their_phase_and_a_cell():
+    from dilaserve.dws.cost import _probe
+    from dilaserve.protocol import StepKind as K
+
+    steps = [(0, 0, 10.0, K.PREFILL), (0, 1, 2.0, K.BLOCK), (0, 2, 2.0, K.BLOCK)]
+    steps += [(1, 0, 5.0, K.COMMIT), (1, 1, 2.0, K.BLOCK)]
+    probe = _probe(40, L, True, steps)
+    assert (probe.prefill_ms, probe.refresh_ms) == (8.0, 3.0)
+    assert [ms for _, _, ms in probe.step_ms] == [2.0] * 5
+    approximate = _probe(40, L, True, [(0, 0, 10.0, K.RECOMPUTE), (0, 1, 2.0, K.CACHE)])
+    assert (approximate.prefill_ms, approximate.refresh_ms) == (0.0, 0.0)
+    assert [ms for _, _, ms in approximate.step_ms] == [10.0, 2.0]
+
+
+def test_probes_of_a_block_diffusion_model_run_its_absolute_blocks(tmp_path):
+    from family_checkpoints import llada2_checkpoint
+
+    from dilaserve.engine.llm import LLM
+
+    llm = LLM(llada2_checkpoint(tmp_path / "llada2"))
+    prompt = llm.encode_prompt("w1 w2 w3 w4", chat=False)
+    [probe] = run_probes(llm, [prompt] * 2, gen_len=64, natural=False)[:1]
+    blocks = -(-(64 + len(prompt) % 32) // 32)  # blocks at absolute positions
+    assert probe.output_blocks == blocks and probe.total_steps >= 64 // 32

@@ -16,11 +16,14 @@ fitted by weighted, smoothed non-negative least squares (`fit_cost_kernel`); the
 from the prompt-only predictor, so the two are decoupled: the predictor is reused across
 hardware, the kernel is re-measured.
 
-Our engine has no separate prefill forward (the prompt is part of every block's RECOMPUTE step)
-and no separate refresh forward (the next block's RECOMPUTE step refreshes the K/V), so its probes
-carry prefill_ms = refresh_ms = 0 and the fit gives alpha = beta = 0; the general formula is kept
-for engines that do have those phases. `dilaserve profile --dws` (`dws/profile.py`) runs the
-whole procedure.
+With an approximate cache our engine has no separate prefill forward (the prompt is part of
+every block's RECOMPUTE step) and no separate refresh forward (the next block's RECOMPUTE step
+refreshes the K/V), so its probes carry prefill_ms = refresh_ms = 0 and the fit gives alpha =
+beta = 0. Block diffusion (an exact cache, LLaDA2.x) is the execution model the formula was
+written for: a PREFILL step is the prefill fused with the first cell, a COMMIT step the refresh
+fused with a block's first cell; a probe charges such a cell the median BLOCK step and counts
+the rest as prefill (resp. refresh) time, so alpha and beta are measured. `dilaserve profile
+--dws` (`dws/profile.py`) runs the whole procedure.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from dilaserve.config import DEFAULT_THRESHOLD
-from dilaserve.protocol import StepBatch
+from dilaserve.protocol import StepBatch, StepKind
 
 SCHEMA = "dilaserve-dws-cost-1"
 LAMBDAS = (1e-6, 1e-4, 1e-2)  # the smoothing strengths papers.md 2.7 chooses from
@@ -132,22 +135,53 @@ def run_probes(
         )
     _decode(engine, prompts[0], gen_len, threshold, "dws-warmup")
     return [
-        ProbeRun(
+        _probe(
             len(prompt),
             engine.config.block_len,
+            natural,
             _decode(engine, prompt, gen_len, threshold, f"dws-probe-{i}"),
-            natural=natural,
         )
         for i, prompt in enumerate(prompts)
     ]
 
 
+def _probe(prompt_tokens: int, block_len: int, natural: bool, steps) -> ProbeRun:
+    """A probe from its steps ((block, step in block, ms, kind) each). An exact cache's prefill
+    and commit steps fuse a separate phase with a block's denoising step: what they take beyond
+    the probe's median block step is its prefill (resp. refresh) time, and the cell is charged
+    that median."""
+    block_ms = [ms for _, _, ms, kind in steps if kind is StepKind.BLOCK]
+    cell = float(np.median(block_ms)) if block_ms else 0.0
+    extra = {StepKind.PREFILL: 0.0, StepKind.COMMIT: 0.0}
+    step_ms = []
+    for b, s, ms, kind in steps:
+        if kind in extra and block_ms:
+            extra[kind] += max(ms - cell, 0.0)
+            ms = min(ms, cell)
+        step_ms.append((b, s, ms))
+    return ProbeRun(
+        prompt_tokens,
+        block_len,
+        step_ms,
+        prefill_ms=extra[StepKind.PREFILL],
+        refresh_ms=extra[StepKind.COMMIT],
+        natural=natural,
+    )
+
+
 def _decode(engine, prompt: list[int], gen_len: int, threshold: float, request_id: str):
-    """Decode one request to the end; (block, step in block, ms) of each step."""
+    """Decode one request to the end; (block, step in block, ms, kind) of each step."""
     from dilaserve.request import Request
 
+    offset = len(prompt) % engine.config.block_len if engine.family.is_block_causal else 0
     request = Request(
-        request_id, tuple(prompt), gen_len, engine.config.block_len, engine.special.mask, threshold
+        request_id,
+        tuple(prompt),
+        gen_len,
+        engine.config.block_len,
+        engine.special.mask,
+        threshold,
+        block_offset=offset,
     )
     steps, block, step = [], -1, 0
     on_engine = False
@@ -160,7 +194,7 @@ def _decode(engine, prompt: list[int], gen_len: int, threshold: float, request_i
         request.apply(result)
         step = step + 1 if result.block_index == block else 0
         block = result.block_index
-        steps.append((block, step, ms))
+        steps.append((block, step, ms, result.kind))
     engine.release(request_id)
     return steps
 
