@@ -174,6 +174,12 @@ def _add_simulate_command(sub) -> None:
         default=None,
         help="a dynamic policy's thresholds, e.g. 0.5,0.6,0.7,0.8,0.9,0.95 (default 0.5-0.9)",
     )
+    si.add_argument(
+        "--max-batch-requests",
+        type=int,
+        default=None,
+        help="requests one step batch may hold (default: no limit but the batch tokens)",
+    )
     si.add_argument("--planner-period", type=float, default=300.0)
     si.add_argument("--startup-delay", type=float, default=30.0)
     si.add_argument("--latency-noise", type=float, default=0.0)

@@ -69,6 +69,7 @@ class SimulationSpec:
     threshold: float = DEFAULT_THRESHOLD
     max_batch_tokens: int = 65536
     max_requests_per_instance: int = 64
+    max_batch_requests: int | None = None  # requests one step batch may hold (None: no limit)
     refresh_every_tokens: int = 8
     slo_headroom: float = 1.0  # the paper's Alg. 1; see SchedulerConfig
     refresh_interval: float = 0.05  # see SchedulerConfig
@@ -300,6 +301,7 @@ def simulate(spec: SimulationSpec, progress=None, log: DecisionLog | None = None
         slo=slo,
         refresh_every_tokens=spec.refresh_every_tokens,
         max_requests_per_instance=spec.max_requests_per_instance,
+        max_batch_requests=spec.max_batch_requests,
         slo_headroom=spec.slo_headroom,
         refresh_interval=spec.refresh_interval,
     )
