@@ -30,6 +30,7 @@ def cmd_run_trace(args) -> None:
         args.slo,
         args.seed,
         args.parity,
+        _trajectories(args.predict, inputs.profile),
     )
 
     def progress(done: int, total: int) -> None:
@@ -43,6 +44,19 @@ def cmd_run_trace(args) -> None:
     print(f"run folder: {folder}")
 
 
+def _trajectories(predict: str | None, profile: str) -> str | None:
+    """--predict's trajectories: the path given, or the calibration's (beside its profile)."""
+    if predict != "calibration":
+        return predict
+    path = Path(profile).parent / "trajectories.npz"
+    if not path.is_file():
+        raise ValueError(
+            f"--predict: the calibration has no recorded trajectories ({path}); give a "
+            "trajectories.npz (from `dilaserve calibrate` or `dilaserve train-predictor`)"
+        )
+    return str(path)
+
+
 def _add_run_trace_command(sub) -> None:
     rt = sub.add_parser("run-trace", help="replay a trace against an in-process cluster")
     add_cluster_args(rt)
@@ -51,6 +65,13 @@ def _add_run_trace_command(sub) -> None:
     rt.add_argument("--duration", type=float, default=None)
     rt.add_argument("--max-requests", type=int, default=None)
     rt.add_argument("--parity", action="store_true", help="replay in the simulator and compare")
+    rt.add_argument(
+        "--predict",
+        nargs="?",
+        const="calibration",
+        help="also write the simulator's prediction of the run from these recorded trajectories "
+        "(default: the calibration's)",
+    )
     rt.add_argument("--seed", type=int, default=0)
     rt.add_argument("--out", default="runs", help="folder for run folders")
     rt.set_defaults(func=cmd_run_trace)

@@ -45,3 +45,29 @@ def test_refused_requests_are_counted_as_missed(monkeypatch):
     assert arrivals > 2 and summary["refused"] == arrivals - 2
     assert summary["slo_attainment"] == 1.0  # of the two it took
     assert summary["slo_attainment_of_arrivals"] == round(2 / arrivals, 4)
+
+
+def test_the_simulator_predicts_the_run_from_its_own_models(tmp_path):
+    """`run-trace --predict`: beside the real run, the simulator's prediction of the same
+    arrivals from the measured profile and other prompts' recorded trajectories."""
+    from dilaserve.cluster.runtime import ClusterConfig
+    from dilaserve.cluster.worker import WorkerConfig
+    from dilaserve.config import BUNDLED_MODEL
+    from dilaserve.engine.llm import LLM
+    from dilaserve.engine.record import record_trajectories
+    from dilaserve.tasks import arith
+    from dilaserve.trajectory import save_trajectories
+
+    llm = LLM(BUNDLED_MODEL)
+    prompts = [p.question for p in arith.generate(6, seed=99, split="test")]
+    trajs = record_trajectories(llm, prompts, (0.5, 0.6, 0.7, 0.8, 0.9), 64)
+    save_trajectories(tmp_path / "t.npz", trajs)
+    config = ClusterConfig(WorkerConfig(threads=1), instances=(1,), record=True)
+    spec = trace_run.TraceRunSpec("poisson:6:2", slo=1.0, predict=str(tmp_path / "t.npz"))
+    summary = trace_run.run_trace(config, spec)["summary"]
+    predicted = summary["prediction"]
+    assert predicted["requests"] == summary["requests"]
+    assert 0 <= predicted["slo_attainment"] <= 1 and predicted["latency_mean"] > 0
+    assert predicted["slo_attainment_error_pp"] == round(
+        100 * (predicted["slo_attainment"] - summary["slo_attainment"]), 2
+    )

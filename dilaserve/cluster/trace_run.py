@@ -6,7 +6,10 @@ block, SLO met, steps, mean threshold, exact-match correctness) and a summary (S
 latency percentiles, accuracy, step round-trip overhead, migrations, failures, requests refused
 by admission control, which count as missed) go to a run folder. With `parity`, the run is
 also replayed in the simulator from its recorded step outcomes and durations, and the summary
-says whether the decision logs are identical.
+says whether the decision logs are identical. With `predict` (recorded trajectories of the
+model), the simulator also predicts the run from its own models (`sim/predict.py`: the
+profile's durations, other prompts' trajectories), and the summary sets its SLO attainment and
+latency beside the real ones.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class TraceRunSpec:
     slo: float = 1.0  # seconds from submission
     seed: int = 0
     parity: bool = False
+    predict: str | None = None  # recorded trajectories: also write the simulator's prediction
 
     def __post_init__(self):
         if self.rate_scale <= 0 or self.slo <= 0:
@@ -97,6 +101,8 @@ def run_trace(config: ClusterConfig, spec: TraceRunSpec, progress=None) -> dict:
     summary = {k: v for k, v in summary.items() if "quality" not in k}
     if spec.parity:
         summary["parity"] = _parity(cluster, config)
+    if spec.predict:
+        summary["prediction"] = _prediction(cluster, config, spec, summary)
     return {"rows": rows, "summary": summary, "log_lines": cluster.log.lines or []}
 
 
@@ -136,6 +142,31 @@ def _parity(cluster: Cluster, config: ClusterConfig) -> dict:
     first = next((i for i, (a, b) in enumerate(zip(ours, lines)) if a != b), None)
     identical = first is None and len(ours) == len(lines)
     return {"identical": identical, "decisions": len(ours), "first_difference": first}
+
+
+def _prediction(cluster: Cluster, config: ClusterConfig, spec: TraceRunSpec, real: dict) -> dict:
+    """The simulator's prediction of this run from its own models (`sim/predict.py`), and how
+    far it is from what happened."""
+    from dilaserve.sim.predict import predict, prediction_summary
+
+    result = predict(
+        cluster.recording.requests,
+        config.control,
+        spec.predict,
+        config.initial_specs(),
+        config.tick,
+        config.max_batch_tokens,
+        spec.seed,
+    )
+    predicted = prediction_summary(result)
+    return {
+        **predicted,
+        "trajectories": spec.predict,
+        "slo_attainment_error_pp": round(
+            100 * (predicted["slo_attainment"] - real["slo_attainment"]), 2
+        ),
+        "latency_mean_ratio": round(predicted["latency_mean"] / real["latency_mean"], 3),
+    }
 
 
 def write_trace_run(run: dict, config: ClusterConfig, spec: TraceRunSpec, root) -> str:

@@ -1,0 +1,60 @@
+"""The simulator's prediction of a cluster run, from its own models (predictive fidelity).
+
+Parity (`replay.py`) feeds the simulator a recorded run's step outcomes and durations, which
+shows that the decision logic is the same, not that the simulator predicts. Here the simulator
+gets only what it would have before the run: the same requests arriving at the same times with
+the same SLOs, the cluster's control spec (its measured latency profile and step predictor),
+and recorded engine trajectories of *other* prompts of the same model (`ReplayBehaviour`, each
+request tied to a random recorded prompt); step durations come from the profile. Its metrics,
+set beside the real run's, measure how well the simulator predicts this machine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from dilaserve.control.build import ControlSpec, build_scheduler
+from dilaserve.control.decisions import InstanceSpec
+from dilaserve.request import Request
+from dilaserve.sim import metrics
+from dilaserve.sim.behaviour import ReplayBehaviour
+from dilaserve.sim.simulator import SimConfig, SimResult, Simulator
+from dilaserve.trajectory import load_trajectories
+
+
+def predict(
+    requests: list[Request],
+    control: ControlSpec,
+    trajectories: str | Path,
+    instances: list[InstanceSpec],
+    tick: float,
+    max_batch_tokens: int,
+    seed: int = 0,
+) -> SimResult:
+    """Simulate `requests` (as admitted: arrival and deadline on the run's clock) on the
+    instances, the behaviour drawn from `trajectories`."""
+    recorded = load_trajectories(trajectories)
+    behaviour = ReplayBehaviour(recorded)
+    windows = {t.gen_len for t in recorded}
+    rng = np.random.default_rng(seed)
+    fresh = [r.fresh() for r in requests]
+    for r in fresh:
+        if r.gen_len not in windows:
+            raise ValueError(
+                f"request {r.request_id}: its window of {r.gen_len} tokens has no recorded "
+                f"trajectories in {trajectories} (windows {sorted(windows)})"
+            )
+        behaviour.assign(r.request_id, int(rng.choice(behaviour.prompts)))
+    scheduler = build_scheduler(control)
+    config = SimConfig(tick=tick, max_batch_tokens=max_batch_tokens, seed=seed)
+    return Simulator(scheduler, scheduler.profile, behaviour, instances, config).run(fresh)
+
+
+def prediction_summary(result: SimResult) -> dict:
+    """SLO attainment and latency of the prediction, as `run-trace` reports the real run."""
+    rows = metrics.request_records(result.requests, result.unfinished, None)
+    summary = metrics.summarize(rows)
+    keep = ("requests", "slo_attainment", "latency_mean", "latency_p50", "latency_p99")
+    return {k: summary[k] for k in keep if k in summary}
