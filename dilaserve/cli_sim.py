@@ -26,6 +26,7 @@ def cmd_plan(args) -> None:
         tokens_per_step,
         tp_degrees=args.tp,
         cache_block=None if args.kv_cache == "none" else args.block,
+        exact_cache=args.kv_cache == "block",
         period=args.window,
     )
     classes = capacity.workload_classes(trace, args.slo, args.block, args.window, args.safety)
@@ -71,7 +72,12 @@ def _add_plan_command(sub) -> None:
     pl.add_argument(
         "--tp", type=lambda t: tuple(int(x) for x in t.split(",")), default=(1, 2, 4, 8)
     )
-    pl.add_argument("--kv-cache", choices=["none", "dual"], default="dual")
+    pl.add_argument(
+        "--kv-cache",
+        choices=["none", "dual", "block"],
+        default="dual",
+        help="block: a block-diffusion model's exact cache (an llada2-* profile)",
+    )
     pl.add_argument("--block", type=int, default=32)
     pl.add_argument("--window", type=float, default=300.0, help="seconds of the busiest window")
     pl.add_argument("--safety", type=float, default=1.1, help="rate buffer above the observed")
