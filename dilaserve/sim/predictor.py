@@ -41,6 +41,7 @@ def run_alone(behaviour, r: Request, mode: KVCacheMode) -> Trajectory:
         tuple(kinds),
         tuple(commits),
         np.stack(confidences),
+        r.block_offset,
     )
 
 
@@ -52,11 +53,15 @@ def simulated_trajectories(
     mode: KVCacheMode = KVCacheMode.DUAL,
 ) -> list[Trajectory]:
     """Every (prompt length, output length) shape run at every threshold; shape i is prompt
-    `p{i}`, the same prompt at each threshold."""
+    `p{i}`, the same prompt at each threshold. With an exact cache (block diffusion) blocks sit
+    at absolute positions."""
     out = []
     for threshold in thresholds:
         for i, (prompt_len, gen_len) in enumerate(shapes):
-            r = Request(f"p{i}", (3,) * prompt_len, gen_len, block_len, 1, threshold)
+            offset = prompt_len % block_len if mode is KVCacheMode.BLOCK else 0
+            r = Request(
+                f"p{i}", (3,) * prompt_len, gen_len, block_len, 1, threshold, block_offset=offset
+            )
             out.append(run_alone(behaviour, r, mode))
     return out
 
@@ -68,6 +73,8 @@ def train_sim_predictor(
     block_len: int = 32,
     seed: int = 0,
     features: Sequence[str] = FEATURE_NAMES,
+    mode: KVCacheMode = KVCacheMode.DUAL,
 ) -> GBMPredictor:
-    rows, labels = rows_and_labels(simulated_trajectories(behaviour, shapes, thresholds, block_len))
+    trajs = simulated_trajectories(behaviour, shapes, thresholds, block_len, mode)
+    rows, labels = rows_and_labels(trajs)
     return fit_gbm(rows, labels, tuple(thresholds), features, seed, TREE_SHAPE)

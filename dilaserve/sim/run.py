@@ -396,7 +396,8 @@ def make_predictor(spec: SimulationSpec, policy, trace: traces.Trace, rate=None)
     if name in ("full", "progress"):
         features = FEATURE_NAMES if name == "full" else PROGRESS_FEATURES
         behaviour = ParametricBehaviour(seed=spec.seed + 4, tokens_per_step=rate)
-        return train_sim_predictor(behaviour, shapes, thresholds, features=features)
+        mode = KVCacheMode(spec.kv_cache)
+        return train_sim_predictor(behaviour, shapes, thresholds, features=features, mode=mode)
     if name == "oracle":
         raise ValueError(
             "the oracle step predictor knows true remaining steps only for replayed "
@@ -407,7 +408,8 @@ def make_predictor(spec: SimulationSpec, policy, trace: traces.Trace, rate=None)
         from dilaserve.training.train_predictor import one_shot_rates
 
         behaviour = ParametricBehaviour(seed=spec.seed + 4, tokens_per_step=rate)
-        trajs = simulated_trajectories(behaviour, shapes, thresholds)
+        mode = KVCacheMode(spec.kv_cache)
+        trajs = simulated_trajectories(behaviour, shapes, thresholds, mode=mode)
         return OneShotPredictor(thresholds, one_shot_rates(trajs))
     raise ValueError(f"no simulated step predictor {name!r}")
 
