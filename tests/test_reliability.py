@@ -17,11 +17,11 @@ import pytest
 import uvicorn
 from fastapi.testclient import TestClient
 
-from dilaserve.cluster.admission import LOWEST_PRIORITY
 from dilaserve.cluster.backends import LocalBackend
 from dilaserve.cluster.config import HUNG_STEP_FACTOR, MIN_STEP_TIMEOUT
 from dilaserve.cluster.runtime import Closed, Cluster, ClusterConfig, Overloaded
 from dilaserve.cluster.worker import WorkerConfig
+from dilaserve.control.admission import LOWEST_PRIORITY
 from dilaserve.control.build import ControlSpec
 from dilaserve.control.decisions import InstanceSpec, SchedulerConfig
 from dilaserve.control.monitor import WorkloadMonitor

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dilaserve.cluster.admission import OVERLOAD_MODES
 from dilaserve.cluster.backends import Backend, LocalBackend
 from dilaserve.cluster.worker import WorkerConfig
+from dilaserve.control.admission import OVERLOAD_MODES
 from dilaserve.control.build import ControlSpec
 from dilaserve.control.decisions import InstanceSpec
 from dilaserve.control.profile import LatencyProfile

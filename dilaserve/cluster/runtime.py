@@ -38,7 +38,6 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from dilaserve.cluster.admission import LOWEST_PRIORITY, Admission
 from dilaserve.cluster.backends import Backend, WorkerEvent, start_all
 from dilaserve.cluster.config import ClusterConfig, make_backend
 from dilaserve.cluster.intake import Intake, longest_token_chars
@@ -52,6 +51,7 @@ from dilaserve.cluster.requests import (
     Recording,
     RequestHandle,
 )
+from dilaserve.control.admission import LOWEST_PRIORITY, Admission
 from dilaserve.control.build import build_scheduler
 from dilaserve.control.decisions import DecisionLog, Decisions, InstanceSpec
 from dilaserve.control.rollout import Rollout

@@ -7,7 +7,7 @@ chat template), `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus), `G
 text goes out once it and everything before it is committed. `usage` counts generated tokens
 only. Errors have OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`): 400
 naming the bad field, 413 (a body over the limit), 404 (an unknown model), 429 (over capacity:
-`cluster/admission.py`) and 503 (shutting down, or no instance left) with Retry-After. One
+`control/admission.py`) and 503 (shutting down, or no instance left) with Retry-After. One
 bad request never touches another: validation happens before the request reaches the cluster,
 and a failed request (whatever it raised) fails alone. A client that disconnects, streaming
 or not, has its request cancelled. With an API key set, `/v1/` endpoints answer only requests
