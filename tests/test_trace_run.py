@@ -71,3 +71,19 @@ def test_the_simulator_predicts_the_run_from_its_own_models(tmp_path):
     assert predicted["slo_attainment_error_pp"] == round(
         100 * (predicted["slo_attainment"] - summary["slo_attainment"]), 2
     )
+
+
+def test_the_prediction_refuses_what_admission_control_would():
+    from dilaserve.cluster.runtime import ClusterConfig
+    from dilaserve.config import BUNDLED_CALIBRATION
+    from dilaserve.control.build import ControlSpec
+    from dilaserve.control.decisions import SchedulerConfig
+    from dilaserve.sim.predict import predict as simulate
+    from dilaserve.sim.predict import prediction_summary
+
+    config = ClusterConfig(control=ControlSpec(scheduler=SchedulerConfig(slo=0.3)))
+    burst = [make_request(f"r{i}", gen_len=64, arrival_time=0.0, deadline=0.3) for i in range(300)]
+    args = (config.control, BUNDLED_CALIBRATION / "trajectories.npz", config.initial_specs())
+    result = simulate(burst, *args, config.tick, config.max_batch_tokens)
+    assert 0 < len(result.unfinished) < len(burst)  # refused at arrival: never run, missed
+    assert prediction_summary(result)["requests"] == len(burst)

@@ -157,6 +157,7 @@ def _prediction(cluster: Cluster, config: ClusterConfig, spec: TraceRunSpec, rea
         config.tick,
         config.max_batch_tokens,
         spec.seed,
+        config.overload,
     )
     predicted = prediction_summary(result)
     return {

@@ -5,8 +5,10 @@ shows that the decision logic is the same, not that the simulator predicts. Here
 gets only what it would have before the run: the same requests arriving at the same times with
 the same SLOs, the cluster's control spec (its measured latency profile and step predictor),
 and recorded engine trajectories of *other* prompts of the same model (`ReplayBehaviour`, each
-request tied to a random recorded prompt); step durations come from the profile. Its metrics,
-set beside the real run's, measure how well the simulator predicts this machine.
+request tied to a random recorded prompt); step durations come from the profile. Admission by
+capacity (`control/admission.py`) runs as in the cluster: a request it refuses never runs and
+counts as missed. Its metrics, set beside the real run's, measure how well the simulator
+predicts this machine.
 """
 
 from __future__ import annotations
@@ -15,13 +17,36 @@ from pathlib import Path
 
 import numpy as np
 
+from dilaserve.control.admission import LOWEST_PRIORITY, Admission
 from dilaserve.control.build import ControlSpec, build_scheduler
-from dilaserve.control.decisions import InstanceSpec
+from dilaserve.control.decisions import Decisions, InstanceSpec
 from dilaserve.request import Request
 from dilaserve.sim import metrics
 from dilaserve.sim.behaviour import ReplayBehaviour
 from dilaserve.sim.simulator import SimConfig, SimResult, Simulator
 from dilaserve.trajectory import load_trajectories
+
+
+class AdmittingScheduler:
+    """A scheduler behind the cluster's admission control: `on_arrival` asks `Admission` first;
+    everything else is the scheduler's."""
+
+    def __init__(self, scheduler, overload: str = "reject"):
+        self.scheduler = scheduler
+        self.admission = Admission(scheduler, overload)
+        self.refused = 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.scheduler, name)
+
+    def on_arrival(self, request: Request, now: float) -> Decisions:
+        refusal = self.admission.refusal(request, now)
+        if refusal is not None and self.admission.mode == "reject":
+            self.refused += 1
+            return Decisions()
+        if refusal is not None:
+            request.priority = LOWEST_PRIORITY
+        return self.scheduler.on_arrival(request, now)
 
 
 def predict(
@@ -32,6 +57,7 @@ def predict(
     tick: float,
     max_batch_tokens: int,
     seed: int = 0,
+    overload: str = "reject",
 ) -> SimResult:
     """Simulate `requests` (as admitted: arrival and deadline on the run's clock) on the
     instances, the behaviour drawn from `trajectories`."""
@@ -47,7 +73,7 @@ def predict(
                 f"trajectories in {trajectories} (windows {sorted(windows)})"
             )
         behaviour.assign(r.request_id, int(rng.choice(behaviour.prompts)))
-    scheduler = build_scheduler(control)
+    scheduler = AdmittingScheduler(build_scheduler(control), overload)
     config = SimConfig(tick=tick, max_batch_tokens=max_batch_tokens, seed=seed)
     return Simulator(scheduler, scheduler.profile, behaviour, instances, config).run(fresh)
 
