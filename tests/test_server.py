@@ -362,3 +362,22 @@ def test_shutdown_finishes_a_stream_in_flight(offline):
     payloads = [json.loads(c[6:]) for c in chunks if c.startswith("data: {")]
     assert payloads[-1]["choices"][0]["finish_reason"] in ("stop", "length")
     assert not server.thread.is_alive()
+
+
+@pytest.mark.parametrize(
+    "kinds, label",
+    [
+        (("cache", "recompute"), "recompute"),
+        (("block", "commit"), "commit"),
+        (("block", "prefill", "commit"), "prefill"),
+        (("block",), "block"),
+    ],
+)
+def test_a_step_batch_is_counted_under_its_costliest_kind(kinds, label):
+    from types import SimpleNamespace
+
+    from dilaserve.protocol import StepKind
+    from dilaserve.server.metrics import step_label
+
+    output = SimpleNamespace(results=[SimpleNamespace(kind=StepKind(k)) for k in kinds])
+    assert step_label(output).value == label

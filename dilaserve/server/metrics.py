@@ -19,6 +19,23 @@ THRESHOLD_BUCKETS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0)
 STEP_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 
 
+# a step batch is labelled by the costliest kind it holds: whole sequences first, then commits
+KIND_ORDER = (
+    StepKind.FULL,
+    StepKind.RECOMPUTE,
+    StepKind.PREFILL,
+    StepKind.COMMIT,
+    StepKind.CACHE,
+    StepKind.BLOCK,
+)
+
+
+def step_label(output: StepOutput) -> StepKind:
+    """The kind a step batch is counted under (its rows may mix kinds)."""
+    kinds = {r.kind for r in output.results}
+    return next((k for k in KIND_ORDER if k in kinds), StepKind.CACHE)
+
+
 class ServerMetrics:
     """The cluster's `Observer` for Prometheus."""
 
@@ -71,8 +88,7 @@ class ServerMetrics:
     # -- Observer (called on the controller thread) ------------------------------------------
 
     def step_done(self, instance_id: str, tp: int, output: StepOutput, seconds: float) -> None:
-        kinds = {r.kind for r in output.results}
-        kind = next((k for k in (StepKind.RECOMPUTE, StepKind.FULL) if k in kinds), StepKind.CACHE)
+        kind = step_label(output)
         self.steps.labels(instance_id, kind.value).observe(seconds)
         self.step_tokens.labels(instance_id).inc(output.num_tokens)
         self.dashboard.step_done(instance_id, kind.value, output, seconds)
