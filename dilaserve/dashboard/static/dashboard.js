@@ -221,11 +221,13 @@ function drawInstances(data) {
     svg.setAttribute("data-instance", iid);
     lineChart(svg, data, series, {yLabel: "ms", empty: "no step in this window"});
   });
+  // the step kinds the instances ran (recompute and cache; prefill, block and commit; full)
+  const kinds = [...new Set(data.current.instances.flatMap((i) => Object.keys(i.step_ms)))].sort();
   const rows = data.current.instances.map((i) => [i.id, i.tp, fmt(i.batch_tokens),
-    ...["recompute", "cache", "full"].map((k) => fmt(i.step_ms[k]))]);
-  if (!rows.length) rows.push(["no instance reported its steps", "", "", "", "", ""]);
-  table("instances-table", ["instance", "TP", "batch tokens", "recompute ms", "cache ms",
-                            "full ms"], rows);
+    ...kinds.map((k) => fmt(i.step_ms[k]))]);
+  if (!rows.length) rows.push(["no instance reported its steps", "", ""]);
+  table("instances-table", ["instance", "TP", "batch tokens", ...kinds.map((k) => `${k} ms`)],
+        rows);
 }
 
 function table(id, head, rows) {
