@@ -209,7 +209,7 @@ def fig11(x: Experiments) -> None:
     from dilaserve.sim.behaviour import llada_tokens_per_step
     from dilaserve.sim.capacity import nodes_for, workload_classes
     from dilaserve.sim.latency import load_profile
-    from dilaserve.sim.run import make_trace, requests_from, slo_for
+    from dilaserve.sim.workload import make_trace, requests_from, slo_for
 
     profile = load_profile(x.base.profile)
     tps = {c: llada_tokens_per_step(c) for c in (0.5, 0.6, 0.7, 0.8, 0.9)}
