@@ -170,3 +170,12 @@ def test_a_draining_instance_is_idle_once_its_step_ends_and_its_requests_prefill
     assert s.is_idle("a")  # r holds no one up: its next step may run anywhere
     assert d.releases == (("a", "r"),)
     assert launched(d) == {"r": ("b", StepKind.PREFILL, True)}
+
+
+def test_without_a_cache_a_block_diffusion_profile_prices_full_steps_as_prefills():
+    exact_only = LatencyProfile.from_dict(
+        {"entries": [{"tp": 1, "kind": "prefill", "batch_tokens": 64, "ms": 3.0}]}
+    )
+    assert exact_only.step_latency(1, 64, StepKind.FULL) == pytest.approx(0.003)
+    s = Scheduler(get_policy("fcfs"), exact_only, None, SchedulerConfig(kv_cache="none"))
+    s.add_instance("a", 1, 10_000)  # no missing-curve error

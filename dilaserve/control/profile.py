@@ -24,7 +24,12 @@ from dilaserve.protocol import StepKind
 
 SCHEMA = 1
 MEMO_SIZE = 1 << 16  # batch sizes remembered per curve
-FALLBACK_KIND = {StepKind.FULL: StepKind.RECOMPUTE, StepKind.RECOMPUTE: StepKind.FULL}
+# a whole-sequence kind the profile lacks is priced as another one that runs the same tokens
+FALLBACK_KINDS = {
+    StepKind.FULL: (StepKind.RECOMPUTE, StepKind.PREFILL),
+    StepKind.RECOMPUTE: (StepKind.FULL,),
+    StepKind.PREFILL: (StepKind.FULL,),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,9 +85,9 @@ class LatencyProfile:
         kind = StepKind(kind)
         if (tp, kind) in self.curves:
             return self.curves[tp, kind]
-        fallback = FALLBACK_KIND.get(kind)
-        if fallback is not None and (tp, fallback) in self.curves:
-            return self.curves[tp, fallback]
+        for fallback in FALLBACK_KINDS.get(kind, ()):
+            if (tp, fallback) in self.curves:
+                return self.curves[tp, fallback]
         raise KeyError(f"latency profile has no points for tp={tp}, kind={kind.value}")
 
     def step_latency(self, tp: int, batch_tokens: float, kind: StepKind) -> float:
