@@ -84,12 +84,13 @@ def cmd_train_model(args) -> None:
 def cmd_profile(args) -> None:
     if args.dws:
         from dilaserve.dws.profile import DWSProfileConfig, profile_dws
+        from dilaserve.models.generation import default_max_tokens
 
         profile_dws(
             DWSProfileConfig(
                 model=args.model,
                 num_probes=args.dws_probes,
-                gen_len=args.gen_len,
+                gen_len=args.gen_len or default_max_tokens(args.model),
                 dtype=args.dtype,
                 device=args.device,
                 cuda_graphs=args.cuda_graphs,

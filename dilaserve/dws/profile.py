@@ -99,13 +99,15 @@ def profile_dws(cfg: DWSProfileConfig, log=print) -> CostKernel:
         "threshold": cfg.threshold,
         "gen_len": cfg.gen_len,
         "dtype": cfg.dtype,
-        "kv_cache": "dual",
+        "kv_cache": llm.engine.config.kv_cache.value,
         "hardware": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }
     block_len = llm.config.block_len
-    kernel = fit_cost_kernel(probes, -(-cfg.gen_len // block_len), block_len, meta=meta)
+    # blocks at absolute positions (block diffusion) spread a window over one more block
+    extra = 1 if llm.engine.family.is_block_causal else 0
+    kernel = fit_cost_kernel(probes, -(-cfg.gen_len // block_len) + extra, block_len, meta=meta)
     kernel.save(cfg.kernel_out)
     run = create_run_dir(cfg.out, "profile-dws")
     write_json(run / "config.json", {**asdict(cfg), "environment": environment()})
