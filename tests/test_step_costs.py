@@ -179,3 +179,11 @@ def test_without_a_cache_a_block_diffusion_profile_prices_full_steps_as_prefills
     assert exact_only.step_latency(1, 64, StepKind.FULL) == pytest.approx(0.003)
     s = Scheduler(get_policy("fcfs"), exact_only, None, SchedulerConfig(kv_cache="none"))
     s.add_instance("a", 1, 10_000)  # no missing-curve error
+
+
+def test_a_prefill_is_priced_at_the_prompt_and_the_blocks_up_to_the_current_one():
+    r = make_request("r", prompt_len=13, gen_len=2 * BLOCK_LEN, block_offset=13 % BLOCK_LEN)
+    assert EXACT.request_tokens(StepKind.PREFILL, r) == 2 * BLOCK_LEN  # absolute block [8, 16)
+    r.current_block = 2
+    assert EXACT.request_tokens(StepKind.PREFILL, r) == r.num_tokens == 29  # its last block
+    assert EXACT.request_tokens(StepKind.COMMIT, r) == 2 * BLOCK_LEN

@@ -41,7 +41,7 @@ class Placer:
 
     def tokens(self, t, kind: StepKind) -> int:
         """Tokens the request's step of `kind` processes."""
-        return self._costs.tokens(kind, t.request.num_tokens)
+        return self._costs.request_tokens(kind, t.request)
 
     def has_room(self, inst: InstanceState, tokens: int, solo: bool = False) -> bool:
         """Whether the batch gathered there takes the request (`solo`: one that runs alone)."""

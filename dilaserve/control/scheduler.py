@@ -390,7 +390,7 @@ class Scheduler:
     def _prefill_extra(self, r: Request, inst: InstanceState) -> float:
         """What a prefill of `r` on `inst` costs beyond the block step it replaces."""
         costs = self._costs
-        prefill = inst.full_curve.at(r.num_tokens)
+        prefill = inst.full_curve.at(costs.request_tokens(StepKind.PREFILL, r))
         return max(prefill - inst.cache_curve.at(costs.inner_tokens(r.num_tokens)), 0.0)
 
     def _launch(self, now: float) -> list[StepLaunch]:

@@ -66,10 +66,21 @@ class StepCosts:
     def tokens(self, kind: StepKind, num_tokens: int) -> int:
         """Tokens a step of `kind` processes for a request of `num_tokens` (prompt + window):
         one block for cache and block steps, two for a commit, else the whole sequence (a
-        prefill runs up to the current block: this prices its longest case)."""
+        prefill runs up to the current block's end: `request_tokens` prices it so)."""
         if kind is StepKind.COMMIT:
             return 2 * self.block_len
         return self.block_len if kind in CACHED_KINDS else num_tokens
+
+    def request_tokens(self, kind: StepKind, request) -> int:
+        """Tokens a step of `kind` processes for `request` as it stands: a prefill runs the
+        prompt and the output up to the end of its current block (its blocks at absolute
+        positions), the other kinds as `tokens` says."""
+        if kind is not StepKind.PREFILL:
+            return self.tokens(kind, request.num_tokens)
+        end = (
+            request.prompt_len - request.block_offset + (request.current_block + 1) * self.block_len
+        )
+        return min(end, request.num_tokens)
 
     def boundary_tokens(self, num_tokens: int) -> int:
         return self.tokens(self.boundary_kind, num_tokens)

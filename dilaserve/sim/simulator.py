@@ -181,7 +181,7 @@ class Simulator:
         full = cache = 0
         requests = self.scheduler.requests
         for item in batch.items:
-            tokens = costs.tokens(item.kind, requests[item.request_id].request.num_tokens)
+            tokens = costs.request_tokens(item.kind, requests[item.request_id].request)
             if item.kind in CACHED_KINDS:
                 cache += tokens
             else:
