@@ -6,7 +6,7 @@ TORCH := torch==2.13.0
 
 PORT ?= 8000
 
-.PHONY: setup serve demo test test-all lint bench train-model eval
+.PHONY: setup serve demo test test-all lint bench train-model train-model-llada2 eval
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -47,3 +47,7 @@ train-model: setup  ## retrain the bundled model: three stages, about two hours 
 		--difficulty wide --minutes 80 --max-steps 1500
 	$(VENV)/bin/dilaserve train-model --init-from runs/tiny-llada-s2 \
 		--out dilaserve/assets/tiny-llada --difficulty narrow --minutes 33
+
+train-model-llada2: setup  ## retrain the bundled block-diffusion model (LLaDA2 MoE): 90 minutes, 1 thread
+	$(VENV)/bin/dilaserve train-model --arch llada2 --out dilaserve/assets/tiny-llada2 \
+		--difficulty narrow --minutes 90 --lr 2e-3 --batch-size 32 --threads 1

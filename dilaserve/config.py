@@ -9,6 +9,7 @@ from dilaserve.protocol import KVCacheMode
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 BUNDLED_MODEL = ASSETS / "tiny-llada"  # the small dLLM this project trains and ships
+BUNDLED_LLADA2_MODEL = ASSETS / "tiny-llada2"  # its block-diffusion (LLaDA2 MoE) sibling
 BUNDLED_CALIBRATION = BUNDLED_MODEL / "dilaserve-calibration" / "cpu-float32"  # `calibrate`
 BUNDLED_PREDICTOR = BUNDLED_CALIBRATION / "predictor"  # its step predictor
 BUNDLED_PROFILE = BUNDLED_CALIBRATION / "profile.json"  # its latency on a 2-core CPU
