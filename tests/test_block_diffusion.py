@@ -2,6 +2,7 @@
 inference sees, a block's loss ignores later blocks, and `train-model --arch llada2` writes a
 checkpoint that loads as the LLaDA2 family and generates."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -91,7 +92,7 @@ def test_noisy_copy_masks_answers_only():
     assert not b.is_masked[~b.is_noisy].any()
 
 
-def test_train_model_llada2_writes_a_generating_llada2_checkpoint(tmp_path, monkeypatch):
+def test_train_model_llada2_writes_a_generating_llada2_checkpoint(tmp_path):
     small = dict(max_steps=2, batch_size=4, vocab_size=200, **TINY)
     folder = train(TrainConfig(out=str(tmp_path / "m"), arch="llada2", **small))
     model = load_model(folder)
@@ -110,3 +111,10 @@ def test_cli_train_model_takes_the_arch(monkeypatch):
     )
     main(["train-model", "--arch", "llada2", "--out", "x", "--max-steps", "1"])
     assert seen["c"].arch == "llada2"
+
+
+def test_continuing_a_checkpoint_of_another_family_is_refused(tmp_path):
+    small = dict(max_steps=1, batch_size=2, vocab_size=200, **TINY)
+    first = train(TrainConfig(out=str(tmp_path / "a"), arch="llada2", **small))
+    with pytest.raises(ValueError, match="LLaDA2 checkpoint"):
+        train(TrainConfig(out=str(tmp_path / "b"), init_from=str(first), **small))

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from dilaserve.models.checkpoint import load_model, save_checkpoint
 from dilaserve.models.config import LLaDAConfig
 from dilaserve.models.llada import LLaDAModelLM
+from dilaserve.models.registry import family_of, load_config
 from dilaserve.models.tokenizer import Tokenizer
 from dilaserve.tasks import arith
 from dilaserve.training import block_diffusion
@@ -183,6 +184,7 @@ def _expert_balancing(model, cfg: TrainConfig) -> Callable[[], None]:
 class Arch:
     """How `train` builds, trains and balances one model family."""
 
+    family: str  # the registry's name for it (`ModelFamily.name`)
     chat: ChatFormat  # the tokenizer's special tokens and chat template
     create_model: Callable  # (cfg, vocab_size, mask_id, eos_id) -> a randomly initialised model
     batch_loss: Callable  # (model, tok, problems, cfg, rng) -> the batch's loss
@@ -190,14 +192,19 @@ class Arch:
 
 
 ARCHS = {
-    "llada": Arch(LLADA_FORMAT, _create_llada, masked_loss, _no_balancing),
-    "llada2": Arch(LLADA2_FORMAT, block_diffusion.create_llada2, block_loss, _expert_balancing),
+    "llada": Arch("LLaDA", LLADA_FORMAT, _create_llada, masked_loss, _no_balancing),
+    "llada2": Arch(
+        "LLaDA2", LLADA2_FORMAT, block_diffusion.create_llada2, block_loss, _expert_balancing
+    ),
 }
 
 
-def _resume(cfg: TrainConfig, out: Path) -> LLaDAModelLM:
+def _resume(cfg: TrainConfig, out: Path) -> torch.nn.Module:
     """Continue from a checkpoint: its weights and tokenizer (the optimizer starts anew)."""
     src = Path(cfg.init_from)
+    family = family_of(load_config(src)).name
+    if family != ARCHS[cfg.arch].family:
+        raise ValueError(f"{cfg.init_from=} is a {family} checkpoint, not {cfg.arch=}")
     out.mkdir(parents=True, exist_ok=True)
     if src.resolve() != out.resolve():
         for name in TOKENIZER_FILES:
