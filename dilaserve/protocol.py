@@ -51,6 +51,12 @@ def next_step_kind(mode: KVCacheMode, starts_block: bool, has_cache: bool) -> St
     return StepKind.RECOMPUTE if starts_block or not has_cache else StepKind.CACHE
 
 
+def block_offset(prompt_len: int, block_len: int, aligned: bool) -> int:
+    """How far into its first block the output window starts: blocks at absolute multiples of
+    `block_len` (`aligned`: block-causal models) put it `prompt_len % block_len` in, else 0."""
+    return prompt_len % block_len if aligned else 0
+
+
 @dataclass(frozen=True, slots=True)
 class SequenceSpec:
     """A request's whole token state, sent when it first runs on an instance.

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from dilaserve.cluster.requests import InvalidRequest
 from dilaserve.config import DEFAULT_THRESHOLD
+from dilaserve.protocol import block_offset
 from dilaserve.request import Request
 
 
@@ -43,7 +44,7 @@ class Submission:
             threshold_bounds=self.bounds,
             cost=self.cost,
             prior_steps=self.prior_steps,
-            block_offset=len(self.prompt_ids) % block_len if aligned else 0,
+            block_offset=block_offset(len(self.prompt_ids), block_len, aligned),
         )
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from dilaserve.config import DEFAULT_THRESHOLD
-from dilaserve.protocol import StepBatch, StepKind
+from dilaserve.protocol import StepBatch, StepKind, block_offset
 
 SCHEMA = "dilaserve-dws-cost-1"
 LAMBDAS = (1e-6, 1e-4, 1e-2)  # the smoothing strengths papers.md 2.7 chooses from
@@ -173,7 +173,7 @@ def _decode(engine, prompt: list[int], gen_len: int, threshold: float, request_i
     """Decode one request to the end; (block, step in block, ms, kind) of each step."""
     from dilaserve.request import Request
 
-    offset = len(prompt) % engine.config.block_len if engine.family.is_block_causal else 0
+    offset = block_offset(len(prompt), engine.config.block_len, engine.family.is_block_causal)
     request = Request(
         request_id,
         tuple(prompt),

@@ -13,7 +13,7 @@ from pathlib import Path
 from dilaserve.config import BUNDLED_MODEL, EngineConfig, SamplingParams
 from dilaserve.engine.engine import Engine
 from dilaserve.models.tokenizer import Tokenizer
-from dilaserve.protocol import StepBatch, StepKind
+from dilaserve.protocol import StepBatch, StepKind, block_offset
 from dilaserve.request import Request
 
 
@@ -50,7 +50,7 @@ class LLM:
                     f"prompt {i} ({len(ids)} tokens) + max_tokens ({gen_len}, whole blocks) "
                     f"exceeds the model's context of {context} tokens"
                 )
-            offset = len(ids) % self.config.block_len if aligned else 0
+            offset = block_offset(len(ids), self.config.block_len, aligned)
             requests.append(
                 Request(
                     str(i),

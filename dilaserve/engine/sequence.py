@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dilaserve.protocol import block_offset
+
 
 @dataclass
 class CachedKV:
@@ -50,7 +52,7 @@ class Sequence:
         self.prompt_len = len(prompt_ids)
         self.gen_len = gen_len
         self.block_len = block_len
-        self.block_offset = self.prompt_len % block_len if aligned_blocks else 0
+        self.block_offset = block_offset(self.prompt_len, block_len, aligned_blocks)
         self.ids = torch.from_numpy(
             np.concatenate(
                 (np.asarray(prompt_ids, dtype=np.int64), np.asarray(output_ids, dtype=np.int64))

@@ -11,7 +11,7 @@ import numpy as np
 
 from dilaserve.control.features import FEATURE_NAMES
 from dilaserve.control.predictor import GBMPredictor, fit_gbm
-from dilaserve.protocol import KVCacheMode
+from dilaserve.protocol import KVCacheMode, block_offset
 from dilaserve.request import Request
 from dilaserve.training.train_predictor import rows_and_labels
 from dilaserve.trajectory import Trajectory
@@ -58,7 +58,7 @@ def simulated_trajectories(
     out = []
     for threshold in thresholds:
         for i, (prompt_len, gen_len) in enumerate(shapes):
-            offset = prompt_len % block_len if mode is KVCacheMode.BLOCK else 0
+            offset = block_offset(prompt_len, block_len, mode is KVCacheMode.BLOCK)
             r = Request(
                 f"p{i}", (3,) * prompt_len, gen_len, block_len, 1, threshold, block_offset=offset
             )

@@ -22,7 +22,7 @@ from dilaserve.control.features import FEATURE_NAMES, PROGRESS_FEATURES
 from dilaserve.control.policy import Order
 from dilaserve.control.profile import LatencyProfile
 from dilaserve.control.step_costs import StepCosts
-from dilaserve.protocol import KVCacheMode
+from dilaserve.protocol import KVCacheMode, block_offset
 from dilaserve.request import Request
 from dilaserve.sim import synthetic, traces
 from dilaserve.sim.behaviour import ParametricBehaviour, ReplayBehaviour, tokens_per_step_for
@@ -132,7 +132,7 @@ def requests_from(
                 threshold,
                 arrival,
                 deadline=None if own is None else arrival + own,
-                block_offset=prompt % block if aligned else 0,
+                block_offset=block_offset(prompt, block, aligned),
             )
         )
     return out
