@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dilaserve.cli_serving import run_trace_config
 from dilaserve.config import BUNDLED_LLADA2_MODEL, BUNDLED_MODEL
 from dilaserve.runs import create_run_dir, environment, markdown_table, write_json, write_records
 
@@ -37,20 +38,6 @@ RUN_COLUMNS = (
     "latency_p50",
     "migrations",
 )
-
-
-def cluster_config(model: Path, args):
-    """The cluster `dilaserve run-trace MODEL` builds: the model's own calibration."""
-    from dilaserve.cli import build_parser
-    from dilaserve.cli_args import resolve_model
-    from dilaserve.cli_cluster import cluster_config as build
-
-    argv = ["run-trace", str(model), "--instances", str(args.instances), "--slo", str(args.slo)]
-    argv += ["--max-tokens", str(args.max_tokens)]
-    parsed = build_parser().parse_args(argv)
-    resolve_model(parsed)
-    config, inputs = build(parsed)
-    return config, inputs
 
 
 def step_prices(config, profile_path: str, seq_tokens: float) -> dict:
@@ -82,7 +69,8 @@ def step_prices(config, profile_path: str, seq_tokens: float) -> dict:
 def run_model(model: Path, args) -> tuple[list[dict], list[dict], dict]:
     from dilaserve.cluster.trace_run import TraceRunSpec, run_trace
 
-    config, inputs = cluster_config(model, args)
+    options = [str(model), "--instances", str(args.instances), "--slo", str(args.slo)]
+    config, inputs = run_trace_config([*options, "--max-tokens", str(args.max_tokens)])
     rows, records = [], []
     for rate in args.rates:
         spec = TraceRunSpec(f"poisson:{rate}:{args.seconds}", slo=args.slo, seed=args.seed)

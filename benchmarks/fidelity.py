@@ -17,23 +17,18 @@ from __future__ import annotations
 
 import argparse
 
+from dilaserve.cli_serving import run_trace_config
 from dilaserve.config import BUNDLED_CALIBRATION, BUNDLED_PREDICTOR
 from dilaserve.runs import write_table_run
 
 
-def cluster_config(policy: str, args):
-    from dilaserve.cli import build_parser
-    from dilaserve.cli_args import resolve_model
-    from dilaserve.cli_cluster import cluster_config as build
-
-    argv = ["run-trace", "--policy", policy, "--instances", str(args.instances)]
-    argv += ["--slo", str(args.slo), "--max-tokens", "64"]
+def options(policy: str, args) -> list[str]:
+    """`run-trace`'s options for one policy's runs."""
+    out = ["--policy", policy, "--instances", str(args.instances), "--slo", str(args.slo)]
+    out += ["--max-tokens", "64"]
     if args.profile:  # measured now (`dilaserve profile`), for the live run and the prediction
-        argv += ["--profile", args.profile, "--predictor", str(BUNDLED_PREDICTOR)]
-    parsed = build_parser().parse_args(argv)
-    resolve_model(parsed)
-    config, inputs = build(parsed, record=True)
-    return config, inputs
+        out += ["--profile", args.profile, "--predictor", str(BUNDLED_PREDICTOR)]
+    return out
 
 
 def main() -> None:
@@ -53,7 +48,7 @@ def main() -> None:
     args = parser.parse_args()
     records = []
     for policy in args.policies.split(","):
-        config, _ = cluster_config(policy, args)
+        config, _ = run_trace_config(options(policy, args), record=True)
         trajectories = str(BUNDLED_CALIBRATION / "trajectories.npz")
         for rate in (float(r) for r in args.rates.split(",")):
             trace = f"poisson:{rate}:{args.seconds}"

@@ -44,6 +44,17 @@ def cmd_run_trace(args) -> None:
     print(f"run folder: {folder}")
 
 
+def run_trace_config(options: list[str], record: bool = False):
+    """(ClusterConfig, control inputs) that `dilaserve run-trace OPTIONS...` would build: for
+    scripts that drive `run_trace` themselves."""
+    from dilaserve.cli import build_parser
+    from dilaserve.cli_args import resolve_model
+
+    args = build_parser().parse_args(["run-trace", *options])
+    resolve_model(args)
+    return cluster_config(args, record=record)
+
+
 def _trajectories(predict: str | None, profile: str) -> str | None:
     """--predict's trajectories: the path given, or the calibration's (beside its profile)."""
     if predict != "calibration":

@@ -269,17 +269,13 @@ def test_the_offline_path_generates(path, capsys):
 def served(path, tmp_path_factory):
     """The user's path: calibrate (through the cluster's workers), then the cluster config
     `run-trace`/`serve` build from the calibration, two instances."""
-    from dilaserve.cli import build_parser
-    from dilaserve.cli_args import resolve_model
-    from dilaserve.cli_cluster import cluster_config
+    from dilaserve.cli_serving import run_trace_config
 
     folder = tmp_path_factory.mktemp("calibration")
     argv = ["calibrate", str(path), "--requests", "1,2", "--repeats", "1", "--num-prompts", "6"]
     assert main([*argv, "--max-tokens", "32", "--calibration", str(folder)]) == 0
-    serve = ["run-trace", str(path), "--calibration", str(folder), "--instances", "2"]
-    args = build_parser().parse_args([*serve, "--max-tokens", "32"])
-    resolve_model(args)
-    return folder, cluster_config(args)[0]
+    options = [str(path), "--calibration", str(folder), "--instances", "2", "--max-tokens", "32"]
+    return folder, run_trace_config(options)[0]
 
 
 PROMPTS = ["w3 w5 w7", "w11 w2", "w1 + w4 ="]
