@@ -186,9 +186,10 @@ class _Stage1:
         if cfg.cache_block is not None:  # exactly one recompute step per block; the rest cache
             bound["full"] = cls.output_len / cfg.cache_block
             bound["cache"] = max(most_steps - bound["full"], 0.0)
+        boundary = costs.boundary_batch_tokens(cls.num_tokens)
         for d in self.degrees:
             for fam, _, sizes in self.families[d]:
-                tokens = costs.boundary_tokens(cls.num_tokens) if fam == "full" else cfg.cache_block
+                tokens = boundary if fam == "full" else cfg.cache_block
                 for b in sizes:
                     w = h.addVariable(lb=0, ub=bound[fam])  # w_kdb
                     h.addConstr(w <= bound[fam] * self.z[fam, d, b])

@@ -59,7 +59,7 @@ def gpus_needed(
         steps = cls.output_len / most_per_step
         full_steps = steps if block is None else max(cls.output_len / block, 1.0)
         cache_tokens = 0.0 if block is None else max(steps - full_steps, 0.0) * block
-        full_tokens = full_steps * costs.boundary_tokens(cls.num_tokens)
+        full_tokens = full_steps * costs.boundary_batch_tokens(cls.num_tokens)
         total += cls.rate * (full_tokens / full_rate + cache_tokens / cache_rate)
     return total
 

@@ -82,8 +82,10 @@ class StepCosts:
         )
         return min(end, request.num_tokens)
 
-    def boundary_tokens(self, num_tokens: int) -> int:
-        return self.tokens(self.boundary_kind, num_tokens)
+    def boundary_batch_tokens(self, sequence_tokens, num_requests: int = 1):
+        """Tokens of a boundary step over `num_requests` requests: a commit of two blocks each
+        with an exact cache, else `sequence_tokens` (their whole sequences; numbers or arrays)."""
+        return 2 * self.block_len * num_requests if self.exact else sequence_tokens
 
     def inner_tokens(self, num_tokens: int) -> int:
         return self.tokens(self.inner_kind, num_tokens)

@@ -77,7 +77,7 @@ def instance_capacity(
         return profile.curve(tp, StepKind.FULL).best_throughput()[1] * slo
     block = costs.block_len
     inner_tokens = block * max_requests
-    boundary_tokens = costs.boundary_tokens(0) * max_requests if costs.exact else tokens_per_request
+    boundary_tokens = costs.boundary_batch_tokens(tokens_per_request, max_requests)
     inner_s = profile.step_latency(tp, inner_tokens, costs.inner_kind)
     boundary_s = profile.step_latency(tp, boundary_tokens, costs.boundary_kind)
     tokens = inner_tokens * (block - 1) + boundary_tokens
@@ -94,7 +94,7 @@ def load_matrix(
     tokens = np.asarray(num_tokens, dtype=np.float64)[:, None]
     if not costs.cached:
         return steps * tokens
-    boundary = costs.boundary_tokens(0) if costs.exact else tokens
+    boundary = costs.boundary_batch_tokens(tokens)
     recompute = np.minimum(np.asarray(recompute_left, dtype=np.float64)[:, None], steps)
     return (steps - recompute) * costs.block_len + recompute * boundary
 
@@ -172,7 +172,7 @@ def step_seconds(
         full = profile.step_latency(tp, instance.num_tokens, StepKind.FULL)
         return full, full
     inner = profile.step_latency(tp, costs.block_len * n, costs.inner_kind)
-    boundary_tokens = costs.boundary_tokens(0) * n if costs.exact else instance.num_tokens
+    boundary_tokens = costs.boundary_batch_tokens(instance.num_tokens, n)
     return inner, profile.step_latency(tp, boundary_tokens, costs.boundary_kind)
 
 

@@ -86,7 +86,7 @@ def isolated_latency(
     blocks = -(-output // block)
     steps = max(output / tokens_per_step, blocks)
     tokens = prompt + blocks * block
-    boundary = profile.step_latency(tp, costs.boundary_tokens(tokens), costs.boundary_kind)
+    boundary = profile.step_latency(tp, costs.boundary_batch_tokens(tokens), costs.boundary_kind)
     inner = profile.step_latency(tp, costs.inner_tokens(tokens), costs.inner_kind)
     first = profile.step_latency(tp, tokens, costs.sequence_kind) - boundary  # 0 with recompute
     return first + blocks * boundary + (steps - blocks) * inner
