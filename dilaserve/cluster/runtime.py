@@ -73,6 +73,16 @@ def with_family_cache(config: ClusterConfig, family) -> ClusterConfig:
     return replace(config, control=control)
 
 
+def checked_model_config(config: ClusterConfig):
+    """The checkpoint's model config, every TP degree of the layout checked against it."""
+    from dilaserve.models.registry import load_config
+
+    model_config = load_config(Path(config.worker.model))
+    for tp in sorted(set(config.instances)):
+        model_config.check_tensor_parallel(tp)
+    return model_config
+
+
 class Cluster:
     def __init__(
         self,
@@ -80,30 +90,18 @@ class Cluster:
         backend: Backend | None = None,
         observer: Observer | None = None,
     ):
-        from dilaserve.models.registry import family_of, load_config
+        from dilaserve.models.registry import family_of
         from dilaserve.models.tokenizer import Tokenizer
 
-        model = Path(config.worker.model)
-        model_config = load_config(model)
+        model_config = checked_model_config(config)
         family = family_of(model_config)
         self.config = config = with_family_cache(config, family)
         self.aligned_blocks = family.is_block_causal  # blocks at absolute positions
-        for tp in sorted(set(config.instances)):
-            model_config.check_tensor_parallel(tp)
-        self.tokenizer = Tokenizer(model, model_config)
+        self.tokenizer = Tokenizer(Path(config.worker.model), model_config)
         self.scheduler = build_scheduler(config.control)
         self.block_len = config.control.scheduler.block_len
         self.backend = backend or make_backend(config)
-        self.intake = Intake(
-            self.tokenizer,
-            self.block_len,
-            model_config.max_sequence_length,
-            config.max_tokens,
-            model_config.vocab_size,
-            config.dws_estimator(),
-            config.dws_prior,
-            longest_token_chars(self.tokenizer),
-        )
+        self.intake = self._intake(model_config)
         self.observer = observer
         self.answers = Answers(self.tokenizer, observer)
         self.rollout = Rollout(self.scheduler, self, config.max_batch_tokens)
@@ -141,6 +139,19 @@ class Cluster:
         self.replacements = Replacements()
         self._handling: tuple[str, object] = ("start", None)  # what the controller is handling
         self._full_below = NOT_FULL  # `is_full`: the highest priority refused since a finish
+
+    def _intake(self, model_config) -> Intake:
+        config = self.config
+        return Intake(
+            self.tokenizer,
+            self.block_len,
+            model_config.max_sequence_length,
+            config.max_tokens,
+            model_config.vocab_size,
+            config.dws_estimator(),
+            config.dws_prior,
+            longest_token_chars(self.tokenizer),
+        )
 
     # -- lifecycle ---------------------------------------------------------------------------
 
