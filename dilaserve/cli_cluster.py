@@ -59,6 +59,7 @@ def cluster_config(args, record: bool = False):
         max_tokens=args.max_tokens,
         max_in_flight=args.max_in_flight,
         overload=args.overload,
+        measured_speed=args.measured_speed,
         step_timeout=args.step_timeout,
         record=record,
         **_dws_args(args, inputs.dws_cost),
@@ -239,6 +240,13 @@ def _control_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=1.0,
         help="share of a request's remaining SLO its predicted time must fit (docs/control.md)",
+    )
+    p.add_argument(
+        "--no-measured-speed",
+        dest="measured_speed",
+        action="store_false",
+        help="price steps at the latency profile alone, not at the measured slowdown of the "
+        "instances' steps against it (docs/control.md)",
     )
     p.add_argument(
         "--candidates",

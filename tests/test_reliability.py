@@ -25,12 +25,15 @@ from dilaserve.control.admission import LOWEST_PRIORITY
 from dilaserve.control.build import ControlSpec
 from dilaserve.control.decisions import InstanceSpec, SchedulerConfig
 from dilaserve.control.monitor import WorkloadMonitor
+from dilaserve.control.speed import batch_seconds
 from dilaserve.protocol import StepBatch, StepItem, StepKind
 from dilaserve.server.app import ServerSettings, create_app
 from dilaserve.server.guards import allowed_hosts_for
 from dilaserve.server.main import DrainingServer, build_app, serve
 from dilaserve.server.metrics import ServerMetrics
 from dilaserve.tasks import arith
+
+from conftest import make_request
 
 WORKER = WorkerConfig(threads=1)
 QUESTIONS = [p.question for p in arith.generate(4, seed=5, split="test")]
@@ -533,29 +536,40 @@ def test_workers_ignore_terminal_signals():
         backend.shutdown()
 
 
-def test_admission_measures_how_much_slower_steps_run_than_profiled():
+def test_the_runtime_measures_how_much_slower_steps_run_than_profiled():
     cluster = Cluster(config())  # (not started: its scheduler is all this needs)
-    admission = cluster.admission
-    profile = cluster.scheduler.profile
+    scheduler = cluster.scheduler
+    scheduler.add_instance("i0", 1, 8192)
+    for i in range(4):
+        scheduler.on_arrival(make_request(f"r{i}", gen_len=32), 0.0)
     batch = StepBatch(tuple(StepItem(f"r{i}", 0.9, StepKind.CACHE) for i in range(4)))
-    predicted = profile.step_latency(1, 4 * 32, StepKind.CACHE)
+    predicted = batch_seconds(
+        scheduler.profile, 1, batch, scheduler.config.costs, scheduler.requests
+    )
+    assert predicted == scheduler.profile.step_latency(1, 4 * 32, StepKind.CACHE)
     for _ in range(200):
-        admission.observe_step(1, batch, 3 * predicted)
-    assert admission.slowdown == pytest.approx(3.0, rel=1e-3)
+        scheduler.speed.observe(1, batch, 3 * predicted)
+    assert scheduler.speed.slowdown == pytest.approx(3.0, rel=1e-3)
+    for _ in range(200):  # faster than profiled: the profile stands
+        scheduler.speed.observe(1, batch, 0.5 * predicted)
+    assert scheduler.speed.ratio < 0.6 and scheduler.speed.slowdown == 1.0
 
 
-def test_refusing_at_once_ends_when_capacity_frees_in_any_way():
-    with Cluster(config()) as cluster:
-        handle = cluster.submit(QUESTIONS[0], max_tokens=256)
-        cluster._full_below = 0  # as after a refusal for capacity at priority 0
-        assert cluster.is_full(0) and not cluster.is_full(1)
-        with pytest.raises(Overloaded):
-            cluster.submit(QUESTIONS[1])
-        cluster.cancel(handle.request_id)  # (cancelled, not finished: capacity frees too)
-        with pytest.raises(concurrent.futures.CancelledError):
-            handle.result(60)
-        assert not cluster.is_full(0)
-        assert cluster.submit(QUESTIONS[1]).result(60).num_steps > 0
+def test_the_room_between_events_refuses_only_what_admission_would():
+    cluster = Cluster(config(control=TIGHT))  # (not started: its control plane is all this needs)
+    scheduler, admission = cluster.scheduler, cluster.admission
+    scheduler.add_instance("i0", 1, 8192)
+    assert not admission.room().refuses(0)  # nothing in flight
+    requests = [make_request(f"r{i}", gen_len=256) for i in range(40)]
+    for r in requests:  # taken in whatever admission says: far over capacity
+        scheduler.on_arrival(r, 0.0)
+    room = admission.room()
+    assert room.spare < 0 and room.refuses(0)
+    assert not room.refuses(1)  # served before everything in flight: asked in full
+    assert admission.refusal(make_request("new", gen_len=8), 0.0) is not None
+    for r in requests:  # capacity frees (cancelled, as finished or failed)
+        scheduler.cancel(r.request_id)
+    assert not admission.room().refuses(0)
 
 
 # -- security: the HTTP surface ---------------------------------------------------------------

@@ -167,6 +167,28 @@ def test_the_headroom_extension_policy_overrides_the_papers_rule():
         assert launch.batch.items[0].threshold == expected
 
 
+def test_measured_slowdown_prices_the_remaining_steps_at_the_speed_steps_run():
+    # the 50 ms budget fits 0.9 (33 ms at the profile's speed), not at 1.6x (53 ms); a faster
+    # machine than profiled (0.5x) leaves the profile's prices
+    picked = {}
+    for ratio in (1.0, 1.6, 0.5):
+        s = scheduler(instances=(("b", 2),), slo=0.05)
+        s.speed.ratio = ratio
+        launch = only_launch(s.on_arrival(make_request("r", gen_len=2 * BLOCK), 0.0))
+        picked[ratio] = launch.batch.items[0].threshold
+    assert picked == {1.0: 0.9, 1.6: 0.5, 0.5: 0.9}
+
+
+def test_measured_slowdown_shrinks_load_controls_capacity():
+    # two requests fit at 0.9 in a 100 ms window (2 x 168 of 500 token-steps); at 1.9x slower
+    # steps it holds 263: the early one at 0.9 and the later at 0.5 (84) only
+    s = scheduler(instances=(("a", 1),), slo=0.1, kv_cache="none")
+    s.speed.ratio = 1.9
+    s.on_arrival(make_request("early", arrival_time=0.0), 0.0)
+    s.on_arrival(make_request("late", arrival_time=0.01), 0.01)
+    assert (s.requests["early"].allowed, s.requests["late"].allowed) == ((0.9, 0.5), (0.5,))
+
+
 def test_nothing_fits_falls_through_to_the_lowest_threshold():
     s = scheduler(instances=(("b", 2),), slo=1e-6)
     launch = only_launch(s.on_arrival(make_request("r", gen_len=2 * BLOCK), 0.0))

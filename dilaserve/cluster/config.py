@@ -34,6 +34,7 @@ class ClusterConfig:
     record: bool = False  # keep a `Recording` (for replay in the simulator)
     max_in_flight: int = 1024  # a backstop: more waiting or running requests are refused
     overload: str = "reject"  # a request over capacity (`admission`): "reject" | "deprioritize"
+    measured_speed: bool = True  # price steps at their measured slowdown (`control/speed.py`)
     dws: str | None = None  # a DWS predictor folder: expected cost and step prior at admission
     dws_cost: str | None = None  # its cost kernel (`dilaserve profile --dws`); None: unit cost
     dws_prior: bool = False  # give the step predictor DWS's expected steps before step 1

@@ -26,7 +26,11 @@ class InvalidRequest(ValueError):
 
 
 class Overloaded(RuntimeError):
-    """Admission control refused a request: too many in flight. Retry later."""
+    """Admission control refused a request: over capacity, or too many in flight. Retry
+    later."""
+
+
+FULL = "over capacity: the load in flight leaves no room within an SLO; retry later"
 
 
 class Closed(RuntimeError):

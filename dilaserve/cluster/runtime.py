@@ -43,6 +43,7 @@ from dilaserve.cluster.config import ClusterConfig, make_backend
 from dilaserve.cluster.intake import Intake, longest_token_chars
 from dilaserve.cluster.replacements import Replacements
 from dilaserve.cluster.requests import (
+    FULL,
     Answers,
     Closed,
     InvalidRequest,
@@ -51,7 +52,7 @@ from dilaserve.cluster.requests import (
     Recording,
     RequestHandle,
 )
-from dilaserve.control.admission import LOWEST_PRIORITY, Admission
+from dilaserve.control.admission import LOWEST_PRIORITY, Admission, Room
 from dilaserve.control.build import build_scheduler
 from dilaserve.control.decisions import DecisionLog, Decisions, InstanceSpec
 from dilaserve.control.rollout import Rollout
@@ -59,7 +60,6 @@ from dilaserve.protocol import StepBatch, StepOutput
 
 log = logging.getLogger("dilaserve.cluster")
 STEP_TIMES_KEPT = 100_000  # steps whose timings a cluster keeps (the latest)
-NOT_FULL = LOWEST_PRIORITY - 1  # `is_full` for no priority
 
 
 def with_family_cache(config: ClusterConfig, family) -> ClusterConfig:
@@ -138,7 +138,7 @@ class Cluster:
         self._next_id = 0
         self.replacements = Replacements()
         self._handling: tuple[str, object] = ("start", None)  # what the controller is handling
-        self._full_below = NOT_FULL  # `is_full`: the highest priority refused since a finish
+        self._room = Room()  # admission's answer between events (`is_full`)
 
     def _intake(self, model_config) -> Intake:
         config = self.config
@@ -262,7 +262,7 @@ class Cluster:
         Raises ValueError naming a bad argument, `Overloaded` when admission control refuses
         work, and `Closed` when the cluster is not serving."""
         if self.is_full(priority):  # before any work on it, tokenizing included
-            raise Overloaded("over capacity: requests are being refused; retry later")
+            raise Overloaded(FULL)
         submission = self.intake.check(
             prompt,
             max_tokens,
@@ -313,6 +313,8 @@ class Cluster:
         while not self._closing.is_set():
             try:
                 self._next_event()
+                if self._handling[0] != "poll":  # the load or the instances may have changed
+                    self._room = self.admission.room()
             except Exception as e:  # a controller bug: fail what it concerned, never the rest
                 self._survive(e)
 
@@ -388,8 +390,7 @@ class Cluster:
 
     def _within_capacity(self, handle: RequestHandle, now: float) -> bool:
         """Admission by capacity (`admission`): a request that cannot meet its SLO is refused,
-        or served last. While requests are refused and none has finished since, `submit`
-        refuses those of no higher priority at once (`is_full`)."""
+        or served last."""
         try:
             refusal = self.admission.refusal(handle.request, now)
         except Exception:  # a bug in the check must not fail the request: admit it
@@ -403,17 +404,15 @@ class Cluster:
             handle.request.priority = LOWEST_PRIORITY
             return True
         self.stats["refused"] += 1
-        if refusal.over_capacity:
-            self._full_below = max(self._full_below, handle.request.priority)
         self._handles.pop(handle.request_id, None)
-        self.answers.refuse(handle, Overloaded(f"cannot meet its SLO now: {refusal.reason}"))
+        self.answers.refuse(handle, Overloaded(f"cannot meet its SLO now: {refusal}"))
         return False
 
     def is_full(self, priority: int) -> bool:
-        """Would a request of `priority` be refused now? (Requests of no higher priority were
-        refused for capacity, and none has finished, failed or been cancelled since, nor has an
-        instance come up.)"""
-        return isinstance(priority, int) and priority <= self._full_below and bool(self._handles)
+        """Would a request of `priority` be refused now? (`admission.Room`: it comes after
+        everything in flight, and the capacity left as of the controller's last event is
+        below the least a request adds.)"""
+        return isinstance(priority, int) and self._room.refuses(priority)
 
     def _cancel(self, rid: str, now: float) -> None:
         handle = self._handles.get(rid)
@@ -443,7 +442,8 @@ class Cluster:
         self.step_times.append((now - launched, event.seconds))
         self.steps_run += 1
         tp = self.scheduler.instances[iid].tp
-        self.admission.observe_step(tp, batch, now - launched)  # the step's cost, end to end
+        if self.config.measured_speed:  # the step's cost, end to end
+            self.scheduler.speed.observe(tp, batch, now - launched)
         if self.observer is not None:
             self.observer.step_done(iid, tp, event.output, event.seconds)
         if self.recording is not None:
@@ -522,7 +522,6 @@ class Cluster:
             self._events.append(WorkerEvent("died", spec.instance_id, error=f"not started: {e}"))
 
     def instance_added(self, spec: InstanceSpec, now: float) -> None:
-        self._full_below = NOT_FULL  # more capacity
         self._log_instances(now)
 
     def instance_removed(self, instance_id: str, now: float) -> None:
@@ -537,12 +536,10 @@ class Cluster:
     # -- results -----------------------------------------------------------------------------
 
     def _finish(self, rid: str, now: float) -> None:
-        self._full_below = NOT_FULL  # capacity freed: ask admission again
         handle = self._handles.pop(rid, None)
         if handle is not None:
             self.answers.finish(handle, now)
 
     def _fail(self, handle: RequestHandle, error: BaseException) -> None:
-        self._full_below = NOT_FULL  # capacity freed: ask admission again
         self._handles.pop(handle.request_id, None)
         self.answers.fail(handle, error)

@@ -135,6 +135,7 @@ def _parity(cluster: Cluster, config: ClusterConfig) -> dict:
             config.initial_specs(),
             config.tick,
             config.max_batch_tokens,
+            config.measured_speed,
         )
     except ParityError as e:
         return {"identical": False, "error": str(e)}

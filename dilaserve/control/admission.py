@@ -13,12 +13,8 @@ predicted remaining steps times the tokens each step processes (Alg. 4 with a KV
 `instance_capacity` summed over the instances. Policies without load control (fixed
 thresholds) admit every request; the count limit (`max_in_flight`) still holds.
 
-Measured slowdown (an extension): the profile was measured on an idle machine. Each step's
-round trip (launch to result, as the controller sees it) is compared with what the profile
-predicts for its batch, and capacity is divided by the running ratio when steps run slower
-(never multiplied: on a machine as fast as when it was profiled, the capacity is Algorithm
-2's). Without it, on this project's loaded 2-core
-machine, admission refused nothing at 3x capacity.
+Capacity and the time a request needs are at the measured speed (`speed.py`): without it, on
+this project's loaded 2-core machine, admission refused nothing at 3x capacity.
 """
 
 from __future__ import annotations
@@ -31,22 +27,29 @@ from dilaserve.control.features import request_states
 from dilaserve.control.thresholds import (
     InstanceLoad,
     LoadView,
-    instance_capacity,
     load_matrix,
     predicted_time_left,
 )
-from dilaserve.protocol import CACHED_KINDS, StepBatch
 from dilaserve.request import Request
 
 OVERLOAD_MODES = ("reject", "deprioritize")
-SLOWDOWN_WEIGHT = 0.05  # each step's share of the running measured/predicted ratio
 LOWEST_PRIORITY = -(2**31)  # (intake.PRIORITIES[0]) where a deprioritized request goes
 
 
 @dataclass(frozen=True)
-class Refusal:
-    reason: str
-    over_capacity: bool  # (else: too late for its own deadline)
+class Room:
+    """Admission's answer between events, for requests that come after everything in flight:
+    `refuses(priority)` without asking the controller (the HTTP front asks it of each request
+    before reading its prompt). A request at or below the lowest priority in flight is refused
+    when the capacity over one SLO window, less the load in flight at the lowest threshold, is
+    below the least any request adds (one step over one block); others are asked in full."""
+
+    lowest_priority: float = float("inf")  # in flight (+inf: nothing is)
+    spare: float = float("inf")  # token-steps
+    least: float = 0.0  # the least load a request adds
+
+    def refuses(self, priority: int) -> bool:
+        return priority <= self.lowest_priority and self.spare < self.least
 
 
 class Admission:
@@ -56,48 +59,52 @@ class Admission:
         self.scheduler = scheduler  # control.scheduler.Scheduler, read on the controller thread
         self.mode = mode
         self._loads = scheduler.load_control  # None for fixed-threshold policies
-        self.slowdown = 1.0  # steps' measured time over the profile's prediction (running)
 
     @property
     def enabled(self) -> bool:
         return self._loads is not None and self._loads.enabled
 
-    def refusal(self, request: Request, now: float) -> Refusal | None:
+    def room(self) -> Room:
+        """What is left for a request served after everything in flight (`Room`)."""
+        if not self.enabled or not self.scheduler.instances:
+            return Room()
+        load, tokens, count = self._loads.lowest_load(float("-inf"))
+        capacity = self._capacity(tokens / count if count else 0.0)
+        least = self.scheduler.config.costs.block_len  # one step over one block
+        return Room(self._loads.lowest_priority(), capacity - load, least)
+
+    def refusal(self, request: Request, now: float) -> str | None:
         """Why `request` cannot meet its SLO now (None: admit it): the load of it and of every
-        request served before it exceeds capacity (`excess`), or even alone, at the lowest
+        request served before it exceeds capacity, or even alone, at the lowest
         threshold, it would not finish by its deadline (it waited too long to get here)."""
         if not self.enabled or not self.scheduler.instances:
             return None
         lowest = self._loads.ladder[-1]
-        steps = self._predicted_steps(request, lowest)
-        excess = self.excess(request, steps)
+        ahead = self._loads.lowest_load(request.priority)
+        excess = self._excess(ahead, request, 1.0)  # over with one step of its own: refused
+        if excess <= 0:
+            steps = self._predicted_steps(request, lowest)
+            excess = self._excess(ahead, request, steps)
         if excess > 0:
-            reason = f"over capacity: the load in flight exceeds it by {excess:.0f} token-steps"
-            return Refusal(reason, over_capacity=True)
+            return f"over capacity: the load in flight exceeds it by {excess:.0f} token-steps"
         deadline = request.deadline if request.deadline is not None else now + self._slo
         needed = self._fastest_seconds(request, lowest, steps)
         if needed > deadline - now:
             left = max(deadline - now, 0.0)
-            return Refusal(f"it needs at least {needed:.2f} s and {left:.2f} s are left", False)
+            return f"it needs at least {needed:.2f} s and {left:.2f} s are left"
         return None
 
     @property
     def _slo(self) -> float:
         return self.scheduler.config.slo
 
-    def excess(self, request: Request, steps: float) -> float:
+    def _excess(self, ahead: tuple[float, float, int], request: Request, steps: float) -> float:
         """How far the load of `request` (`steps` left at the lowest threshold) and of every
-        request served before it, all at the lowest threshold, exceeds the cluster's capacity
-        over one SLO window (<= 0: it fits)."""
-        ahead = [
-            t.request
-            for t in self.scheduler.requests.values()
-            if t.request.priority >= request.priority
-        ]
-        lowest = self._loads.ladder[-1]
-        counts = [self._loads.steps_left(r.request_id, [lowest])[0] for r in ahead]
-        everyone = [*ahead, request]
-        return self._load(everyone, [*counts, steps]) - self._capacity(everyone)
+        request served before it (`ahead`: their load at the lowest threshold, tokens and
+        number) exceeds the cluster's capacity over one SLO window (<= 0: it fits)."""
+        load, tokens, count = ahead
+        mean_tokens = (tokens + request.num_tokens) / (count + 1)
+        return load + self._load([request], [steps]) - self._capacity(mean_tokens)
 
     def _fastest_seconds(self, request: Request, threshold: float, steps: float) -> float:
         """Seconds `request` needs alone on the fastest instance, at the measured slowdown."""
@@ -115,27 +122,11 @@ class Admission:
             )
             for tp in {inst.tp for inst in self.scheduler.instances.values()}
         )
-        return seconds * max(self.slowdown, 1.0)
+        return seconds * self.scheduler.speed.slowdown
 
     @property
     def _profile(self):
         return self.scheduler.profile
-
-    def observe_step(self, tp: int, batch: StepBatch, seconds: float) -> None:
-        """A step of `batch` took `seconds`: update the measured slowdown. (Call it
-        before the scheduler hears of the step: its requests are still tracked.)"""
-        costs = self.scheduler.config.costs
-        tokens, kind = 0, costs.inner_kind
-        for item in batch.items:
-            tracked = self.scheduler.requests.get(item.request_id)
-            if item.kind in CACHED_KINDS:
-                tokens += costs.tokens(item.kind, 0)
-            elif tracked is not None:
-                tokens, kind = tokens + tracked.request.num_tokens, costs.sequence_kind
-        predicted = self.scheduler.profile.step_latency(tp, tokens, kind)
-        if tokens and predicted > 0:
-            ratio = seconds / predicted
-            self.slowdown += SLOWDOWN_WEIGHT * (ratio - self.slowdown)
 
     def _predicted_steps(self, request: Request, threshold: float) -> float:
         if request.prior_steps is not None:  # DWS's estimate, as load control uses it
@@ -154,21 +145,6 @@ class Admission:
         )
         return float(loads.sum())
 
-    def _capacity(self, requests: list[Request]) -> float:
-        """`LoadControl`'s cluster capacity, for these requests' mean size, over the measured
-        slowdown."""
-        config = self.scheduler.config
-        mean_tokens = sum(r.num_tokens for r in requests) / len(requests)
-        per_tp = {
-            tp: instance_capacity(
-                self.scheduler.profile,
-                tp,
-                config.slo,
-                config.costs,
-                mean_tokens,
-                config.max_requests_per_instance,
-            )
-            for tp in {inst.tp for inst in self.scheduler.instances.values()}
-        }
-        total = sum(per_tp[inst.tp] for inst in self.scheduler.instances.values())
-        return total / max(self.slowdown, 1.0)
+    def _capacity(self, mean_tokens: float) -> float:
+        """Load control's cluster capacity over one SLO window, for requests of `mean_tokens`."""
+        return self._loads.throughput(self.scheduler.instances.values(), mean_tokens) * self._slo

@@ -27,6 +27,7 @@ from dilaserve.control.features import request_states
 from dilaserve.control.load_table import LoadTable
 from dilaserve.control.policy import LoadWindow
 from dilaserve.control.profile import LatencyProfile
+from dilaserve.control.speed import MeasuredSpeed
 from dilaserve.control.thresholds import instance_capacity
 
 
@@ -40,6 +41,7 @@ class LoadControl:
         tracked: Mapping,  # request id -> the scheduler's record of it, kept by the scheduler
         enabled: bool,  # Alg. 2/4 runs (the policy's load control, with dynamic thresholds)
         window: LoadWindow = LoadWindow.SLO,  # the time the capacity covers
+        speed: MeasuredSpeed | None = None,  # capacity is divided by its slowdown
     ):
         missing = set(ladder) - set(predictor.thresholds)
         if missing:
@@ -54,6 +56,7 @@ class LoadControl:
         self.config = config
         self.enabled = enabled
         self.window = window
+        self.speed = speed
         self._deadlines: dict[str, float] = {}  # request -> deadline (BUDGET_LEFT only)
         self._deadline_sum = 0.0
         self._tracked = tracked
@@ -127,7 +130,7 @@ class LoadControl:
         if not (load_changed or (refreshed and stale)):
             return
         self._last_run = now
-        capacity = self._cluster_capacity(instances) * self._window(now)
+        capacity = self.throughput(instances) * self._window(now)
         for rid, rank in self._table.run(capacity, self.config.costs):
             t = self._tracked[rid]
             t.allowed = self.ladder[rank:]
@@ -139,21 +142,33 @@ class LoadControl:
             return self.config.slo
         return max(self._deadline_sum / len(self._deadlines) - now, 0.0)
 
-    def _cluster_capacity(self, instances) -> float:
-        """Token-steps per second the instances process (Alg. 4's throughput)."""
-        per_request = self._table.mean_tokens()
+    def throughput(self, instances, mean_tokens: float | None = None) -> float:
+        """Token-steps per second the instances process (Alg. 4's throughput) for requests of
+        `mean_tokens` (default: those in flight), at the measured speed (`speed.py`)."""
+        if mean_tokens is None:
+            mean_tokens = self._table.mean_tokens()
         per_tp = {
             tp: instance_capacity(
                 self.profile,
                 tp,
                 1.0,
                 self.config.costs,
-                per_request,
+                mean_tokens,
                 self.config.max_requests_per_instance,
             )
             for tp in {inst.tp for inst in instances}
         }
-        return sum(per_tp[inst.tp] for inst in instances)
+        slowdown = self.speed.slowdown if self.speed is not None else 1.0
+        return sum(per_tp[inst.tp] for inst in instances) / slowdown
+
+    def lowest_load(self, min_priority: float) -> tuple[float, float, int]:
+        """(load, tokens, requests) of the requests in flight of priority >= `min_priority`,
+        each at the lowest threshold (what admission weighs a newcomer against)."""
+        return self._table.lowest_load(min_priority, self.config.costs)
+
+    def lowest_priority(self) -> float:
+        """The lowest priority in flight (+inf: none)."""
+        return self._table.lowest_priority()
 
     def steps_left(self, request_id: str, thresholds: Sequence[float]) -> list[float]:
         """What threshold selection reads: the request's predicted steps left now at each of

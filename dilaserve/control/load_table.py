@@ -107,6 +107,22 @@ class LoadTable:
             self.recompute[slots] = list(self._recompute_now.values())
             self._stepped, self._recompute_now = [], {}
 
+    def lowest_load(self, min_priority: float, costs) -> tuple[float, float, int]:
+        """(load, tokens, rows) of the rows of priority >= `min_priority`, each at its steps
+        left at the last (lowest) threshold: admission's view of the work served before a
+        newcomer, in one vectorised pass."""
+        slots = self._service_order()
+        slots = slots[-self._keys[slots, 0] >= min_priority]
+        self._count()
+        steps = np.maximum(self.steps[slots, -1] - self.counted[slots], 1.0)[:, None]
+        loads = load_matrix(steps, self.tokens[slots], self.recompute[slots], costs)
+        return float(loads.sum()), float(self.tokens[slots].sum()), len(slots)
+
+    def lowest_priority(self) -> float:
+        """The lowest priority of any row (+inf: none)."""
+        slots = self._service_order()
+        return float(-self._keys[slots, 0].max()) if slots.size else float("inf")
+
     def mean_tokens(self) -> float:
         return float(self.tokens[self._service_order()].mean()) if self._slots else 0.0
 

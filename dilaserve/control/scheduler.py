@@ -15,8 +15,9 @@ tokens, in one predictor call for every request due at most once per `refresh_in
 request is predicted at once), load control (Alg. 2/4) re-runs when arrivals or refreshes
 change the load picture (both in `load_control.py`), and the threshold is re-selected
 (Alg. 1/5) whenever a request moves or its predictions refresh, pricing the remaining steps at
-the load of everything assigned to its instance and fitting them into `slo_headroom` of the
-budget left (the policy's, else the config's: 1.0, the paper's rule). Each instance's
+the load of everything assigned to its instance (at the measured speed, `speed.py`) and fitting
+them into `slo_headroom` of the budget left (the policy's, else the config's: 1.0, the paper's
+rule). Each instance's
 gathered batch keeps its own books (`instance.py`).
 """
 
@@ -32,6 +33,7 @@ from dilaserve.control.placement import Placer
 from dilaserve.control.policy import Migration, Order, Policy
 from dilaserve.control.profile import LatencyProfile
 from dilaserve.control.reconfigure import Reconfigurer
+from dilaserve.control.speed import MeasuredSpeed
 from dilaserve.control.thresholds import (
     InstanceLoad,
     highest_fitting,
@@ -74,6 +76,7 @@ class Scheduler:
         self._ladder = tuple(sorted(policy.candidates, reverse=True))
         self._headroom = policy.slo_headroom or config.slo_headroom
         self._costs = config.costs
+        self.speed = MeasuredSpeed(profile, self._costs, self.requests)  # the runtime reports
         # mid-block steps stay with an approximate cache, unless migration may happen anywhere
         # (an exact cache moves at the price of a prefill: placement weighs it every step)
         self._short_path = policy.migration is not Migration.ANY and self._costs.stays_with_cache(
@@ -91,6 +94,7 @@ class Scheduler:
                 self.requests,
                 policy.load_control,
                 policy.load_window,
+                self.speed,
             )
             if policy.is_dynamic
             else None
@@ -384,8 +388,9 @@ class Scheduler:
         steps = self._loads.steps_left(r.request_id, allowed)
         if self._costs.exact and r.request_id not in inst.holds:  # it prefills there first
             slo_left -= self._prefill_extra(r, inst)
-        blocks_left, seconds = r.num_blocks_to_recompute, inst.seconds_memo[1]
-        return highest_fitting(allowed, steps, blocks_left, slo_left, seconds)
+        slowdown = self.speed.slowdown
+        seconds = tuple(s * slowdown for s in inst.seconds_memo[1])
+        return highest_fitting(allowed, steps, r.num_blocks_to_recompute, slo_left, seconds)
 
     def _prefill_extra(self, r: Request, inst: InstanceState) -> float:
         """What a prefill of `r` on `inst` costs beyond the block step it replaces."""

@@ -37,6 +37,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from dilaserve.cluster.requests import (
+    FULL,
     Closed,
     InvalidRequest,
     Overloaded,
@@ -265,7 +266,7 @@ class _Api:
                 return error(400, f"deadline={body.deadline} has passed", "deadline")
         try:  # tokenizing is off the event loop: a long prompt holds up no other request
             if self.cluster.is_full(body.priority):  # refused at once, before any work
-                raise Overloaded("over capacity: requests are being refused; retry later")
+                raise Overloaded(FULL)
             handle = await run_in_threadpool(
                 self.cluster.submit,
                 prompt,

@@ -70,8 +70,10 @@ def replay(
     instances: list[InstanceSpec],
     tick: float,
     max_batch_tokens: int,
+    measured_speed: bool = True,
 ) -> tuple[SimResult, list[str]]:
-    """The simulator's run of a recorded cluster run, and its decision log's lines."""
+    """The simulator's run of a recorded cluster run, and its decision log's lines.
+    `measured_speed`: the run's (`ClusterConfig.measured_speed`)."""
     scheduler = build_scheduler(control)
     log = DecisionLog(keep_lines=True)
     simulator = Simulator(
@@ -79,7 +81,7 @@ def replay(
         scheduler.profile,
         RecordedBehaviour(launches),
         instances,
-        SimConfig(tick=tick, max_batch_tokens=max_batch_tokens),
+        SimConfig(tick=tick, max_batch_tokens=max_batch_tokens, measured_speed=measured_speed),
         durations=RecordedDurations(launches),
         log=log,
     )

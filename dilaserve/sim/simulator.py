@@ -28,7 +28,8 @@ from dilaserve.control.decisions import DecisionLog, Decisions, InstanceSpec
 from dilaserve.control.profile import LatencyProfile
 from dilaserve.control.rollout import Rollout
 from dilaserve.control.scheduler import Scheduler
-from dilaserve.protocol import CACHED_KINDS, StepBatch, StepOutput
+from dilaserve.control.speed import batch_seconds
+from dilaserve.protocol import StepBatch, StepOutput
 from dilaserve.request import Request
 
 ARRIVAL, STEP_DONE, TICK, INSTANCE_UP = range(4)
@@ -41,6 +42,8 @@ class SimConfig:
     latency_noise: float = 0.0  # sigma of a log-normal factor on each step's duration
     max_batch_tokens: int = 65536  # for instances the planner starts without a batch size
     seed: int = 0
+    measured_speed: bool = False  # report step durations to the scheduler's measured speed
+    # (`control/speed.py`), as the cluster runtime does (replay: its durations are measured)
 
     def __post_init__(self):
         if self.tick <= 0 or self.startup_delay < 0 or self.latency_noise < 0:
@@ -80,7 +83,7 @@ class Simulator:
         self.rollout = Rollout(scheduler, self, config.max_batch_tokens)
         self._heap: list = []
         self._seq = 0
-        self._running: dict[str, StepBatch] = {}  # instance -> batch in flight
+        self._running: dict[str, tuple[StepBatch, float]] = {}  # instance -> (batch, seconds)
         self._done: list[Request] = []
         self.instance_log: list[tuple[float, dict[int, int]]] = []
         self.queue_log: list[tuple[float, int]] = []
@@ -135,8 +138,10 @@ class Simulator:
         )
 
     def _step_done(self, instance_id: str, now: float) -> None:
-        batch = self._running.pop(instance_id)
+        batch, seconds = self._running.pop(instance_id)
         requests = self.scheduler.requests
+        if self.config.measured_speed:
+            self.scheduler.speed.observe(self.scheduler.instances[instance_id].tp, batch, seconds)
         results = tuple(
             self.behaviour.step(requests[i.request_id].request, i.threshold, i.kind)
             for i in batch.items
@@ -150,8 +155,8 @@ class Simulator:
     def apply(self, d: Decisions, now: float, event: str) -> None:
         self.log.record(now, event, d)
         for launch in d.launches:
-            self._running[launch.instance_id] = launch.batch
             seconds = self.durations(launch.instance_id, launch.batch, now)
+            self._running[launch.instance_id] = (launch.batch, seconds)
             self._push(now + seconds, STEP_DONE, launch.instance_id)
         for rid in d.finished:
             self._finish(rid)
@@ -174,21 +179,9 @@ class Simulator:
         self._done.append(self._unfinished.pop(rid))  # the request object carries the record
 
     def _profile_duration(self, instance_id: str, batch: StepBatch, now: float) -> float:
-        """The profile's latency of the batch's sequence steps plus its cached steps, as the
-        scheduler prices them (`control/step_costs.py`)."""
-        inst = self.scheduler.instances[instance_id]
-        costs = self.scheduler.config.costs
-        full = cache = 0
-        requests = self.scheduler.requests
-        for item in batch.items:
-            tokens = costs.request_tokens(item.kind, requests[item.request_id].request)
-            if item.kind in CACHED_KINDS:
-                cache += tokens
-            else:
-                full += tokens
-        seconds = self.profile.step_latency(inst.tp, full, costs.sequence_kind) if full else 0.0
-        if cache:
-            seconds += self.profile.step_latency(inst.tp, cache, costs.inner_kind)
+        """The profile's latency of the batch, as the scheduler prices it (with noise)."""
+        tp, costs = self.scheduler.instances[instance_id].tp, self.scheduler.config.costs
+        seconds = batch_seconds(self.profile, tp, batch, costs, self.scheduler.requests)
         if self.config.latency_noise:
             seconds *= float(self.rng.lognormal(0.0, self.config.latency_noise))
         return seconds

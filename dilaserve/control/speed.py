@@ -1,0 +1,69 @@
+"""Measured speed (an extension): how much slower steps run than the latency profile says.
+
+The profile is measured once, on a quiet machine. Serving, the machine may be slower: other
+processes share its cores, the HTTP layer takes its part, a GPU is throttled. The control plane
+then under-prices every step: threshold selection (Alg. 1/5) picks thresholds whose steps do not
+fit the budget left, and load control's and admission's capacity (Alg. 2/4) admits more than
+the instances finish in an SLO window; admitted requests then finish around their deadline,
+half of them late.
+
+The cluster runtime reports each step's round trip (launch to result, as the controller sees
+it); `slowdown` is the running ratio of those times to the profile's prediction for the same
+batch, never below 1 (on a machine as fast as when it was profiled, or faster, the profile
+stands, and the algorithms are the paper's). Threshold selection multiplies step times by it;
+load control and admission divide capacity by it. The simulator reports nothing: its steps
+take what its latency model says, and `slowdown` stays 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from dilaserve.control.profile import LatencyProfile
+from dilaserve.control.step_costs import StepCosts
+from dilaserve.protocol import CACHED_KINDS, StepBatch
+
+WEIGHT = 0.05  # each step's share of the running ratio
+
+
+class MeasuredSpeed:
+    def __init__(self, profile: LatencyProfile, costs: StepCosts, tracked: Mapping):
+        self.profile = profile
+        self.costs = costs
+        self._tracked = tracked  # request id -> the scheduler's record of it
+        self.ratio = 1.0  # measured over predicted step time, running
+
+    @property
+    def slowdown(self) -> float:
+        """How many times slower than the profile steps run now (>= 1)."""
+        return max(self.ratio, 1.0)
+
+    def observe(self, tp: int, batch: StepBatch, seconds: float) -> None:
+        """A step of `batch` on a TP-`tp` instance took `seconds`, launch to result. (Call it
+        before the scheduler hears of the step: its requests are still tracked.)"""
+        predicted = batch_seconds(self.profile, tp, batch, self.costs, self._tracked)
+        if predicted > 0:
+            self.ratio += WEIGHT * (seconds / predicted - self.ratio)
+
+
+def batch_seconds(
+    profile: LatencyProfile, tp: int, batch: StepBatch, costs: StepCosts, tracked: Mapping
+) -> float:
+    """The profile's time of a step of `batch` on a TP-`tp` instance, as the scheduler prices
+    it (`step_costs.py`): its sequence steps on one curve plus its cached steps on another.
+    `tracked`: request id -> the scheduler's record of it (requests it no longer tracks, e.g.
+    cancelled while the step ran, are left out)."""
+    sequence = cached = 0
+    for item in batch.items:
+        record = tracked.get(item.request_id)
+        if record is None:
+            continue
+        tokens = costs.request_tokens(item.kind, record.request)
+        if item.kind in CACHED_KINDS:
+            cached += tokens
+        else:
+            sequence += tokens
+    seconds = profile.step_latency(tp, sequence, costs.sequence_kind) if sequence else 0.0
+    if cached:
+        seconds += profile.step_latency(tp, cached, costs.inner_kind)
+    return seconds
