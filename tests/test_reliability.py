@@ -522,12 +522,13 @@ def test_shutdown_answers_503_while_draining_and_ends_what_is_left_in_openai_sha
     assert plain["r"].status_code == 503 and "shut down" in plain["r"].json()["error"]["message"]
 
 
-def test_workers_ignore_terminal_signals():
+def test_workers_ignore_terminal_signals_and_yield_the_cpu_to_the_server():
     backend = LocalBackend(WORKER)
     try:
         backend.start(InstanceSpec("w", 0, 1, (0,)))
         wait_until(lambda: any(e.kind == "up" for e in backend.poll(0.5)), timeout=120)
         (worker,) = backend._gangs["w"].processes
+        assert os.getpriority(os.PRIO_PROCESS, worker.pid) >= WORKER.nice  # the server first
         for terminal in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             worker.send_signal(terminal)
         time.sleep(1.0)

@@ -32,6 +32,9 @@ class WorkerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     threads: int | None = None  # torch intra-op threads per rank; None: torch's default
     tp_timeout: float = 120.0  # seconds a rank waits for its gang at start-up
+    # added to each rank's CPU niceness: where ranks and the server share cores, the server's
+    # HTTP front and controller get them first (a refusal waits for no step); 0 leaves it
+    nice: int = 10
 
 
 def init_tensor_parallel(rank: int, size: int, rendezvous: str, device: str, timeout: float):
@@ -86,6 +89,8 @@ class InstanceWorker:
 
         if config.threads:
             torch.set_num_threads(config.threads)
+        if config.nice:
+            os.nice(config.nice)
         engine = config.engine
         tp = init_tensor_parallel(rank, size, rendezvous, engine.device, config.tp_timeout)
         self.rank = rank

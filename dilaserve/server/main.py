@@ -14,6 +14,7 @@ at once.
 
 from __future__ import annotations
 
+import gc
 import logging
 import socket
 import threading
@@ -58,6 +59,17 @@ def bind(host: str, port: int) -> socket.socket:
         sock.close()
         raise ValueError(f"cannot listen on {host}:{port}: {e.strerror} (--port, --host)") from None
     return sock
+
+
+def freeze_start_up_heap() -> None:
+    """Exempt everything start-up made (modules, the tokenizer, the predictor, ...) from the
+    garbage collector, and collect less often. Each full pass walked that heap and held the
+    interpreter for 130-160 ms, stalling the HTTP front and the controller alike (under 3x
+    overload, a refusal's p99); frozen, 20-50 ms, and with the higher thresholds a full pass
+    is rare (measured on the bundled model: docs/serving.md)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(10_000, 20, 20)  # (Python's defaults: 700, 10, 10)
 
 
 class DrainingServer(uvicorn.Server):
@@ -130,6 +142,7 @@ def serve(
     )
     app, cluster = build_app(config, settings, manage=False)
     cluster.start()  # before uvicorn: a model that fails to load is one error line, not a trace
+    freeze_start_up_heap()
     uv = uvicorn.Config(
         app, log_level="info", timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_SECONDS
     )
