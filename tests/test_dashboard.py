@@ -143,6 +143,8 @@ def test_embedded_data_cannot_close_the_script():
 class _Cluster:
     """Just enough of a Cluster for the feed, the metrics and the app (not managed)."""
 
+    step_slowdown = 1.0
+
     def __init__(self):
         self.config = SimpleNamespace(
             control=SimpleNamespace(policy="dilaserve", scheduler=SimpleNamespace(slo=2.0)),

@@ -433,6 +433,8 @@ def test_over_capacity_may_be_served_last_instead():
 class _AdmittingCluster:
     """Just enough of a Cluster for the API: each request is refused at admission."""
 
+    step_slowdown = 1.0
+
     def __init__(self):
         self.config = ClusterConfig()
         self.accepting, self.in_flight = True, 0

@@ -250,6 +250,8 @@ def test_metrics_expose_outcomes_thresholds_instances_and_steps(live):
     text = httpx.get(f"{live.url}/metrics").text
     assert 'dilaserve_requests_total{outcome="met_slo"}' in text
     assert 'dilaserve_instances{tp="1"} 1.0' in text
+    [slowdown] = [line for line in text.splitlines() if line.startswith("dilaserve_step_slowdown ")]
+    assert float(slowdown.split()[1]) == live.cluster.step_slowdown != 1.0  # it measured steps
     for name in (
         "dilaserve_step_seconds_bucket",
         "dilaserve_step_threshold_bucket",
@@ -264,6 +266,8 @@ def test_metrics_expose_outcomes_thresholds_instances_and_steps(live):
 
 class _RefusingCluster:
     """Just enough of a Cluster to see how the API reports admission refusals."""
+
+    step_slowdown = 1.0
 
     def __init__(self, error):
         self.error = error

@@ -205,6 +205,11 @@ class Cluster:
         """Requests waiting to be placed on an instance."""
         return len(self._arrivals) + len(self.scheduler._ready)
 
+    @property
+    def step_slowdown(self) -> float:
+        """Steps' measured time over the latency profile's, running (`control/speed.py`)."""
+        return self.scheduler.speed.ratio
+
     def instances_by_tp(self) -> dict[int, int]:
         return dict(self.instance_log[-1][1]) if self.instance_log else {}
 

@@ -15,6 +15,10 @@ thresholds) admit every request; the count limit (`max_in_flight`) still holds.
 
 Capacity and the time a request needs are at the measured speed (`speed.py`): without it, on
 this project's loaded 2-core machine, admission refused nothing at 3x capacity.
+
+Between events the controller publishes a `Room` (what is left for a request served after
+everything in flight), which the HTTP front reads to refuse at once, before tokenizing or
+queueing for the controller; what it does not refuse is asked in full here.
 """
 
 from __future__ import annotations

@@ -82,7 +82,7 @@ class _Trees:
         out = np.empty(len(rows))
         status = self._lib.LGBM_BoosterPredictForMat(
             self._booster._handle,
-            rows.ctypes.data_as(ctypes.c_void_p),
+            ctypes.c_void_p(rows.ctypes.data),  # (not `data_as`: a reference cycle per call)
             1,  # float64
             len(rows),
             rows.shape[1],
@@ -92,7 +92,7 @@ class _Trees:
             -1,  # through the last
             b"",
             ctypes.byref(self._out_len),
-            out.ctypes.data_as(ctypes.POINTER(ctypes.c_double)),
+            ctypes.c_void_p(out.ctypes.data),
         )
         if status != 0:
             raise RuntimeError(self._lib.LGBM_GetLastError().decode())

@@ -264,9 +264,9 @@ class _Api:
             slo = body.deadline - arrived_unix
             if slo <= 0:
                 return error(400, f"deadline={body.deadline} has passed", "deadline")
+        if self.cluster.is_full(body.priority):  # refused at once, before any work
+            return self._not_taken(Overloaded(FULL))
         try:  # tokenizing is off the event loop: a long prompt holds up no other request
-            if self.cluster.is_full(body.priority):  # refused at once, before any work
-                raise Overloaded(FULL)
             handle = await run_in_threadpool(
                 self.cluster.submit,
                 prompt,
@@ -282,17 +282,15 @@ class _Api:
                 received=arrived,
                 loop=asyncio.get_running_loop(),
             )
-            await asyncio.wrap_future(handle.admission)  # the controller took it in, or not
+            await asyncio.wait([asyncio.wrap_future(handle.admission)])  # taken in, or not
         except InvalidRequest as e:
             return error(400, str(e), "messages" if chat and e.param == "prompt" else e.param)
-        except Overloaded as e:
-            self.metrics.rejected()
-            return error(429, str(e), headers={"Retry-After": str(self.settings.retry_after)})
-        except Closed as e:
-            self.metrics.rejected()
-            return error(503, str(e), headers={"Retry-After": "5"})
-        except Exception as e:  # failed before it started (the message names the request)
-            return error(500, str(e))
+        except Exception as e:
+            return self._not_taken(e)
+        # read, not raised: raised here, the refusal's traceback would hold this frame, which
+        # holds the handle, which holds the refusal (a cycle per request for the collector)
+        if handle.admission.exception() is not None:
+            return self._not_taken(handle.admission.exception())
         shape = _ChatShape() if chat else _CompletionShape()
         if body.stream:
             return StreamingResponse(
@@ -307,6 +305,17 @@ class _Api:
         if result is None:  # the client went away; nobody reads this
             return Response(status_code=499)
         return shape.response(handle, result, self.settings.model_name)
+
+    def _not_taken(self, e: Exception) -> Response:
+        """The answer to a request the cluster did not take in: refused for capacity (429),
+        closed (503), or failed before it started (500; the message names the request)."""
+        if isinstance(e, Overloaded):
+            self.metrics.rejected()
+            return error(429, str(e), headers={"Retry-After": str(self.settings.retry_after)})
+        if isinstance(e, Closed):
+            self.metrics.rejected()
+            return error(503, str(e), headers={"Retry-After": "5"})
+        return error(500, str(e))
 
     async def _answer_or_cancel(self, handle: RequestHandle, request: Request):
         """The request's result, or None once its client disconnects, after which the cluster

@@ -139,6 +139,8 @@ class _ClusterCollector:
         yield _gauge("dilaserve_requests_in_flight", "Requests admitted, not done", c.in_flight)
         attainment = m.met / m.finished if m.finished else 1.0
         yield _gauge("dilaserve_slo_attainment", "Share of finished requests on time", attainment)
+        slowdown = "Steps' measured time over the latency profile's (running; priced at >= 1)"
+        yield _gauge("dilaserve_step_slowdown", slowdown, c.step_slowdown)
         instances = GaugeMetricFamily(
             "dilaserve_instances", "Model instances by tensor-parallel degree", labels=["tp"]
         )
