@@ -282,15 +282,17 @@ class _Api:
                 received=arrived,
                 loop=asyncio.get_running_loop(),
             )
-            await asyncio.wait([asyncio.wrap_future(handle.admission)])  # taken in, or not
+            admission = asyncio.wrap_future(handle.admission)
+            await asyncio.wait([admission])  # the controller took it in, or not
         except InvalidRequest as e:
             return error(400, str(e), "messages" if chat and e.param == "prompt" else e.param)
         except Exception as e:
             return self._not_taken(e)
         # read, not raised: raised here, the refusal's traceback would hold this frame, which
         # holds the handle, which holds the refusal (a cycle per request for the collector)
-        if handle.admission.exception() is not None:
-            return self._not_taken(handle.admission.exception())
+        refused = admission.exception()
+        if refused is not None:
+            return self._not_taken(refused)
         shape = _ChatShape() if chat else _CompletionShape()
         if body.stream:
             return StreamingResponse(
