@@ -360,6 +360,25 @@ async def health_watch(url: str, t0: float, until: float, seen: list) -> None:
             await asyncio.sleep(0.2)
 
 
+async def overload_phase(url: str, rate: float, capacity: float, args) -> dict:
+    """Poisson arrivals at `rate` for `--overload-seconds`, with the server's measured step
+    slowdown watched alongside."""
+    slowdowns: list[float] = []
+    seconds = args.overload_seconds
+    records, _ = await asyncio.gather(
+        open_loop(url, rate, seconds, args.slo_ms, args.seed),
+        slowdown_watch(url, time.monotonic() + seconds, slowdowns),
+    )
+    summary = {"rate_per_s": round(rate, 2), "seconds": seconds}
+    summary |= overload_summary(records, seconds, capacity, args.slo_ms)
+    summary["step_slowdown"] = {
+        "min": min(slowdowns, default=None),
+        "median": percentile(slowdowns, 0.5),
+        "max": max(slowdowns, default=None),
+    }
+    return summary
+
+
 async def slowdown_watch(url: str, until: float, seen: list) -> None:
     """Record the server's measured step slowdown (`/metrics`) every second."""
     async with httpx.AsyncClient(base_url=url, timeout=5) as http:
@@ -513,20 +532,7 @@ async def run(args, folder: Path) -> dict:
                                "served_per_s": capacity}  # fmt: skip
         print("capacity:", summary["capacity"], flush=True)
 
-        rate = 3 * capacity
-        slowdowns: list[float] = []
-        watch = slowdown_watch(url, time.monotonic() + args.overload_seconds, slowdowns)
-        records, _ = await asyncio.gather(
-            open_loop(url, rate, args.overload_seconds, args.slo_ms, args.seed), watch
-        )
-        summary["overload"] = {"rate_per_s": round(rate, 2), "seconds": args.overload_seconds}
-        seconds = args.overload_seconds
-        summary["overload"] |= overload_summary(records, seconds, capacity, args.slo_ms)
-        summary["overload"]["step_slowdown"] = {
-            "min": min(slowdowns, default=None),
-            "median": percentile(slowdowns, 0.5),
-            "max": max(slowdowns, default=None),
-        }
+        summary["overload"] = await overload_phase(url, 3 * capacity, capacity, args)
         print("overload:", summary["overload"], flush=True)
 
         await asyncio.sleep(3)
