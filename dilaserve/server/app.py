@@ -22,10 +22,8 @@ in flight finish (up to `drain_timeout` seconds), then stops the instances.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import secrets
-import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -42,13 +40,13 @@ from dilaserve.cluster.requests import (
     InvalidRequest,
     Overloaded,
     RequestHandle,
-    RequestResult,
 )
 from dilaserve.cluster.runtime import Cluster
 from dilaserve.server.dashboard import add_dashboard, challenge, is_authorised, page_meta
 from dilaserve.server.guards import Guards, error_body, received
 from dilaserve.server.metrics import ServerMetrics
 from dilaserve.server.schemas import ChatCompletionRequest, CompletionRequest
+from dilaserve.server.shapes import ChatShape, CompletionShape, sse, token_usage
 
 log = logging.getLogger("dilaserve.server")
 
@@ -293,7 +291,7 @@ class _Api:
         refused = admission.exception()
         if refused is not None:
             return self._not_taken(refused)
-        shape = _ChatShape() if chat else _CompletionShape()
+        shape = ChatShape() if chat else CompletionShape()
         if body.stream:
             return StreamingResponse(
                 self._events(handle, shape, body.include_usage), media_type="text/event-stream"
@@ -336,19 +334,18 @@ class _Api:
     async def _events(self, handle: RequestHandle, shape, include_usage: bool):
         name = self.settings.model_name
         try:
-            if isinstance(shape, _ChatShape):  # chat streams open with the role
-                yield _sse(shape.chunk(handle, name, delta=None))
+            if isinstance(shape, ChatShape):  # chat streams open with the role
+                yield sse(shape.chunk(handle, name, delta=None))
             async for delta in handle:
-                yield _sse(shape.chunk(handle, name, delta=delta))
+                yield sse(shape.chunk(handle, name, delta=delta))
             result = handle.future.result()
-            yield _sse(shape.chunk(handle, name, finish=result.finish_reason))
+            yield sse(shape.chunk(handle, name, finish=result.finish_reason))
             if include_usage:
-                yield _sse(
-                    {**shape.head(handle, name), "choices": [], "usage": _usage(handle, result)}
-                )
+                usage = token_usage(handle, result)
+                yield sse({**shape.head(handle, name), "choices": [], "usage": usage})
         except Exception as e:  # the request failed mid-stream: say so in the stream
             status = 503 if isinstance(e, Closed) else 500
-            yield _sse(error_body(status, str(e)))
+            yield sse(error_body(status, str(e)))
         finally:
             if not handle.future.done():  # the client went away: stop working on it
                 self.cluster.cancel(handle.request_id)
@@ -359,73 +356,3 @@ async def _disconnected(request: Request) -> None:
     """Returns when the client disconnects (the body has been read: what comes next is that)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
-
-
-def _usage(handle: RequestHandle, result: RequestResult) -> dict:
-    prompt, generated = handle.request.prompt_len, len(result.token_ids)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": generated,
-        "total_tokens": prompt + generated,
-    }
-
-
-def _extras(result: RequestResult) -> dict:
-    """dilaserve's own figures, beside OpenAI's fields."""
-    return {
-        "steps": result.num_steps,
-        "mean_threshold": round(result.mean_threshold, 4),
-        "latency_s": round(result.latency, 4),
-        "met_slo": result.met_slo,
-    }
-
-
-class _CompletionShape:
-    def head(self, handle: RequestHandle, model: str) -> dict:
-        obj = {"id": f"cmpl-{handle.request_id}", "object": "text_completion"}
-        return {**obj, "created": int(time.time()), "model": model}
-
-    def chunk(self, handle, model, delta=None, finish=None) -> dict:
-        choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
-        return {**self.head(handle, model), "choices": [choice]}
-
-    def response(self, handle, result, model) -> dict:
-        choice = {"index": 0, "text": result.text, "logprobs": None}
-        choice["finish_reason"] = result.finish_reason
-        usage = _usage(handle, result)
-        return {
-            **self.head(handle, model),
-            "choices": [choice],
-            "usage": usage,
-            "dilaserve": _extras(result),
-        }
-
-
-class _ChatShape:
-    def head(self, handle: RequestHandle, model: str, final: bool = False) -> dict:
-        obj = "chat.completion" if final else "chat.completion.chunk"
-        return {
-            "id": f"chatcmpl-{handle.request_id}",
-            "object": obj,
-            "created": int(time.time()),
-            "model": model,
-        }
-
-    def chunk(self, handle, model, delta=None, finish=None) -> dict:
-        content = {"role": "assistant", "content": ""} if delta is None and finish is None else {}
-        if delta is not None:
-            content = {"content": delta}
-        choice = {"index": 0, "delta": content, "logprobs": None, "finish_reason": finish}
-        return {**self.head(handle, model), "choices": [choice]}
-
-    def response(self, handle, result, model) -> dict:
-        message = {"role": "assistant", "content": result.text}
-        choice = {"index": 0, "message": message, "logprobs": None}
-        choice["finish_reason"] = result.finish_reason
-        usage = _usage(handle, result)
-        head = self.head(handle, model, final=True)
-        return {**head, "choices": [choice], "usage": usage, "dilaserve": _extras(result)}
