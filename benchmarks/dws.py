@@ -2,31 +2,41 @@
 
     python benchmarks/dws.py [--prompts 300] [--rates 20,40,60,80] [--chat-rates 1.0,1.5]
                              [--skip chat-cost,chat,latency,minilm,cost,sim,prior] [--live]
+                             [--model FOLDER --labels NPZ --dws FOLDER --dws-cost JSON]
+
+`--model` is the model the minilm, cost and sim parts judge on the bundled arithmetic task:
+the bundled LLaDA (`tiny-llada`) by default, with its bundled DWS, kernel and labels; another
+(e.g. the bundled block-diffusion `tiny-llada2`) names its own train-dws labels, DWS predictor
+and `profile --dws` kernel, and its latency profile is read from its calibration folder
+(`--profile` to choose another). The engine runs it in the cache mode its family resolves
+(`block`, the exact cache, for LLaDA2), and the simulator replays its steps in that mode. The
+chat parts model LLaDA-8B whatever `--model` is; prior and live serve the bundled model only.
 
 0. On real prompts (`dws_chat.py`, needs the `dws` extra): ShareGPT first turns with their real
    answer lengths, DWS and the proxies with the packaged all-MiniLM-L6-v2 and with the hashed
    encoder: cost error with ceilings (`chat-cost`), SJF in the simulator (`chat`), and each
-   predictor's latency per prompt (`latency`). `minilm` trains a MiniLM DWS on the bundled
-   labels, used beside the hashed one by the prior and live parts.
+   predictor's latency per prompt (`latency`). `minilm` trains a MiniLM DWS on `--labels`,
+   judged beside the `--dws` one by the cost and sim parts and used by the prior and live parts.
 
 1. Cost prediction on held-out prompts of the bundled task. Each prompt runs alone (batch 1) on
    the engine at threshold 0.9; its measured ms is the truth. DWS predicts the cost from the
-   prompt alone: the bundled predictor's surface times the bundled cost kernel, as is and with
-   the kernel rescaled by one factor fitted on the calibration probes (this machine's speed
-   today: the kernel's shape is kept, its scale follows the machine, as the proxies' linear
-   fits do). The scalar proxies the paper compares against are trained on the same labels with
-   the same encoder: predicted output length and predicted total steps, each mapped to ms by a
-   linear fit on probes of training prompts. Two floors no prompt-only predictor can beat are
-   reported beside them: the kernel applied to each run's true steps (a perfect surface), and a
-   second timing of the same held-out runs (the measurement's own noise). Reported: mean
-   relative error and MAE of each.
-2. DWS-SJF against FCFS in the simulator: the held-out prompts' true steps per block replayed
-   (`BlockStepsBehaviour`), their DWS costs as the SJF order, the bundled CPU latency profile,
-   one TP-1 instance taking at most `--batch` requests per step, Poisson load swept upward.
-   A third row, `oracle-sjf`, runs the same policy ordered by each request's true cost (its
-   replayed steps priced by the profile at batch 1): the most any cost predictor could gain on
-   this workload. Reported: mean and p99 latency and mean time to first block per policy and
-   load, and each SJF's mean-latency ratio over FCFS.
+   prompt alone: the predictor's surface times the cost kernel, as is and with the kernel
+   rescaled by one factor fitted on the calibration probes (this machine's speed today: the
+   kernel's shape is kept, its scale follows the machine, as the proxies' linear fits do). The
+   scalar proxies the paper compares against are trained on the same labels with the same
+   encoder as each DWS predictor: predicted output length and predicted total steps, each mapped
+   to ms by a linear fit on probes of training prompts; and a constant, the calibration
+   probes' median ms, which knows nothing of the prompt. Two floors no prompt-only predictor can
+   beat are reported beside them: the kernel applied to each run's true steps (a perfect
+   surface; rescaled on the calibration probes' true steps), and a second timing of the same
+   held-out runs (the measurement's own noise). Reported: mean relative error and MAE of each.
+2. DWS-SJF against FCFS in the simulator: other held-out prompts' true steps per block, measured
+   on the engine (`collect_labels`) and replayed (`BlockStepsBehaviour`), their DWS costs as the
+   SJF order, the model's CPU latency profile, one TP-1 instance taking at most `--batch`
+   requests per step, Poisson load swept upward. A last row, `oracle-sjf`, runs the same policy
+   ordered by each request's true cost (its replayed steps priced by the profile at batch 1):
+   the most any cost predictor could gain on this workload. Reported: mean and p99 latency and
+   mean time to first block per policy and load, and each SJF's mean-latency ratio over FCFS.
 3. The DWS step prior: `dilaserve` on an in-process cluster with and without DWS's expected
    steps as the step predictor's prior before the first step (SLO attainment).
 4. With `--live`: DWS-SJF against FCFS on `dilaserve serve` (each variant's server up once,
@@ -38,51 +48,120 @@ Writes one run folder with every table and the report.
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+from dws_chat import _cached_minilm as _new_cached_minilm
 from dws_chat import chat_cost, chat_sjf, encoder_latency
 from sjf_sim import alone_ms, latency_row, simulate
 
-from dilaserve.config import BUNDLED_DWS, BUNDLED_DWS_COST, BUNDLED_MODEL
+from dilaserve.config import BUNDLED_DWS, BUNDLED_DWS_COST, BUNDLED_MODEL, BUNDLED_PROFILE
+from dilaserve.protocol import block_offset
 from dilaserve.runs import create_run_dir, environment, markdown_table, write_json, write_records
+
+BUNDLED_LABELS = "docs/results/train-dws-20261129-161600/labels.npz"  # the bundled DWS's labels
+# the parts that serve the bundled model (its step predictor, its server): not with --model
+BUNDLED_ONLY = ("prior", "live")
 
 GEN_LEN = 64
 
 
+@dataclass
+class Target:
+    """The model the cost and sim parts judge (`--model`) and what DWS brings for it."""
+
+    model: str
+    llm: object  # its engine (`engine.llm.LLM`), for probes, prompt tokens and its cache mode
+    labels: str  # the labels (`train-dws`'s labels.npz) DWS and the proxies trained on
+    dws: dict[str, str]  # DWS predictor folders by encoder name
+    kernel: str  # its cost kernel (`dilaserve profile --dws`)
+    profile: str  # its latency profile, for the simulator
+
+    @property
+    def kv_cache(self):
+        return self.llm.config.kv_cache  # as the model's family resolved it
+
+    @property
+    def aligned(self) -> bool:
+        return self.llm.engine.family.is_block_causal  # blocks at absolute positions
+
+    def offset(self, prompt_len: int) -> int:
+        return block_offset(prompt_len, self.llm.config.block_len, self.aligned)
+
+
+def target(args) -> Target:
+    """The judged model and its DWS (made once, shared by the parts): the bundled LLaDA and its
+    bundled predictor, kernel and labels by default; any other model names its own."""
+    if getattr(args, "target", None) is None:
+        from dilaserve.config import EngineConfig
+        from dilaserve.engine.llm import LLM
+
+        dws = {_encoder_name(args.dws): args.dws}
+        if args.minilm_dws:  # given, or trained by the minilm part
+            dws[_encoder_name(args.minilm_dws)] = args.minilm_dws
+        llm = LLM(args.model, EngineConfig())
+        args.target = Target(args.model, llm, args.labels, dws, args.dws_cost, args.profile)
+    return args.target
+
+
+@functools.cache
+def _cached_minilm():
+    """The packaged MiniLM encoder, memoised per text, one for the whole run (it is frozen)."""
+    return _new_cached_minilm()
+
+
+def _encoder_name(folder) -> str:
+    encoder = json.loads((Path(folder) / "dws.json").read_text())["encoder"]
+    return encoder.get("folder", encoder["kind"])  # MINILM's name, a folder, or "hashed"
+
+
 def cost_error(args, log) -> tuple[list[dict], dict]:
-    from dilaserve.config import EngineConfig
-    from dilaserve.dws.cost import run_probes
+    from dilaserve.dws.cost import CostKernel, run_probes
     from dilaserve.dws.estimate import DWSEstimator
     from dilaserve.dws.train import Labels
-    from dilaserve.engine.llm import LLM
     from dilaserve.tasks import arith
 
-    llm = LLM(BUNDLED_MODEL, EngineConfig())
+    t = target(args)
+    llm = t.llm
     held_out = [p.question for p in arith.generate(args.prompts, seed=77, split="test")]
-    labels = Labels.load(args.labels)
+    labels = Labels.load(t.labels)
     calibration = labels.texts[: args.calibration]
     log(f"probing {len(held_out)} held-out and {len(calibration)} calibration prompts")
     probes = _probes(llm, held_out, run_probes)
     truth = np.array([p.total_ms for p in probes])
-    calib_truth = np.array([p.total_ms for p in _probes(llm, calibration, run_probes)])
+    calib_probes = _probes(llm, calibration, run_probes)
+    calib_truth = np.array([p.total_ms for p in calib_probes])
     retimed = np.array([p.total_ms for p in _probes(llm, held_out, run_probes)])
-    estimator = DWSEstimator.load(BUNDLED_DWS, BUNDLED_DWS_COST)
-    tokens = [len(llm.encode_prompt(t, chat=True)) for t in held_out]
-    start = time.perf_counter()
-    dws = np.array([c for c, _ in estimator.estimate(held_out, tokens, GEN_LEN)])
-    dws_ms = 1e3 * (time.perf_counter() - start) / len(held_out)
-    calib_tokens = [len(llm.encode_prompt(t, chat=True)) for t in calibration]
-    calib_dws = np.array([c for c, _ in estimator.estimate(calibration, calib_tokens, GEN_LEN)])
-    scale = float(calib_truth @ calib_dws / (calib_dws @ calib_dws))  # this machine's ms now
-    predictions = {
-        "DWS (surface x kernel)": dws,
-        "DWS, kernel rescaled on calibration": scale * dws,
-        **_proxies(labels, calibration, calib_truth, held_out),
-        "floor: true steps x kernel, rescaled": scale
-        * np.array([estimator.kernel.cost_of_run(p) for p in probes]),
-        "floor: a second timing of the same runs": retimed,
-    }
+    tokens = [len(llm.encode_prompt(x, chat=True)) for x in held_out]
+    calib_tokens = [len(llm.encode_prompt(x, chat=True)) for x in calibration]
+    predictions, summary = {}, {}
+    for encoder, folder in t.dws.items():
+        estimator = DWSEstimator.load(folder, t.kernel)
+        start = time.perf_counter()
+        dws = np.array([c for c, _ in estimator.estimate(held_out, tokens, GEN_LEN)])
+        dws_ms = 1e3 * (time.perf_counter() - start) / len(held_out)
+        calib = np.array([c for c, _ in estimator.estimate(calibration, calib_tokens, GEN_LEN)])
+        scale = float(calib_truth @ calib / (calib @ calib))  # this machine's ms now
+        predictions |= {
+            f"DWS (surface x kernel), {encoder}": dws,
+            f"DWS, kernel rescaled on calibration, {encoder}": scale * dws,
+            **_proxies(labels, calibration, calib_truth, held_out, folder, encoder),
+        }
+        summary[f"dws_ms_per_prompt, {encoder}"] = round(dws_ms, 3)
+        summary[f"kernel_rescale, {encoder}"] = round(scale, 4)
+    constant = np.full(len(truth), float(np.median(calib_truth)))  # knows nothing of a prompt
+    predictions["constant: the calibration probes' median ms"] = constant
+    kernel = CostKernel.load(t.kernel)
+    calib = np.array([kernel.cost_of_run(p) for p in calib_probes])
+    scale = float(calib_truth @ calib / (calib @ calib))  # the kernel alone, rescaled as above
+    predictions["floor: true steps x kernel, rescaled"] = scale * np.array(
+        [kernel.cost_of_run(p) for p in probes]
+    )
+    predictions["floor: a second timing of the same runs"] = retimed
     rows = [
         {
             "predictor": name,
@@ -91,35 +170,50 @@ def cost_error(args, log) -> tuple[list[dict], dict]:
         }
         for name, p in predictions.items()
     ]
-    best_proxy = min(r["mean_relative_error"] for r in rows[2:4])
+    error = {r["predictor"]: r["mean_relative_error"] for r in rows}
+    for encoder in t.dws:
+        best = min(error[f"{proxy}, {encoder}"] for proxy in PROXIES)
+        for kind, dws in (
+            ("dws", "DWS (surface x kernel)"),
+            ("rescaled_dws", "DWS, kernel rescaled on calibration"),
+        ):
+            summary[f"error_ratio_best_proxy_over_{kind}, {encoder}"] = round(
+                best / error[f"{dws}, {encoder}"], 3
+            )
     summary = {
+        "model": str(t.model),
+        "kv_cache": t.kv_cache.value,
         "held_out_prompts": len(held_out),
         "true_ms_mean": round(float(truth.mean()), 3),
         "true_ms_cv": round(float(truth.std() / truth.mean()), 3),
-        "dws_ms_per_prompt": round(dws_ms, 3),
-        "kernel_rescale": round(scale, 4),
-        "error_ratio_best_proxy_over_dws": round(best_proxy / rows[0]["mean_relative_error"], 3),
-        "error_ratio_best_proxy_over_rescaled_dws": round(
-            best_proxy / rows[1]["mean_relative_error"], 3
-        ),
+        **summary,
     }
     return rows, summary
 
 
-def _proxies(labels, calibration, calib_truth, held_out) -> dict[str, np.ndarray]:
+# the scalar proxies the paper compares against: (name, its training target from the labels)
+PROXIES = {
+    "predicted output length": lambda lab: lab.output_tokens,
+    "predicted total steps": lambda lab: lab.steps.sum(axis=1),
+}
+
+
+def _proxies(labels, calibration, calib_truth, held_out, dws_folder, encoder_name) -> dict:
     """The scalar proxies' ms for the held-out prompts: each trained on the labels with the
-    same encoder, then mapped to ms by a linear fit on the calibration probes."""
+    encoder of the DWS predictor in `dws_folder` (as `train-dws` split them), then mapped to ms
+    by a linear fit on the calibration probes."""
+    from dilaserve.dws.encoders import MINILM
     from dilaserve.dws.train import DWSTrainConfig, split, train_scalar
 
+    encoder = json.loads((Path(dws_folder) / "dws.json").read_text())["encoder"].get("folder")
+    shared = _cached_minilm() if encoder == MINILM else None  # frozen: encode each text once
     train, val = split(labels, 0.2, 5)
     out = {}
-    for name, target in (
-        ("predicted output length", lambda lab: lab.output_tokens),
-        ("predicted total steps", lambda lab: lab.steps.sum(axis=1)),
-    ):
-        proxy = train_scalar(train, val, target, DWSTrainConfig())
+    for name, target_of in PROXIES.items():
+        cfg = DWSTrainConfig(encoder=encoder)
+        proxy = train_scalar(train, val, target_of, cfg, encoder=shared)
         a, b = np.polyfit(proxy(calibration), calib_truth, 1)  # scalar -> ms
-        out[name] = a * proxy(held_out) + b
+        out[f"{name}, {encoder_name}"] = a * proxy(held_out) + b
     return out
 
 
@@ -129,26 +223,25 @@ def _probes(llm, texts, run_probes) -> list:
 
 
 def simulated_sjf(args, log) -> list[dict]:
-    from dilaserve.config import BUNDLED_PROFILE
     from dilaserve.control.profile import LatencyProfile
     from dilaserve.dws.estimate import DWSEstimator
     from dilaserve.dws.train import collect_labels
     from dilaserve.tasks import arith
 
+    t = target(args)
     texts = [p.question for p in arith.generate(args.prompts, seed=78, split="test")]
-    labels = collect_labels(BUNDLED_MODEL, texts, GEN_LEN)
-    costs = [
-        c
-        for c, _ in DWSEstimator.load(BUNDLED_DWS, BUNDLED_DWS_COST).estimate(
-            texts, labels.prompt_tokens.tolist(), GEN_LEN
-        )
-    ]
-    profile = LatencyProfile.from_file(BUNDLED_PROFILE)
+    labels = collect_labels(t.model, texts, GEN_LEN)  # measured: the engine's steps per block
+    tokens = labels.prompt_tokens.tolist()
+    profile = LatencyProfile.from_file(t.profile)
     true_costs = [
-        alone_ms(profile, int(tokens) + GEN_LEN, steps)
-        for tokens, steps in zip(labels.prompt_tokens, labels.steps)
+        alone_ms(profile, int(n) + GEN_LEN, steps, t.kv_cache, int(n))
+        for n, steps in zip(labels.prompt_tokens, labels.steps)
     ]
-    orders = {"fcfs": ("fcfs", costs), "dws-sjf": ("dws-sjf", costs)}
+    orders = {"fcfs": ("fcfs", true_costs)}  # FCFS ignores the costs
+    for encoder, folder in t.dws.items():
+        estimator = DWSEstimator.load(folder, t.kernel)
+        costs = [c for c, _ in estimator.estimate(texts, tokens, GEN_LEN)]
+        orders["dws-sjf" if len(t.dws) == 1 else f"dws-sjf, {encoder}"] = ("dws-sjf", costs)
     orders["oracle-sjf"] = ("dws-sjf", true_costs)
     rows = []
     for rate in args.rates:
@@ -157,29 +250,34 @@ def simulated_sjf(args, log) -> list[dict]:
         picks = rng.integers(0, len(texts), len(arrivals)).tolist()
         fcfs_mean = None  # fcfs runs first at each rate
         for name, (policy, order) in orders.items():
-            done = _simulate_one(args, profile, labels, policy, order, arrivals.tolist(), picks)
+            done = _simulate_one(args, t, profile, labels, policy, order, arrivals.tolist(), picks)
             rows.append(latency_row(rate, name, done, fcfs_mean))
             fcfs_mean = fcfs_mean or rows[-1]["latency_mean"]
             log(rows[-1])
     return rows
 
 
-def _simulate_one(args, profile, labels, policy: str, costs, arrivals, picks) -> list:
+def _simulate_one(args, t: Target, profile, labels, policy: str, costs, arrivals, picks) -> list:
     """One TP-1 instance under `policy`, requests ordered by `costs`: the finished requests."""
     from dilaserve.request import Request
 
     requests, steps = [], {}
-    for i, (t, k) in enumerate(zip(arrivals, picks)):
+    for i, (when, k) in enumerate(zip(arrivals, picks)):
         steps[f"r{i}"] = labels.steps[k]
-        prompt = (3,) * int(labels.prompt_tokens[k])
-        requests.append(Request(f"r{i}", prompt, GEN_LEN, 32, 1, 0.9, t, cost=costs[k]))
-    return simulate(profile, policy, requests, steps, args.batch)
+        n = int(labels.prompt_tokens[k])
+        offset = t.offset(n)
+        requests.append(
+            Request(
+                f"r{i}", (3,) * n, GEN_LEN, 32, 1, 0.9, when, cost=costs[k], block_offset=offset
+            )
+        )
+    return simulate(profile, policy, requests, steps, args.batch, t.kv_cache)
 
 
-def bundled_minilm(args, log) -> list[dict]:
-    """DWS with the packaged MiniLM encoder on the bundled task's labels (the hashed bundled
-    predictor's labels and split), saved and exported into the run folder for the cost and
-    prior parts: its validation error beside the bundled hashed predictor's."""
+def minilm_dws(args, log) -> list[dict]:
+    """DWS with the packaged MiniLM encoder on the `--labels` (the `--dws` predictor's labels
+    and split), saved and exported into the run folder for the cost, sim, prior and live parts:
+    its validation error beside the `--dws` predictor's."""
     from dilaserve.dws.encoders import MINILM
     from dilaserve.dws.model import DWSPredictor
     from dilaserve.dws.onnx_export import export_onnx
@@ -187,12 +285,12 @@ def bundled_minilm(args, log) -> list[dict]:
 
     train, val = split(Labels.load(args.labels), 0.2, 5)  # as train-dws split them
     predictor = train_dws(train, val, DWSTrainConfig(encoder=MINILM), log)
-    args.minilm_dws = args.folder / "dws-bundled-minilm"
+    args.minilm_dws = args.folder / "dws-minilm"
     predictor.save(args.minilm_dws)
     export_onnx(predictor, args.minilm_dws)
-    hashed = DWSPredictor.load(BUNDLED_DWS).meta["validation"]
+    hashed = DWSPredictor.load(args.dws).meta["validation"]
     return [
-        {"encoder": "hashed (bundled)", **hashed},
+        {"encoder": f"{_encoder_name(args.dws)} (--dws)", **hashed},
         {"encoder": "all-MiniLM-L6-v2", **predictor.meta["validation"]},
     ]
 
@@ -266,11 +364,27 @@ def _stop(server) -> None:
     server.wait(60)
 
 
-def parse_args():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--model",
+        default=str(BUNDLED_MODEL),
+        help="the model the cost, sim and minilm parts judge (default: the bundled LLaDA); "
+        "another needs --labels, --dws and --dws-cost",
+    )
+    parser.add_argument(
+        "--labels", default=None, help=f"train-dws labels.npz (bundled: {BUNDLED_LABELS})"
+    )
+    parser.add_argument("--dws", default=None, help="its DWS predictor folder (train-dws --out)")
+    parser.add_argument("--dws-cost", default=None, help="its cost kernel (profile --dws)")
+    parser.add_argument(
+        "--profile",
+        default=None,
+        help="its latency profile for the simulator (default: the model's "
+        "dilaserve-calibration/cpu-float32/profile.json)",
+    )
     parser.add_argument("--prompts", type=int, default=300)
     parser.add_argument("--calibration", type=int, default=100)
-    parser.add_argument("--labels", default="docs/results/train-dws-20261129-161600/labels.npz")
     parser.add_argument("--rates", default="20,40,60,80")
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--batch", type=int, default=4, help="requests per step batch")
@@ -289,9 +403,26 @@ def parse_args():
         "--skip", default="", help="parts to skip: chat-cost,chat,latency,minilm,cost,sim,prior"
     )
     parser.add_argument("--out", default="benchmarks/results")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     for name in ("rates", "live_rates", "chat_rates"):
         setattr(args, name, [float(r) for r in getattr(args, name).split(",")])
+    bundled = Path(args.model).resolve() == BUNDLED_MODEL.resolve()
+    if bundled:
+        args.model = str(BUNDLED_MODEL)
+        args.labels = args.labels or BUNDLED_LABELS
+        args.dws = args.dws or str(BUNDLED_DWS)
+        args.dws_cost = args.dws_cost or str(BUNDLED_DWS_COST)
+    else:
+        needed = {"--labels": args.labels, "--dws": args.dws, "--dws-cost": args.dws_cost}
+        missing = [name for name, value in needed.items() if not value]
+        if missing:
+            parser.error(f"--model {args.model} needs {', '.join(missing)} (its own DWS)")
+        running = [p for p in BUNDLED_ONLY if _runs(args, p)]
+        if running:
+            parser.error(f"parts {running} serve the bundled model only: --skip them")
+    default_profile = Path(args.model) / "dilaserve-calibration" / "cpu-float32" / "profile.json"
+    args.profile = args.profile or str(BUNDLED_PROFILE if bundled else default_profile)
+    args.target = None
     return args
 
 
@@ -301,7 +432,7 @@ PARTS = (
     ("chat-cost", chat_cost, "chat_cost.csv", "Cost prediction on chat prompts"),
     ("chat", chat_sjf, "chat_sjf.csv", "SJF on chat prompts (simulator)"),
     ("latency", encoder_latency, "encoder_latency.csv", "Predictor latency per prompt"),
-    ("minilm", bundled_minilm, "bundled_minilm.csv", "MiniLM DWS on the bundled task"),
+    ("minilm", minilm_dws, "minilm_dws.csv", "MiniLM DWS on the labels"),
     ("cost", cost_error, "cost_error.csv", "Cost prediction"),
     ("sim", simulated_sjf, "sim_sjf.csv", "DWS-SJF vs FCFS (simulator)"),
     ("prior", step_prior, "prior.csv", "The DWS step prior (live cluster)"),
@@ -309,14 +440,22 @@ PARTS = (
 )
 
 
+def _runs(args, part: str) -> bool:
+    """Whether `part` runs: not named in `--skip`; the live part only with `--live`."""
+    return args.live if part == "live" else part not in args.skip.split(",")
+
+
 def main() -> None:
     args = parse_args()
     folder = create_run_dir(args.out, "dws")
     args.folder = folder
-    write_json(folder / "config.json", {**vars(args), "environment": environment()})
+    write_json(
+        folder / "config.json",
+        {**{k: v for k, v in vars(args).items() if k != "target"}, "environment": environment()},
+    )
     lines, summary = ["# DWS evaluation", ""], {}
     for name, run, records, heading in PARTS:
-        if (not args.live) if name == "live" else name in args.skip.split(","):
+        if not _runs(args, name):
             continue
         rows = run(args, print)
         lines += [f"## {heading}", ""]

@@ -6,17 +6,22 @@ from __future__ import annotations
 import numpy as np
 
 
-def simulate(profile, policy: str, requests, steps, batch: int, **overrides) -> list:
+def simulate(
+    profile, policy: str, requests, steps, batch: int, kv_cache="dual", **overrides
+) -> list:
     """`requests` (with their costs) on one TP-1 instance under `policy` (with `overrides` of
-    its fields, e.g. aging), each block taking `steps[request_id][block]` steps: the finished
-    requests."""
+    its fields, e.g. aging), each block taking `steps[request_id][block]` steps, the instance's
+    steps of the kinds `kv_cache` runs (dual: recompute and cache steps; block, a block-causal
+    model's exact cache: prefill, block and commit steps): the finished requests."""
     from dilaserve.control.decisions import InstanceSpec, SchedulerConfig
     from dilaserve.control.policy import get_policy
     from dilaserve.control.scheduler import Scheduler
     from dilaserve.sim.behaviour import BlockStepsBehaviour
     from dilaserve.sim.simulator import SimConfig, Simulator
 
-    config = SchedulerConfig(slo=1e6, max_batch_requests=batch)
+    config = SchedulerConfig(
+        kv_cache=kv_cache, block_len=profile.block_len, slo=1e6, max_batch_requests=batch
+    )
     scheduler = Scheduler(get_policy(policy, **overrides), profile, None, config)
     spec = InstanceSpec("i0", 0, 1, (0,), 65536)
     sim = Simulator(scheduler, profile, BlockStepsBehaviour(steps), [spec], SimConfig())
@@ -40,18 +45,36 @@ def latency_row(rate: float, name: str, done: list, fcfs_mean: float | None) -> 
     }
 
 
-def alone_step_ms(profile, num_tokens: int, block_steps) -> list[tuple[int, int, float]]:
-    """A request's steps alone on the instance, (block, step, ms): each block's recompute step
-    over the whole sequence of `num_tokens`, then its cache steps over one block, priced by the
-    latency profile. Blocks with no steps are not run."""
-    from dilaserve.protocol import StepKind
+def alone_step_ms(
+    profile, num_tokens: int, block_steps, kv_cache="dual", prompt_len: int = 0
+) -> list[tuple[int, int, float]]:
+    """A request's steps alone on the instance, (block, step, ms), priced by the latency
+    profile. With an approximate (dual) cache: each block's recompute step over the whole
+    sequence of `num_tokens`, then its cache steps over one block. With a block-causal model's
+    exact cache (`kv_cache="block"`; `prompt_len` then needed): a prefill over the prompt up to
+    the end of its first block (blocks at absolute positions), a commit step of two blocks at
+    each later block's start, and block steps over one block. Blocks with no steps are not run."""
+    from dilaserve.control.step_costs import StepCosts
+    from dilaserve.protocol import KVCacheMode, StepKind
 
-    recompute = 1e3 * profile.step_latency(1, num_tokens, StepKind.RECOMPUTE)
-    cache = 1e3 * profile.step_latency(1, profile.block_len, StepKind.CACHE)
+    costs = StepCosts(KVCacheMode(kv_cache), profile.block_len)
+
+    def ms(kind: StepKind, tokens: int) -> float:
+        return 1e3 * profile.step_latency(1, tokens, kind)
+
+    if costs.exact:
+        start = prompt_len - prompt_len % costs.block_len  # the first block's absolute start
+        first = ms(StepKind.PREFILL, min(start + costs.block_len, num_tokens))
+        boundary = ms(StepKind.COMMIT, costs.tokens(StepKind.COMMIT, num_tokens))
+    else:
+        first = boundary = ms(costs.sequence_kind, num_tokens)
+    inner = ms(costs.inner_kind, costs.inner_tokens(num_tokens))
     cells = [(b, s) for b, n in enumerate(block_steps) for s in range(int(n))]
-    return [(b, s, recompute if s == 0 else cache) for b, s in cells]
+    return [(b, s, inner if s else first if b == 0 else boundary) for b, s in cells]
 
 
-def alone_ms(profile, num_tokens: int, block_steps) -> float:
+def alone_ms(profile, num_tokens: int, block_steps, kv_cache="dual", prompt_len: int = 0) -> float:
     """The request's time alone on the instance (`alone_step_ms`, summed)."""
-    return sum(ms for _, _, ms in alone_step_ms(profile, num_tokens, block_steps))
+    return sum(
+        ms for _, _, ms in alone_step_ms(profile, num_tokens, block_steps, kv_cache, prompt_len)
+    )

@@ -33,6 +33,7 @@ from dilaserve.dws.surface import (
     joint_target,
     support,
     surface_from_logits,
+    window_blocks,
 )
 from dilaserve.dws.train import (
     DWSTrainConfig,
@@ -136,6 +137,24 @@ def test_support_zeroes_unreachable_blocks_only():
         np.testing.assert_array_equal(out[:, :reachable], surface[:, :reachable])
         assert not out[:, reachable:].any()
     np.testing.assert_array_equal(surface, before)  # a copy; the input is untouched
+
+
+def test_support_reaches_one_block_further_for_blocks_at_absolute_positions():
+    # a block-causal model's window starts P mod block_len into its first block, so a window of
+    # two blocks spans a third one unless the prompt ends on a block boundary
+    surface = np.random.default_rng(1).uniform(size=(3, 3, 4)).astype(np.float32)
+    out = support(surface, 8, 4, prompt_tokens=np.array([8, 9, 11]))
+    assert not out[0, 2:].any()  # P = 8: the window is blocks 0 and 1
+    np.testing.assert_array_equal(out[1:], surface[1:])  # P = 9, 11: it reaches block 2
+    np.testing.assert_array_equal(
+        support(surface, 8, 4, np.array([8, 8, 8])), support(surface, 8, 4)
+    )
+    # one surface; the window of 5 rounds up to 2 blocks, which an offset of 2 spreads over 3
+    np.testing.assert_array_equal(support(surface[1], 5, 4, prompt_tokens=6), surface[1])
+    single = support(surface[1], 5, 4, prompt_tokens=8)
+    np.testing.assert_array_equal(single[:2], surface[1, :2])
+    assert not single[2:].any()
+    assert window_blocks(64, 32, aligned=False) == 2 and window_blocks(64, 32, aligned=True) == 3
 
 
 # -- encoders --------------------------------------------------------------------------------
@@ -431,3 +450,23 @@ def test_block_steps_behaviour_replays_the_labelled_steps_per_block():
         blocks.append(result.block_index)
         request.apply(result)
     assert blocks == [0, 0, 0, 1, 1] and request.num_committed == 64
+
+
+def test_block_steps_behaviour_commits_inside_blocks_at_absolute_positions():
+    # block-causal labels: a window starting 10 into its first block spans 3 blocks of 22, 32
+    # and 10 window positions; each block's steps commit only its own positions
+    from dilaserve.protocol import StepKind
+    from dilaserve.request import Request
+    from dilaserve.sim.behaviour import BlockStepsBehaviour
+
+    behaviour = BlockStepsBehaviour({"r": np.array([2, 3, 1])})
+    request = Request("r", (3,) * 42, 64, 32, 1, 0.9, block_offset=10)
+    spans = {0: (0, 22), 1: (22, 54), 2: (54, 64)}
+    blocks = []
+    while not request.is_finished:
+        result = behaviour.step(request, 0.9, StepKind.BLOCK)
+        lo, hi = spans[result.block_index]
+        assert ((result.positions >= lo) & (result.positions < hi)).all()
+        blocks.append(result.block_index)
+        request.apply(result)
+    assert blocks == [0, 0, 1, 1, 1, 2] and request.num_committed == 64

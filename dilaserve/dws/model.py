@@ -83,6 +83,7 @@ class DWSPredictor:
         self.meta = meta
         self.block_len, self.max_blocks = model.block_len, model.max_blocks
         self.threshold = meta.get("threshold")
+        self.aligned_blocks = bool(meta.get("aligned_blocks", False))
 
     @classmethod
     def load(cls, folder: str | Path) -> DWSPredictor:
@@ -119,11 +120,18 @@ class DWSPredictor:
         tokens = torch.tensor(prompt_tokens, dtype=torch.long)
         surface = self.model.surface(feats, tokens).numpy()
         if gen_len is not None:
-            surface = support(surface, gen_len, self.block_len)
+            surface = window_support(self, surface, gen_len, prompt_tokens)
         return DWSPrediction(surface)
 
     def latency_ms(self, texts: list[str], prompt_tokens: list[int], repeats: int = 3) -> float:
         return median_latency_ms(self.predict, texts, prompt_tokens, repeats)
+
+
+def window_support(predictor, surface: np.ndarray, gen_len: int, prompt_tokens) -> np.ndarray:
+    """`predictor`'s surface with the blocks each prompt's window cannot reach zeroed: where
+    its labels' blocks sit at absolute positions (a block-causal model), per prompt length."""
+    tokens = prompt_tokens if predictor.aligned_blocks else None
+    return support(surface, gen_len, predictor.block_len, tokens)
 
 
 def median_latency_ms(predict, texts: list[str], prompt_tokens: list[int], repeats: int) -> float:

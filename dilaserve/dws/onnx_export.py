@@ -45,8 +45,13 @@ import torch
 from torch import nn
 
 from dilaserve.dws.encoders import HashedEncoder, encoder_folder, log_words, make_encoder
-from dilaserve.dws.model import DWSModel, DWSPrediction, DWSPredictor, median_latency_ms
-from dilaserve.dws.surface import support
+from dilaserve.dws.model import (
+    DWSModel,
+    DWSPrediction,
+    DWSPredictor,
+    median_latency_ms,
+    window_support,
+)
 
 OPSET = 17
 FLOAT_NAME, INT8_NAME = "dws.onnx", "dws.int8.onnx"
@@ -376,6 +381,7 @@ class ONNXDWSPredictor:
         self.encoder = graph_features(self.encoder_config, max_len and int(max_len))
         self.block_len, self.max_blocks = self.meta["block_len"], self.meta["max_blocks"]
         self.threshold = self.meta.get("threshold")
+        self.aligned_blocks = bool(self.meta.get("aligned_blocks", False))
 
     @classmethod
     def load(cls, folder: str | Path, int8: bool = True) -> ONNXDWSPredictor:
@@ -389,7 +395,7 @@ class ONNXDWSPredictor:
         inputs = graph_inputs(self.encoder_config, feats, prompt_tokens)
         surface = self.session.run(["surface"], inputs)[0]
         if gen_len is not None:
-            surface = support(surface, gen_len, self.block_len)
+            surface = window_support(self, surface, gen_len, prompt_tokens)
         return DWSPrediction(surface)
 
     def latency_ms(self, texts: list[str], prompt_tokens: list[int], repeats: int = 3) -> float:

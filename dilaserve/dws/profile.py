@@ -12,6 +12,7 @@ import numpy as np
 
 from dilaserve.config import DEFAULT_THRESHOLD
 from dilaserve.dws.cost import MIN_PROBES, CostKernel, ProbeRun, fit_cost_kernel, run_probes
+from dilaserve.dws.surface import window_blocks
 
 
 @dataclass(frozen=True)
@@ -106,8 +107,8 @@ def profile_dws(cfg: DWSProfileConfig, log=print) -> CostKernel:
     }
     block_len = llm.config.block_len
     # blocks at absolute positions (block diffusion) spread a window over one more block
-    extra = 1 if llm.engine.family.is_block_causal else 0
-    kernel = fit_cost_kernel(probes, -(-cfg.gen_len // block_len) + extra, block_len, meta=meta)
+    blocks = window_blocks(cfg.gen_len, block_len, llm.engine.family.is_block_causal)
+    kernel = fit_cost_kernel(probes, blocks, block_len, meta=meta)
     kernel.save(cfg.kernel_out)
     run = create_run_dir(cfg.out, "profile-dws")
     write_json(run / "config.json", {**asdict(cfg), "environment": environment()})

@@ -56,8 +56,26 @@ def surface_from_logits(count_logits: torch.Tensor, step_logits: torch.Tensor) -
     return block_survival[:, :, None] * step_survival
 
 
-def support(surface: np.ndarray, gen_len: int, block_len: int) -> np.ndarray:
-    """Zero the blocks a request's output window cannot reach (no renormalisation)."""
+def window_blocks(gen_len: int, block_len: int, aligned: bool) -> int:
+    """The most blocks an output window of `gen_len` can span: the engine rounds the window up
+    to whole blocks, and where blocks sit at absolute positions (`aligned`: block-causal models,
+    `protocol.block_offset`) a window that starts inside a block spans one more."""
+    return -(-gen_len // block_len) + int(aligned)
+
+
+def support(surface: np.ndarray, gen_len: int, block_len: int, prompt_tokens=None) -> np.ndarray:
+    """Zero the blocks a request's output window cannot reach (no renormalisation).
+
+    prompt_tokens: None where the window starts at a block's start (blocks aligned to the
+    window); else each row's prompt length, for blocks at absolute positions, where a window
+    that starts `P mod block_len` into its first block reaches one block further."""
     out = surface.copy()
-    out[..., -(-gen_len // block_len) :, :] = 0.0
+    blocks = -(-gen_len // block_len)  # the engine rounds the window up to whole blocks
+    if prompt_tokens is None:
+        out[..., blocks:, :] = 0.0
+        return out
+    offsets = np.asarray(prompt_tokens) % block_len
+    reach = -(-(blocks * block_len + offsets) // block_len)  # blocks each window spans
+    unreached = np.arange(out.shape[-2]) >= np.asarray(reach)[..., None]
+    out[unreached] = 0.0
     return out

@@ -32,7 +32,13 @@ from dilaserve.dws.encoders import (
     has_packaged_minilm,
 )
 from dilaserve.dws.model import DWSModel, DWSPredictor, _head
-from dilaserve.dws.surface import HORIZONS, block_steps, horizon_targets, joint_target
+from dilaserve.dws.surface import (
+    HORIZONS,
+    block_steps,
+    horizon_targets,
+    joint_target,
+    window_blocks,
+)
 
 
 @dataclass
@@ -43,6 +49,9 @@ class Labels:
     output_tokens: np.ndarray  # [n] generated tokens before the stop token
     block_len: int
     threshold: float
+    # blocks at absolute positions (block-causal models): a window then starts P mod block_len
+    # into its first block and may span one block more (`surface.window_blocks`)
+    aligned_blocks: bool = False
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -55,6 +64,7 @@ class Labels:
             self.output_tokens[index],
             self.block_len,
             self.threshold,
+            self.aligned_blocks,
         )
 
     def save(self, path: str | Path) -> None:
@@ -64,14 +74,14 @@ class Labels:
             prompt_tokens=self.prompt_tokens,
             steps=self.steps,
             output_tokens=self.output_tokens,
-            meta=np.array([self.block_len, self.threshold]),
+            meta=np.array([self.block_len, self.threshold, float(self.aligned_blocks)]),
         )
 
     @classmethod
     def load(cls, path: str | Path) -> Labels:
         path = Path(path)
         z = np.load(path if path.suffix == ".npz" else path.with_suffix(".npz"), allow_pickle=True)
-        block_len, threshold = z["meta"].tolist()
+        block_len, threshold, *aligned = z["meta"].tolist()  # older files: no aligned flag
         return cls(
             z["texts"].tolist(),
             z["prompt_tokens"],
@@ -79,6 +89,7 @@ class Labels:
             z["output_tokens"],
             int(block_len),
             float(threshold),
+            bool(aligned and aligned[0]),
         )
 
 
@@ -89,18 +100,23 @@ def collect_labels(
     threshold: float = 0.9,
     max_batch: int = 128,
 ) -> Labels:
-    """Run every prompt to completion on the engine (chat template) and record T_b."""
+    """Run every prompt to completion on the engine (chat template) and record T_b.
+
+    T_b is indexed by the window's blocks as the engine runs them: for a block-causal model
+    (blocks at absolute positions, its exact block cache) a window that starts inside a block
+    spans one block more, so the labels have that extra column."""
     from dilaserve.config import EngineConfig, SamplingParams
     from dilaserve.engine.llm import LLM
 
     llm = LLM(model_path, EngineConfig())
     block = llm.config.block_len
+    aligned = llm.engine.family.is_block_causal
     requests = llm.make_requests(texts, SamplingParams(threshold, gen_len), chat=True)
     blocks: dict[str, list[int]] = {r.request_id: [] for r in requests}
     llm.run(
         requests, max_batch, on_step=lambda r, res: blocks[r.request_id].append(res.block_index)
     )
-    max_blocks = -(-gen_len // block)  # the engine rounds the window up to whole blocks
+    max_blocks = window_blocks(gen_len, block, aligned)
     stop = llm.tokenizer.special.stop_ids
     return Labels(
         list(texts),
@@ -109,6 +125,7 @@ def collect_labels(
         np.array([len(r.generated_ids(stop)) for r in requests]),
         block,
         threshold,
+        aligned,
     )
 
 
@@ -230,6 +247,7 @@ def train_dws(
         "max_blocks": model.max_blocks,
         "block_len": train.block_len,
         "threshold": train.threshold,
+        "aligned_blocks": train.aligned_blocks,
         "horizons": list(HORIZONS),
         "train": asdict(cfg),
         "validation": {"stage_a_t32_mae": round(a, 4), "stage_b_area_mae": round(b, 4)},

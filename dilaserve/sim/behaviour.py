@@ -200,7 +200,8 @@ class ReplayBehaviour:
             positions = (free[: max(1, len(wanted))] + block * r.block_len).astype(np.int32)
         after = masked.copy()
         after[positions] = False
-        lo, hi = block * r.block_len, (block + 1) * r.block_len
+        lo = max(block * r.block_len - r.block_offset, 0)
+        hi = min((block + 1) * r.block_len - r.block_offset, r.gen_len)
         block_done = not after[lo:hi].any()
         finished = s == t.num_steps - 1 or not after.any()
         self._committed[r.request_id] = r.num_committed + positions.size
@@ -272,7 +273,9 @@ class BlockStepsBehaviour:
     """Replays known steps per block: request r's block b takes exactly `steps[r][b]` steps
     (commits spread evenly), and the request ends after its last block with steps. For
     experiments on labelled prompts (DWS labels), where the order of service is the question
-    and the threshold is fixed."""
+    and the threshold is fixed. Blocks are the window's as the engine runs them: with blocks at
+    absolute positions (`Request.block_offset`) block b spans window positions
+    [b B - offset, (b + 1) B - offset), cut to the window."""
 
     def __init__(self, steps: Mapping[str, np.ndarray]):
         self.steps = steps
@@ -289,7 +292,8 @@ class BlockStepsBehaviour:
         steps = self.steps[r.request_id]
         block = r.current_block
         done = self._done_in_block.get(r.request_id, 0)
-        lo, hi = block * r.block_len, (block + 1) * r.block_len
+        lo = max(block * r.block_len - r.block_offset, 0)
+        hi = min((block + 1) * r.block_len - r.block_offset, r.gen_len)
         free = np.flatnonzero(r.output_ids[lo:hi] == r.mask_id) + lo
         left = max(int(steps[block]) - done, 1)
         positions = free[: -(-len(free) // left)].astype(np.int32)
