@@ -55,7 +55,7 @@ def alone_step_ms(
     the end of its first block (blocks at absolute positions), a commit step of two blocks at
     each later block's start, and block steps over one block. Blocks with no steps are not run."""
     from dilaserve.control.step_costs import StepCosts
-    from dilaserve.protocol import KVCacheMode, StepKind
+    from dilaserve.protocol import KVCacheMode, StepKind, block_offset
 
     costs = StepCosts(KVCacheMode(kv_cache), profile.block_len)
 
@@ -63,7 +63,7 @@ def alone_step_ms(
         return 1e3 * profile.step_latency(1, tokens, kind)
 
     if costs.exact:
-        start = prompt_len - prompt_len % costs.block_len  # the first block's absolute start
+        start = prompt_len - block_offset(prompt_len, costs.block_len, True)  # block 0's start
         first = ms(StepKind.PREFILL, min(start + costs.block_len, num_tokens))
         boundary = ms(StepKind.COMMIT, costs.tokens(StepKind.COMMIT, num_tokens))
     else:

@@ -105,6 +105,12 @@ class Request:
             self.block_offset,
         )
 
+    def block_span(self, block: int) -> tuple[int, int]:
+        """Output-window [start, end) of a block (`block_offset` into the window's first one
+        where blocks sit at absolute positions)."""
+        start = block * self.block_len - self.block_offset
+        return max(start, 0), min(start + self.block_len, self.gen_len)
+
     @property
     def committed(self) -> np.ndarray:
         return self.output_ids != self.mask_id

@@ -114,8 +114,7 @@ class ParametricBehaviour:
         block = r.current_block
         # this model is the request's only committer and commits each block in `order`, so
         # the block's committed positions are a prefix of its order
-        end = min((block + 1) * r.block_len - r.block_offset, r.gen_len)
-        masked = order[r.num_committed : end]
+        masked = order[r.num_committed : r.block_span(block)[1]]
         rate = self._rates.get(threshold)
         if rate is None:
             rate = self._rates[threshold] = self.tokens_per_step(threshold)
@@ -200,8 +199,7 @@ class ReplayBehaviour:
             positions = (free[: max(1, len(wanted))] + block * r.block_len).astype(np.int32)
         after = masked.copy()
         after[positions] = False
-        lo = max(block * r.block_len - r.block_offset, 0)
-        hi = min((block + 1) * r.block_len - r.block_offset, r.gen_len)
+        lo, hi = r.block_span(block)
         block_done = not after[lo:hi].any()
         finished = s == t.num_steps - 1 or not after.any()
         self._committed[r.request_id] = r.num_committed + positions.size
@@ -292,8 +290,7 @@ class BlockStepsBehaviour:
         steps = self.steps[r.request_id]
         block = r.current_block
         done = self._done_in_block.get(r.request_id, 0)
-        lo = max(block * r.block_len - r.block_offset, 0)
-        hi = min((block + 1) * r.block_len - r.block_offset, r.gen_len)
+        lo, hi = r.block_span(block)
         free = np.flatnonzero(r.output_ids[lo:hi] == r.mask_id) + lo
         left = max(int(steps[block]) - done, 1)
         positions = free[: -(-len(free) // left)].astype(np.int32)
