@@ -17,8 +17,7 @@ change the load picture (both in `load_control.py`), and the threshold is re-sel
 (Alg. 1/5) whenever a request moves or its predictions refresh, pricing the remaining steps at
 the load of everything assigned to its instance (at the measured speed, `speed.py`) and fitting
 them into `slo_headroom` of the budget left (the policy's, else the config's: 1.0, the paper's
-rule). Each instance's
-gathered batch keeps its own books (`instance.py`).
+rule). Each instance's gathered batch keeps its own books (`instance.py`).
 """
 
 from __future__ import annotations

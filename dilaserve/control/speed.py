@@ -11,8 +11,9 @@ The cluster runtime reports each step's round trip (launch to result, as the con
 it); `slowdown` is the running ratio of those times to the profile's prediction for the same
 batch, never below 1 (on a machine as fast as when it was profiled, or faster, the profile
 stands, and the algorithms are the paper's). Threshold selection multiplies step times by it;
-load control and admission divide capacity by it. The simulator reports nothing: its steps
-take what its latency model says, and `slowdown` stays 1.
+load control and admission divide capacity by it. The simulator reports nothing (its steps
+take what its latency model says, and `slowdown` stays 1) unless it replays a cluster run's
+recorded durations (`SimConfig.measured_speed`), so that the replay makes the run's decisions.
 """
 
 from __future__ import annotations
