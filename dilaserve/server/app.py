@@ -247,15 +247,9 @@ class _Api:
     async def generate(
         self, request: Request, body, prompt, max_tokens: int | None, chat: bool, text=None
     ):
-        if body.model != self.settings.model_name:
-            message = (
-                f"The model {body.model!r} does not exist (this server serves "
-                f"{self.settings.model_name!r})"
-            )
-            return error(404, message, "model", code="model_not_found")
-        unsupported = body.unsupported()
-        if unsupported is not None:
-            return error(400, f"{unsupported} is not supported by this server", unsupported)
+        wrong = self._unservable(body)
+        if wrong is not None:
+            return wrong
         arrived, arrived_unix = received(request)
         slo = body.slo_ms / 1000 if body.slo_ms is not None else None
         if body.deadline is not None:
@@ -305,6 +299,20 @@ class _Api:
         if result is None:  # the client went away; nobody reads this
             return Response(status_code=499)
         return shape.response(handle, result, self.settings.model_name)
+
+    def _unservable(self, body) -> Response | None:
+        """The answer to a body this server cannot serve: another model (404), a field it
+        cannot honour (400); None if it can."""
+        if body.model != self.settings.model_name:
+            message = (
+                f"The model {body.model!r} does not exist (this server serves "
+                f"{self.settings.model_name!r})"
+            )
+            return error(404, message, "model", code="model_not_found")
+        unsupported = body.unsupported()
+        if unsupported is not None:
+            return error(400, f"{unsupported} is not supported by this server", unsupported)
+        return None
 
     def _not_taken(self, e: Exception) -> Response:
         """The answer to a request the cluster did not take in: refused for capacity (429),
