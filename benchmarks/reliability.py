@@ -24,7 +24,7 @@ process group of its own and runs these phases, each bounded in time:
    `timeout` send): answers after the signal (503 with Retry-After, or refused connections),
    streams that ended with `[DONE]`, and the time to exit.
 
-The load comes from `loadgen.Pool`, a lean HTTP client: httpx's own CPU time, on the cores the
+The load comes from `lean_http.Pool`, a lean HTTP client: httpx's own CPU time, on the cores the
 server uses, was counted as the server's latency at these rates.
 
 Writes benchmarks/results/reliability-TIMESTAMP/: config.json, summary.json (every figure),
@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 
 import httpx
-from loadgen import NoAnswer, Pool
+from lean_http import NoAnswer, Pool
 
 from dilaserve.runs import create_run_dir, environment, write_json
 
@@ -253,7 +253,7 @@ async def health_under_large_bodies(url: str, seconds: float) -> dict:
 
 
 async def one(pool: Pool, slo_ms: float) -> dict:
-    """One completion over the lean client (`loadgen`: httpx's own CPU time, on the 2 cores
+    """One completion over the lean client (`lean_http`: httpx's own CPU time, on the 2 cores
     the server uses, would be measured as the server's latency at these rates)."""
     start = time.perf_counter()
     record = {"sent": start}

@@ -1,11 +1,12 @@
-"""A lean HTTP/1.1 load client for the benchmarks that drive a server at hundreds of requests
-per second from the machine it runs on.
+"""A lean HTTP/1.1 client for the benchmarks that drive a server at hundreds of requests per
+second from the machine it runs on (`dilaserve.bench.loadgen`, the streaming client of
+`dilaserve bench`, measures time to first text instead, through httpx).
 
-httpx spends about a millisecond of CPU per request in its own machinery; at 200 requests/s on
-a 2-core machine that is most of a core taken from the server it measures, and a request's
-measured latency then includes the client's own queueing. This client sends pre-encoded bodies
-over keep-alive connections with asyncio streams and parses only the status line, the headers
-and a Content-Length body: what an answer to a non-streaming JSON request is.
+At 200 requests/s on this 2-core machine, httpx's own CPU time was counted as the server's
+latency it measured: 0.65 s of a served request's median was the client's (docs/serving.md).
+This client sends pre-encoded bodies over keep-alive connections with asyncio streams and
+parses only the status line, the headers and a Content-Length body: what an answer to a
+non-streaming JSON request is.
 
     pool = Pool("127.0.0.1", 8000)
     answer = await pool.post("/v1/completions", body_bytes)   # Answer(status, headers, body)
