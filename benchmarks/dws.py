@@ -145,7 +145,7 @@ def cost_error(args, log) -> tuple[list[dict], dict]:
         dws = np.array([c for c, _ in estimator.estimate(held_out, tokens, GEN_LEN)])
         dws_ms = 1e3 * (time.perf_counter() - start) / len(held_out)
         calib = np.array([c for c, _ in estimator.estimate(calibration, calib_tokens, GEN_LEN)])
-        scale = float(calib_truth @ calib / (calib @ calib))  # this machine's ms now
+        scale = _rescale(calib_truth, calib)  # this machine's ms now
         predictions |= {
             f"DWS (surface x kernel), {encoder}": dws,
             f"DWS, kernel rescaled on calibration, {encoder}": scale * dws,
@@ -157,29 +157,13 @@ def cost_error(args, log) -> tuple[list[dict], dict]:
     predictions["constant: the calibration probes' median ms"] = constant
     kernel = CostKernel.load(t.kernel)
     calib = np.array([kernel.cost_of_run(p) for p in calib_probes])
-    scale = float(calib_truth @ calib / (calib @ calib))  # the kernel alone, rescaled as above
+    scale = _rescale(calib_truth, calib)  # the kernel alone, rescaled as above
     predictions["floor: true steps x kernel, rescaled"] = scale * np.array(
         [kernel.cost_of_run(p) for p in probes]
     )
     predictions["floor: a second timing of the same runs"] = retimed
-    rows = [
-        {
-            "predictor": name,
-            "mean_relative_error": round(float(np.mean(np.abs(p - truth) / truth)), 4),
-            "mae_ms": round(float(np.mean(np.abs(p - truth))), 3),
-        }
-        for name, p in predictions.items()
-    ]
-    error = {r["predictor"]: r["mean_relative_error"] for r in rows}
-    for encoder in t.dws:
-        best = min(error[f"{proxy}, {encoder}"] for proxy in PROXIES)
-        for kind, dws in (
-            ("dws", "DWS (surface x kernel)"),
-            ("rescaled_dws", "DWS, kernel rescaled on calibration"),
-        ):
-            summary[f"error_ratio_best_proxy_over_{kind}, {encoder}"] = round(
-                best / error[f"{dws}, {encoder}"], 3
-            )
+    rows = _error_rows(predictions, truth)
+    summary |= _proxy_over_dws(rows, t.dws)
     summary = {
         "model": str(t.model),
         "kv_cache": t.kv_cache.value,
@@ -189,6 +173,38 @@ def cost_error(args, log) -> tuple[list[dict], dict]:
         **summary,
     }
     return rows, summary
+
+
+def _rescale(truth: np.ndarray, predicted: np.ndarray) -> float:
+    """The least-squares factor from `predicted` ms to `truth` (this machine's ms now)."""
+    return float(truth @ predicted / (predicted @ predicted))
+
+
+def _error_rows(predictions: dict[str, np.ndarray], truth: np.ndarray) -> list[dict]:
+    return [
+        {
+            "predictor": name,
+            "mean_relative_error": round(float(np.mean(np.abs(p - truth) / truth)), 4),
+            "mae_ms": round(float(np.mean(np.abs(p - truth))), 3),
+        }
+        for name, p in predictions.items()
+    ]
+
+
+def _proxy_over_dws(rows: list[dict], encoders) -> dict:
+    """Per encoder, the best proxy's error over DWS's, as stored and rescaled."""
+    error = {r["predictor"]: r["mean_relative_error"] for r in rows}
+    ratios = {}
+    for encoder in encoders:
+        best = min(error[f"{proxy}, {encoder}"] for proxy in PROXIES)
+        for kind, dws in (
+            ("dws", "DWS (surface x kernel)"),
+            ("rescaled_dws", "DWS, kernel rescaled on calibration"),
+        ):
+            ratios[f"error_ratio_best_proxy_over_{kind}, {encoder}"] = round(
+                best / error[f"{dws}, {encoder}"], 3
+            )
+    return ratios
 
 
 # the scalar proxies the paper compares against: (name, its training target from the labels)
