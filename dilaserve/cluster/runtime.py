@@ -281,24 +281,30 @@ class Cluster:
             stop,
         )
         with self._lock:
-            if not self._accepting:
-                raise Closed("the cluster is not accepting requests")
-            if self._all_lost():
-                raise Closed("no instance is serving (lost capacity is being restored)")
-            if len(self._handles) >= self.config.max_in_flight:
-                raise Overloaded(f"{len(self._handles)} requests in flight (the limit)")
-            rid = request_id or f"req-{self._next_id}"
-            self._next_id += 1
-            if rid in self._handles:
-                raise InvalidRequest("request_id", f"request_id {rid!r} is already in flight")
-            submitted = self.now() if received is None else min(self.now(), received - self._t0)
-            request = submission.request(
-                rid, submitted, self.block_len, self.tokenizer.special.mask, self.aligned_blocks
-            )
-            handle = RequestHandle(request, submitted, submission.stop, loop)
-            self._handles[rid] = handle
-            self._arrivals.append(handle)
+            handle = self._register(submission, request_id, received, loop)
         self.backend.wake()
+        return handle
+
+    def _register(self, submission, request_id, received, loop) -> RequestHandle:
+        """A checked submission becomes a request in flight, queued for the controller (under
+        `_lock`): refused while closed, with nothing serving, or at `max_in_flight`."""
+        if not self._accepting:
+            raise Closed("the cluster is not accepting requests")
+        if self._all_lost():
+            raise Closed("no instance is serving (lost capacity is being restored)")
+        if len(self._handles) >= self.config.max_in_flight:
+            raise Overloaded(f"{len(self._handles)} requests in flight (the limit)")
+        rid = request_id or f"req-{self._next_id}"
+        self._next_id += 1
+        if rid in self._handles:
+            raise InvalidRequest("request_id", f"request_id {rid!r} is already in flight")
+        submitted = self.now() if received is None else min(self.now(), received - self._t0)
+        request = submission.request(
+            rid, submitted, self.block_len, self.tokenizer.special.mask, self.aligned_blocks
+        )
+        handle = RequestHandle(request, submitted, submission.stop, loop)
+        self._handles[rid] = handle
+        self._arrivals.append(handle)
         return handle
 
     def cancel(self, request_id: str) -> None:
