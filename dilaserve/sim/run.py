@@ -79,6 +79,24 @@ def policy_for(spec: SimulationSpec):
     return policy
 
 
+def _reconfigurer(spec: SimulationSpec, policy, profile, behaviour, config):
+    """The planner a reconfiguring policy runs (None for the others)."""
+    if not policy.reconfigure:
+        return None
+    from dilaserve.sim.capacity import nodes_for
+
+    planner = PlannerConfig(
+        nodes_for(spec.gpus, spec.gpus_per_node),
+        {c: behaviour.tokens_per_step(c) for c in policy.candidates},
+        tp_degrees=tuple(d for d in (1, 2, 4, 8) if d in profile.tp_degrees),
+        cache_block=config.cache_block,
+        exact_cache=config.costs.exact,
+        period=spec.planner_period,
+        startup_delay=spec.startup_delay,
+    )
+    return Reconfigurer(profile, planner)
+
+
 def simulate(spec: SimulationSpec, progress=None, log: DecisionLog | None = None) -> SimulationRun:
     """Run the spec; `log`: a decision log to record into (one with its lines kept, to read)."""
     profile = load_profile(spec.profile)
@@ -97,20 +115,7 @@ def simulate(spec: SimulationSpec, progress=None, log: DecisionLog | None = None
         slo_headroom=spec.slo_headroom,
         refresh_interval=spec.refresh_interval,
     )
-    reconfigurer = None
-    if policy.reconfigure:
-        from dilaserve.sim.capacity import nodes_for
-
-        planner = PlannerConfig(
-            nodes_for(spec.gpus, spec.gpus_per_node),
-            {c: behaviour.tokens_per_step(c) for c in policy.candidates},
-            tp_degrees=tuple(d for d in (1, 2, 4, 8) if d in profile.tp_degrees),
-            cache_block=config.cache_block,
-            exact_cache=config.costs.exact,
-            period=spec.planner_period,
-            startup_delay=spec.startup_delay,
-        )
-        reconfigurer = Reconfigurer(profile, planner)
+    reconfigurer = _reconfigurer(spec, policy, profile, behaviour, config)
     scheduler = Scheduler(policy, profile, predictor, config, reconfigurer)
     simulator = Simulator(
         scheduler,
