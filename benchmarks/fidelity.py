@@ -1,14 +1,20 @@
 """Predictive fidelity: the simulator's prediction of live cluster runs, from its own models.
 
     python benchmarks/fidelity.py [--rates 30,50,80] [--policies dilaserve,fcfs] [--seconds 40]
-        [--slo 0.3] [--instances 2]
+        [--slo 0.3] [--instances 2] [--calibration-rate 40] [--calibration-seconds 20]
 
 For each policy and Poisson rate, `run-trace`'s load (bundled model, held-out problems, every
 request with the same SLO) runs on an in-process cluster of local workers, and the simulator
 predicts the same arrivals from the latency profile, the bundled model's recorded trajectories
 of other prompts and the step predictor (`sim/predict.py`), with no replayed outcome or
 duration. `--profile`: a profile measured now (`dilaserve profile`), for both the live control
-plane and the prediction (the bundled calibration's was measured on another day). Targets
+plane and the prediction (the bundled calibration's was measured on another day).
+
+The profile is measured with one instance on a quiet machine; serving, the two workers share
+the host's cores with the controller, and the machine drifts. So each policy first runs once
+more, at `--calibration-rate` on other arrivals (a run that is not predicted), and its steps'
+measured slowdown over the profile (`step_time_ratio`) is the prediction's `step_slowdown`.
+Targets
 (issue 23 item 7): SLO attainment within 5 points and mean latency within 10% of the real run.
 Writes a run folder with one row per run.
 """
@@ -31,6 +37,18 @@ def options(policy: str, args) -> list[str]:
     return out
 
 
+def calibrate(config, args) -> float:
+    """The host's step slowdown while this policy serves: a run at the calibration rate, on
+    arrivals of another seed than the predicted runs'."""
+    from dilaserve.cluster.trace_run import TraceRunSpec, run_trace
+
+    trace = f"poisson:{args.calibration_rate}:{args.calibration_seconds}"
+    spec = TraceRunSpec(trace, slo=args.slo, seed=args.seed + 1000)
+    slowdown = run_trace(config, spec)["summary"]["step_time_ratio"]
+    print(f"calibration run {trace}: step slowdown {slowdown}", flush=True)
+    return slowdown
+
+
 def main() -> None:
     from dilaserve.cluster.trace_run import TraceRunSpec, run_trace
 
@@ -41,6 +59,8 @@ def main() -> None:
     parser.add_argument("--slo", type=float, default=0.3)
     parser.add_argument("--instances", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--calibration-rate", type=float, default=40.0)
+    parser.add_argument("--calibration-seconds", type=float, default=20.0)
     parser.add_argument(
         "--profile", help="a latency profile to use instead of the bundled calibration's"
     )
@@ -50,9 +70,12 @@ def main() -> None:
     for policy in args.policies.split(","):
         config, _ = run_trace_config(options(policy, args), record=True)
         trajectories = str(BUNDLED_CALIBRATION / "trajectories.npz")
+        slowdown = calibrate(config, args)
         for rate in (float(r) for r in args.rates.split(",")):
             trace = f"poisson:{rate}:{args.seconds}"
-            spec = TraceRunSpec(trace, slo=args.slo, seed=args.seed, predict=trajectories)
+            spec = TraceRunSpec(
+                trace, slo=args.slo, seed=args.seed, predict=trajectories, predict_slowdown=slowdown
+            )
             s = run_trace(config, spec)["summary"]
             p = s["prediction"]
             records.append(
@@ -60,6 +83,8 @@ def main() -> None:
                     "policy": policy,
                     "rps": rate,
                     "requests": s["requests"],
+                    "calibrated_slowdown": slowdown,
+                    "run_slowdown": s["step_time_ratio"],
                     "real_slo_attainment": s["slo_attainment"],
                     "predicted_slo_attainment": p["slo_attainment"],
                     "error_pp": p["slo_attainment_error_pp"],

@@ -31,6 +31,7 @@ def cmd_run_trace(args) -> None:
         args.seed,
         args.parity,
         _trajectories(args.predict, inputs.profile),
+        args.predict_slowdown,
     )
 
     def progress(done: int, total: int) -> None:
@@ -82,6 +83,13 @@ def _add_run_trace_command(sub) -> None:
         const="calibration",
         help="also write the simulator's prediction of the run from these recorded trajectories "
         "(default: the calibration's)",
+    )
+    rt.add_argument(
+        "--predict-slowdown",
+        type=float,
+        default=1.0,
+        help="the prediction's steps take the profile's time times this: the host's slowdown "
+        "while serving, the `step_time_ratio` an earlier run-trace on it printed",
     )
     rt.add_argument("--seed", type=int, default=0)
     rt.add_argument("--out", default="runs", help="folder for run folders")

@@ -7,6 +7,7 @@ from dilaserve.control.instance import InstanceState
 from dilaserve.control.policy import get_policy
 from dilaserve.control.profile import Curve, LatencyProfile
 from dilaserve.control.scheduler import Scheduler, SchedulerConfig
+from dilaserve.control.speed import batch_seconds
 from dilaserve.protocol import RequestStepResult, StepKind, StepOutput
 
 from conftest import make_request
@@ -177,6 +178,18 @@ def test_measured_slowdown_prices_the_remaining_steps_at_the_speed_steps_run():
         launch = only_launch(s.on_arrival(make_request("r", gen_len=2 * BLOCK), 0.0))
         picked[ratio] = launch.batch.items[0].threshold
     assert picked == {1.0: 0.9, 1.6: 0.5, 0.5: 0.9}
+
+
+def test_a_runs_slowdown_is_the_geometric_mean_of_its_steps_ratios():
+    # what a prediction of the host takes (`SimConfig.step_slowdown`): every step weighs the
+    # same, where the running ratio forgets
+    s = scheduler(instances=(("a", 1),), slo=10.0)
+    launch = only_launch(s.on_arrival(make_request("r"), 0.0))
+    price = batch_seconds(PROFILE, 1, launch.batch, s.config.costs, s.requests)
+    assert s.speed.run_ratio == 1.0  # nothing observed yet
+    for ratio in (0.5, 2.0, 4.0):
+        s.speed.observe(1, launch.batch, ratio * price)
+    assert s.speed.steps == 3 and s.speed.run_ratio == pytest.approx(4.0 ** (1 / 3))
 
 
 def test_measured_slowdown_shrinks_load_controls_capacity():

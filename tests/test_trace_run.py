@@ -2,9 +2,12 @@
 
 from types import SimpleNamespace
 
+import pytest
+
 from dilaserve.cluster import trace_run
 from dilaserve.cluster.requests import Overloaded
 from dilaserve.control.decisions import DecisionLog
+from dilaserve.sim.simulator import SimConfig
 
 from conftest import make_request
 
@@ -15,6 +18,7 @@ class TwoInFlightCluster:
     def __init__(self, config):
         self.handles = []
         self.step_times, self.steps_run, self.stats, self.log = [], 0, {}, DecisionLog()
+        self.step_time_ratio = 1.0
 
     def start(self):
         return self
@@ -71,6 +75,7 @@ def test_the_simulator_predicts_the_run_from_its_own_models(tmp_path):
     assert predicted["slo_attainment_error_pp"] == round(
         100 * (predicted["slo_attainment"] - summary["slo_attainment"]), 2
     )
+    assert summary["step_time_ratio"] > 0 and predicted["step_slowdown"] == 1.0
 
 
 def test_the_prediction_refuses_what_admission_control_would():
@@ -87,3 +92,24 @@ def test_the_prediction_refuses_what_admission_control_would():
     result = simulate(burst, *args, config.tick, config.max_batch_tokens)
     assert 0 < len(result.unfinished) < len(burst)  # refused at arrival: never run, missed
     assert prediction_summary(result)["requests"] == len(burst)
+
+
+def test_the_prediction_runs_every_step_at_the_hosts_slowdown():
+    """`step_slowdown` (a calibration run's measured ratio) scales every simulated step."""
+    from dilaserve.cluster.runtime import ClusterConfig
+    from dilaserve.config import BUNDLED_CALIBRATION
+    from dilaserve.sim.predict import predict as simulate
+
+    config = ClusterConfig()
+    spaced = [
+        make_request(f"r{i}", gen_len=64, arrival_time=5.0 * i, deadline=5.0 * i + 60.0)
+        for i in range(4)
+    ]  # alone on the instance, with budget to spare at 0.9
+    args = (config.control, BUNDLED_CALIBRATION / "trajectories.npz", config.initial_specs())
+    latency = {}
+    for slowdown in (1.0, 2.0):
+        result = simulate(spaced, *args, config.tick, config.max_batch_tokens, slowdown=slowdown)
+        latency[slowdown] = [r.finish_time - r.arrival_time for r in result.requests]
+    assert latency[2.0] == pytest.approx([2 * t for t in latency[1.0]])
+    with pytest.raises(ValueError, match="step_slowdown"):
+        SimConfig(step_slowdown=0.0)

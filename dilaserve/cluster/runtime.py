@@ -210,6 +210,11 @@ class Cluster:
         """Steps' measured time over the latency profile's, running (`control/speed.py`)."""
         return self.scheduler.speed.ratio
 
+    @property
+    def step_time_ratio(self) -> float:
+        """Steps' measured time over the profile's, geometric mean over every step so far."""
+        return self.scheduler.speed.run_ratio
+
     def instances_by_tp(self) -> dict[int, int]:
         return dict(self.instance_log[-1][1]) if self.instance_log else {}
 

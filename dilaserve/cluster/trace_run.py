@@ -35,10 +35,14 @@ class TraceRunSpec:
     seed: int = 0
     parity: bool = False
     predict: str | None = None  # recorded trajectories: also write the simulator's prediction
+    predict_slowdown: float = 1.0  # the host's step slowdown the prediction assumes (a
+    # calibration run's `step_time_ratio`; `sim/predict.py`)
 
     def __post_init__(self):
-        if self.rate_scale <= 0 or self.slo <= 0:
-            raise ValueError(f"{self.rate_scale=} and {self.slo=} must be positive")
+        if self.rate_scale <= 0 or self.slo <= 0 or self.predict_slowdown <= 0:
+            raise ValueError(
+                f"{self.rate_scale=}, {self.slo=} and {self.predict_slowdown=} must be positive"
+            )
 
 
 def trace_arrivals(spec: TraceRunSpec) -> np.ndarray:
@@ -118,6 +122,9 @@ def _runtime_summary(cluster: Cluster, rows: list[dict]) -> dict:
         "controller_overhead_ms_p99": round(
             1e3 * float(np.percentile(trips[:, 0] - trips[:, 1], 99)), 3
         ),
+        # steps' round trips over the profile's price, geometric mean over the run (1 when the
+        # cluster does not measure its speed): what a prediction of this host takes
+        "step_time_ratio": round(cluster.step_time_ratio, 4),
         **cluster.stats,
         "decision_digest": cluster.log.digest,
     }
@@ -159,11 +166,14 @@ def _prediction(cluster: Cluster, config: ClusterConfig, spec: TraceRunSpec, rea
         config.max_batch_tokens,
         spec.seed,
         config.overload,
+        spec.predict_slowdown,
+        config.measured_speed,
     )
     predicted = prediction_summary(result)
     return {
         **predicted,
         "trajectories": spec.predict,
+        "step_slowdown": spec.predict_slowdown,
         "slo_attainment_error_pp": round(
             100 * (predicted["slo_attainment"] - real["slo_attainment"]), 2
         ),

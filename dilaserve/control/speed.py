@@ -12,12 +12,15 @@ it); `slowdown` is the running ratio of those times to the profile's prediction 
 batch, never below 1 (on a machine as fast as when it was profiled, or faster, the profile
 stands, and the algorithms are the paper's). Threshold selection multiplies step times by it;
 load control and admission divide capacity by it. The simulator reports nothing (its steps
-take what its latency model says, and `slowdown` stays 1) unless it replays a cluster run's
-recorded durations (`SimConfig.measured_speed`), so that the replay makes the run's decisions.
+take what its latency model says, times `SimConfig.step_slowdown`, and `slowdown` stays 1)
+unless it predicts a cluster run (`sim/predict.py`: the control plane then learns the
+host's slowdown as the cluster's does) or replays a cluster run's recorded durations
+(`SimConfig.measured_speed`), so that the replay makes the run's decisions.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 from dilaserve.control.profile import LatencyProfile
@@ -33,18 +36,31 @@ class MeasuredSpeed:
         self.costs = costs
         self._tracked = tracked  # request id -> the scheduler's record of it
         self.ratio = 1.0  # measured over predicted step time, running
+        self.steps = 0  # steps observed
+        self._log_ratios = 0.0  # their sum of log(measured / predicted)
 
     @property
     def slowdown(self) -> float:
         """How many times slower than the profile steps run now (>= 1)."""
         return max(self.ratio, 1.0)
 
+    @property
+    def run_ratio(self) -> float:
+        """The geometric mean of measured over predicted step time over every step observed
+        (1 before any): the host's slowdown over a whole run, which a simulator's prediction of
+        this host takes as its `SimConfig.step_slowdown`."""
+        return math.exp(self._log_ratios / self.steps) if self.steps else 1.0
+
     def observe(self, tp: int, batch: StepBatch, seconds: float) -> None:
         """A step of `batch` on a TP-`tp` instance took `seconds`, launch to result. (Call it
         before the scheduler hears of the step: its requests are still tracked.)"""
         predicted = batch_seconds(self.profile, tp, batch, self.costs, self._tracked)
-        if predicted > 0:
-            self.ratio += WEIGHT * (seconds / predicted - self.ratio)
+        if predicted <= 0:
+            return
+        self.ratio += WEIGHT * (seconds / predicted - self.ratio)
+        if seconds > 0:
+            self.steps += 1
+            self._log_ratios += math.log(seconds / predicted)
 
 
 def batch_seconds(

@@ -5,10 +5,14 @@ shows that the decision logic is the same, not that the simulator predicts. Here
 gets only what it would have before the run: the same requests arriving at the same times with
 the same SLOs, the cluster's control spec (its measured latency profile and step predictor),
 and recorded engine trajectories of *other* prompts of the same model (`ReplayBehaviour`, each
-request tied to a random recorded prompt); step durations come from the profile. Admission by
-capacity (`control/admission.py`) runs as in the cluster: a request it refuses never runs and
-counts as missed. Its metrics, set beside the real run's, measure how well the simulator
-predicts this machine.
+request tied to a random recorded prompt); step durations come from the profile, times the
+host's slowdown while serving (`slowdown`: measured beforehand by a calibration run, the
+geometric mean of its steps' round trips over the profile's price; it is what the profile
+misses on a host whose cores the workers share with the controller, and the machine's drift
+since it was profiled). The control plane learns that slowdown as the cluster's does
+(`measured_speed`, `control/speed.py`). Admission by capacity (`control/admission.py`) runs as
+in the cluster: a request it refuses never runs and counts as missed. Its metrics, set beside
+the real run's, measure how well the simulator predicts this machine.
 """
 
 from __future__ import annotations
@@ -58,9 +62,12 @@ def predict(
     max_batch_tokens: int,
     seed: int = 0,
     overload: str = "reject",
+    slowdown: float = 1.0,
+    measured_speed: bool = False,
 ) -> SimResult:
     """Simulate `requests` (as admitted: arrival and deadline on the run's clock) on the
-    instances, the behaviour drawn from `trajectories`."""
+    instances, the behaviour drawn from `trajectories`, each step `slowdown` times the
+    profile's time; `measured_speed`: the cluster's (`ClusterConfig.measured_speed`)."""
     recorded = load_trajectories(trajectories)
     behaviour = ReplayBehaviour(recorded)
     windows = {t.gen_len for t in recorded}
@@ -74,7 +81,13 @@ def predict(
             )
         behaviour.assign(r.request_id, int(rng.choice(behaviour.prompts)))
     scheduler = AdmittingScheduler(build_scheduler(control), overload)
-    config = SimConfig(tick=tick, max_batch_tokens=max_batch_tokens, seed=seed)
+    config = SimConfig(
+        tick=tick,
+        max_batch_tokens=max_batch_tokens,
+        seed=seed,
+        measured_speed=measured_speed,
+        step_slowdown=slowdown,
+    )
     return Simulator(scheduler, scheduler.profile, behaviour, instances, config).run(fresh)
 
 

@@ -44,10 +44,16 @@ class SimConfig:
     seed: int = 0
     measured_speed: bool = False  # report step durations to the scheduler's measured speed
     # (`control/speed.py`), as the cluster runtime does (replay: its durations are measured)
+    # every step takes the latency model's time times this: a host's measured slowdown while
+    # serving (its drift since it was profiled, the controller's share of shared cores), for a
+    # prediction of that host (`sim/predict.py`; a calibration run's `step_time_ratio`)
+    step_slowdown: float = 1.0
 
     def __post_init__(self):
         if self.tick <= 0 or self.startup_delay < 0 or self.latency_noise < 0:
             raise ValueError(f"{self}: tick must be positive, delays and noise non-negative")
+        if self.step_slowdown <= 0:
+            raise ValueError(f"{self.step_slowdown=} must be positive")
 
 
 @dataclass
@@ -179,9 +185,11 @@ class Simulator:
         self._done.append(self._unfinished.pop(rid))  # the request object carries the record
 
     def _profile_duration(self, instance_id: str, batch: StepBatch, now: float) -> float:
-        """The profile's latency of the batch, as the scheduler prices it (with noise)."""
+        """The profile's latency of the batch, as the scheduler prices it, times the host's
+        slowdown (with noise)."""
         tp, costs = self.scheduler.instances[instance_id].tp, self.scheduler.config.costs
         seconds = batch_seconds(self.profile, tp, batch, costs, self.scheduler.requests)
+        seconds *= self.config.step_slowdown
         if self.config.latency_noise:
             seconds *= float(self.rng.lognormal(0.0, self.config.latency_noise))
         return seconds
