@@ -14,6 +14,8 @@ The profile is measured with one instance on a quiet machine; serving, the two w
 the host's cores with the controller, and the machine drifts. So each policy first runs once
 more, at `--calibration-rate` on other arrivals (a run that is not predicted), and its steps'
 measured slowdown over the profile (`step_time_ratio`) is the prediction's `step_slowdown`.
+Each row also gives the prediction at the slowdown the run itself measured (`_at_run_speed`):
+what is left there is the models' error, the rest the host's drift since the calibration run.
 Targets
 (issue 23 item 7): SLO attainment within 5 points and mean latency within 10% of the real run.
 Writes a run folder with one row per run.
@@ -78,6 +80,7 @@ def main() -> None:
             )
             s = run_trace(config, spec)["summary"]
             p = s["prediction"]
+            post = p["at_run_speed"]
             records.append(
                 {
                     "policy": policy,
@@ -92,6 +95,8 @@ def main() -> None:
                     "predicted_latency_mean": p["latency_mean"],
                     "latency_ratio": p["latency_mean_ratio"],
                     "refused": s["refused"],
+                    "error_pp_at_run_speed": post["slo_attainment_error_pp"],
+                    "latency_ratio_at_run_speed": post["latency_mean_ratio"],
                 }
             )
             print(records[-1], flush=True)

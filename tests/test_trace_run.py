@@ -76,6 +76,7 @@ def test_the_simulator_predicts_the_run_from_its_own_models(tmp_path):
         100 * (predicted["slo_attainment"] - summary["slo_attainment"]), 2
     )
     assert summary["step_time_ratio"] > 0 and predicted["step_slowdown"] == 1.0
+    assert predicted["at_run_speed"]["step_slowdown"] == summary["step_time_ratio"]
 
 
 def test_the_prediction_refuses_what_admission_control_would():

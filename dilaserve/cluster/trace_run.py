@@ -154,7 +154,15 @@ def _parity(cluster: Cluster, config: ClusterConfig) -> dict:
 
 def _prediction(cluster: Cluster, config: ClusterConfig, spec: TraceRunSpec, real: dict) -> dict:
     """The simulator's prediction of this run from its own models (`sim/predict.py`), and how
-    far it is from what happened."""
+    far it is from what happened; `at_run_speed`: the same, given the slowdown the host turned
+    out to run at (`step_time_ratio`), which separates the models' error from the host's drift
+    between the calibration and the run."""
+    ahead = _predicted(cluster, config, spec, spec.predict_slowdown, real)
+    after = _predicted(cluster, config, spec, real["step_time_ratio"], real)
+    return {**ahead, "trajectories": spec.predict, "at_run_speed": after}
+
+
+def _predicted(cluster, config: ClusterConfig, spec: TraceRunSpec, slowdown: float, real: dict):
     from dilaserve.sim.predict import predict, prediction_summary
 
     result = predict(
@@ -166,14 +174,13 @@ def _prediction(cluster: Cluster, config: ClusterConfig, spec: TraceRunSpec, rea
         config.max_batch_tokens,
         spec.seed,
         config.overload,
-        spec.predict_slowdown,
+        slowdown,
         config.measured_speed,
     )
     predicted = prediction_summary(result)
     return {
         **predicted,
-        "trajectories": spec.predict,
-        "step_slowdown": spec.predict_slowdown,
+        "step_slowdown": slowdown,
         "slo_attainment_error_pp": round(
             100 * (predicted["slo_attainment"] - real["slo_attainment"]), 2
         ),
