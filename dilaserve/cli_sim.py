@@ -188,6 +188,11 @@ def _add_simulate_command(sub) -> None:
     )
     si.add_argument("--planner-period", type=float, default=300.0)
     si.add_argument("--startup-delay", type=float, default=30.0)
+    si.add_argument(
+        "--serial-launches",
+        action="store_true",
+        help="a reconfiguration launches each instance only once the one before it is up",
+    )
     si.add_argument("--latency-noise", type=float, default=0.0)
     si.add_argument("--interval", type=float, default=300.0, help="seconds per metrics row")
     si.add_argument("--seed", type=int, default=0)

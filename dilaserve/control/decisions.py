@@ -69,11 +69,13 @@ class LaunchStep:
 @dataclass(frozen=True, slots=True)
 class Reconfiguration:
     """A plan to carry out in order: each step stops what is in its way, then starts one
-    instance (waiting until it is up before the next step); `stop_after` go last."""
+    instance; a step that stops something waits until every earlier launch is up (`serial`:
+    every step does); `stop_after` go last (`control/rollout.py`)."""
 
     steps: tuple[LaunchStep, ...]
     stop_after: tuple[str, ...]
     target: dict[int, int]  # instances per TP degree once done
+    serial: bool = False
 
 
 @dataclass(frozen=True, slots=True)

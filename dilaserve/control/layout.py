@@ -100,8 +100,9 @@ def launch_order(
     existing: Sequence[InstanceSlot],
     plan: CapacityPlan,
     name_prefix: str,
+    serial: bool = False,
 ) -> Reconfiguration:
-    """Start new instances one at a time; before each, stop only the old ones in its way.
+    """Start new instances in turn; before each, stop only the old ones in its way.
 
     The next launch is always the one that needs the fewest running instances stopped, so
     capacity is added before it is taken away; retired instances nobody's GPUs need stop last.
@@ -129,4 +130,4 @@ def launch_order(
             f"{name_prefix}-n{nxt.node}-tp{nxt.tp}-g{nxt.gpus[0]}", nxt.node, nxt.tp, nxt.gpus
         )
         steps.append(LaunchStep(stop, spec))
-    return Reconfiguration(tuple(steps), tuple(sorted(retiring)), plan.counts())
+    return Reconfiguration(tuple(steps), tuple(sorted(retiring)), plan.counts(), serial)

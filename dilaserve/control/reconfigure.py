@@ -18,6 +18,12 @@ smallest slack the current configuration leaves a class (SLO_k - t_k). Stopping 
 load others takes their GPUs away for a whole start-up: 4 TP-1 instances replaced by one TP-4
 serve nobody for 30 s, which at a 4.6 s SLO misses every request that comes meanwhile, while a
 2 s gap within a 27 s SLO costs little (docs/simulator.md).
+
+Two more of ours, for what the paper leaves open, each measured on its Table 4 trace
+(docs/simulator.md, Fig. 10): the monitor's buffer carries the load's rise
+(`PlannerConfig.rate_trend`, `monitor.py`), so the planner leaves a few wide instances before
+the day's peak rather than after it; and a move's launches whose GPUs are free load together
+(`control/rollout.py`; `PlannerConfig.serial_launches` waits for each in turn).
 """
 
 from __future__ import annotations
@@ -85,7 +91,7 @@ class Reconfigurer:
     ):
         self.profile = profile
         self.config = config
-        self.monitor = monitor or WorkloadMonitor(window=config.period)
+        self.monitor = monitor or WorkloadMonitor(window=config.period, trend=config.rate_trend)
         self._next_round = config.period
         self._rounds = 0
         self.history: list[dict] = []  # one entry per planning round, for run logs
@@ -131,7 +137,9 @@ class Reconfigurer:
         layout = plan_layout(
             proposal.counts(), self.config.gpus_per_node, running, self.config.time_limit
         )
-        plan = launch_order(layout, running, proposal, f"r{self._rounds}")
+        plan = launch_order(
+            layout, running, proposal, f"r{self._rounds}", self.config.serial_launches
+        )
         guarded = self.config.guard_moves and current.feasible
         if guarded and self._move_hurts(plan, running, classes, current):
             self.history[-1]["applied"] = False

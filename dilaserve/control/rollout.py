@@ -1,10 +1,16 @@
-"""Carrying out a cluster reconfiguration, one launch at a time, for either driver.
+"""Carrying out a cluster reconfiguration, launch by launch, for either driver.
 
-The planner's `Reconfiguration` is a list of launch steps: stop the instances in the way, then
-start one instance and wait until it is up. Stopping an instance drains it (its waiting batch
-goes elsewhere, its running step finishes, its requests move on at their next step) and removes
-it once idle. `Rollout` keeps that progress; the driver does what it cannot (start a model, wait
-for it to load, log) through three calls:
+The planner's `Reconfiguration` is a list of launch steps, each "stop the instances in the way,
+then start one instance". The steps run in order; a step that stops nothing starts at once, even
+while earlier launches are still loading, and a step that stops instances waits until every
+launch before it is up, so capacity is taken away one step at a time and only once what was
+added is serving. Four TP-1 instances replacing a TP-4 then load together, and its GPUs idle
+for one start-up rather than four (`Reconfiguration.serial`, from
+`PlannerConfig.serial_launches`: every launch waits for the one before it, the paper's "one at
+a time" read literally). Stopping an instance drains it (its waiting batch goes elsewhere, its
+running step finishes, its requests move on at their next step) and removes it once idle.
+`Rollout` keeps that progress; the driver does what it cannot (start a model, wait for it to
+load, log) through three calls:
 
 - `apply(decisions, now, event)`: carry out the scheduler's decisions;
 - `start_instance(spec, now)`: begin loading an instance, then call `on_up(spec, now)` once it
@@ -39,12 +45,13 @@ class Rollout:
         self.scheduler = scheduler
         self.driver = driver
         self.default_batch_tokens = default_batch_tokens
+        self._serial = False  # the plan in progress launches one instance at a time
         self.log: list[dict] = []  # one entry per reconfiguration begun
         self._steps: deque[LaunchStep] = deque()
         self._stop_after: tuple[str, ...] = ()
         self._blocked: set[str] = set()  # instances to remove before the next launch
         self._next_start: InstanceSpec | None = None
-        self._starting: InstanceSpec | None = None
+        self._starting: dict[str, InstanceSpec] = {}  # loading, by instance id
 
     @property
     def active(self) -> bool:
@@ -53,7 +60,7 @@ class Rollout:
             or self._stop_after
             or self._blocked
             or self._next_start is not None
-            or self._starting is not None
+            or bool(self._starting)
         )
 
     def add(self, spec: InstanceSpec, now: float) -> None:
@@ -69,6 +76,7 @@ class Rollout:
         self.log.append({"time": now, "target": plan.target})
         self._steps = deque(plan.steps)
         self._stop_after = plan.stop_after
+        self._serial = plan.serial
         self._advance(now)
         return True
 
@@ -78,7 +86,7 @@ class Rollout:
         self._advance(now)
 
     def on_up(self, spec: InstanceSpec, now: float) -> None:
-        self._starting = None
+        self._starting.pop(spec.instance_id, None)
         self.add(spec, now)
         self.driver.apply(self.scheduler.on_tick(now), now, f"u{spec.instance_id}")
         self._advance(now)
@@ -90,8 +98,8 @@ class Rollout:
 
     def on_failed(self, instance_id: str, now: float) -> None:
         """An instance died: its requests resume elsewhere; a plan waiting on it moves on."""
-        if self._starting is not None and self._starting.instance_id == instance_id:
-            self._starting = None
+        if instance_id in self._starting:
+            del self._starting[instance_id]
         elif instance_id in self.scheduler.instances:
             self._remove(instance_id, now, event="x")
             return
@@ -118,18 +126,21 @@ class Rollout:
                 self._remove(instance_id, now)
 
     def _advance(self, now: float) -> None:
-        """Start the next planned instance once nothing is loading and its GPUs are free."""
-        if self._starting is not None or self._blocked:
-            return
-        if self._next_start is None:
-            if not self._steps:
-                stops, self._stop_after = self._stop_after, ()
-                self._stop_all(stops, now)
-                return
-            step = self._steps.popleft()
-            self._next_start = step.start
-            self._stop_all(step.stop, now)  # the last removal comes back here and launches
-            if self._blocked or self._starting is not None:
-                return
-        self._starting, self._next_start = self._next_start, None
-        self.driver.start_instance(self._starting, now)
+        """Start every planned instance that may start now: in order, each once its GPUs are
+        free, and one that needs instances stopped only once nothing before it is loading."""
+        while not self._blocked:
+            if self._next_start is None:
+                if self._starting and (self._serial or (self._steps and self._steps[0].stop)):
+                    return  # take nothing away while capacity is being added
+                if not self._steps:
+                    if not self._starting:
+                        stops, self._stop_after = self._stop_after, ()
+                        self._stop_all(stops, now)
+                    return
+                step = self._steps.popleft()
+                self._next_start = step.start
+                self._stop_all(step.stop, now)  # the last removal comes back here and launches
+                continue
+            spec, self._next_start = self._next_start, None
+            self._starting[spec.instance_id] = spec
+            self.driver.start_instance(spec, now)

@@ -93,6 +93,8 @@ def _reconfigurer(spec: SimulationSpec, policy, profile, behaviour, config):
         exact_cache=config.costs.exact,
         period=spec.planner_period,
         startup_delay=spec.startup_delay,
+        serial_launches=spec.serial_launches,
+        rate_trend=spec.rate_trend,
     )
     return Reconfigurer(profile, planner)
 

@@ -36,6 +36,8 @@ class SimulationSpec:
     refresh_interval: float = 0.05  # see SchedulerConfig
     planner_period: float = 300.0
     startup_delay: float = 30.0
+    serial_launches: bool = False  # a reconfiguration's launches wait for one another
+    rate_trend: bool = True  # the planner plans for the load's growth (monitor.py)
     latency_noise: float = 0.0
     interval: float = 300.0  # seconds per row of the per-interval metrics
     predictor_prompts: int = 100  # sample requests the simulated predictor trains on
