@@ -115,20 +115,38 @@ def table4_rows(x: Experiments, prefix: str, **changes) -> list[dict]:
     return rows
 
 
-def fig10(x: Experiments) -> None:
-    rows = []
+# the planner without our two additions for what the paper leaves open (control/reconfigure.py)
+LITERAL_PLANNER = {"serial_launches": True, "rate_trend": False}
+RECONFIGURATION_VARIANTS = (
+    ("DiLaServe (the paper's algorithms)", "dilaserve", {}),
+    ("DiLaServe without reconfiguration", "no-reconfig", {}),
+    ("DiLaServe, launches one at a time and a flat rate buffer", "dilaserve", LITERAL_PLANNER),
+)
+
+
+def fig10(x: Experiments, reconfiguration_seeds=(1, 2)) -> None:
+    """The ablations on the Table 4 trace (seed 0), then reconfiguration's three rows at more
+    seeds."""
     variants = [
-        ("fixed threshold 0.9", "no-dynamic-threshold"),
-        ("dynamic threshold, no load control", "no-load-control"),
-        ("DiLaServe (the paper's algorithms)", "dilaserve"),
-        ("DiLaServe without reconfiguration", "no-reconfig"),
-        ("extension: headroom 0.5", "dilaserve-headroom"),
-        ("extension: load control over the budget left", "dilaserve-budget"),
+        ("fixed threshold 0.9", "no-dynamic-threshold", {}),
+        ("dynamic threshold, no load control", "no-load-control", {}),
+        *RECONFIGURATION_VARIANTS,
+        ("extension: headroom 0.5", "dilaserve-headroom", {}),
+        ("extension: load control over the budget left", "dilaserve-budget", {}),
     ]
-    for label, policy in variants:
-        s = x.run(f"fig10-{policy}", policy=policy, profile=GH200)
-        rows.append(ablation_row(label, s))
+    rows = [fig10_row(x, label, policy, changes, 0) for label, policy, changes in variants]
     x.section("Fig 10: ablations on the Table 4 trace", rows, f"Paper: {PAPER_FIG10}.")
+    rows = [
+        {"seed": seed, **fig10_row(x, label, policy, changes, seed)}
+        for seed in reconfiguration_seeds
+        for label, policy, changes in RECONFIGURATION_VARIANTS
+    ]
+    x.section("Fig 10 seeds: reconfiguration on the Table 4 trace", rows)
+
+
+def fig10_row(x: Experiments, label: str, policy: str, changes: dict, seed: int) -> dict:
+    name = f"fig10-{policy}" + ("-serial-flat" if changes else "") + (f"-s{seed}" if seed else "")
+    return ablation_row(label, x.run(name, policy=policy, profile=GH200, seed=seed, **changes))
 
 
 def ablation_row(label: str, s: dict) -> dict:

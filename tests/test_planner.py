@@ -132,6 +132,20 @@ def test_monitor_rates_carry_the_safety_buffer_and_forget_old_arrivals():
     assert [c.output_len for c in m.classes(19.4)] == [256]  # the small ones left the window
 
 
+def test_a_rising_load_is_planned_for_until_the_next_window():
+    rising = WorkloadMonitor(window=10.0, safety=1.1, trend=True)
+    for t in range(10):  # 10 arrivals in the first half of the window, 20 in the second
+        rising.record(t / 2, 50, 64, 5.0)
+    for t in range(20):
+        rising.record(5 + t / 4, 50, 64, 5.0)
+    [cls] = rising.classes(10.0)
+    assert cls.rate == pytest.approx(1.1 * 3.0 * 2**2)  # twice as fast per half window
+    falling = WorkloadMonitor(window=10.0, safety=1.1, trend=True)
+    for t in (0.0, 1.0, 2.0, 3.0, 8.0):
+        falling.record(t, 50, 64, 5.0)
+    assert falling.classes(10.0)[0].rate == pytest.approx(1.1 * 0.5)
+
+
 def scheduler_with_planner(
     policy: str, guard_moves: bool = False, startup_delay: float = 30.0
 ) -> Scheduler:

@@ -4,6 +4,13 @@ Each arrival falls into a class keyed by (input-size bucket, output-size bucket,
 sliding window the monitor reports each class's arrival rate, times a safety buffer above the
 observed rate, with the class's mean prompt and output lengths: the `WorkloadClass`es the Stage-1
 planner sizes the cluster for. Pure bookkeeping: the caller passes the time.
+
+The paper gives the buffer no value ("slightly above observed"). With `trend` (the planner's
+default, `PlannerConfig.rate_trend`) it also carries the load's rise: a plan made now serves
+until the next round, so a rate observed over the last window is low all through a climb, and a
+cluster moved to a few wide instances in the morning met the day's peak before the planner saw
+it (docs/simulator.md). The rise is the second half-window's arrivals over the first's,
+projected to the middle of the next window; a steady or falling load keeps the flat buffer.
 """
 
 from __future__ import annotations
@@ -51,12 +58,13 @@ class WorkloadMonitor:
         safety: float = 1.1,
         input_edges: tuple[int, ...] = DEFAULT_INPUT_EDGES,
         output_edges: tuple[int, ...] = DEFAULT_OUTPUT_EDGES,
+        trend: bool = False,
     ):
         if window <= 0:
             raise ValueError(f"{window=} must be positive")
         if safety < 1:
             raise ValueError(f"{safety=} must be at least 1 (a buffer above the observed rate)")
-        self.window, self.safety = window, safety
+        self.window, self.safety, self.trend = window, safety, trend
         self.input_edges, self.output_edges = tuple(input_edges), tuple(output_edges)
         self._arrivals: deque[_Arrival] = deque()
         self._first: float | None = None
@@ -82,12 +90,21 @@ class WorkloadMonitor:
         groups: dict[tuple[int, int, float], list[_Arrival]] = {}
         for a in self._arrivals:
             groups.setdefault(a.key, []).append(a)
+        buffer = self.safety * (self.growth(now, span) if self.trend else 1.0)
         return [
             WorkloadClass(
                 prompt_len=sum(a.prompt_len for a in group) / len(group),
                 output_len=sum(a.output_len for a in group) / len(group),
-                rate=self.safety * len(group) / span,
+                rate=buffer * len(group) / span,
                 slo=key[2],
             )
             for key, group in sorted(groups.items())
         ]
+
+    def growth(self, now: float, span: float) -> float:
+        """How much the load rises from the window's middle to the middle of the next window
+        (never below 1): the second half's arrivals over the first half's, squared."""
+        middle = now - span / 2
+        early = bisect.bisect_left([a.time for a in self._arrivals], middle)
+        recent = len(self._arrivals) - early
+        return max(1.0, recent / early) ** 2 if early else 1.0
