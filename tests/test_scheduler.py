@@ -88,15 +88,26 @@ def test_arrival_goes_to_the_fastest_instance_with_its_sequence():
 
 
 def test_cache_steps_stay_with_the_cache_even_when_another_instance_is_faster():
-    s = scheduler(instances=(("a", 1), ("b", 2)))
+    s = scheduler(instances=(("a", 1), ("b", 1)))
     req = make_request("r", gen_len=2 * BLOCK)
-    s.on_arrival(req, 0.0)  # on b
-    s.on_arrival(make_request("x", gen_len=2 * BLOCK, arrival_time=0.0), 0.0)  # on a
-    # give b a big pending batch so a looks faster, then finish r's step without a block end
-    launch = only_launch(done(s, "b", result(req, [0])))
-    assert launch.instance_id == "b"
+    s.on_arrival(req, 0.0)  # on a
+    s.on_arrival(make_request("x", gen_len=BLOCK, arrival_time=0.0), 0.0)  # on b, fewer tokens
+    # b's batch is the cheaper one to join, but r's next step, without a block end, is a cache step
+    launch = only_launch(done(s, "a", result(req, [0])))
+    assert launch.instance_id == "a"
     [item] = launch.batch.items
     assert item.kind is StepKind.CACHE and item.spec is None
+
+
+def test_alg3_prices_the_step_with_the_whole_batch_not_when_the_instance_is_free():
+    s = scheduler()  # a: TP-1, b: TP-2 (0.6x the latency)
+    r = make_request("r", gen_len=2 * BLOCK)
+    assert only_launch(s.on_arrival(r, 0.0)).instance_id == "b"
+    # a step of 42 tokens on TP-2 (9.9 ms) beats 21 alone on TP-1 (12.5 ms): x waits for b's
+    # running step rather than starting on idle a (the paper's argmin over the latency profile)
+    x = make_request("x", gen_len=2 * BLOCK, arrival_time=0.0)
+    assert s.on_arrival(x, 0.0).launches == ()
+    assert s.instances["b"].pending == ["x"]
 
 
 def test_request_migrates_only_before_a_recompute_step():

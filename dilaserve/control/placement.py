@@ -5,13 +5,16 @@ bound to one instance (no migration, or bound at arrival), or, with migration on
 recompute steps, a request whose next step is a cache step where its approximate cache lives.
 An exact (block-diffusion) cache makes that rule a priced decision: away from its cache the
 request's step is a prefill, so it moves only where that prefill still finishes first. Among the
-candidates with room, the request goes where its step is predicted to finish first (a busy
-instance starts the gathered batch when its running step ends; ties go to an idle one), or, for
-least-tokens placement, where the batch has the fewest tokens. A queue (first-free placement:
-`fcfs`, `dws-sjf`) gives waiting requests only to instances between steps, least tokens first.
-Alg. 3 prices a step at the instance's whole batch: what is gathered and, while a step runs,
-that step's requests, which come back to it. The scheduler owns the state; this reads it (the
-instances and the tracked requests, shared mappings) and decides.
+candidates with room, Alg. 3 as the paper writes it sends the request where the latency profile
+prices a step over the instance's batch with the request in it lowest: the batch is every
+request the instance holds (running, gathered or between steps), in tokens, and the price is
+the full-step curve of the instance's TP degree (ties go to an idle instance). With an exact
+cache (block diffusion, beyond the paper) a move costs a prefill, so there the request goes
+where its step is predicted to finish first: a busy instance starts the gathered batch, its
+running step's requests included, when that step ends. Least-tokens placement (`llumnix`) picks
+the batch with the fewest tokens. A queue (first-free placement: `fcfs`, `dws-sjf`) gives
+waiting requests only to instances between steps, least tokens first. The scheduler owns the
+state; this reads it (the instances and the tracked requests, shared mappings) and decides.
 """
 
 from __future__ import annotations
@@ -67,26 +70,34 @@ class Placer:
             inst = candidates[0]
             kind = home_kind if inst is home else away
             return (inst, kind) if self.has_room(inst, self.tokens(t, kind), solo) else None
-        fastest = self.policy.placement is Placement.FASTEST_STEP
         best, best_key = None, None
         for inst in candidates:
             kind = home_kind if inst is home else away
             n = self.tokens(t, kind)
             if not self.has_room(inst, n, solo):
                 continue
-            full, cache = inst.next_batch() if fastest else (inst.pending_full, inst.pending_cache)
-            if kind in CACHED_KINDS:
-                cache += n
-            else:
-                full += n
-            if fastest:
-                start = inst.busy_until if inst.busy and inst.busy_until > now else now
-                cost = start + inst.latency(full, cache)
-            else:
-                cost = full + cache + self._running_tokens(inst)
-            if best_key is None or (cost, inst.busy, inst.instance_id) < best_key:
-                best, best_key = (inst, kind), (cost, inst.busy, inst.instance_id)
+            joining = 0 if inst is home else r.num_tokens
+            key = (self._cost(inst, kind, n, joining, now), inst.busy, inst.instance_id)
+            if best_key is None or key < best_key:
+                best, best_key = (inst, kind), key
         return best
+
+    def _cost(self, inst: InstanceState, kind: StepKind, n: int, joining: int, now: float) -> float:
+        """What placement minimises on `inst` for a step of `kind` processing `n` tokens, the
+        request bringing `joining` tokens to the instance (0 at home)."""
+        fastest = self.policy.placement is Placement.FASTEST_STEP
+        if fastest and not self._costs.exact:
+            # Alg. 3 as written: the step latency at the batch's tokens with this request in it
+            return inst.full_curve.at(inst.resident_tokens + joining)
+        full, cache = inst.next_batch() if fastest else (inst.pending_full, inst.pending_cache)
+        if kind in CACHED_KINDS:
+            cache += n
+        else:
+            full += n
+        if fastest:  # an exact cache: where the step, a prefill away from home, ends first
+            start = inst.busy_until if inst.busy and inst.busy_until > now else now
+            return start + inst.latency(full, cache)
+        return full + cache + self._running_tokens(inst)
 
     def bind(self, open_instances: Sequence[InstanceState]) -> str | None:
         """On-arrival placement (INFaaS): the instance a new request is bound to, the one with
