@@ -1,7 +1,7 @@
 """Reproduce the DiLaServe paper's experiments in the simulator, beside the paper's numbers.
 
     python benchmarks/reproduce.py [--only table4,table4h200,fig9,fig10,fig10high,fig11,
-                                           table6,azure,mechanisms,quality,dws]
+                                           table6,azure,mechanisms,placement,quality,dws]
                                    [--minutes-per-hour 1.25] [--out benchmarks/results]
 
 Every simulation writes its own run folder (config, per-request records, per-interval metrics,
@@ -447,10 +447,41 @@ def effects(attained: dict, seeds) -> dict:
         if a == "dilaserve" and b == "no-reconfig" and (b, seeds[0]) not in attained:
             out[column] = "n/a (planner off)"
             continue
-        diffs = [100 * (of(a, seed) - of(b, seed)) for seed in seeds]
-        mean = sum(diffs) / len(diffs)
-        out[column] = f"{mean:+.1f} [{min(diffs):+.1f}, {max(diffs):+.1f}]"
+        out[column] = spread([100 * (of(a, seed) - of(b, seed)) for seed in seeds])
     return out
+
+
+def spread(diffs: list[float]) -> str:
+    """Points: the mean [min, max]."""
+    return f"{sum(diffs) / len(diffs):+.1f} [{min(diffs):+.1f}, {max(diffs):+.1f}]"
+
+
+def placement(x: Experiments, seeds=(0, 1, 2, 3)) -> None:
+    """Alg. 3 at a fixed threshold (0.9, the planner off) against INFaaS on every workload shape,
+    at more seeds than the mechanism table."""
+    rows = []
+    for shape, changes in SHAPES.items():
+        if changes["trace"] == AZURE and not Path(AZURE).exists():
+            continue
+        tag = re.sub(r"[^A-Za-z0-9]+", "-", shape.split(":")[0]).strip("-")
+        spec = {**changes, **NO_PLANNER, "gpus": 4, "profile": GH200}
+        attained = {
+            (policy, seed): x.run(
+                f"place-{tag}-{policy}-s{seed}", policy=policy, seed=seed, **spec
+            )["slo_attainment"]
+            for policy in ("no-dynamic-threshold", "infaas")
+            for seed in seeds
+        }
+        diffs = [100 * (attained["no-dynamic-threshold", s] - attained["infaas", s]) for s in seeds]
+        rows.append(
+            {
+                "shape": shape,
+                "alg3": sum(attained["no-dynamic-threshold", s] for s in seeds) / len(seeds),
+                "infaas": sum(attained["infaas", s] for s in seeds) / len(seeds),
+                "alg3_minus_infaas": spread(diffs),
+            }
+        )
+    x.section(f"Placement: Alg. 3 against INFaaS at threshold 0.9, seeds {list(seeds)}", rows)
 
 
 def quality(x: Experiments, seeds=(0, 1)) -> None:
@@ -564,6 +595,7 @@ EXPERIMENTS = {
     "azure": azure,
     "mechanisms": mechanisms,
     "quality": quality,
+    "placement": placement,
     "dws": dws_setting,
 }
 ALIASES = {"fig13": "table6"}
