@@ -7,17 +7,18 @@ requests finished, and (from `on_tick`, every planning period) a cluster `Reconf
 It never reads a clock and never does I/O; the simulator and the cluster runtime drive it alike.
 
 On every event the requests that are ready (new, or whose step just finished) are placed
-(Algorithm 3, in `placement.py`): each goes to the instance where its next step is predicted
-to finish soonest, given that instance's TP degree and the batch already gathered for it. With
-a KV cache a request whose next step is a cache step stays where its cache is; it may move only
-before a recompute step. Step predictions refresh every `refresh_every_tokens` newly committed
-tokens, in one predictor call for every request due at most once per `refresh_interval` (a new
-request is predicted at once), load control (Alg. 2/4) re-runs when arrivals or refreshes
-change the load picture (both in `load_control.py`), and the threshold is re-selected
-(Alg. 1/5) whenever a request moves or its predictions refresh, pricing the remaining steps at
-the load of everything assigned to its instance (at the measured speed, `speed.py`) and fitting
-them into `slo_headroom` of the budget left (the policy's, else the config's: 1.0, the paper's
-rule). Each instance's gathered batch keeps its own books (`instance.py`).
+(Algorithm 3, in `placement.py`): each goes to the instance whose latency profile prices a step
+over its whole batch, with the request in it, lowest (with an exact cache: where its next step
+is predicted to finish soonest). With a KV cache a request whose next step is a cache step
+stays where its cache is; it may move only before a recompute step. Step predictions refresh
+every `refresh_every_tokens` newly committed tokens, in one predictor call for every request
+due at most once per `refresh_interval` (a new request is predicted at once), load control
+(Alg. 2/4) re-runs when arrivals or refreshes change the load picture (both in
+`load_control.py`), and the threshold is re-selected (Alg. 1/5) whenever a request moves or its
+predictions refresh, pricing the remaining steps at the load of everything assigned to its
+instance (at the measured speed, `speed.py`) and fitting them into `slo_headroom` of the budget
+left (the policy's, else the config's: 1.0, the paper's rule). Each instance's gathered batch
+keeps its own books (`instance.py`).
 """
 
 from __future__ import annotations
