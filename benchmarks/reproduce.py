@@ -476,8 +476,10 @@ def placement(x: Experiments, seeds=(0, 1, 2, 3)) -> None:
         rows.append(
             {
                 "shape": shape,
-                "alg3": sum(attained["no-dynamic-threshold", s] for s in seeds) / len(seeds),
-                "infaas": sum(attained["infaas", s] for s in seeds) / len(seeds),
+                "alg3": round(
+                    sum(attained["no-dynamic-threshold", s] for s in seeds) / len(seeds), 4
+                ),
+                "infaas": round(sum(attained["infaas", s] for s in seeds) / len(seeds), 4),
                 "alg3_minus_infaas": spread(diffs),
             }
         )
