@@ -22,6 +22,18 @@ def test_interpolates_between_points_and_extrapolates_above():
     assert p.step_latency(1, 400, StepKind.RECOMPUTE) == pytest.approx(0.042)
 
 
+def test_a_falling_last_segment_never_prices_a_larger_batch_below_it():
+    # a noisy calibration (one repeat): two requests measured faster than one. Extrapolating
+    # that slope reached 0 s, and load control divided by it (the cluster's requests failed)
+    entries = [
+        {"tp": 1, "kind": "block", "batch_tokens": 32, "ms": 12.0},
+        {"tp": 1, "kind": "block", "batch_tokens": 64, "ms": 9.0},
+    ]
+    p = LatencyProfile.from_dict({"entries": entries, "block_len": 32})
+    assert p.step_latency(1, 48, StepKind.BLOCK) == pytest.approx(0.0105)
+    assert p.step_latency(1, 2048, StepKind.BLOCK) == pytest.approx(0.009)
+
+
 def test_small_batches_cost_the_smallest_point():
     assert profile().step_latency(1, 10, StepKind.RECOMPUTE) == pytest.approx(0.010)
 

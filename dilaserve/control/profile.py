@@ -10,7 +10,8 @@ engine) or `benchmarks/gpu_profile.py` (an LLaDA-8B-shaped model on a GPU):
 `batch_tokens` is the number of tokens the step's forward passes process: the whole sequences
 for full and recompute steps, `block_len` per request for dual-cache steps. Latency between
 measured points is interpolated linearly; below the smallest point it is that point's latency
-(small batches are overhead-bound); above the largest it is extrapolated from the last two.
+(small batches are overhead-bound); above the largest it is extrapolated from the last two, and
+never below the largest point's latency.
 """
 
 from __future__ import annotations
@@ -61,7 +62,10 @@ class Curve:
             return ys[0] if batch_tokens <= xs[0] else ys[0] * batch_tokens / xs[0]
         i = min(bisect.bisect_left(xs, batch_tokens), len(xs) - 1)
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-        return max(y0 + (y1 - y0) * (batch_tokens - x0) / (x1 - x0), 0.0)
+        seconds = y0 + (y1 - y0) * (batch_tokens - x0) / (x1 - x0)
+        # beyond the largest point a noisy calibration's last two points may fall: a step over
+        # more tokens never takes less than the largest one measured
+        return max(seconds, y1) if batch_tokens > x1 else seconds
 
     def best_throughput(self) -> tuple[int, float]:
         """(batch tokens, tokens/s) of the measured point with the highest token throughput."""
