@@ -406,15 +406,10 @@ def mechanisms(x: Experiments) -> None:
     the mean over seeds and the range, beside the paper's number (`--shapes`: only the shapes
     whose names contain one of these words)."""
     rows, seeds = [{"shape": "paper", **{col: paper for col, _, _, paper in EFFECTS}}], x.seeds
-    for shape, changes in SHAPES.items():
-        if changes["trace"] == AZURE and not Path(AZURE).exists():
-            continue
-        if x.shapes and not any(word in shape for word in x.shapes):
-            continue
+    for shape, tag, changes in shapes_to_run(x):
         attained = {}
         for seed in seeds:
             for policy, run_as, extra in shape_policies(changes):
-                tag = re.sub(r"[^A-Za-z0-9]+", "-", shape.split(":")[0]).strip("-")
                 name = f"mech-{tag}-{policy}-s{seed}"
                 spec = {**changes, **extra}
                 s = x.run(name, policy=run_as, gpus=4, profile=GH200, seed=seed, **spec)
@@ -426,6 +421,17 @@ def mechanisms(x: Experiments) -> None:
         f"4 GPUs (one node), GH200 preset, seeds {list(seeds)}. placement-only is "
         "no-dynamic-threshold with the planner off.",
     )
+
+
+def shapes_to_run(x: Experiments):
+    """(name, tag for run folders, spec changes) of each workload shape to run: those `--shapes`
+    names (all if none), the Azure trace only where its file is."""
+    for shape, changes in SHAPES.items():
+        if changes["trace"] == AZURE and not Path(AZURE).exists():
+            continue
+        if x.shapes and not any(word in shape for word in x.shapes):
+            continue
+        yield shape, re.sub(r"[^A-Za-z0-9]+", "-", shape.split(":")[0]).strip("-"), changes
 
 
 def shape_policies(changes: dict) -> list[tuple[str, str, dict]]:
@@ -457,30 +463,27 @@ def spread(diffs: list[float]) -> str:
 
 
 def placement(x: Experiments, seeds=(0, 1, 2, 3)) -> None:
-    """Alg. 3 at a fixed threshold (0.9, the planner off) against INFaaS on every workload shape,
-    at more seeds than the mechanism table."""
+    """Alg. 3 at a fixed threshold (0.9, the planner off) against INFaaS on every workload shape
+    (`--shapes` as for the mechanisms), at more seeds than the mechanism table."""
     rows = []
-    for shape, changes in SHAPES.items():
-        if changes["trace"] == AZURE and not Path(AZURE).exists():
-            continue
-        tag = re.sub(r"[^A-Za-z0-9]+", "-", shape.split(":")[0]).strip("-")
+    for shape, tag, changes in shapes_to_run(x):
         spec = {**changes, **NO_PLANNER, "gpus": 4, "profile": GH200}
         attained = {
-            (policy, seed): x.run(
-                f"place-{tag}-{policy}-s{seed}", policy=policy, seed=seed, **spec
-            )["slo_attainment"]
+            policy: [
+                x.run(f"place-{tag}-{policy}-s{seed}", policy=policy, seed=seed, **spec)[
+                    "slo_attainment"
+                ]
+                for seed in seeds
+            ]
             for policy in ("no-dynamic-threshold", "infaas")
-            for seed in seeds
         }
-        diffs = [100 * (attained["no-dynamic-threshold", s] - attained["infaas", s]) for s in seeds]
+        alg3, infaas = attained["no-dynamic-threshold"], attained["infaas"]
         rows.append(
             {
                 "shape": shape,
-                "alg3": round(
-                    sum(attained["no-dynamic-threshold", s] for s in seeds) / len(seeds), 4
-                ),
-                "infaas": round(sum(attained["infaas", s] for s in seeds) / len(seeds), 4),
-                "alg3_minus_infaas": spread(diffs),
+                "alg3": round(sum(alg3) / len(seeds), 4),
+                "infaas": round(sum(infaas) / len(seeds), 4),
+                "alg3_minus_infaas": spread([100 * (a - b) for a, b in zip(alg3, infaas)]),
             }
         )
     x.section(f"Placement: Alg. 3 against INFaaS at threshold 0.9, seeds {list(seeds)}", rows)

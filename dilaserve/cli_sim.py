@@ -157,9 +157,6 @@ def _add_simulate_command(sub) -> None:
     si.add_argument("--quality", default=None, help="eval summary.json for the quality model")
     si.add_argument("--duration", type=float, default=None, help="first N seconds only")
     si.add_argument("--rate-scale", type=float, default=1.0, help="speed arrivals up this much")
-    si.add_argument("--gpus", type=int, default=16)
-    si.add_argument("--gpus-per-node", type=int, default=4)
-    si.add_argument("--initial-tp", type=int, default=1)
     si.add_argument("--slo", type=float, default=None, help="seconds (default: a multiple)")
     si.add_argument("--slo-multiple", type=float, default=5.0)
     si.add_argument(
@@ -180,6 +177,20 @@ def _add_simulate_command(sub) -> None:
         default=None,
         help="a dynamic policy's thresholds, e.g. 0.5,0.6,0.7,0.8,0.9,0.95 (default 0.5-0.9)",
     )
+    _add_cluster_arguments(si)
+    si.add_argument("--latency-noise", type=float, default=0.0)
+    si.add_argument("--interval", type=float, default=300.0, help="seconds per metrics row")
+    si.add_argument("--seed", type=int, default=0)
+    si.add_argument("--out", default="runs", help="folder for run folders")
+    si.add_argument("--quiet", action="store_true", help="no progress line")
+    si.set_defaults(func=cmd_simulate)
+
+
+def _add_cluster_arguments(si) -> None:
+    """The simulated cluster: its GPUs, batches and planner."""
+    si.add_argument("--gpus", type=int, default=16)
+    si.add_argument("--gpus-per-node", type=int, default=4)
+    si.add_argument("--initial-tp", type=int, default=1)
     si.add_argument(
         "--max-batch-requests",
         type=int,
@@ -193,12 +204,12 @@ def _add_simulate_command(sub) -> None:
         action="store_true",
         help="a reconfiguration launches each instance only once the one before it is up",
     )
-    si.add_argument("--latency-noise", type=float, default=0.0)
-    si.add_argument("--interval", type=float, default=300.0, help="seconds per metrics row")
-    si.add_argument("--seed", type=int, default=0)
-    si.add_argument("--out", default="runs", help="folder for run folders")
-    si.add_argument("--quiet", action="store_true", help="no progress line")
-    si.set_defaults(func=cmd_simulate)
+    si.add_argument(
+        "--no-rate-trend",
+        dest="rate_trend",
+        action="store_false",
+        help="the planner plans for the last window's rates, without the load's rise",
+    )
 
 
 def add_simulation_commands(sub) -> None:

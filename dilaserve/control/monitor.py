@@ -105,6 +105,6 @@ class WorkloadMonitor:
         """How much the load rises from the window's middle to the middle of the next window
         (never below 1): the second half's arrivals over the first half's, squared."""
         middle = now - span / 2
-        early = bisect.bisect_left([a.time for a in self._arrivals], middle)
+        early = bisect.bisect_left(self._arrivals, middle, key=lambda a: a.time)
         recent = len(self._arrivals) - early
         return max(1.0, recent / early) ** 2 if early else 1.0

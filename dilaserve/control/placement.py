@@ -41,6 +41,9 @@ class Placer:
         self._queue = policy.placement is Placement.FIRST_FREE
         self._max_requests = config.max_batch_requests or float("inf")
         self._costs = config.costs
+        # Alg. 3 as written prices the whole batch; an exact cache, where the step ends first
+        self._fastest = policy.placement is Placement.FASTEST_STEP
+        self._alg3 = self._fastest and not self._costs.exact
 
     def tokens(self, t, kind: StepKind) -> int:
         """Tokens the request's step of `kind` processes."""
@@ -85,10 +88,9 @@ class Placer:
     def _cost(self, inst: InstanceState, kind: StepKind, n: int, joining: int, now: float) -> float:
         """What placement minimises on `inst` for a step of `kind` processing `n` tokens, the
         request bringing `joining` tokens to the instance (0 at home)."""
-        fastest = self.policy.placement is Placement.FASTEST_STEP
-        if fastest and not self._costs.exact:
-            # Alg. 3 as written: the step latency at the batch's tokens with this request in it
+        if self._alg3:  # the step latency at the batch's tokens with this request in it
             return inst.full_curve.at(inst.resident_tokens + joining)
+        fastest = self._fastest
         full, cache = inst.next_batch() if fastest else (inst.pending_full, inst.pending_cache)
         if kind in CACHED_KINDS:
             cache += n
