@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import subprocess
 import time
 from dataclasses import replace
 from pathlib import Path
+
+from reproduce_shapes import AZURE, GH200, mechanisms, placement, quality
 
 from dilaserve.runs import create_run_dir, markdown_table, write_json
 from dilaserve.sim.plots import bar_chart
@@ -43,7 +44,6 @@ PAPER_TABLE4 = {  # SLO attainment, mean latency (s); our extension has no paper
     "infaas": (0.7003, 8.80),
     "llumnix": (0.6098, 10.64),
 }
-GH200 = "llada-8b-gh200"  # the paper's Cluster 1 (Table 4, ablations)
 PAPER_FIG10 = "dynamic threshold alone, then with load control, each raise attainment (Fig. 10)"
 PAPER_TABLE6 = {4: 1.17, 8: 1.28, 12: 1.33, 16: 1.38}  # latency, any-step / recompute-only
 
@@ -322,7 +322,7 @@ def migration_row(gpus: int, out: dict[str, dict], bounded: int) -> dict:
 
 def azure(x: Experiments, scales=(1.0, 2.0, 3.0)) -> None:
     """The first 15 minutes of the Azure conversation trace, arrivals sped up by each scale."""
-    trace = "../shared/data/traces/azure_llm_2023/AzureLLMInferenceTrace_conv.csv"
+    trace = AZURE
     if not Path(trace).exists():
         x.sections.append("## Azure trace\n\nskipped: the trace file is not here\n")
         return
@@ -348,187 +348,6 @@ def azure(x: Experiments, scales=(1.0, 2.0, 3.0)) -> None:
                 }
             )
     x.section("Azure 2023 conversation trace (first 15 minutes, arrivals scaled)", rows)
-
-
-# Workload shapes for the mechanism table, on one node of 4 GPUs (the paper's per-GPU pressure,
-# a quarter of its events), short traces to fit a shared machine: the paper's Fig. 10 setting
-# and diurnal trace, then three shapes the paper did not try. Reconfiguration needs planning
-# rounds within the trace: the diurnal trace is compressed 20x (an hour in 15 s; period and
-# start-up shrink with it), the others keep a 30 s start-up with a 50 s period.
-AZURE = "../shared/data/traces/azure_llm_2023/AzureLLMInferenceTrace_conv.csv"
-NO_PLANNER = {"planner_period": 1e9}
-SHAPES = {
-    "paper Fig. 10: Poisson 5/s": {"trace": "poisson:5:60", **NO_PLANNER},
-    "paper diurnal, peak 3.5/s": {
-        "trace": "paper",
-        "peak_rps": 3.5,
-        "minutes_per_hour": 0.25,
-        "planner_period": 15.0,
-        "startup_delay": 1.5,
-    },
-    "conversation: Azure 2023 x0.4": {
-        "trace": AZURE,
-        "duration": 150.0,
-        "rate_scale": 0.4,
-        "planner_period": 50.0,
-    },
-    "code-like: bursty 6/s": {"trace": "code:6:150:3", "planner_period": 50.0},
-    "bursty ShareGPT 3/s": {"trace": "bursty:3:150:3", "planner_period": 50.0},
-}
-# (column, policy A, policy B, the paper's number): the effect is A's attainment minus B's
-EFFECTS = (
-    ("dynamic threshold", "no-load-control", "no-dynamic-threshold", "up to +70.8 pp (Fig. 10)"),
-    ("load control", "dilaserve", "no-load-control", "up to +42.4 pp (Fig. 10)"),
-    ("reconfiguration", "dilaserve", "no-reconfig", "Fig. 11 (a shape, no number)"),
-    ("placement (fixed 0.9)", "placement-only", "infaas", ">= 0 (our target)"),
-    ("vs INFaaS", "dilaserve", "infaas", "+21.1 pp (Table 4)"),
-    ("vs Llumnix", "dilaserve", "llumnix", "+30.2 pp (Table 4)"),
-    ("Llumnix - INFaaS", "llumnix", "infaas", "-9.1 pp (Table 4)"),
-    ("FCFS - INFaaS", "fcfs", "infaas", "none"),
-    ("ext. headroom 0.5", "dilaserve-headroom", "dilaserve", "none (ours)"),
-    ("ext. budget window", "dilaserve-budget", "dilaserve", "none (ours)"),
-)
-MECHANISM_POLICIES = (
-    "dilaserve",
-    "dilaserve-headroom",
-    "dilaserve-budget",
-    "no-load-control",
-    "no-dynamic-threshold",
-    "no-reconfig",
-    "infaas",
-    "llumnix",
-    "fcfs",
-)
-
-
-def mechanisms(x: Experiments) -> None:
-    """Each mechanism's and baseline's effect on SLO attainment, in points, per workload shape:
-    the mean over seeds and the range, beside the paper's number (`--shapes`: only the shapes
-    whose names contain one of these words)."""
-    rows, seeds = [{"shape": "paper", **{col: paper for col, _, _, paper in EFFECTS}}], x.seeds
-    for shape, tag, changes in shapes_to_run(x):
-        attained = {}
-        for seed in seeds:
-            for policy, run_as, extra in shape_policies(changes):
-                name = f"mech-{tag}-{policy}-s{seed}"
-                spec = {**changes, **extra}
-                s = x.run(name, policy=run_as, gpus=4, profile=GH200, seed=seed, **spec)
-                attained[policy, seed] = s["slo_attainment"]
-        rows.append({"shape": shape, **effects(attained, seeds)})
-    x.section(
-        "Mechanisms: effect on SLO attainment (points; mean over seeds [min, max])",
-        rows,
-        f"4 GPUs (one node), GH200 preset, seeds {list(seeds)}. placement-only is "
-        "no-dynamic-threshold with the planner off.",
-    )
-
-
-def shapes_to_run(x: Experiments):
-    """(name, tag for run folders, spec changes) of each workload shape to run: those `--shapes`
-    names (all if none), the Azure trace only where its file is."""
-    for shape, changes in SHAPES.items():
-        if changes["trace"] == AZURE and not Path(AZURE).exists():
-            continue
-        if x.shapes and not any(word in shape for word in x.shapes):
-            continue
-        yield shape, re.sub(r"[^A-Za-z0-9]+", "-", shape.split(":")[0]).strip("-"), changes
-
-
-def shape_policies(changes: dict) -> list[tuple[str, str, dict]]:
-    """(name, policy run, spec changes): without a planner no-reconfig is dilaserve and
-    placement-only is no-dynamic-threshold, so they are not run twice."""
-    out = [(p, p, {}) for p in MECHANISM_POLICIES]
-    if changes.get("planner_period") == NO_PLANNER["planner_period"]:
-        return [o for o in out if o[0] != "no-reconfig"]
-    return out + [("placement-only", "no-dynamic-threshold", NO_PLANNER)]
-
-
-def effects(attained: dict, seeds) -> dict:
-    def of(policy: str, seed: int) -> float:
-        alias = {"no-reconfig": "dilaserve", "placement-only": "no-dynamic-threshold"}
-        return attained.get((policy, seed), attained.get((alias.get(policy), seed)))
-
-    out = {}
-    for column, a, b, _ in EFFECTS:
-        if a == "dilaserve" and b == "no-reconfig" and (b, seeds[0]) not in attained:
-            out[column] = "n/a (planner off)"
-            continue
-        out[column] = spread([100 * (of(a, seed) - of(b, seed)) for seed in seeds])
-    return out
-
-
-def spread(diffs: list[float]) -> str:
-    """Points: the mean [min, max]."""
-    return f"{sum(diffs) / len(diffs):+.1f} [{min(diffs):+.1f}, {max(diffs):+.1f}]"
-
-
-def placement(x: Experiments, seeds=(0, 1, 2, 3)) -> None:
-    """Alg. 3 at a fixed threshold (0.9, the planner off) against INFaaS on every workload shape
-    (`--shapes` as for the mechanisms), at more seeds than the mechanism table."""
-    rows = []
-    for shape, tag, changes in shapes_to_run(x):
-        spec = {**changes, **NO_PLANNER, "gpus": 4, "profile": GH200}
-        attained = {
-            policy: [
-                x.run(f"place-{tag}-{policy}-s{seed}", policy=policy, seed=seed, **spec)[
-                    "slo_attainment"
-                ]
-                for seed in seeds
-            ]
-            for policy in ("no-dynamic-threshold", "infaas")
-        }
-        alg3, infaas = attained["no-dynamic-threshold"], attained["infaas"]
-        rows.append(
-            {
-                "shape": shape,
-                "alg3": round(sum(alg3) / len(seeds), 4),
-                "infaas": round(sum(infaas) / len(seeds), 4),
-                "alg3_minus_infaas": spread([100 * (a - b) for a, b in zip(alg3, infaas)]),
-            }
-        )
-    x.section(f"Placement: Alg. 3 against INFaaS at threshold 0.9, seeds {list(seeds)}", rows)
-
-
-def quality(x: Experiments, seeds=(0, 1)) -> None:
-    """How much of the gain rests on extrapolated thresholds: the Fig. 10 shape (4 GPUs) with
-    the candidates 0.5-0.9 and restricted to the measured 0.7-0.9, each with its quality under
-    the paper's linear curve and under the bundled model's accelerating drop below 0.7."""
-    rows = []
-    for candidates in ((0.5, 0.6, 0.7, 0.8, 0.9), (0.7, 0.8, 0.9)):
-        for policy in ("dilaserve", "infaas"):
-            if policy == "infaas" and candidates[0] != 0.5:
-                continue  # a fixed threshold has no candidates
-            for seed in seeds:
-                low = f"{candidates[0]:g}"
-                s = x.run(
-                    f"quality-{policy}-from{low}-s{seed}",
-                    policy=policy,
-                    candidates=candidates,
-                    gpus=4,
-                    profile=GH200,
-                    seed=seed,
-                    **SHAPES["paper Fig. 10: Poisson 5/s"],
-                )
-                rows.append(
-                    {
-                        "policy": policy,
-                        "candidates": f"{low}-0.9",
-                        "seed": seed,
-                        "slo_attainment": s["slo_attainment"],
-                        "mean_threshold": s["mean_threshold"],
-                        "extrapolated_share": s["quality_extrapolated_share"],
-                        "quality_linear": s["quality"],
-                        "quality_accelerating": s["quality_accelerating_drop"],
-                        "run": s["run"],
-                    }
-                )
-    x.section(
-        "Quality: measured and extrapolated thresholds",
-        rows,
-        "Quality is LLaDA-8B's GSM8K accuracy at each request's mean threshold: measured by the "
-        "paper at 0.9 and 0.7, extrapolated below 0.7 (linearly, or with the bundled model's "
-        "accelerating drop). Paper: under 1% accuracy loss.",
-    )
 
 
 # The Denoising Surface paper's setting (papers.md 2.1): LLaDA2.0-mini in SGLang, block 32, its
