@@ -81,9 +81,7 @@ class PlannerConfig:
     improvement: float = 0.10  # apply a plan only if an objective improves this much
     guard_moves: bool = True  # skip a move whose steps leave too few GPUs serving the load ...
     startup_delay: float = 30.0  # ... for longer than this (an instance's start-up) > SLO slack
-    # launch each new instance only once the one before it is up (the paper's "one at a time"
-    # read literally); False: instances whose GPUs are free load together (control/rollout.py)
-    serial_launches: bool = False
+    serial_launches: bool = False  # each launch waits for the last (rollout.py; the paper's)
     rate_trend: bool = True  # plan for the load's growth over the window (monitor.py)
 
     @property
