@@ -1,7 +1,8 @@
 """Reproduce the DiLaServe paper's experiments in the simulator, beside the paper's numbers.
 
     python benchmarks/reproduce.py [--only table4,table4h200,fig9,fig10,fig10high,fig11,
-                                           table6,azure,mechanisms,placement,quality,dws]
+                                           table6,leverage,fig10gsm8k,fig13lengths,azure,
+                                           mechanisms,placement,quality,dws]
                                    [--minutes-per-hour 1.25] [--out benchmarks/results]
 
 Every simulation writes its own run folder (config, per-request records, per-interval metrics,
@@ -32,6 +33,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from reproduce_lengths import fig10_gsm8k, fig13_lengths, leverage
 from reproduce_shapes import AZURE, GH200, mechanisms, placement, quality
 
 from dilaserve.runs import create_run_dir, markdown_table, write_json
@@ -416,6 +418,9 @@ EXPERIMENTS = {
     "fig9": fig9,
     "fig11": fig11,
     "table6": fig13_table6,  # Fig. 13 and Table 6 come from the same runs
+    "leverage": leverage,
+    "fig10gsm8k": fig10_gsm8k,
+    "fig13lengths": fig13_lengths,
     "azure": azure,
     "mechanisms": mechanisms,
     "quality": quality,

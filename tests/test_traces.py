@@ -5,6 +5,7 @@ seeds are fixed, so these tests neither flake nor pass by luck."""
 import numpy as np
 import pytest
 
+from dilaserve.sim.spec import SimulationSpec
 from dilaserve.sim.synthetic import (
     DEFAULT_HOURLY_PROFILE,
     diurnal_arrivals,
@@ -12,6 +13,7 @@ from dilaserve.sim.synthetic import (
     gamma_arrivals,
     load_hourly_profile,
     paper_trace,
+    parse_fixed,
     parse_poisson,
     poisson_arrivals,
     synthesize_trace,
@@ -26,6 +28,7 @@ from dilaserve.sim.traces import (
     load_trace,
     save_trace,
 )
+from dilaserve.sim.workload import make_trace
 
 
 def write(path, text):
@@ -330,3 +333,17 @@ def test_a_poisson_trace_name_gives_its_rate_and_seconds_or_says_what_it_must_be
     for bad in ("poisson:abc:10", "poisson:5", "poisson:1:2:3"):
         with pytest.raises(ValueError, match="poisson:RPS:SECONDS"):
             parse_poisson(bad)
+
+
+def test_a_fixed_length_trace_gives_every_request_the_lengths_it_names():
+    spec = SimulationSpec(trace="fixed:4:30:1020:250", block_len=32)
+    trace = make_trace(spec)
+    assert 60 < len(trace) < 180  # Poisson, 4/s for 30 s
+    assert set(trace.prompt_tokens.tolist()) == {1020}
+    assert set(trace.output_tokens.tolist()) == {256}  # rounded up to whole blocks
+    assert parse_fixed("fixed:2:10:256:1024") == (2.0, 10.0, 256, 1024)
+    for bad in ("fixed:2:10:256", "fixed:2:10:a:256", "fixed:2:10:256:1.5"):
+        with pytest.raises(ValueError, match="fixed:RPS:SECONDS:PROMPT:OUTPUT"):
+            parse_fixed(bad)
+    with pytest.raises(ValueError, match="output > 0"):
+        parse_fixed("fixed:2:10:256:0")

@@ -57,6 +57,20 @@ def parse_poisson(trace: str) -> tuple[float, float]:
         raise ValueError(f"trace={trace!r} must be poisson:RPS:SECONDS, two numbers") from None
 
 
+def parse_fixed(trace: str) -> tuple[float, float, int, int]:
+    """(rate, seconds, prompt, output) of a `fixed:RPS:SECONDS:PROMPT:OUTPUT` trace name."""
+    try:
+        _, rate, seconds, prompt, output = trace.split(":")
+        lengths = int(prompt), int(output)
+    except ValueError:
+        raise ValueError(
+            f"trace={trace!r} must be fixed:RPS:SECONDS:PROMPT:OUTPUT (token counts as integers)"
+        ) from None
+    if lengths[0] < 0 or lengths[1] <= 0:
+        raise ValueError(f"trace={trace!r}: the prompt must be >= 0 and the output > 0 tokens")
+    return float(rate), float(seconds), *lengths
+
+
 def parse_bursty(trace: str) -> tuple[float, float, float]:
     """(rate, seconds, cv) of a `bursty:RPS:SECONDS[:CV]` or `code:RPS:SECONDS[:CV]` trace
     name (gamma arrivals; cv defaults to `BURSTY_CV`)."""

@@ -38,7 +38,7 @@ def make_trace(spec: SimulationSpec) -> traces.Trace:
             minutes_per_hour=spec.minutes_per_hour,
             block_len=spec.block_len,
         )
-    elif spec.trace.startswith(("poisson:", "bursty:", "code:")):
+    elif spec.trace.startswith(("poisson:", "bursty:", "code:", "fixed:")):
         trace = synthetic_trace(spec.trace, spec.block_len, rng)
     else:
         trace = traces.load_trace(spec.trace)
@@ -53,7 +53,14 @@ def make_trace(spec: SimulationSpec) -> traces.Trace:
 
 def synthetic_trace(name: str, block_len: int, rng: np.random.Generator) -> traces.Trace:
     """`poisson:RPS:SECONDS` (ShareGPT lengths), `bursty:RPS:SECONDS[:CV]` (the same lengths,
-    gamma arrivals) or `code:RPS:SECONDS[:CV]` (code-like lengths, gamma arrivals)."""
+    gamma arrivals), `code:RPS:SECONDS[:CV]` (code-like lengths, gamma arrivals) or
+    `fixed:RPS:SECONDS:PROMPT:OUTPUT` (Poisson arrivals, every request the same lengths: the
+    paper's Fig. 12 and 13 settings)."""
+    if name.startswith("fixed:"):
+        rate, seconds, prompt_len, output_len = synthetic.parse_fixed(name)
+        arrivals = synthetic.poisson_arrivals(rate, seconds, rng)
+        lengths = np.array([prompt_len]), traces.rounded_outputs([output_len], block_len)
+        return synthetic.synthesize_trace(arrivals, *lengths, rng, source=name)
     if name.startswith("poisson:"):
         rate, seconds = synthetic.parse_poisson(name)
         arrivals = synthetic.poisson_arrivals(rate, seconds, rng)
