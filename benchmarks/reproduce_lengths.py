@@ -27,6 +27,7 @@ THRESHOLDS = (0.9, 0.8, 0.7, 0.6, 0.5)
 # half its tokens per GPU-second (docs/simulator.md), and this sweep spans our knee instead:
 # fixed 0.9 from all requests on time to a collapse
 FIG10_RPS_PER_GPU = (0.625, 0.6875, 0.75, 0.8125, 0.875)
+SECONDS = 600  # of Poisson arrivals: long enough that a backlog a policy lets grow shows
 FIG10_POLICIES = (
     "no-dynamic-threshold",
     "no-load-control",
@@ -85,7 +86,7 @@ def fig10_gsm8k(x: Experiments, seeds=(0, 1, 2)) -> None:
     rows = []
     for per_gpu in FIG10_RPS_PER_GPU:
         rate = per_gpu * x.base.gpus
-        trace = f"fixed:{rate:g}:120:{GSM8K_PROMPT}:{GSM8K_OUTPUT}"
+        trace = f"fixed:{rate:g}:{SECONDS}:{GSM8K_PROMPT}:{GSM8K_OUTPUT}"
         attained = {
             (policy, seed): x.run(
                 f"fig10gsm8k-{per_gpu:g}-{policy}-s{seed}",
@@ -120,7 +121,7 @@ def fig13_lengths(x: Experiments, seeds=(0, 1, 2)) -> None:
     rows = []
     for output in FIG13_OUTPUTS:
         for per_gpu in FIG13_RPS_PER_GPU[output]:
-            trace = f"fixed:{per_gpu * x.base.gpus:g}:120:{FIG13_PROMPT}:{output}"
+            trace = f"fixed:{per_gpu * x.base.gpus:g}:{SECONDS}:{FIG13_PROMPT}:{output}"
             seeds_of = {
                 policy: [
                     x.run(
