@@ -1,7 +1,7 @@
 """Reproduce the DiLaServe paper's experiments in the simulator, beside the paper's numbers.
 
     python benchmarks/reproduce.py [--only table4,table4h200,fig9,fig10,fig10high,fig11,
-                                           table6,leverage,fig10gsm8k,fig13lengths,azure,
+                                           table6,leverage,fig9bench,fig10gsm8k,fig13lengths,azure,
                                            mechanisms,placement,quality,dws]
                                    [--minutes-per-hour 1.25] [--out benchmarks/results]
 
@@ -33,7 +33,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from reproduce_lengths import fig10_gsm8k, fig13_lengths, leverage
+from reproduce_lengths import fig9_benchmarks, fig10_gsm8k, fig13_lengths, leverage
 from reproduce_shapes import AZURE, GH200, mechanisms, placement, quality
 
 from dilaserve.runs import create_run_dir, markdown_table, write_json
@@ -419,6 +419,7 @@ EXPERIMENTS = {
     "fig11": fig11,
     "table6": fig13_table6,  # Fig. 13 and Table 6 come from the same runs
     "leverage": leverage,
+    "fig9bench": fig9_benchmarks,
     "fig10gsm8k": fig10_gsm8k,
     "fig13lengths": fig13_lengths,
     "azure": azure,
