@@ -145,7 +145,12 @@ def _add_simulate_command(sub) -> None:
         default="llada-8b-h100",
         help="preset name (llada-8b-h100, ..., llada2-mini-h200) or profile JSON",
     )
-    si.add_argument("--trace", default="paper", help="paper | poisson:RPS:SECONDS | CSV path")
+    si.add_argument(
+        "--trace",
+        default="paper",
+        help="paper | poisson:RPS:SECONDS | bursty/code:RPS:SECONDS[:CV] | "
+        "fixed:RPS:SECONDS:PROMPT:OUTPUT | CSV path",
+    )
     si.add_argument("--peak-rps", type=float, default=20.0, help="peak of the paper trace")
     si.add_argument(
         "--minutes-per-hour", type=float, default=5.0, help="paper trace: minutes per hour"

@@ -13,7 +13,7 @@ THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9)
 class SimulationSpec:
     policy: str = "dilaserve"
     profile: str = "llada-8b-h100"  # a preset name or a profile JSON path
-    trace: str = "paper"  # paper | poisson:RPS:SECONDS | bursty/code:RPS:SECONDS[:CV] | CSV
+    trace: str = "paper"  # paper | poisson/bursty/code/fixed:RPS:SECONDS[:...] (workload.py) | CSV
     peak_rps: float = 20.0  # the paper trace's peak
     minutes_per_hour: float = 5.0  # the paper trace: each hour of the day becomes this long
     duration: float | None = None  # keep only the first N seconds of the trace
