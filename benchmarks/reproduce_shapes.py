@@ -17,13 +17,17 @@ GH200 = "llada-8b-gh200"  # the paper's Cluster 1 (Table 4, ablations)
 
 # Workload shapes for the mechanism table, on one node of 4 GPUs (the paper's per-GPU pressure,
 # a quarter of its events), short traces to fit a shared machine: the paper's Fig. 10 setting
-# and diurnal trace, then three shapes the paper did not try. Reconfiguration needs planning
+# (on ShareGPT's lengths and on its own) and diurnal trace, then three shapes the paper did not
+# try. Reconfiguration needs planning
 # rounds within the trace: the diurnal trace is compressed 20x (an hour in 15 s; period and
 # start-up shrink with it), the others keep a 30 s start-up with a 50 s period.
 AZURE = "../shared/data/traces/azure_llm_2023/AzureLLMInferenceTrace_conv.csv"
 NO_PLANNER = {"planner_period": 1e9}
 SHAPES = {
     "paper Fig. 10: Poisson 5/s": {"trace": "poisson:5:60", **NO_PLANNER},
+    # the same on Fig. 10's own requests (GSM8K 5-shot: 1,020-token prompts, 256-token answers),
+    # 3/s: the load that saturates 4 GPUs at threshold 0.9 (reproduce_lengths.request_work)
+    "paper Fig. 10 on GSM8K: Poisson 3/s": {"trace": "fixed:3:300:1020:256", **NO_PLANNER},
     "paper diurnal, peak 3.5/s": {
         "trace": "paper",
         "peak_rps": 3.5,
