@@ -110,17 +110,20 @@ def fig9_benchmarks(x: Experiments, seeds=(0, 1)) -> None:
                 for seed in seeds
             }
             rows.append(
-                {"profile": profile_name, "benchmark": benchmark, "load": load}
+                {"case": f"{profile_name.split('-')[0]} {benchmark} {load:g}"}
+                | {"profile": profile_name, "benchmark": benchmark, "load": load}
                 | {"rps_per_gpu": round(load * saturation / x.base.gpus, 3)}
                 | {p: _mean_over_seeds(attained, p) for p in FIG9_POLICIES}
                 | {"vs_infaas_pp": _effect(attained, "dilaserve", "infaas")}
                 | {"vs_llumnix_pp": _effect(attained, "dilaserve", "llumnix")}
             )
     x.section(
-        f"Fig 9 on its benchmarks: prompts {BENCHMARK_PROMPTS}, output 256, seeds {list(seeds)}",
+        f"Fig 9 on its benchmarks: output 256, Poisson {SECONDS // 2} s, 16 TP-1 H100s, seeds "
+        f"{list(seeds)}",
         rows,
         "Load 1 saturates 16 TP-1 GPUs at threshold 0.9 at their best throughput. Paper: up to "
         "+55 pp over INFaaS and +56.6 over Llumnix at high load.",
+        plot=("case", list(FIG9_POLICIES)),
     )
 
 
@@ -150,11 +153,12 @@ def fig10_gsm8k(x: Experiments, seeds=(0, 1, 2)) -> None:
             | {"load_control_pp": _effect(attained, "dilaserve", "no-load-control")}
         )
     x.section(
-        f"Fig 10 on GSM8K lengths: prompt {GSM8K_PROMPT}, output {GSM8K_OUTPUT}, seeds "
-        f"{list(seeds)}",
+        f"Fig 10 on GSM8K lengths: prompt {GSM8K_PROMPT}, output {GSM8K_OUTPUT}, Poisson "
+        f"{SECONDS} s, 16 TP-1 GH200s, seeds {list(seeds)}",
         rows,
         "SLO attainment, mean over the seeds; effects in points, mean [min, max]. Paper: dynamic "
         "threshold up to +70.8, load control up to +42.4 (1.88-2.25 requests/s per GPU).",
+        plot=("rps_per_gpu", list(FIG10_POLICIES)),
     )
 
 
@@ -195,7 +199,8 @@ def fig13_lengths(x: Experiments, seeds=(0, 1, 2)) -> None:
                 }
             )
     x.section(
-        f"Fig 13 on its lengths: input {FIG13_PROMPT}, seeds {list(seeds)}",
+        f"Fig 13 on its lengths: input {FIG13_PROMPT}, Poisson {SECONDS} s, 16 TP-1 H100s, "
+        f"seeds {list(seeds)}",
         rows,
         "p99 change in percent, mean [min, max] over the seeds. Paper: migration cuts p99 "
         "latency by up to 19%.",
