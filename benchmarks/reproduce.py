@@ -68,13 +68,14 @@ class Experiments:
         return summary
 
     def section(self, title: str, rows: list[dict], note: str = "", plot=None) -> None:
-        """A table in the report (and a JSON file); `plot`: (x column, y columns) of a bar
-        chart, ours beside the paper's."""
+        """A table in the report (and a JSON file); `plot`: (x column, y columns[, y label])
+        of a bar chart, ours beside the paper's."""
         table = markdown_table(rows, list(rows[0])) if rows else "(no rows)"
         stem = title.split(":")[0].strip().replace(" ", "_")
         text = f"## {title}\n\n{table}\n\n{note}".rstrip() + "\n"
         if plot is not None:
-            path = bar_chart(rows, plot[0], plot[1], title, self.out / f"{stem}.png")
+            x_column, columns, *unit = plot
+            path = bar_chart(rows, x_column, columns, title, self.out / f"{stem}.png", *unit)
             if path is not None:
                 text += f"\n![{stem}]({path.name})\n"
         self.sections.append(text)

@@ -123,7 +123,7 @@ def fig9_benchmarks(x: Experiments, seeds=(0, 1)) -> None:
         rows,
         "Load 1 saturates 16 TP-1 GPUs at threshold 0.9 at their best throughput. Paper: up to "
         "+55 pp over INFaaS and +56.6 over Llumnix at high load.",
-        plot=("case", list(FIG9_POLICIES)),
+        plot=("case", list(FIG9_POLICIES), "SLO attainment (fraction)"),
     )
 
 
@@ -158,7 +158,7 @@ def fig10_gsm8k(x: Experiments, seeds=(0, 1, 2)) -> None:
         rows,
         "SLO attainment, mean over the seeds; effects in points, mean [min, max]. Paper: dynamic "
         "threshold up to +70.8, load control up to +42.4 (1.88-2.25 requests/s per GPU).",
-        plot=("rps_per_gpu", list(FIG10_POLICIES)),
+        plot=("rps_per_gpu", list(FIG10_POLICIES), "SLO attainment (fraction)"),
     )
 
 
@@ -205,7 +205,7 @@ def fig13_lengths(x: Experiments, seeds=(0, 1, 2)) -> None:
         rows,
         "p99 change in percent, mean [min, max] over the seeds. Paper: migration cuts p99 "
         "latency by up to 19%.",
-        plot=("case", ["p99_migration_s", "p99_no_migration_s"]),
+        plot=("case", ["p99_migration_s", "p99_no_migration_s"], "p99 latency (s)"),
     )
 
 

@@ -60,7 +60,9 @@ def plot_run(run, folder: Path) -> list[Path]:
     return [path]
 
 
-def bar_chart(rows: list[dict], x: str, ys: list[str], title: str, path: Path) -> Path | None:
+def bar_chart(
+    rows: list[dict], x: str, ys: list[str], title: str, path: Path, ylabel: str = ""
+) -> Path | None:
     """Grouped bars of `ys` columns for each row (ours beside the paper's, for instance); a
     missing value (None) leaves its bar out."""
     if not available() or not rows:
@@ -70,13 +72,17 @@ def bar_chart(rows: list[dict], x: str, ys: list[str], title: str, path: Path) -
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    crowded = len(rows) > 6  # long label rows: a wider figure, labels slanted
+    fig, ax = plt.subplots(figsize=(max(7.0, 0.6 * len(rows) + 2), 4.5 if crowded else 4))
     width = 0.8 / len(ys)
     for k, y in enumerate(ys):
         values = [float("nan") if r[y] is None else float(r[y]) for r in rows]
         ax.bar(np.arange(len(rows)) + k * width, values, width, label=y)
-    ax.set_xticks(np.arange(len(rows)) + width * (len(ys) - 1) / 2, [str(r[x]) for r in rows])
-    ax.set(title=title)
+    ticks = np.arange(len(rows)) + width * (len(ys) - 1) / 2
+    ax.set_xticks(ticks, [str(r[x]) for r in rows])
+    if crowded:
+        plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
+    ax.set(title=title, ylabel=ylabel)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=90)
