@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -73,7 +74,8 @@ def bar_chart(
     import matplotlib.pyplot as plt
 
     crowded = len(rows) > 6  # long label rows: a wider figure, labels slanted
-    fig, ax = plt.subplots(figsize=(max(7.0, 0.6 * len(rows) + 2), 4.5 if crowded else 4))
+    inches = max(7.0, 0.6 * len(rows) + 2)
+    fig, ax = plt.subplots(figsize=(inches, 4.5 if crowded else 4))
     width = 0.8 / len(ys)
     for k, y in enumerate(ys):
         values = [float("nan") if r[y] is None else float(r[y]) for r in rows]
@@ -82,7 +84,7 @@ def bar_chart(
     ax.set_xticks(ticks, [str(r[x]) for r in rows])
     if crowded:
         plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
-    ax.set(title=title, ylabel=ylabel)
+    ax.set(title=textwrap.fill(title, int(9 * inches)), ylabel=ylabel)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=90)
