@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING
 
 from reproduce_shapes import GH200, spread
 
-from dilaserve.control.step_costs import StepCosts
-from dilaserve.protocol import KVCacheMode, StepKind
+from dilaserve.control.monitor import WorkloadClass
+from dilaserve.control.planner import PlannerConfig
+from dilaserve.control.reconfigure import gpus_needed
 from dilaserve.sim.behaviour import llada_tokens_per_step
 from dilaserve.sim.run import load_profile
 
@@ -49,17 +50,12 @@ FIG10_POLICIES = (
 FIG13_RPS_PER_GPU = {256: (0.8, 1.0), 512: (0.5, 0.6), 1024: (0.2, 0.25)}
 
 
-def request_work(prompt: int, output: int, threshold: float, profile, block: int = 32) -> float:
-    """GPU-seconds one request costs on TP-1 at its best throughput under the dual cache: one
-    recompute step over the whole sequence per block, the block's other steps cache steps of
-    `block` tokens, each step committing the threshold's mean tokens per step."""
-    costs = StepCosts(KVCacheMode.DUAL, block)
-    blocks = -(-output // block)
-    steps_per_block = max(block / llada_tokens_per_step(threshold), 1.0)
-    full_rate = profile.curve(1, StepKind.RECOMPUTE).best_throughput()[1]
-    cache_rate = profile.curve(1, StepKind.CACHE).best_throughput()[1]
-    recompute = blocks * costs.boundary_batch_tokens(prompt + output) / full_rate
-    return recompute + blocks * (steps_per_block - 1.0) * block / cache_rate
+def request_work(prompt: int, output: int, threshold: float, profile) -> float:
+    """GPU-seconds one request costs on TP-1 at its best throughput under the dual cache at
+    `threshold`: the planner's guard arithmetic (`gpus_needed`) for one request a second."""
+    one = WorkloadClass(prompt_len=prompt, output_len=output, rate=1.0, slo=1.0)
+    tokens = {threshold: llada_tokens_per_step(threshold)}
+    return gpus_needed([one], profile, PlannerConfig(gpus_per_node=(1,), tokens_per_step=tokens))
 
 
 def leverage(x: Experiments) -> None:
