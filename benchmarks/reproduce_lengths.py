@@ -47,7 +47,7 @@ FIG10_POLICIES = (
 )
 # per GPU, two loads per output length, probed on 120 s as below and at the knee of 16 H100s
 # (over the 600 s run, the higher of each is past it for outputs of 512 and 1,024)
-FIG13_RPS_PER_GPU = {256: (0.8, 1.0), 512: (0.5, 0.6), 1024: (0.2, 0.25)}
+FIG13_RPS_PER_GPU = {256: (0.8, 1.0), 512: (0.5, 0.6), 1024: (0.15, 0.2, 0.25)}
 
 
 def request_work(prompt: int, output: int, threshold: float, profile) -> float:
