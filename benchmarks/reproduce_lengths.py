@@ -45,8 +45,8 @@ FIG10_POLICIES = (
     "dilaserve-budget",
     "infaas",
 )
-# per GPU, two loads per output length, probed on 120 s as below and at the knee of 16 H100s
-# (over the 600 s run, the higher of each is past it for outputs of 512 and 1,024)
+# per GPU, loads per output length probed on 120 s as below and at the knee of 16 H100s (over
+# the 600 s run, the higher of each is past it for outputs of 512 and 1,024; 0.15 is below it)
 FIG13_RPS_PER_GPU = {256: (0.8, 1.0), 512: (0.5, 0.6), 1024: (0.15, 0.2, 0.25)}
 
 
