@@ -1,0 +1,217 @@
+"""The reliability suite's phases against a running server, each bounded in time: the fuzz and
+/health under large bodies, the overload at a rate, and the faults (kill -9 or SIGSTOP of a
+worker, SIGTERM to the process group under load and with streams open). Each returns its
+summary; starting the server and writing the run folder are `reliability.py`'s."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+from reliability_inputs import MODEL, hostile_body, is_openai_answer
+from reliability_load import open_loop, stream_one
+from reliability_summaries import fault_summary, overload_summary, percentile, tally
+
+# -- fuzz ----------------------------------------------------------------------------------
+
+
+async def fuzz(url: str, count: int, seed: int, deadline: float) -> dict:
+    rng = random.Random(seed)
+    bodies = [hostile_body(rng) for _ in range(count)]
+    statuses: dict[str, int] = {}
+    bad: list[str] = []
+    queue: asyncio.Queue = asyncio.Queue()
+    for item in bodies:
+        queue.put_nowait(item)
+
+    async def client():
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            while not queue.empty() and time.monotonic() < deadline:
+                path, raw, headers = queue.get_nowait()
+                try:
+                    r = await http.post(path, content=raw, headers=headers)
+                except httpx.HTTPError as e:
+                    statuses["no answer"] = statuses.get("no answer", 0) + 1
+                    bad.append(f"{path} {raw[:80]!r}: {type(e).__name__}")
+                    continue
+                statuses[str(r.status_code)] = statuses.get(str(r.status_code), 0) + 1
+                if r.status_code >= 500 or not is_openai_answer(r.status_code, r.content):
+                    bad.append(f"{path} {raw[:80]!r}: {r.status_code} {r.text[:120]!r}")
+
+    await asyncio.gather(*(client() for _ in range(16)))
+    sent = sum(statuses.values())
+    return {"bodies": sent, "statuses": statuses, "bad": len(bad), "bad_examples": bad[:10]}
+
+
+async def health_under_large_bodies(url: str, seconds: float) -> dict:
+    """/health polled every 20 ms while 8 clients send the largest bodies the server reads
+    (just under its 1 MiB limit, a prompt past the context) and long prompts it admits."""
+    huge = json.dumps({"model": MODEL, "prompt": "7" * ((1 << 20) - 100)}).encode()
+    long = json.dumps({"model": MODEL, "prompt": "7 " * 200, "max_tokens": 32}).encode()
+    end, waits, statuses = time.monotonic() + seconds, [], {}
+
+    async def sender(body: bytes):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            while time.monotonic() < end:
+                r = await http.post("/v1/completions", content=body,
+                                    headers={"content-type": "application/json"})  # fmt: skip
+                statuses[str(r.status_code)] = statuses.get(str(r.status_code), 0) + 1
+
+    async def poller():
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            while time.monotonic() < end:
+                start = time.perf_counter()
+                await http.get("/health")
+                waits.append(time.perf_counter() - start)
+                await asyncio.sleep(0.02)
+
+    await asyncio.gather(poller(), *(sender(b) for b in [huge] * 4 + [long] * 4))
+    return {
+        "seconds": seconds,
+        "large_requests": statuses,
+        "health_polls": len(waits),
+        "health_p50_s": percentile(waits, 0.5),
+        "health_p99_s": percentile(waits, 0.99),
+        "health_max_s": round(max(waits), 4),
+    }
+
+
+# -- overload ------------------------------------------------------------------------------
+
+
+async def overload_phase(url: str, rate: float, capacity: float, args) -> dict:
+    """Poisson arrivals at `rate` for `--overload-seconds`, with the server's measured step
+    slowdown watched alongside."""
+    slowdowns: list[float] = []
+    seconds = args.overload_seconds
+    records, _ = await asyncio.gather(
+        open_loop(url, rate, seconds, args.slo_ms, args.seed),
+        slowdown_watch(url, time.monotonic() + seconds, slowdowns),
+    )
+    summary = {"rate_per_s": round(rate, 2), "seconds": seconds}
+    summary |= overload_summary(records, seconds, capacity, args.slo_ms)
+    summary["step_slowdown"] = {
+        "min": min(slowdowns, default=None),
+        "median": percentile(slowdowns, 0.5),
+        "max": max(slowdowns, default=None),
+    }
+    return summary
+
+
+async def slowdown_watch(url: str, until: float, seen: list) -> None:
+    """Record the server's measured step slowdown (`/metrics`) every second."""
+    async with httpx.AsyncClient(base_url=url, timeout=5) as http:
+        while time.monotonic() < until:
+            await asyncio.sleep(1.0)
+            try:
+                text = (await http.get("/metrics")).text
+            except httpx.HTTPError:
+                continue
+            for line in text.splitlines():
+                if line.startswith("dilaserve_step_slowdown "):
+                    seen.append(float(line.split()[1]))
+
+
+# -- faults --------------------------------------------------------------------------------
+
+
+def worker_pids(server_pid: int) -> list[int]:
+    """The server's worker processes (children running dilaserve.cluster.worker)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            command = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError):
+            continue
+        if int(stat[1]) == server_pid and b"dilaserve.cluster.worker" in command:
+            pids.append(int(entry.name))
+    return sorted(pids)
+
+
+async def health_watch(url: str, t0: float, until: float, seen: list) -> None:
+    """Record (seconds since t0, /health status) every 0.2 s."""
+    async with httpx.AsyncClient(base_url=url, timeout=5) as http:
+        while time.monotonic() < until:
+            try:
+                r = await http.get("/health")
+                seen.append((round(time.monotonic() - t0, 2), r.json()["status"]))
+            except (httpx.HTTPError, ValueError):
+                seen.append((round(time.monotonic() - t0, 2), "no answer"))
+            await asyncio.sleep(0.2)
+
+
+async def kill_phase(url: str, server: subprocess.Popen, rate: float, slo_ms: float, how: str):
+    pid = worker_pids(server.pid)[0]
+    seen: list = []
+    hold = 30.0 if how == "stop" else 0.0
+
+    async def fault(t0):
+        watch = asyncio.ensure_future(health_watch(url, t0, t0 + 35 + hold, seen))
+        await asyncio.sleep(3.0)
+        os.kill(pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+        await asyncio.sleep(hold)
+        if how == "stop":
+            try:
+                os.kill(pid, signal.SIGCONT)  # (the server has killed it for hung by now)
+            except ProcessLookupError:
+                pass
+        await watch
+
+    records = await open_loop(url, rate, 15.0 + hold, slo_ms, seed=5, during=fault)
+    return fault_summary(records, seen, 3.0) | {"worker": pid}
+
+
+async def term_phase(url: str, server: subprocess.Popen, rate: float, slo_ms: float) -> dict:
+    signalled: dict = {}
+
+    async def fault(t0):
+        await asyncio.sleep(3.0)
+        signalled["at"] = time.perf_counter()
+        os.killpg(server.pid, signal.SIGTERM)
+        while server.poll() is None and time.perf_counter() - signalled["at"] < 60:
+            await asyncio.sleep(0.05)
+        signalled["exit_s"] = round(time.perf_counter() - signalled["at"], 2)
+
+    records = await open_loop(url, rate, 12.0, slo_ms, seed=6, during=fault)
+    after = [r for r in records if r["sent"] >= signalled["at"]]
+    exited_at = signalled["at"] + signalled["exit_s"]
+    during = [r for r in after if r["sent"] < exited_at]
+    return {
+        "exit_s": signalled["exit_s"],
+        "exit_code": server.returncode,
+        "sent_while_draining": len(during),
+        "draining_answers": tally(r["status"] for r in during),
+        "draining_503_with_retry_after": sum(
+            r["status"] == 503 and r.get("retry_after") is not None for r in during
+        ),
+        "in_flight_at_signal": tally(
+            r["status"] for r in records if r["sent"] < signalled["at"] <= r["sent"] + r["latency"]
+        ),
+        "errors_in_openai_shape": all(
+            r.get("openai_shape", True) for r in records if isinstance(r["status"], int)
+        ),  # fmt: skip
+    }
+
+
+async def term_streams(url: str, server, slo_ms: float) -> dict:
+    """SIGTERM while streams run: each must end with [DONE]."""
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        tasks = [asyncio.ensure_future(stream_one(http, slo_ms)) for _ in range(8)]
+        await asyncio.sleep(0.3)
+        os.killpg(server.pid, signal.SIGTERM)
+        records = await asyncio.gather(*tasks)
+    server.wait(60)
+    return {
+        "streams": len(records),
+        "ended_with_done": sum(bool(r.get("done")) for r in records),
+        "with_error_event": sum(bool(r.get("error_event")) for r in records),
+        "statuses": tally(r["status"] for r in records),
+    }

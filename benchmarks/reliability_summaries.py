@@ -1,0 +1,65 @@
+"""What the reliability suite reports of its records: percentiles, counts of each status, the
+served rate, and the figures of the overload and fault phases. Each record is one request's
+dict (`status`, `latency`, ...; see `reliability_load.one`); nothing here sends a request."""
+
+from __future__ import annotations
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(int(q * len(ordered)), len(ordered) - 1)], 4)
+
+
+def tally(values) -> dict:
+    """How often each value occurs, keyed by the value as a string."""
+    counts: dict[str, int] = {}
+    for value in values:
+        counts[str(value)] = counts.get(str(value), 0) + 1
+    return counts
+
+
+def served_rate(records: list[dict], seconds: float) -> float:
+    return round(sum(r["status"] == 200 for r in records) / seconds, 2)
+
+
+def overload_summary(records: list[dict], seconds: float, capacity: float, slo_ms: float) -> dict:
+    refused = [r for r in records if r["status"] == 429]
+    served = [r for r in records if r["status"] == 200]
+    unanswered = [r for r in records if r["status"] not in (200, 429, 503)]
+    return {
+        "sent": len(records),
+        "served": len(served),
+        "refused_429": len(refused),
+        "refusals_with_retry_after": sum(r["retry_after"] is not None for r in refused),
+        "refusal_latency_p50_s": percentile([r["latency"] for r in refused], 0.5),
+        "refusal_latency_p99_s": percentile([r["latency"] for r in refused], 0.99),
+        "served_within_slo": round(sum(r["within_slo"] for r in served) / max(len(served), 1), 4),
+        "served_within_slo_server": round(
+            sum(r["server_latency"] * 1000 <= slo_ms for r in served) / max(len(served), 1), 4
+        ),
+        "served_latency_p50_s": percentile([r["latency"] for r in served], 0.5),
+        "served_latency_p99_s": percentile([r["latency"] for r in served], 0.99),
+        "without_answer": len(unanswered),
+        "without_answer_kinds": tally(r["status"] for r in unanswered),
+        "served_per_s": served_rate(records, seconds),
+        "capacity_per_s": capacity,
+    }
+
+
+def fault_summary(records: list[dict], health: list, at: float) -> dict:
+    after = [r for r in records if r["status"] != 429]
+    failed = [r for r in after if r["status"] != 200]
+    not_ok = [t for t, status in health if t >= at and status != "ok"]
+    back = next((t for t, status in health if t > (max(not_ok) if not_ok else at) and
+                 status == "ok"), None)  # fmt: skip
+    return {
+        "sent": len(records),
+        "served": sum(r["status"] == 200 for r in records),
+        "failed": len(failed),
+        "failed_statuses": sorted({str(r["status"]) for r in failed}),
+        "longest_wait_s": round(max((r["latency"] for r in records), default=0.0), 3),
+        "health_not_ok_s": [min(not_ok), max(not_ok)] if not_ok else None,
+        "health_ok_again_at_s": back,
+    }
