@@ -120,9 +120,10 @@ def _encoder_name(folder) -> str:
 
 
 def cost_error(args, log) -> tuple[list[dict], dict]:
-    from dilaserve.dws.cost import CostKernel, run_probes
+    from dilaserve.dws.cost import CostKernel
     from dilaserve.dws.estimate import DWSEstimator
-    from dilaserve.dws.train import Labels
+    from dilaserve.dws.profile import run_probes
+    from dilaserve.dws.surface import Labels
     from dilaserve.tasks import arith
 
     t = target(args)
@@ -219,7 +220,8 @@ def _proxies(labels, calibration, calib_truth, held_out, dws_folder, encoder_nam
     encoder of the DWS predictor in `dws_folder` (as `train-dws` split them), then mapped to ms
     by a linear fit on the calibration probes."""
     from dilaserve.dws.encoders import MINILM
-    from dilaserve.dws.train import DWSTrainConfig, split, train_scalar
+    from dilaserve.dws.surface import split
+    from dilaserve.dws.train import DWSTrainConfig, train_scalar
 
     encoder = json.loads((Path(dws_folder) / "dws.json").read_text())["encoder"].get("folder")
     shared = _cached_minilm() if encoder == MINILM else None  # frozen: encode each text once
@@ -241,7 +243,7 @@ def _probes(llm, texts, run_probes) -> list:
 def simulated_sjf(args, log) -> list[dict]:
     from dilaserve.control.profile import LatencyProfile
     from dilaserve.dws.estimate import DWSEstimator
-    from dilaserve.dws.train import collect_labels
+    from dilaserve.dws.surface import collect_labels
     from dilaserve.tasks import arith
 
     t = target(args)
@@ -297,7 +299,8 @@ def minilm_dws(args, log) -> list[dict]:
     from dilaserve.dws.encoders import MINILM
     from dilaserve.dws.model import DWSPredictor
     from dilaserve.dws.onnx_export import export_onnx
-    from dilaserve.dws.train import DWSTrainConfig, Labels, split, train_dws
+    from dilaserve.dws.surface import Labels, split
+    from dilaserve.dws.train import DWSTrainConfig, train_dws
 
     train, val = split(Labels.load(args.labels), 0.2, 5)  # as train-dws split them
     predictor = train_dws(train, val, DWSTrainConfig(encoder=MINILM), log)

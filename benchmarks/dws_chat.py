@@ -48,7 +48,7 @@ def behaviour_block_steps(num_blocks: int, difficulty: float, rng) -> np.ndarray
 
 def chat_workload(seed: int = 11):
     """ShareGPT first turns as DWS labels (see the module docstring)."""
-    from dilaserve.dws.train import Labels
+    from dilaserve.dws.surface import Labels
     from dilaserve.sim import traces
 
     texts, prompts, outputs = traces.load_first_turns()
@@ -96,7 +96,8 @@ class ChatModels:
 
 @functools.cache
 def chat_models() -> ChatModels:
-    from dilaserve.dws.train import DWSTrainConfig, split, train_dws, train_scalar
+    from dilaserve.dws.surface import split
+    from dilaserve.dws.train import DWSTrainConfig, train_dws, train_scalar
 
     labels = chat_workload()
     order = np.random.default_rng(0).permutation(len(labels))
@@ -307,7 +308,8 @@ def chat_sjf(args, log) -> tuple[list[dict], dict]:
 def encoder_latency(args, log) -> list[dict]:
     """ms per prompt, one prompt at a time on one thread, p50 and p99, on held-out chat
     prompts: the MiniLM DWS in PyTorch and exported to ONNX (FP32, INT8), and the hashed one."""
-    from dilaserve.dws.onnx_export import ONNXDWSPredictor, export_onnx
+    from dilaserve.dws.onnx_export import export_onnx
+    from dilaserve.dws.onnx_predictor import ONNXDWSPredictor
 
     models = chat_models()
     test = models.labels.subset(models.held[:LATENCY_PROMPTS])

@@ -28,22 +28,17 @@ from dilaserve.dws.encoders import (
 from dilaserve.dws.model import DWSPredictor
 from dilaserve.dws.surface import (
     HORIZONS,
+    Labels,
     block_steps,
+    collect_labels,
     horizon_targets,
     joint_target,
+    split,
     support,
     surface_from_logits,
     window_blocks,
 )
-from dilaserve.dws.train import (
-    DWSTrainConfig,
-    Labels,
-    collect_labels,
-    resolve_encoder,
-    split,
-    train_dws,
-    train_scalar,
-)
+from dilaserve.dws.train import DWSTrainConfig, resolve_encoder, train_dws, train_scalar
 from dilaserve.tasks import arith
 
 BIG = 1e4  # sigmoid(+-BIG) is exactly 1 / 0 in float32

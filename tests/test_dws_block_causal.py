@@ -20,7 +20,8 @@ from dilaserve.config import BUNDLED_LLADA2_MODEL, BUNDLED_MODEL, BUNDLED_PROFIL
 from dilaserve.dws.cost import CostKernel
 from dilaserve.dws.estimate import DWSEstimator
 from dilaserve.dws.model import DWSPredictor
-from dilaserve.dws.train import Labels, TrainDWSConfig, train_dws_command
+from dilaserve.dws.surface import Labels
+from dilaserve.dws.train import TrainDWSConfig, train_dws_command
 from dilaserve.protocol import StepKind
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"

@@ -4,7 +4,8 @@ executed grid equals the run's cost, and on the real engine recompute cells cost
 import numpy as np
 import pytest
 
-from dilaserve.dws.cost import CostKernel, ProbeRun, fit_cost_kernel, run_probes
+from dilaserve.dws.cost import CostKernel, ProbeRun, fit_cost_kernel
+from dilaserve.dws.profile import run_probes
 
 L = 32  # block_len
 
@@ -107,7 +108,7 @@ def test_a_probe_too_long_for_the_kernel_is_rejected():
 
 
 def test_an_exact_caches_prefill_and_commit_steps_split_into_their_phase_and_a_cell():
-    from dilaserve.dws.cost import _probe
+    from dilaserve.dws.profile import _probe
     from dilaserve.protocol import StepKind as K
 
     steps = [(0, 0, 10.0, K.PREFILL), (0, 1, 2.0, K.BLOCK), (0, 2, 2.0, K.BLOCK)]

@@ -1,4 +1,5 @@
-"""The DWS predictor on ONNX Runtime (dilaserve/dws/onnx_export.py, papers.md 2.5).
+"""The DWS predictor on ONNX Runtime (dilaserve/dws/onnx_export.py exports it,
+dilaserve/dws/onnx_predictor.py runs it; papers.md 2.5).
 
 The bundled predictor exported to a temporary folder: the FP32 graph reproduces PyTorch's
 surfaces, the INT8 graph stays close, the batch is dynamic, the gen_len support projection is
@@ -20,12 +21,8 @@ import onnx  # noqa: E402
 
 from dilaserve.config import BUNDLED_DWS  # noqa: E402
 from dilaserve.dws.model import DWSPredictor  # noqa: E402
-from dilaserve.dws.onnx_export import (  # noqa: E402
-    FLOAT_NAME,
-    INT8_NAME,
-    ONNXDWSPredictor,
-    export_onnx,
-)
+from dilaserve.dws.onnx_export import export_onnx  # noqa: E402
+from dilaserve.dws.onnx_predictor import FLOAT_NAME, INT8_NAME, ONNXDWSPredictor  # noqa: E402
 from dilaserve.tasks import arith  # noqa: E402
 
 FP32_ATOL = 1e-4

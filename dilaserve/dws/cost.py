@@ -11,10 +11,10 @@ weighted by a per-cell cost kernel rather than a step count:
     C_refresh = E[N] * beta                            E[N] = sum_b S[b, 0]
     C_total   = C_prefill + C_refresh + sum_{b,s} K[b, s] * S[b, s]
 
-W, delta, alpha and beta are measured per deployment from batch-1 probe runs (`run_probes`) and
-fitted by weighted, smoothed non-negative least squares (`fit_cost_kernel`); the surface comes
-from the prompt-only predictor, so the two are decoupled: the predictor is reused across
-hardware, the kernel is re-measured.
+W, delta, alpha and beta are measured per deployment from batch-1 probe runs (`ProbeRun`, which
+`profile.run_probes` times on the engine) and fitted by weighted, smoothed non-negative least
+squares (`fit_cost_kernel`); the surface comes from the prompt-only predictor, so the two are
+decoupled: the predictor is reused across hardware, the kernel is re-measured.
 
 With an approximate cache our engine has no separate prefill forward (the prompt is part of
 every block's RECOMPUTE step) and no separate refresh forward (the next block's RECOMPUTE step
@@ -29,14 +29,10 @@ the rest as prefill (resp. refresh) time, so alpha and beta are measured. `dilas
 from __future__ import annotations
 
 import json
-import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-
-from dilaserve.config import DEFAULT_THRESHOLD
-from dilaserve.protocol import StepBatch, StepKind, block_offset
 
 SCHEMA = "dilaserve-dws-cost-1"
 LAMBDAS = (1e-6, 1e-4, 1e-2)  # the smoothing strengths papers.md 2.7 chooses from
@@ -109,94 +105,6 @@ class ProbeRun:
         for b, s, _ in self.step_ms:
             out[b, s] = 1.0
         return out
-
-
-def run_probes(
-    engine_or_llm,
-    prompts: list[list[int]],
-    gen_len: int,
-    natural: bool = True,
-    threshold: float = DEFAULT_THRESHOLD,
-) -> list[ProbeRun]:
-    """Run each prompt (token ids) alone through the engine, timing every step.
-
-    Batch 1, so a step's time is the request's own (papers.md 2.7: probes run one at a time).
-    Each `engine.execute` is timed with `time.perf_counter`, so the figure includes the engine's
-    per-step post-processing. The first prompt runs once, untimed, to warm up. Natural
-    probes end where the engine ends them (EOS); canvas probes (natural=False) decode the whole
-    window, through an engine copy with early_finish off, so the fit sees late blocks too.
-    """
-    engine = getattr(engine_or_llm, "engine", engine_or_llm)
-    if not prompts:
-        raise ValueError("run_probes needs at least one prompt")
-    if not natural and engine.config.early_finish:
-        engine = type(engine)(
-            engine.model, engine.special, replace(engine.config, early_finish=False)
-        )
-    _decode(engine, prompts[0], gen_len, threshold, "dws-warmup")
-    return [
-        _probe(
-            len(prompt),
-            engine.config.block_len,
-            natural,
-            _decode(engine, prompt, gen_len, threshold, f"dws-probe-{i}"),
-        )
-        for i, prompt in enumerate(prompts)
-    ]
-
-
-def _probe(prompt_tokens: int, block_len: int, natural: bool, steps) -> ProbeRun:
-    """A probe from its steps ((block, step in block, ms, kind) each). An exact cache's prefill
-    and commit steps fuse a separate phase with a block's denoising step: what they take beyond
-    the probe's median block step is its prefill (resp. refresh) time, and the cell is charged
-    that median."""
-    block_ms = [ms for _, _, ms, kind in steps if kind is StepKind.BLOCK]
-    cell = float(np.median(block_ms)) if block_ms else 0.0
-    extra = {StepKind.PREFILL: 0.0, StepKind.COMMIT: 0.0}
-    step_ms = []
-    for b, s, ms, kind in steps:
-        if kind in extra and block_ms:
-            extra[kind] += max(ms - cell, 0.0)
-            ms = min(ms, cell)
-        step_ms.append((b, s, ms))
-    return ProbeRun(
-        prompt_tokens,
-        block_len,
-        step_ms,
-        prefill_ms=extra[StepKind.PREFILL],
-        refresh_ms=extra[StepKind.COMMIT],
-        natural=natural,
-    )
-
-
-def _decode(engine, prompt: list[int], gen_len: int, threshold: float, request_id: str):
-    """Decode one request to the end; (block, step in block, ms, kind) of each step."""
-    from dilaserve.request import Request
-
-    offset = block_offset(len(prompt), engine.config.block_len, engine.family.is_block_causal)
-    request = Request(
-        request_id,
-        tuple(prompt),
-        gen_len,
-        engine.config.block_len,
-        engine.special.mask,
-        threshold,
-        block_offset=offset,
-    )
-    steps, block, step = [], -1, 0
-    on_engine = False
-    while not request.is_finished:
-        batch = StepBatch((request.step_item(engine.config.kv_cache, on_engine),))
-        start = time.perf_counter()
-        result = engine.execute(batch).results[0]
-        ms = 1e3 * (time.perf_counter() - start)
-        on_engine = True
-        request.apply(result)
-        step = step + 1 if result.block_index == block else 0
-        block = result.block_index
-        steps.append((block, step, ms, result.kind))
-    engine.release(request_id)
-    return steps
 
 
 @dataclass

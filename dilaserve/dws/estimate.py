@@ -27,7 +27,7 @@ from dilaserve.dws.model import DWSPredictor
 def load_predictor(folder: str | Path):
     """The folder's INT8 ONNX graph where there is one and ONNX Runtime is installed, else its
     PyTorch predictor; both answer `predict(texts, prompt_tokens, gen_len)`."""
-    from dilaserve.dws.onnx_export import INT8_NAME, ONNXDWSPredictor
+    from dilaserve.dws.onnx_predictor import INT8_NAME, ONNXDWSPredictor
 
     if (Path(folder) / INT8_NAME).is_file() and importlib.util.find_spec("onnxruntime"):
         return ONNXDWSPredictor.load(folder, int8=True)

@@ -1,23 +1,13 @@
-"""The DWS predictor as an ONNX graph on ONNX Runtime, FP32 and INT8 (papers.md 2.5).
+"""Export the DWS predictor to an ONNX graph, FP32 and INT8 (papers.md 2.5).
 
 `export_onnx` writes the part of a `DWSPredictor` after feature extraction (the encoder's
 learnable part, the heads and the surface) with `torch.onnx.export` (opset 17, dynamic batch)
 as `dws.onnx`, and with `int8=True` also `dws.int8.onnx`: ONNX Runtime dynamic quantization
 (`quantize_dynamic`, QInt8 weights, per channel) restricted to the encoder's nodes, heads in
-FP32 as in the paper. `ONNXDWSPredictor` runs such a file on `CPUExecutionProvider` with one
-intra-op and one inter-op thread, with the same `predict` / `latency_ms` as `DWSPredictor`.
-
-Graph inputs by encoder:
-- hashed: `ids` int64 [total] (every prompt's hashed n-gram ids, concatenated), `offsets` int64
-  [batch] (where each prompt's ids start), `length` float32 [batch, 1] (log(1 + words)),
-  `prompt_tokens` int64 [batch]. Feature extraction (`HashedEncoder.features`) is pure
-  Python/numpy, so the ONNX predictor needs no torch weights.
-- sentence-transformers: `input_ids`, `attention_mask` int64 [batch, seq] (the model's own
-  tokenizer, `tokenizer.json`, with its truncation length), `length` float32 [batch, 1] (log(1 +
-  words)) and `prompt_tokens`. The transformer, its mean pooling and normalisation are IN the
-  graph (the paper's deployment): INT8 quantizes the transformer's nodes, the heads stay FP32,
-  and the ONNX predictor needs neither torch nor sentence-transformers, only `tokenizers`.
-Output: `surface` float32 [batch, blocks, block_len].
+FP32 as in the paper. With a sentence-transformers encoder the transformer, its mean pooling
+and normalisation are in the graph, so INT8 quantizes the transformer's nodes. The graph's
+inputs, and running it (`ONNXDWSPredictor`), are `onnx_predictor.py`'s; `export_dws_command`
+is `dilaserve export-dws`: export, then compare the graphs with PyTorch.
 
 Two rewrites make the graph export cleanly with the TorchScript exporter (checked for equality):
 `torch.cumprod` has no opset-17 symbolic, so the survivals are unrolled products (the same
@@ -44,17 +34,20 @@ import numpy as np
 import torch
 from torch import nn
 
-from dilaserve.dws.encoders import HashedEncoder, encoder_folder, log_words, make_encoder
-from dilaserve.dws.model import (
-    DWSModel,
-    DWSPrediction,
-    DWSPredictor,
-    median_latency_ms,
-    window_support,
+from dilaserve.dws.model import DWSModel, DWSPredictor
+from dilaserve.dws.onnx_predictor import (
+    FLOAT_NAME,
+    HASHED_INPUTS,
+    INT8_NAME,
+    TOKEN_INPUTS,
+    ONNXDWSPredictor,
+    create_session,
+    graph_features,
+    graph_inputs,
+    is_hashed,
 )
 
 OPSET = 17
-FLOAT_NAME, INT8_NAME = "dws.onnx", "dws.int8.onnx"
 ENCODER_PREFIX = "model.encoder."  # initializer names of the encoder's weights in the graph
 HEAD_SCOPES = ("count_head/", "step_head/", "remainder/")  # in the names of the heads' nodes
 WEIGHTED_OPS = ("MatMul", "Gemm", "Gather")  # the ops INT8 quantizes when they read weights
@@ -92,7 +85,7 @@ class _SurfaceGraph(nn.Module):
 
 
 class _HashedGraph(_SurfaceGraph):
-    input_names = ["ids", "offsets", "length", "prompt_tokens"]
+    input_names = HASHED_INPUTS
     dynamic_axes = {
         "ids": {0: "total"},
         "offsets": {0: "batch"},
@@ -125,7 +118,7 @@ class _TransformerGraph(_SurfaceGraph):
     """A sentence-transformers encoder (transformer, mean pooling, optional normalisation) and
     the heads in one graph; its nodes are named under /transformer/ (what INT8 quantizes)."""
 
-    input_names = ["input_ids", "attention_mask", "length", "prompt_tokens"]
+    input_names = TOKEN_INPUTS
     dynamic_axes = {
         "input_ids": {0: "batch", 1: "sequence"},
         "attention_mask": {0: "batch", 1: "sequence"},
@@ -152,67 +145,13 @@ class _TransformerGraph(_SurfaceGraph):
         return self.surface(torch.cat((pooled, length), dim=1), prompt_tokens)
 
 
-class TokenFeatures:
-    """The graph's inputs for texts, without torch: the encoder folder's fast tokenizer,
-    truncated at the length sentence-transformers used at export, padded to the longest."""
-
-    def __init__(self, folder: str | Path, max_seq_length: int):
-        from tokenizers import Tokenizer
-
-        folder = encoder_folder(folder)
-        self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-        self.tokenizer.enable_truncation(max_seq_length)
-        self.tokenizer.enable_padding(pad_id=self.tokenizer.token_to_id("[PAD]") or 0)
-
-    def features(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray, float]]:
-        return [
-            (np.array(e.ids, np.int64), np.array(e.attention_mask, np.int64), log_words(t))
-            for t, e in zip(texts, self.tokenizer.encode_batch(texts))
-        ]
-
-
-def _is_hashed(encoder_config: dict) -> bool:
-    return encoder_config["kind"] == HashedEncoder.kind
-
-
 def _graph_class(encoder_config: dict) -> type[_SurfaceGraph]:
-    return _HashedGraph if _is_hashed(encoder_config) else _TransformerGraph
-
-
-def graph_features(encoder_config: dict, max_seq_length: int | None):
-    """What computes the graph's per-prompt features: the hashed encoder's hashing (no
-    weights needed), or the sentence-transformers folder's tokenizer."""
-    if _is_hashed(encoder_config):
-        return make_encoder(encoder_config)
-    if max_seq_length is None:
-        raise ValueError("a sentence-transformers graph needs its max_seq_length (export again)")
-    return TokenFeatures(encoder_config["folder"], max_seq_length)
+    return _HashedGraph if is_hashed(encoder_config) else _TransformerGraph
 
 
 def _max_seq_length(encoder: nn.Module) -> int | None:
     model = getattr(encoder, "model", None)  # a sentence-transformers encoder's model
     return None if model is None else int(model.max_seq_length)
-
-
-def graph_inputs(encoder_config: dict, feats: list, prompt_tokens) -> dict[str, np.ndarray]:
-    """The graph's input arrays for `features(texts)` of the encoder and the prompt lengths."""
-    tokens = np.asarray(prompt_tokens, dtype=np.int64).reshape(-1)
-    if len(tokens) != len(feats):
-        raise ValueError(f"{len(feats)} prompts but {len(tokens)} prompt token counts")
-    if _is_hashed(encoder_config):
-        sizes = [len(f[0]) for f in feats]
-        return {
-            "ids": np.concatenate([f[0] for f in feats]).astype(np.int64),
-            "offsets": np.cumsum([0] + sizes[:-1]).astype(np.int64),
-            "length": np.array([[f[1]] for f in feats], dtype=np.float32),
-            "prompt_tokens": tokens,
-        }
-    return {
-        "input_ids": np.stack([f[0] for f in feats]),
-        "attention_mask": np.stack([f[1] for f in feats]),
-        "length": np.array([[f[2]] for f in feats], dtype=np.float32),
-        "prompt_tokens": tokens,
-    }
 
 
 def _paths(path: str | Path) -> tuple[Path, Path]:
@@ -232,7 +171,7 @@ def _torch_export(graph: nn.Module, args: tuple, path: Path) -> None:
             graph,
             args,
             str(path),
-            input_names=graph.input_names,
+            input_names=list(graph.input_names),
             output_names=["surface"],
             dynamic_axes=graph.dynamic_axes,
             opset_version=OPSET,
@@ -319,7 +258,7 @@ def export_onnx(predictor: DWSPredictor, path: str | Path, int8: bool = True) ->
     _add_metadata(float_path, meta, "fp32", max_len)
 
     expect = model.surface(feats, torch.tensor(tokens, dtype=torch.long)).numpy()
-    got = _session(float_path).run(["surface"], inputs)[0]
+    got = create_session(float_path).run(["surface"], inputs)[0]
     error = float(np.abs(got - expect).max())
     if not error <= FP32_TOLERANCE:
         raise RuntimeError(f"the exported DWS graph differs from PyTorch by {error:.3g}")
@@ -329,77 +268,6 @@ def export_onnx(predictor: DWSPredictor, path: str | Path, int8: bool = True) ->
     nodes = _quantize(float_path, int8_path)
     _add_metadata(int8_path, meta, "int8" if nodes else "fp32 (no encoder nodes)", max_len)
     return int8_path
-
-
-def _session(path: Path):
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    options.inter_op_num_threads = 1
-    options.log_severity_level = 3  # errors only
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-
-
-class ONNXDWSPredictor:
-    """An exported DWS graph on ONNX Runtime (one CPU thread); the `DWSPredictor` API.
-
-    The predictor's `dws.json` (encoder config, block sizes, threshold) is read from `folder`
-    (default: the ONNX file's folder); where there is none, the copy `export_onnx` embedded in
-    the file. A `dws.json` whose encoder or block sizes differ from the embedded copy is refused
-    (the graph is stale).
-    """
-
-    def __init__(self, path: str | Path, folder: str | Path | None = None):
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise FileNotFoundError(f"ONNX file {self.path} does not exist")
-        self.session = _session(self.path)
-        props = self.session.get_modelmeta().custom_metadata_map
-        embedded = json.loads(props["dws_meta"]) if "dws_meta" in props else None
-        self.precision = props.get("precision", "unknown")
-        meta_file = Path(folder if folder is not None else self.path.parent) / "dws.json"
-        if meta_file.is_file():
-            self.meta = json.loads(meta_file.read_text())
-        elif embedded is not None:
-            self.meta = embedded
-        else:
-            raise FileNotFoundError(f"no {meta_file} for the DWS graph {self.path}")
-        if embedded is not None:
-            for key in ("encoder", "max_blocks", "block_len"):
-                if embedded[key] != self.meta[key]:
-                    raise ValueError(
-                        f"{self.path} was exported for {key}={embedded[key]!r} but {meta_file} "
-                        f"says {self.meta[key]!r}: export it again (dilaserve export-dws)"
-                    )
-        self.encoder_config = self.meta["encoder"]
-        names = [i.name for i in self.session.get_inputs()]
-        want = _graph_class(self.encoder_config).input_names
-        if names != want:
-            raise ValueError(f"{self.path} takes inputs {names}, the encoder needs {want}")
-        max_len = props.get("max_seq_length")
-        self.encoder = graph_features(self.encoder_config, max_len and int(max_len))
-        self.block_len, self.max_blocks = self.meta["block_len"], self.meta["max_blocks"]
-        self.threshold = self.meta.get("threshold")
-        self.aligned_blocks = bool(self.meta.get("aligned_blocks", False))
-
-    @classmethod
-    def load(cls, folder: str | Path, int8: bool = True) -> ONNXDWSPredictor:
-        """The graph `export_onnx(..., folder)` wrote into a DWS folder."""
-        return cls(Path(folder) / (INT8_NAME if int8 else FLOAT_NAME), folder)
-
-    def predict(
-        self, texts: list[str], prompt_tokens: list[int], gen_len: int | None = None
-    ) -> DWSPrediction:
-        feats = self.encoder.features(texts)
-        inputs = graph_inputs(self.encoder_config, feats, prompt_tokens)
-        surface = self.session.run(["surface"], inputs)[0]
-        if gen_len is not None:
-            surface = window_support(self, surface, gen_len, prompt_tokens)
-        return DWSPrediction(surface)
-
-    def latency_ms(self, texts: list[str], prompt_tokens: list[int], repeats: int = 3) -> float:
-        return median_latency_ms(self.predict, texts, prompt_tokens, repeats)
 
 
 def export_dws_command(

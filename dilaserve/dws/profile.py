@@ -1,18 +1,22 @@
 """`dilaserve profile --dws`: probe this machine's engine and fit its DWS cost kernel.
 
 The kernel (`dws.cost.CostKernel`) belongs to a deployment (model, hardware, threads); the DWS
-predictor does not, so a new machine runs this command and keeps its predictor.
+predictor does not, so a new machine runs this command and keeps its predictor. `run_probes`
+times batch-1 runs on the engine, step by step, as `cost.ProbeRun`s; `profile_dws` probes,
+fits the kernel to them (`cost.fit_cost_kernel`) and writes it.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
 from dilaserve.config import DEFAULT_THRESHOLD
-from dilaserve.dws.cost import MIN_PROBES, CostKernel, ProbeRun, fit_cost_kernel, run_probes
+from dilaserve.dws.cost import MIN_PROBES, CostKernel, ProbeRun, fit_cost_kernel
 from dilaserve.dws.surface import window_blocks
+from dilaserve.protocol import StepBatch, StepKind, block_offset
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,94 @@ class DWSProfileConfig:
     def __post_init__(self):
         if self.num_probes < MIN_PROBES:
             raise ValueError(f"num_probes={self.num_probes} must be at least {MIN_PROBES}")
+
+
+def run_probes(
+    engine_or_llm,
+    prompts: list[list[int]],
+    gen_len: int,
+    natural: bool = True,
+    threshold: float = DEFAULT_THRESHOLD,
+) -> list[ProbeRun]:
+    """Run each prompt (token ids) alone through the engine, timing every step.
+
+    Batch 1, so a step's time is the request's own (papers.md 2.7: probes run one at a time).
+    Each `engine.execute` is timed with `time.perf_counter`, so the figure includes the engine's
+    per-step post-processing. The first prompt runs once, untimed, to warm up. Natural
+    probes end where the engine ends them (EOS); canvas probes (natural=False) decode the whole
+    window, through an engine copy with early_finish off, so the fit sees late blocks too.
+    """
+    engine = getattr(engine_or_llm, "engine", engine_or_llm)
+    if not prompts:
+        raise ValueError("run_probes needs at least one prompt")
+    if not natural and engine.config.early_finish:
+        engine = type(engine)(
+            engine.model, engine.special, replace(engine.config, early_finish=False)
+        )
+    _decode(engine, prompts[0], gen_len, threshold, "dws-warmup")
+    return [
+        _probe(
+            len(prompt),
+            engine.config.block_len,
+            natural,
+            _decode(engine, prompt, gen_len, threshold, f"dws-probe-{i}"),
+        )
+        for i, prompt in enumerate(prompts)
+    ]
+
+
+def _probe(prompt_tokens: int, block_len: int, natural: bool, steps) -> ProbeRun:
+    """A probe from its steps ((block, step in block, ms, kind) each). An exact cache's prefill
+    and commit steps fuse a separate phase with a block's denoising step: what they take beyond
+    the probe's median block step is its prefill (resp. refresh) time, and the cell is charged
+    that median."""
+    block_ms = [ms for _, _, ms, kind in steps if kind is StepKind.BLOCK]
+    cell = float(np.median(block_ms)) if block_ms else 0.0
+    extra = {StepKind.PREFILL: 0.0, StepKind.COMMIT: 0.0}
+    step_ms = []
+    for b, s, ms, kind in steps:
+        if kind in extra and block_ms:
+            extra[kind] += max(ms - cell, 0.0)
+            ms = min(ms, cell)
+        step_ms.append((b, s, ms))
+    return ProbeRun(
+        prompt_tokens,
+        block_len,
+        step_ms,
+        prefill_ms=extra[StepKind.PREFILL],
+        refresh_ms=extra[StepKind.COMMIT],
+        natural=natural,
+    )
+
+
+def _decode(engine, prompt: list[int], gen_len: int, threshold: float, request_id: str):
+    """Decode one request to the end; (block, step in block, ms, kind) of each step."""
+    from dilaserve.request import Request
+
+    offset = block_offset(len(prompt), engine.config.block_len, engine.family.is_block_causal)
+    request = Request(
+        request_id,
+        tuple(prompt),
+        gen_len,
+        engine.config.block_len,
+        engine.special.mask,
+        threshold,
+        block_offset=offset,
+    )
+    steps, block, step = [], -1, 0
+    on_engine = False
+    while not request.is_finished:
+        batch = StepBatch((request.step_item(engine.config.kv_cache, on_engine),))
+        start = time.perf_counter()
+        result = engine.execute(batch).results[0]
+        ms = 1e3 * (time.perf_counter() - start)
+        on_engine = True
+        request.apply(result)
+        step = step + 1 if result.block_index == block else 0
+        block = result.block_index
+        steps.append((block, step, ms, result.kind))
+    engine.release(request_id)
+    return steps
 
 
 def _interleave(natural: list[ProbeRun], canvas: list[ProbeRun]) -> list[ProbeRun]:

@@ -8,11 +8,17 @@ rows never increase along s, the first column never increases along b.
 
 Derived figures: expected blocks E[N] = sum_b S[b, 0]; expected total steps (the area) =
 sum S; the coarse targets of Stage A, T(h) = sum_b min(T_b, h) for horizons h.
+
+`collect_labels` runs each prompt to completion on the real engine at the serving threshold
+and records its T_b (and so its N) as `Labels`; `split` divides them into training and
+validation prompts. Training on them is `train.py`'s.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -79,3 +85,97 @@ def support(surface: np.ndarray, gen_len: int, block_len: int, prompt_tokens=Non
     unreached = np.arange(out.shape[-2]) >= np.asarray(reach)[..., None]
     out[unreached] = 0.0
     return out
+
+
+@dataclass
+class Labels:
+    texts: list[str]
+    prompt_tokens: np.ndarray  # [n] under the serving model's tokenizer
+    steps: np.ndarray  # [n, max_blocks] T_b
+    output_tokens: np.ndarray  # [n] generated tokens before the stop token
+    block_len: int
+    threshold: float
+    # blocks at absolute positions (block-causal models): a window then starts P mod block_len
+    # into its first block and may span one block more (`window_blocks`)
+    aligned_blocks: bool = False
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def subset(self, index: np.ndarray) -> Labels:
+        return Labels(
+            [self.texts[i] for i in index],
+            self.prompt_tokens[index],
+            self.steps[index],
+            self.output_tokens[index],
+            self.block_len,
+            self.threshold,
+            self.aligned_blocks,
+        )
+
+    def save(self, path: str | Path) -> None:
+        np.savez_compressed(
+            path,
+            texts=np.array(self.texts, dtype=object),
+            prompt_tokens=self.prompt_tokens,
+            steps=self.steps,
+            output_tokens=self.output_tokens,
+            meta=np.array([self.block_len, self.threshold, float(self.aligned_blocks)]),
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> Labels:
+        path = Path(path)
+        z = np.load(path if path.suffix == ".npz" else path.with_suffix(".npz"), allow_pickle=True)
+        block_len, threshold, *aligned = z["meta"].tolist()  # older files: no aligned flag
+        return cls(
+            z["texts"].tolist(),
+            z["prompt_tokens"],
+            z["steps"],
+            z["output_tokens"],
+            int(block_len),
+            float(threshold),
+            bool(aligned and aligned[0]),
+        )
+
+
+def collect_labels(
+    model_path: str | Path,
+    texts: list[str],
+    gen_len: int,
+    threshold: float = 0.9,
+    max_batch: int = 128,
+) -> Labels:
+    """Run every prompt to completion on the engine (chat template) and record T_b.
+
+    T_b is indexed by the window's blocks as the engine runs them: for a block-causal model
+    (blocks at absolute positions, its exact block cache) a window that starts inside a block
+    spans one block more, so the labels have that extra column."""
+    from dilaserve.config import EngineConfig, SamplingParams
+    from dilaserve.engine.llm import LLM
+
+    llm = LLM(model_path, EngineConfig())
+    block = llm.config.block_len
+    aligned = llm.engine.family.is_block_causal
+    requests = llm.make_requests(texts, SamplingParams(threshold, gen_len), chat=True)
+    blocks: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    llm.run(
+        requests, max_batch, on_step=lambda r, res: blocks[r.request_id].append(res.block_index)
+    )
+    max_blocks = window_blocks(gen_len, block, aligned)
+    stop = llm.tokenizer.special.stop_ids
+    return Labels(
+        list(texts),
+        np.array([r.prompt_len for r in requests]),
+        np.stack([block_steps(blocks[r.request_id], max_blocks) for r in requests]),
+        np.array([len(r.generated_ids(stop)) for r in requests]),
+        block,
+        threshold,
+        aligned,
+    )
+
+
+def split(labels: Labels, val_share: float, seed: int) -> tuple[Labels, Labels]:
+    order = np.random.default_rng(seed).permutation(len(labels))
+    cut = int(len(labels) * (1 - val_share))
+    return labels.subset(order[:cut]), labels.subset(order[cut:])
