@@ -86,7 +86,7 @@ def test_requests_of_a_failed_batch_retry_alone_and_finish():
     cfg = config(control=ControlSpec(policy="fcfs"), instances=(1,))
     with Cluster(cfg, backend=OneAtATime(WORKER)) as cluster:
         results = [h.result(60) for h in submit_all(cluster, QUESTIONS[:4], gap=0.0)]
-        failed_steps = cluster.stats["failed_steps"]
+        failed_steps = cluster.controller.stats["failed_steps"]
     # each finishes its answer (one restarted mid-block recomputes what a cache step would
     # have approximated, so its words may differ from an uninterrupted run's)
     assert all("####" in r.text and r.finish_reason == "stop" for r in results)
@@ -111,7 +111,7 @@ def test_an_instance_whose_step_hangs_is_killed_and_its_request_served_elsewhere
     cfg = config(control=ControlSpec(policy="fcfs"), instances=(1,), step_timeout=1.0)
     with Cluster(cfg, backend=HangsOnce(WORKER)) as cluster:
         result = cluster.submit(QUESTIONS[0]).result(60)
-        failures, instances = cluster.stats["failures"], cluster.instances_by_tp()
+        failures, instances = cluster.controller.stats["failures"], cluster.instances_by_tp()
     assert result.text == expected  # nothing was committed before the hang: a clean restart
     assert failures == 1 and instances == {1: 1}  # killed, and replaced
 
@@ -120,7 +120,7 @@ def test_a_recorded_run_replays_in_the_simulator_to_the_same_decisions():
     cfg = config(record=True)
     with Cluster(cfg) as cluster:
         results = [h.result(60) for h in submit_all(cluster, QUESTIONS, slo=2.0)]
-        lines, recording = cluster.log.lines, cluster.recording
+        lines, recording = cluster.controller.log.lines, cluster.controller.recording
     assert len(results) == len(QUESTIONS)
     sim, sim_lines = replay(
         recording.requests,
@@ -156,11 +156,11 @@ def test_pinned_thresholds_cancellation_and_admission_control():
 def test_every_request_completes_when_a_worker_is_killed_mid_trace():
     with Cluster(config()) as cluster:
         handles = submit_all(cluster, QUESTIONS, gap=0.0)
-        while not cluster.step_times:
+        while not cluster.controller.step_times:
             time.sleep(0.005)
         cluster.backend.kill("i0")
         results = [h.result(120) for h in handles]
-        assert cluster.stats["failures"] == 1
+        assert cluster.controller.stats["failures"] == 1
         deadline = time.monotonic() + 60
         while "i0.1" not in cluster.scheduler.instances and time.monotonic() < deadline:
             time.sleep(0.05)  # the replacement loads
@@ -195,9 +195,9 @@ def test_the_cluster_reconfigures_live_without_losing_requests(tmp_path):
         cluster.scheduler.reconfigurer = _Once()
         handles = submit_all(cluster, QUESTIONS + QUESTIONS, gap=0.1)
         results = [h.result(120) for h in handles]
-        assert cluster.stats["reconfigurations"] == 1
+        assert cluster.controller.stats["reconfigurations"] == 1
         assert set(cluster.scheduler.instances) == {"tp2"}
-        shapes = [counts for _, counts in cluster.instance_log]
+        shapes = [counts for _, counts in cluster.controller.instance_log]
     assert shapes[-1] == {2: 1} and {1: 2} in shapes
     assert len(results) == 2 * len(QUESTIONS) and all(r.num_steps > 0 for r in results)
 

@@ -152,10 +152,10 @@ class _Cluster:
             worker=SimpleNamespace(engine=SimpleNamespace(device="cpu")),
         )
         self.accepting, self.in_flight = True, 0
-        self.stats = {"migrations": 0, "reconfigurations": 0, "failures": 0}
+        stats = {"migrations": 0, "reconfigurations": 0, "failures": 0}
+        self.controller = SimpleNamespace(stats=stats, rollout=SimpleNamespace(log=[]))
         inst = {"i0": SimpleNamespace(tp=1), "i1": SimpleNamespace(tp=2)}
         self.scheduler = SimpleNamespace(instances=inst, requests={})
-        self.rollout = SimpleNamespace(log=[])
 
     def queue_length(self):
         return 3
@@ -186,8 +186,8 @@ def test_the_live_feed_reads_priorities_events_and_gauges_from_the_cluster():
     cluster.scheduler.requests = {"a": SimpleNamespace(request=request)}
     metrics.step_done("i0", 1, _step("a"), 0.02)
     cluster.scheduler.requests = {}  # the scheduler forgets a finished request
-    cluster.stats.update(migrations=2, reconfigurations=1, failures=1)
-    cluster.rollout.log.append({"time": 1.1, "target": {1: 2, 2: 0}})
+    cluster.controller.stats.update(migrations=2, reconfigurations=1, failures=1)
+    cluster.controller.rollout.log.append({"time": 1.1, "target": {1: 2, 2: 0}})
     metrics.dashboard.request_done(_result("a", True), [0.9])
     metrics.dashboard.request_failed("b", "CancelledError")  # not a failure
     metrics.dashboard.request_failed("c", "RuntimeError")

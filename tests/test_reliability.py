@@ -124,7 +124,7 @@ def test_an_error_in_a_tick_is_survived():
         wait_until(lambda: len(calls) >= 2)
         assert cluster.accepting
         assert cluster.submit(QUESTIONS[1]).result(60).num_steps > 0
-        assert cluster.stats["controller_errors"] == 1
+        assert cluster.controller.stats["controller_errors"] == 1
 
 
 # -- a live server of one instance, for the HTTP-level bugs ---------------------------------
@@ -373,9 +373,10 @@ def test_the_default_step_timeout_comes_from_the_latency_profile():
     cfg = config(max_batch_tokens=4096)
     cluster = Cluster(cfg)  # (not started: nothing loads)
     slowest = cluster.scheduler.profile.step_latency(1, 4096, StepKind.RECOMPUTE)
-    assert cluster.step_timeout == max(slowest * HUNG_STEP_FACTOR, MIN_STEP_TIMEOUT)
-    assert cluster.step_timeout < 120
-    assert Cluster(config(step_timeout=3.0)).step_timeout == 3.0  # --step-timeout overrides
+    assert cluster.controller.step_timeout == max(slowest * HUNG_STEP_FACTOR, MIN_STEP_TIMEOUT)
+    assert cluster.controller.step_timeout < 120
+    overridden = Cluster(config(step_timeout=3.0)).controller.step_timeout
+    assert overridden == 3.0  # --step-timeout overrides
 
 
 # -- bug 5: overload was never refused ------------------------------------------------------
@@ -416,7 +417,9 @@ def test_requests_over_capacity_are_refused_and_the_rest_served():
         outcomes = answered(handles)
         assert outcomes[0] == "served"  # an idle cluster takes anything
         assert "refused" in outcomes
-        assert cluster.stats["refused"] == outcomes.count("refused") - handles.count(None)
+        assert cluster.controller.stats["refused"] == outcomes.count("refused") - handles.count(
+            None
+        )
         assert cluster.in_flight == 0
         assert not cluster.is_full(0)  # requests finished since the last refusal
         assert cluster.submit(QUESTIONS[0]).result(60).num_steps > 0  # room again
@@ -426,9 +429,9 @@ def test_over_capacity_may_be_served_last_instead():
     with Cluster(config(control=TIGHT, overload="deprioritize")) as cluster:
         handles = [cluster.submit(q, max_tokens=128) for q in QUESTIONS * 10]
         assert answered(handles) == ["served"] * len(handles)
-        assert cluster.stats["deprioritized"] > 0
+        assert cluster.controller.stats["deprioritized"] > 0
         last = [h for h in handles if h.request.priority == LOWEST_PRIORITY]
-        assert len(last) == cluster.stats["deprioritized"]
+        assert len(last) == cluster.controller.stats["deprioritized"]
 
 
 class _AdmittingCluster:
@@ -439,7 +442,8 @@ class _AdmittingCluster:
     def __init__(self):
         self.config = ClusterConfig()
         self.accepting, self.in_flight = True, 0
-        self.stats = {"migrations": 0, "reconfigurations": 0, "failures": 0}
+        stats = {"migrations": 0, "reconfigurations": 0, "failures": 0}
+        self.controller = SimpleNamespace(stats=stats)
         self.intake = SimpleNamespace(check_text_length=lambda chars, param: None)
 
     def submit(self, prompt, **kw):
@@ -563,7 +567,7 @@ def test_the_runtime_measures_how_much_slower_steps_run_than_profiled():
 
 def test_the_room_between_events_refuses_only_what_admission_would():
     cluster = Cluster(config(control=TIGHT))  # (not started: its control plane is all this needs)
-    scheduler, admission = cluster.scheduler, cluster.admission
+    scheduler, admission = cluster.scheduler, cluster.controller.admission
     scheduler.add_instance("i0", 1, 8192)
     assert not admission.room().refuses(0)  # nothing in flight
     requests = [make_request(f"r{i}", gen_len=256) for i in range(40)]
@@ -615,6 +619,6 @@ def test_a_loopback_server_answers_only_loopback_host_names():
 
 def test_a_failing_admission_check_admits_the_request():
     with Cluster(config()) as cluster:
-        cluster.admission.refusal = lambda request, now: 1 / 0  # a bug in the check
+        cluster.controller.admission.refusal = lambda request, now: 1 / 0  # a bug in the check
         assert cluster.submit(QUESTIONS[0]).result(60).num_steps > 0
-        assert cluster.stats["controller_errors"] == 1
+        assert cluster.controller.stats["controller_errors"] == 1

@@ -277,7 +277,8 @@ class _RefusingCluster:
             worker=SimpleNamespace(engine=SimpleNamespace(device="cpu")),
         )
         self.accepting, self.in_flight = False, 0
-        self.stats = {"migrations": 0, "reconfigurations": 0, "failures": 0}
+        stats = {"migrations": 0, "reconfigurations": 0, "failures": 0}
+        self.controller = SimpleNamespace(stats=stats)
 
     def submit(self, *args, **kwargs):
         raise self.error

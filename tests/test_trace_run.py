@@ -17,7 +17,9 @@ class TwoInFlightCluster:
 
     def __init__(self, config):
         self.handles = []
-        self.step_times, self.steps_run, self.stats, self.log = [], 0, {}, DecisionLog()
+        self.controller = SimpleNamespace(
+            step_times=[], steps_run=0, stats={}, log=DecisionLog(), recording=None
+        )
         self.step_time_ratio = 1.0
 
     def start(self):

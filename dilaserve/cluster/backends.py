@@ -1,7 +1,7 @@
 """Where instances run: worker processes on this machine (`local`) or Ray actors (`ray`).
 
 A backend starts and stops instances and carries step commands to them; what comes back is a
-stream of `WorkerEvent`s that the runtime reads with `poll`. It never blocks on one instance:
+stream of `WorkerEvent`s that the controller reads with `poll`. It never blocks on one instance:
 commands are sent without waiting, and `poll` returns whatever any instance has finished.
 
 - "up": the instance has loaded its model and takes work;

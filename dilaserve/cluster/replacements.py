@@ -2,7 +2,7 @@
 replacement that fails to start (the process could not be spawned) or to load is tried again
 after a backoff that doubles, up to `MAX_BACKOFF` seconds apart, until one is up.
 
-Bookkeeping only: the runtime starts what `lost` and `due` return, and tells `up`.
+Bookkeeping only: the controller starts what `lost` and `due` return, and tells `up`.
 """
 
 from __future__ import annotations

@@ -107,15 +107,19 @@ def run_trace(config: ClusterConfig, spec: TraceRunSpec, progress=None) -> dict:
         summary["parity"] = _parity(cluster, config)
     if spec.predict:
         summary["prediction"] = _prediction(cluster, config, spec, summary)
-    return {"rows": rows, "summary": summary, "log_lines": cluster.log.lines or []}
+    return {"rows": rows, "summary": summary, "log_lines": cluster.controller.log.lines or []}
 
 
 def _runtime_summary(cluster: Cluster, rows: list[dict]) -> dict:
     # timings of the latest steps (all of them, in any run shorter than STEP_TIMES_KEPT steps)
-    trips = np.array(cluster.step_times) if cluster.step_times else np.zeros((1, 2))
+    trips = (
+        np.array(cluster.controller.step_times)
+        if cluster.controller.step_times
+        else np.zeros((1, 2))
+    )
     return {
         "accuracy": round(float(np.mean([r["correct"] for r in rows])), 4),
-        "steps_run": cluster.steps_run,
+        "steps_run": cluster.controller.steps_run,
         "step_engine_ms_mean": round(1e3 * float(trips[:, 1].mean()), 3),
         "step_round_trip_ms_mean": round(1e3 * float(trips[:, 0].mean()), 3),
         "controller_overhead_ms_mean": round(1e3 * float((trips[:, 0] - trips[:, 1]).mean()), 3),
@@ -125,15 +129,15 @@ def _runtime_summary(cluster: Cluster, rows: list[dict]) -> dict:
         # steps' round trips over the profile's price, geometric mean over the run (1 when the
         # cluster does not measure its speed): what a prediction of this host takes
         "step_time_ratio": round(cluster.step_time_ratio, 4),
-        **cluster.stats,
-        "decision_digest": cluster.log.digest,
+        **cluster.controller.stats,
+        "decision_digest": cluster.controller.log.digest,
     }
 
 
 def _parity(cluster: Cluster, config: ClusterConfig) -> dict:
     from dilaserve.sim.replay import ParityError, replay
 
-    recording = cluster.recording
+    recording = cluster.controller.recording
     try:
         _, lines = replay(
             recording.requests,
@@ -146,7 +150,7 @@ def _parity(cluster: Cluster, config: ClusterConfig) -> dict:
         )
     except ParityError as e:
         return {"identical": False, "error": str(e)}
-    ours = cluster.log.lines
+    ours = cluster.controller.log.lines
     first = next((i for i, (a, b) in enumerate(zip(ours, lines)) if a != b), None)
     identical = first is None and len(ours) == len(lines)
     return {"identical": identical, "decisions": len(ours), "first_difference": first}
@@ -166,7 +170,7 @@ def _predicted(cluster, config: ClusterConfig, spec: TraceRunSpec, slowdown: flo
     from dilaserve.sim.predict import predict, prediction_summary
 
     result = predict(
-        cluster.recording.requests,
+        cluster.controller.recording.requests,
         config.control,
         spec.predict,
         config.initial_specs(),

@@ -122,7 +122,7 @@ class LiveFeed:
         instances = {iid: inst.tp for iid, inst in dict(c.scheduler.instances).items()}
         if instances != t.instance_tp:
             t.set_instances(now, instances)
-        stats, seen = c.stats, self._seen
+        stats, seen = c.controller.stats, self._seen
         if stats["migrations"] > seen["migrations"]:
             t.migrated(now, stats["migrations"] - seen["migrations"])
         if stats["reconfigurations"] > seen["reconfigurations"]:
@@ -134,7 +134,7 @@ class LiveFeed:
 
 
 def _plan_text(cluster) -> str:
-    log = cluster.rollout.log
+    log = cluster.controller.rollout.log
     if not log:
         return "begun"
     target = log[-1]["target"]

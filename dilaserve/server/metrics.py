@@ -160,7 +160,7 @@ class _ClusterCollector:
             ("dilaserve_reconfigurations", "reconfigurations", "Cluster reconfigurations begun"),
             ("dilaserve_instance_failures", "failures", "Instances that died"),
         ):
-            yield CounterMetricFamily(name, text, value=c.stats[key])
+            yield CounterMetricFamily(name, text, value=c.controller.stats[key])
 
 
 def _gauge(name: str, text: str, value: float) -> GaugeMetricFamily:
