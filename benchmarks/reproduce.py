@@ -1,8 +1,8 @@
 """Reproduce the DiLaServe paper's experiments in the simulator, beside the paper's numbers.
 
     python benchmarks/reproduce.py [--only table4,table4h200,fig9,fig10,fig10high,fig11,
-                                           table6,leverage,fig9bench,fig10gsm8k,fig13lengths,azure,
-                                           mechanisms,placement,quality,dws]
+                                           table6,leverage,fig9bench,fig10gsm8k,fig13lengths,
+                                           fig13bounded,azure,mechanisms,placement,quality,dws]
                                    [--minutes-per-hour 1.25] [--out benchmarks/results]
 
 Every simulation writes its own run folder (config, per-request records, per-interval metrics,
@@ -33,7 +33,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from reproduce_lengths import fig9_benchmarks, fig10_gsm8k, fig13_lengths, leverage
+from reproduce_lengths import fig9_benchmarks, fig10_gsm8k, fig13_bounded, fig13_lengths, leverage
 from reproduce_shapes import GH200, mechanisms, placement, quality
 from reproduce_traces import azure, dws_setting
 
@@ -336,6 +336,7 @@ EXPERIMENTS = {
     "fig9bench": fig9_benchmarks,
     "fig10gsm8k": fig10_gsm8k,
     "fig13lengths": fig13_lengths,
+    "fig13bounded": fig13_bounded,
     "azure": azure,
     "mechanisms": mechanisms,
     "quality": quality,
