@@ -5,7 +5,7 @@ import pytest
 
 from dilaserve.control.profile import LatencyProfile
 from dilaserve.protocol import StepKind
-from dilaserve.sim import latency
+from dilaserve.sim import latency, latency_tables
 from dilaserve.sim.hardware import LLADA2_FLASH, LLADA2_MINI
 from dilaserve.sim.latency import (
     BLOCK_LEN,
@@ -160,7 +160,7 @@ def test_calibration_matches_the_docstring():
     assert CALIBRATION.mfu == pytest.approx(0.147, abs=0.0005)
     assert CALIBRATION.hbm_eff == pytest.approx(0.147, abs=0.001)
     assert CALIBRATION.overhead_s == pytest.approx(11.48e-3, abs=0.01e-3)
-    assert latency.summary() in latency.__doc__
+    assert latency_tables.summary() in latency.__doc__
 
 
 def test_model_shapes_match_published_parameter_counts():
@@ -307,4 +307,4 @@ def test_moe_weights_read_grow_with_batch_and_saturate():
 
 
 def test_block_table_matches_the_docstring():
-    assert latency.block_summary() in latency.__doc__
+    assert latency_tables.block_summary() in latency.__doc__

@@ -83,7 +83,7 @@ tokens; recompute: one 768-token sequence), and the single request of (b) as 256
 TP-1 and TP-4, computed from each preset's profile (interpolated; its cache context is 768, not
 1,276, hence 55.1 rather than 54.4; Dream-7B is costed on the same request and tokens per step,
 for lack of a Dream figure). GH200 at TP-8 spans two 4-GPU nodes and pays the 25 GB/s link.
-`python -m dilaserve.sim.latency` prints this table:
+`python -m dilaserve.sim.latency_tables` prints this table:
 
 | preset | cache 2 | cache 4 | cache 8 | recompute 2 | recompute 4 | tok/s 1 | tok/s 4 |
 |---|---|---|---|---|---|---|---|
@@ -129,7 +129,6 @@ Units are SI throughout (seconds, bytes, FLOP/s); profiles store milliseconds.
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -399,64 +398,3 @@ def load_profile(spec: str | Path) -> LatencyProfile:
         names = ", ".join([*PRESETS, *BLOCK_PRESETS, *MEASURED])
         raise ValueError(f"{str(spec)!r} is neither a latency-profile file nor a profile ({names})")
     return LatencyProfile.from_file(path)
-
-
-def summary() -> str:
-    """The docstring's table: TP ratios at the reference batches and one request's tok/s."""
-    rows = [
-        "| preset | cache 2 | cache 4 | cache 8 | recompute 2 | recompute 4 | tok/s 1 | tok/s 4 |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for name in PRESETS:
-        p = preset_profile(name)
-
-        def ratio(tp, n, kind, p=p):
-            return p.step_latency(tp, n, kind) / p.step_latency(1, n, kind)
-
-        tok = [GSM8K_GEN_TOKENS / request_seconds(p, tp) for tp in (1, 4)]
-        rows.append(
-            f"| {name} | {ratio(2, BLOCK_LEN, StepKind.CACHE):.3f} "
-            f"| {ratio(4, BLOCK_LEN, StepKind.CACHE):.3f} "
-            f"| {ratio(8, BLOCK_LEN, StepKind.CACHE):.3f} "
-            f"| {ratio(2, REF_CONTEXT, StepKind.RECOMPUTE):.3f} "
-            f"| {ratio(4, REF_CONTEXT, StepKind.RECOMPUTE):.3f} "
-            f"| {tok[0]:.1f} | {tok[1]:.1f} |"
-        )
-    return "\n".join(rows)
-
-
-# (kind, batch tokens) of the block-diffusion table: one request's and 64 requests' steps
-BLOCK_REFERENCE_STEPS = (
-    (StepKind.BLOCK, BLOCK_LEN),
-    (StepKind.BLOCK, 64 * BLOCK_LEN),
-    (StepKind.COMMIT, 2 * BLOCK_LEN),
-    (StepKind.COMMIT, 64 * 2 * BLOCK_LEN),
-    (StepKind.PREFILL, GSM8K_PROMPT_TOKENS + GSM8K_GEN_TOKENS),
-    (StepKind.PREFILL, 4096),
-)
-
-
-def block_summary() -> str:
-    """The docstring's block-diffusion table: ms per step at the smallest TP degree that holds
-    the weights, and the block step of 64 requests at twice that degree over it."""
-    heads = " | ".join(f"{kind.value} {n}" for kind, n in BLOCK_REFERENCE_STEPS)
-    rows = [f"| preset, TP | {heads} | 2x |"]
-    rows.append("|---" * (len(BLOCK_REFERENCE_STEPS) + 2) + "|")
-    for name in BLOCK_PRESETS:
-        p = preset_profile(name)
-        tp = p.tp_degrees[0]
-        ms = " | ".join(f"{p.step_latency(tp, n, k) * 1e3:.1f}" for k, n in BLOCK_REFERENCE_STEPS)
-        batch = 64 * BLOCK_LEN
-        ratio = p.step_latency(2 * tp, batch, StepKind.BLOCK) / p.step_latency(
-            tp, batch, StepKind.BLOCK
-        )
-        rows.append(f"| {name}, TP-{tp} | {ms} | {ratio:.3f} |")
-    return "\n".join(rows)
-
-
-if __name__ == "__main__":
-    c = CALIBRATION
-    sys.stdout.write(
-        f"MFU {c.mfu:.4f}, HBM efficiency {c.hbm_eff:.4f}, "
-        f"overhead {c.overhead_s * 1e3:.3f} ms\n{summary()}\n\n{block_summary()}\n"
-    )
