@@ -88,7 +88,8 @@ def _load(server: str) -> list[int]:
 
 def query(prometheus: str, expr: str) -> dict:
     expr = expr.replace("$__rate_interval", WINDOW).replace("$__interval", WINDOW)
-    return httpx.get(f"{prometheus}/api/v1/query", params={"query": expr}, timeout=30).json()
+    answer = httpx.get(f"{prometheus}/api/v1/query", params={"query": expr}, timeout=30)
+    return answer.raise_for_status().json()
 
 
 def _wait_for_samples(prometheus: str, count: int) -> None:
@@ -97,7 +98,7 @@ def _wait_for_samples(prometheus: str, count: int) -> None:
     while time.monotonic() < deadline:
         try:
             result = query(prometheus, "count_over_time(up[5m])")["data"]["result"]
-        except httpx.TransportError:  # not listening yet
+        except (httpx.TransportError, httpx.HTTPStatusError):  # not listening, or not ready
             result = []
         if result and float(result[0]["value"][1]) >= count:
             return
