@@ -459,9 +459,9 @@ def test_dws_sjf_ages_a_long_wait_ahead_of_a_cheaper_newcomer():
     s.on_arrival(make_request("newer", cost=80.0, arrival_time=80.0), 80.0)
     # at 91 s "old" has waited 3 periods (100 x 0.9^3 = 72.9): ahead of "new" (80, no wait);
     # "newer" has waited none either, but "old" waited only 2 periods more ... (81 > 80)
-    key = s._service_key(91.0)
+    key = s._placer.service_key(91.0)
     assert sorted(["new", "old"], key=key) == ["old", "new"]
-    assert sorted(["newer", "old"], key=s._service_key(81.0)) == ["newer", "old"]
+    assert sorted(["newer", "old"], key=s._placer.service_key(81.0)) == ["newer", "old"]
 
 
 def test_a_dws_prior_replaces_the_step_predictor_before_the_first_step():

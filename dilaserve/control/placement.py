@@ -13,8 +13,10 @@ cache (block diffusion, beyond the paper) a move costs a prefill, so there the r
 where its step is predicted to finish first: a busy instance starts the gathered batch, its
 running step's requests included, when that step ends. Least-tokens placement (`llumnix`) picks
 the batch with the fewest tokens. A queue (first-free placement: `fcfs`, `dws-sjf`) gives
-waiting requests only to instances between steps, least tokens first. The scheduler owns the
-state; this reads it (the instances and the tracked requests, shared mappings) and decides.
+waiting requests only to instances between steps, least tokens first. Which waiting request
+goes first is the policy's service order (`service_key`: arrival, or DWS-SJF's shortest aged
+expected cost). The scheduler owns the state; this reads it (the instances and the tracked
+requests, shared mappings) and decides.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from collections.abc import Mapping, Sequence, Set
 
 from dilaserve.control.decisions import SchedulerConfig
 from dilaserve.control.instance import InstanceState
-from dilaserve.control.policy import Migration, Placement, Policy
+from dilaserve.control.policy import Migration, Order, Placement, Policy
 from dilaserve.protocol import CACHED_KINDS, StepKind
 
 
@@ -44,6 +46,25 @@ class Placer:
         # Alg. 3 as written prices the whole batch; an exact cache, where the step ends first
         self._fastest = policy.placement is Placement.FASTEST_STEP
         self._alg3 = self._fastest and not self._costs.exact
+
+    def service_key(self, now: float):
+        """The order waiting requests are served in (Alg. 3's loop over them): arrival (with
+        priorities), or DWS-SJF's started-first, then shortest aged expected cost (a request
+        without one goes last)."""
+        tracked = self.tracked
+        if self.policy.order is Order.ARRIVAL:
+            return lambda rid: tracked[rid].order
+        keep = 1.0 - self.policy.aging
+
+        def key(rid: str) -> tuple[int, float, float, int]:
+            r = tracked[rid].request
+            if r.num_steps:
+                return (0, 0.0, r.arrival_time, tracked[rid].seq)
+            periods = int((now - r.arrival_time) // self.policy.aging_period)
+            cost = float("inf") if r.cost is None else r.cost * keep**periods
+            return (1, cost, r.arrival_time, tracked[rid].seq)
+
+        return key
 
     def tokens(self, t, kind: StepKind) -> int:
         """Tokens the request's step of `kind` processes."""

@@ -30,7 +30,7 @@ from dilaserve.control.instance import InstanceState
 from dilaserve.control.layout import InstanceSlot
 from dilaserve.control.load_control import LoadControl
 from dilaserve.control.placement import Placer
-from dilaserve.control.policy import Migration, Order, Policy
+from dilaserve.control.policy import Migration, Policy
 from dilaserve.control.profile import LatencyProfile
 from dilaserve.control.reconfigure import Reconfigurer
 from dilaserve.control.speed import MeasuredSpeed
@@ -290,7 +290,7 @@ class Scheduler:
     # -- one scheduling round ----------------------------------------------------------------
 
     def _schedule(self, now: float, load_changed: bool) -> Decisions:
-        ready = sorted(self._ready, key=self._service_key(now))
+        ready = sorted(self._ready, key=self._placer.service_key(now))
         if self._loads is not None:
             refreshed = self._loads.refresh(now)
             self._loads.run_if_due(now, load_changed, refreshed, self.instances.values())
@@ -325,26 +325,6 @@ class Scheduler:
         if home is None or t.request.request_id not in home.holds:
             return None
         return home
-
-    def _order(self, rid: str) -> tuple[float, float, int]:
-        return self.requests[rid].order
-
-    def _service_key(self, now: float):
-        """The order waiting requests are served in: arrival (with priorities), or DWS-SJF's
-        started-first, then shortest aged expected cost (a request without one goes last)."""
-        if self.policy.order is Order.ARRIVAL:
-            return self._order
-        keep = 1.0 - self.policy.aging
-
-        def key(rid: str) -> tuple[int, float, float, int]:
-            r = self.requests[rid].request
-            if r.num_steps:
-                return (0, 0.0, r.arrival_time, self.requests[rid].seq)
-            periods = int((now - r.arrival_time) // self.policy.aging_period)
-            cost = float("inf") if r.cost is None else r.cost * keep**periods
-            return (1, cost, r.arrival_time, self.requests[rid].seq)
-
-        return key
 
     # -- assignment and threshold selection ----------------------------------------------
 
