@@ -111,15 +111,12 @@ def run_trace(config: ClusterConfig, spec: TraceRunSpec, progress=None) -> dict:
 
 
 def _runtime_summary(cluster: Cluster, rows: list[dict]) -> dict:
+    controller = cluster.controller
     # timings of the latest steps (all of them, in any run shorter than STEP_TIMES_KEPT steps)
-    trips = (
-        np.array(cluster.controller.step_times)
-        if cluster.controller.step_times
-        else np.zeros((1, 2))
-    )
+    trips = np.array(controller.step_times) if controller.step_times else np.zeros((1, 2))
     return {
         "accuracy": round(float(np.mean([r["correct"] for r in rows])), 4),
-        "steps_run": cluster.controller.steps_run,
+        "steps_run": controller.steps_run,
         "step_engine_ms_mean": round(1e3 * float(trips[:, 1].mean()), 3),
         "step_round_trip_ms_mean": round(1e3 * float(trips[:, 0].mean()), 3),
         "controller_overhead_ms_mean": round(1e3 * float((trips[:, 0] - trips[:, 1]).mean()), 3),
@@ -129,8 +126,8 @@ def _runtime_summary(cluster: Cluster, rows: list[dict]) -> dict:
         # steps' round trips over the profile's price, geometric mean over the run (1 when the
         # cluster does not measure its speed): what a prediction of this host takes
         "step_time_ratio": round(cluster.step_time_ratio, 4),
-        **cluster.controller.stats,
-        "decision_digest": cluster.controller.log.digest,
+        **controller.stats,
+        "decision_digest": controller.log.digest,
     }
 
 
