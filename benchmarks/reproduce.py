@@ -2,7 +2,8 @@
 
     python benchmarks/reproduce.py [--only table4,table4h200,fig9,fig10,fig10high,fig11,
                                            table6,leverage,fig9bench,fig10gsm8k,fig13lengths,
-                                           fig13bounded,azure,mechanisms,placement,quality,dws]
+                                           fig13bounded,fig13speeds,azure,mechanisms,placement,
+                                           quality,dws]
                                    [--minutes-per-hour 1.25] [--out benchmarks/results]
 
 Every simulation writes its own run folder (config, per-request records, per-interval metrics,
@@ -33,7 +34,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from reproduce_lengths import fig9_benchmarks, fig10_gsm8k, fig13_bounded, fig13_lengths, leverage
+import reproduce_lengths as lengths
 from reproduce_shapes import GH200, mechanisms, placement, quality
 from reproduce_traces import azure, dws_setting
 
@@ -332,11 +333,12 @@ EXPERIMENTS = {
     "fig9": fig9,
     "fig11": fig11,
     "table6": fig13_table6,  # Fig. 13 and Table 6 come from the same runs
-    "leverage": leverage,
-    "fig9bench": fig9_benchmarks,
-    "fig10gsm8k": fig10_gsm8k,
-    "fig13lengths": fig13_lengths,
-    "fig13bounded": fig13_bounded,
+    "leverage": lengths.leverage,
+    "fig9bench": lengths.fig9_benchmarks,
+    "fig10gsm8k": lengths.fig10_gsm8k,
+    "fig13lengths": lengths.fig13_lengths,
+    "fig13bounded": lengths.fig13_bounded,
+    "fig13speeds": lengths.fig13_speeds,
     "azure": azure,
     "mechanisms": mechanisms,
     "quality": quality,

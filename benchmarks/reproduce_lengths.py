@@ -1,7 +1,8 @@
 """Experiments of `reproduce.py` on the request lengths the paper's own figures used, rather than
 ShareGPT's: Fig. 9's benchmarks (GSM8K, MMLU-Pro, MBPP) on H100s (`fig9bench`), Fig. 10's
 ablation on GSM8K 5-shot requests (`fig10gsm8k`), Fig. 13's migration on a 256-token input with
-256, 512 and 1,024-token outputs (`fig13lengths`; with bounded batches, `fig13bounded`), and the
+256, 512 and 1,024-token outputs (`fig13lengths`; with bounded batches, `fig13bounded`; on
+instances of different speed, `fig13speeds`), and the
 arithmetic of how much a lower threshold can save on each (`leverage`): the ceiling on what the
 dynamic threshold and load control can gain. Each takes the reproduction's `Experiments`."""
 
@@ -48,10 +49,19 @@ FIG10_POLICIES = (
 # per GPU, loads per output length probed on 120 s as below and at the knee of 16 H100s (over
 # the 600 s run, the higher of each is past it for outputs of 512 and 1,024; 0.15 is below it)
 FIG13_RPS_PER_GPU = {256: (0.8, 1.0), 512: (0.5, 0.6), 1024: (0.15, 0.2, 0.25)}
-# batch bounds for `fig13bounded` (ASSUMED: the paper's Stage 1 picks a size it does not give)
+# Fig. 13's conditions beyond its text, each (run-name tag, spec changes), all ASSUMED sizes:
+# batch bounds for `fig13bounded` (the paper's Stage 1 picks a size it does not give) ...
 FIG13_BOUNDS = {
     "8 requests a step": ("b8", {"max_batch_requests": 8}),
     "4,096 tokens a step": ("t4096", {"max_batch_tokens": 4096}),
+}
+# ... and instances of different speed for `fig13speeds`: stragglers the control plane is not
+# told about (a throttled GPU, a noisy neighbour), and the mixed TP degrees a reconfiguration
+# leaves (which the latency profile prices)
+FIG13_SPEEDS = {
+    "2 of 16 at half speed": ("s2x2", {"stragglers": "2:2"}),
+    "1 of 16 at a third": ("s1x3", {"stragglers": "1:3"}),
+    "2 TP-4 and 8 TP-1": ("l4x2", {"initial_layout": "4x2,1x8"}),
 }
 
 
@@ -188,18 +198,35 @@ def fig13_bounded(x: Experiments, seeds=(0, 1, 2)) -> None:
     paper's instances run at the batch size Stage 1 chose (Alg. 3 places only where the batch
     has room), a size it does not give; ours are unbounded by default. Two ASSUMED bounds: a
     request left waiting on a full instance is what migration could rescue."""
+    _fig13_conditions(x, "bound", "with bounded batches", "16 TP-1 H100s", FIG13_BOUNDS, seeds)
+
+
+def fig13_speeds(x: Experiments, seeds=(0, 1, 2)) -> None:
+    """`fig13lengths` at each output's lowest load on instances of different speed: a request
+    placed on a straggler stays there without migration; with it, it leaves at its next
+    recompute step for a batch Alg. 3 prices lower (a straggler's batch stays fuller, its
+    requests finishing later). And a mixed TP layout, whose speeds the profile knows."""
+    title = "on instances of different speed"
+    _fig13_conditions(x, "instances", title, "16 H100s", FIG13_SPEEDS, seeds)
+
+
+def _fig13_conditions(
+    x: Experiments, column: str, title: str, cluster: str, conditions: dict, seeds
+) -> None:
+    """Fig. 13's rows at each output's lowest load under each condition (label -> (tag,
+    spec changes)), migration against none."""
     rows = [
-        {"bound": label}
+        {column: label}
         | _migration_row(x, output, min(FIG13_RPS_PER_GPU[output]), seeds, f"-{tag}", **changes)
-        for label, (tag, changes) in FIG13_BOUNDS.items()
+        for label, (tag, changes) in conditions.items()
         for output in FIG13_OUTPUTS
     ]
     x.section(
-        f"Fig 13 with bounded batches: input {FIG13_PROMPT}, Poisson {SECONDS} s, 16 TP-1 "
-        f"H100s, seeds {list(seeds)}",
+        f"Fig 13 {title}: input {FIG13_PROMPT}, Poisson {SECONDS} s, {cluster}, "
+        f"seeds {list(seeds)}",
         rows,
-        "p99 change in percent, mean [min, max] over the seeds; the bounds are ASSUMED. Paper: "
-        "migration cuts p99 latency by up to 19%.",
+        "p99 change in percent, mean [min, max] over the seeds; the conditions' sizes are "
+        "ASSUMED. Paper: migration cuts p99 latency by up to 19%.",
     )
 
 

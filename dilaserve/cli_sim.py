@@ -197,6 +197,16 @@ def _add_cluster_arguments(si) -> None:
     si.add_argument("--gpus-per-node", type=int, default=4)
     si.add_argument("--initial-tp", type=int, default=1)
     si.add_argument(
+        "--initial-layout",
+        default=None,
+        help="start from a mix of TP degrees instead, TPxCOUNT,...: e.g. 4x2,1x8",
+    )
+    si.add_argument(
+        "--stragglers",
+        default=None,
+        help="COUNT:FACTOR: the first COUNT starting instances run each step FACTOR times slower",
+    )
+    si.add_argument(
         "--max-batch-requests",
         type=int,
         default=None,

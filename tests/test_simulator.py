@@ -207,3 +207,44 @@ def test_simulate_writes_its_run_folder_as_it_goes(tmp_path, monkeypatch):
     (folder,) = tmp_path.iterdir()
     names = {p.name for p in folder.iterdir()}
     assert "summary.json" in names and "progress.json" not in names
+
+
+def test_a_mixed_starting_layout_is_packed_onto_the_nodes_in_order(tmp_path):
+    from dilaserve.sim.run import initial_instances
+
+    s = spec(tmp_path, gpus=8, initial_layout="4x1,1x4", planner_period=1e9)
+    assert [(i.node, i.tp, i.gpus) for i in initial_instances(s)] == [
+        (0, 4, (0, 1, 2, 3)),
+        (1, 1, (0,)),
+        (1, 1, (1,)),
+        (1, 1, (2,)),
+        (1, 1, (3,)),
+    ]
+    run = simulate(s)
+    assert run.result.instance_log[-1][1] == {1: 4, 4: 1}  # each start is logged
+    assert run.summary["finished"] == run.summary["requests"]
+
+
+@pytest.mark.parametrize(
+    "layout, words",
+    [("1x1,4x1", "span two nodes"), ("4x3", "needs 12 GPUs"), ("4:2", "TPxCOUNT")],
+)
+def test_a_bad_layout_is_refused_naming_it(tmp_path, layout, words):
+    with pytest.raises(ValueError, match=words):
+        spec(tmp_path, gpus=8, initial_layout=layout)
+
+
+@pytest.mark.parametrize("stragglers", ["2", "5:2", "1:0", "a:b"])
+def test_bad_stragglers_are_refused_naming_them(tmp_path, stragglers):
+    with pytest.raises(ValueError, match="stragglers"):
+        spec(tmp_path, stragglers=stragglers)
+
+
+def test_straggling_instances_slow_the_requests_bound_to_them(tmp_path):
+    base = simulate(spec(tmp_path, policy="infaas", planner_period=1e9))
+    none = simulate(spec(tmp_path, policy="infaas", planner_period=1e9, stragglers="0:3"))
+    slow = simulate(spec(tmp_path, policy="infaas", planner_period=1e9, stragglers="2:3"))
+    assert none.summary["decision_digest"] == base.summary["decision_digest"]
+    # INFaaS binds each request at arrival: half of them run every step three times as long
+    assert slow.summary["latency_mean"] > 1.5 * base.summary["latency_mean"]
+    assert slow.summary["finished"] == slow.summary["requests"]

@@ -55,9 +55,11 @@ class SimulationRun:
 def check_profile(spec: SimulationSpec, profile: LatencyProfile) -> None:
     """The profile prices the cluster's first instances, and the cache mode is the model's: a
     block-causal model's cache is exact or none, and the exact cache needs such a model."""
-    if spec.initial_tp not in profile.tp_degrees:
+    missing = sorted(set(spec.layout()) - set(profile.tp_degrees))
+    if missing:
         raise ValueError(
-            f"{spec.initial_tp=} is not among {spec.profile}'s TP degrees {profile.tp_degrees}"
+            f"the starting instances' TP degrees {missing} are not among {spec.profile}'s "
+            f"TP degrees {profile.tp_degrees}"
         )
     block_causal = bool(profile.meta.get("block_causal"))
     if block_causal and spec.kv_cache not in ("block", "none"):
@@ -127,6 +129,7 @@ def simulate(spec: SimulationSpec, progress=None, log: DecisionLog | None = None
         SimConfig(
             startup_delay=spec.startup_delay,
             latency_noise=spec.latency_noise,
+            instance_slowdown=straggler_slowdown(spec),
             max_batch_tokens=spec.max_batch_tokens,
             seed=spec.seed,
         ),
@@ -176,13 +179,20 @@ def quality_notes(
 
 
 def initial_instances(spec: SimulationSpec) -> list[InstanceSpec]:
-    out = []
-    for k in range(spec.gpus // spec.initial_tp):
-        first = k * spec.initial_tp
+    out, first = [], 0
+    for k, tp in enumerate(spec.layout()):
         node, gpu = divmod(first, spec.gpus_per_node)
-        gpus = tuple(range(gpu, gpu + spec.initial_tp))
-        out.append(InstanceSpec(f"i{k}", node, spec.initial_tp, gpus, spec.max_batch_tokens))
+        out.append(
+            InstanceSpec(f"i{k}", node, tp, tuple(range(gpu, gpu + tp)), spec.max_batch_tokens)
+        )
+        first += tp
     return out
+
+
+def straggler_slowdown(spec: SimulationSpec) -> dict[str, float]:
+    """Instance id -> its steps' time factor, for the spec's stragglers."""
+    count, factor = spec.straggler_slowdown()
+    return {f"i{k}": factor for k in range(count)}
 
 
 def write_run(

@@ -19,7 +19,7 @@ simulator makes that run's decisions (`sim.replay`).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,6 +48,9 @@ class SimConfig:
     # serving (its drift since it was profiled, the controller's share of shared cores), for a
     # prediction of that host (`sim/predict.py`; a calibration run's `step_time_ratio`)
     step_slowdown: float = 1.0
+    # instance id -> a further factor on its steps' time (stragglers the control plane is not
+    # told about; `SimulationSpec.stragglers`)
+    instance_slowdown: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.tick <= 0 or self.startup_delay < 0 or self.latency_noise < 0:
@@ -189,7 +192,7 @@ class Simulator:
         slowdown (with noise)."""
         tp, costs = self.scheduler.instances[instance_id].tp, self.scheduler.config.costs
         seconds = batch_seconds(self.profile, tp, batch, costs, self.scheduler.requests)
-        seconds *= self.config.step_slowdown
+        seconds *= self.config.step_slowdown * self.config.instance_slowdown.get(instance_id, 1.0)
         if self.config.latency_noise:
             seconds *= float(self.rng.lognormal(0.0, self.config.latency_noise))
         return seconds

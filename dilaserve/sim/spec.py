@@ -21,6 +21,12 @@ class SimulationSpec:
     gpus: int = 16
     gpus_per_node: int = 4
     initial_tp: int = 1  # the cluster starts as gpus / initial_tp instances of this degree
+    # or as this mix, "TPxCOUNT,...": "4x2,1x8" is two TP-4 then eight TP-1 instances, packed
+    # onto the nodes in that order (the state a reconfiguration leaves)
+    initial_layout: str | None = None
+    # "COUNT:FACTOR": the first COUNT starting instances take FACTOR times as long per step as
+    # the profile says (a throttled GPU, a noisy neighbour); the control plane is not told
+    stragglers: str | None = None
     slo: float | None = None  # seconds; None: slo_multiple x isolated TP-1 latency
     slo_multiple: float = 5.0
     kv_cache: str = "dual"  # none | dual | block (a block-causal model's exact cache)
@@ -50,9 +56,51 @@ class SimulationSpec:
     def __post_init__(self):
         if self.gpus <= 0 or self.gpus % self.initial_tp:
             raise ValueError(f"{self.gpus=} must be a positive multiple of {self.initial_tp=}")
+        self.layout()  # a malformed layout or straggler count fails here, not mid-run
+        self.straggler_slowdown()
         if self.rate_scale <= 0:
             raise ValueError(f"{self.rate_scale=} must be positive")
         if self.slo is not None and self.slo <= 0:
             raise ValueError(f"{self.slo=} must be positive")
         if self.slo_multiple <= 0:
             raise ValueError(f"{self.slo_multiple=} must be positive")
+
+    def layout(self) -> list[int]:
+        """The starting instances' TP degrees, in the order they are packed onto nodes."""
+        if self.initial_layout is None:
+            return [self.initial_tp] * (self.gpus // self.initial_tp)
+        degrees = []
+        for part in self.initial_layout.split(","):
+            tp, sep, count = part.strip().partition("x")
+            if not sep or not tp.isdigit() or not count.isdigit() or int(tp) <= 0:
+                raise ValueError(
+                    f"{self.initial_layout=}: each part is TPxCOUNT (e.g. '4x2,1x8'), not {part!r}"
+                )
+            degrees += [int(tp)] * int(count)
+        first = 0
+        for tp in degrees:
+            if first // self.gpus_per_node != (first + tp - 1) // self.gpus_per_node:
+                raise ValueError(
+                    f"{self.initial_layout=}: a TP-{tp} instance would span two nodes of "
+                    f"{self.gpus_per_node} GPUs (list wider instances first)"
+                )
+            first += tp
+        if first > self.gpus:
+            raise ValueError(f"{self.initial_layout=} needs {first} GPUs; {self.gpus=}")
+        return degrees
+
+    def straggler_slowdown(self) -> tuple[int, float]:
+        """(how many of the first instances are slow, their step-time factor); (0, 1.0): none."""
+        if self.stragglers is None:
+            return 0, 1.0
+        count, sep, factor = self.stragglers.partition(":")
+        try:
+            n, f = int(count), float(factor)
+        except ValueError:
+            n, f = -1, 0.0
+        if not sep or n < 0 or f <= 0 or n > len(self.layout()):
+            raise ValueError(
+                f"{self.stragglers=} must be COUNT:FACTOR, at most the starting instances "
+                f"({len(self.layout())}) and a positive factor, e.g. '2:1.5'"
+            )
+        return n, f
