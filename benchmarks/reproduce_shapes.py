@@ -43,13 +43,23 @@ SHAPES = {
     },
     "code-like: bursty 6/s": {"trace": "code:6:150:3", "planner_period": 50.0},
     "bursty ShareGPT 3/s": {"trace": "bursty:3:150:3", "planner_period": 50.0},
+    # one of the node's GPUs at half the profile's speed, which the control plane is not told
+    # (a throttled GPU, a noisy neighbour): what migration is for (docs/simulator.md, Fig. 13)
+    "straggler: Poisson 3/s, 1 of 4 GPUs at half speed": {
+        "trace": "poisson:3:150",
+        "stragglers": "1:2",
+        **NO_PLANNER,
+    },
 }
-# (column, policy A, policy B, the paper's number): the effect is A's attainment minus B's
+# (column, policy A, policy B, the paper's number): the effect is A's attainment minus B's in
+# points, or for a column ending in "p99", A's p99 latency over B's, less one, in percent
 EFFECTS = (
     ("dynamic threshold", "no-load-control", "no-dynamic-threshold", "up to +70.8 pp (Fig. 10)"),
     ("load control", "dilaserve", "no-load-control", "up to +42.4 pp (Fig. 10)"),
     ("reconfiguration", "dilaserve", "no-reconfig", "Fig. 11 (a shape, no number)"),
     ("placement (fixed 0.9)", "placement-only", "infaas", ">= 0 (our target)"),
+    ("migration", "dilaserve", "no-migration", "none"),
+    ("migration p99", "dilaserve", "no-migration", "up to -19% (Fig. 13)"),
     ("vs INFaaS", "dilaserve", "infaas", "+21.1 pp (Table 4)"),
     ("vs Llumnix", "dilaserve", "llumnix", "+30.2 pp (Table 4)"),
     ("Llumnix - INFaaS", "llumnix", "infaas", "-9.1 pp (Table 4)"),
@@ -64,6 +74,7 @@ MECHANISM_POLICIES = (
     "no-load-control",
     "no-dynamic-threshold",
     "no-reconfig",
+    "no-migration",
     "infaas",
     "llumnix",
     "fcfs",
@@ -76,14 +87,14 @@ def mechanisms(x: Experiments) -> None:
     whose names contain one of these words)."""
     rows, seeds = [{"shape": "paper", **{col: paper for col, _, _, paper in EFFECTS}}], x.seeds
     for shape, tag, changes in shapes_to_run(x):
-        attained = {}
+        summaries = {}
         for seed in seeds:
             for policy, run_as, extra in shape_policies(changes):
                 name = f"mech-{tag}-{policy}-s{seed}"
                 spec = {**changes, **extra}
                 s = x.run(name, policy=run_as, gpus=4, profile=GH200, seed=seed, **spec)
-                attained[policy, seed] = s["slo_attainment"]
-        rows.append({"shape": shape, **effects(attained, seeds)})
+                summaries[policy, seed] = s
+        rows.append({"shape": shape, **effects(summaries, seeds)})
     x.section(
         "Mechanisms: effect on SLO attainment (points; mean over seeds [min, max])",
         rows,
@@ -112,17 +123,23 @@ def shape_policies(changes: dict) -> list[tuple[str, str, dict]]:
     return out + [("placement-only", "no-dynamic-threshold", NO_PLANNER)]
 
 
-def effects(attained: dict, seeds) -> dict:
-    def of(policy: str, seed: int) -> float:
+def effects(summaries: dict, seeds) -> dict:
+    """Each `EFFECTS` column from the runs' summaries, (policy, seed) -> summary."""
+
+    def of(policy: str, seed: int) -> dict:
         alias = {"no-reconfig": "dilaserve", "placement-only": "no-dynamic-threshold"}
-        return attained.get((policy, seed), attained.get((alias.get(policy), seed)))
+        return summaries.get((policy, seed), summaries.get((alias.get(policy), seed)))
 
     out = {}
     for column, a, b, _ in EFFECTS:
-        if a == "dilaserve" and b == "no-reconfig" and (b, seeds[0]) not in attained:
+        if a == "dilaserve" and b == "no-reconfig" and (b, seeds[0]) not in summaries:
             out[column] = "n/a (planner off)"
-            continue
-        out[column] = spread([100 * (of(a, seed) - of(b, seed)) for seed in seeds])
+        elif column.endswith("p99"):
+            ratios = [of(a, s)["latency_p99"] / of(b, s)["latency_p99"] for s in seeds]
+            out[column] = spread([100 * (r - 1) for r in ratios]).replace(" [", "% [")
+        else:
+            gains = [of(a, s)["slo_attainment"] - of(b, s)["slo_attainment"] for s in seeds]
+            out[column] = spread([100 * g for g in gains])
     return out
 
 
