@@ -3,7 +3,7 @@
     python benchmarks/reproduce.py [--only table4,table4h200,fig9,fig10,fig10high,fig11,
                                            table6,leverage,fig9bench,fig10gsm8k,fig13lengths,
                                            fig13bounded,fig13speeds,azure,mechanisms,placement,
-                                           quality,dws]
+                                           stragglers,quality,dws]
                                    [--minutes-per-hour 1.25] [--out benchmarks/results]
 
 Every simulation writes its own run folder (config, per-request records, per-interval metrics,
@@ -35,7 +35,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import reproduce_lengths as lengths
-from reproduce_shapes import GH200, mechanisms, placement, quality
+from reproduce_shapes import GH200, mechanisms, placement, quality, stragglers
 from reproduce_traces import azure, dws_setting
 
 from dilaserve.runs import create_run_dir, markdown_table, write_json
@@ -343,6 +343,7 @@ EXPERIMENTS = {
     "mechanisms": mechanisms,
     "quality": quality,
     "placement": placement,
+    "stragglers": stragglers,
     "dws": dws_setting,
 }
 ALIASES = {"fig13": "table6"}

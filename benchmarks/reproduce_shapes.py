@@ -23,6 +23,7 @@ GH200 = "llada-8b-gh200"  # the paper's Cluster 1 (Table 4, ablations)
 # start-up shrink with it), the others keep a 30 s start-up with a 50 s period.
 AZURE = "../shared/data/traces/azure_llm_2023/AzureLLMInferenceTrace_conv.csv"
 NO_PLANNER = {"planner_period": 1e9}
+STRAGGLER = "straggler: Poisson 3/s, 1 of 4 GPUs at half speed"
 SHAPES = {
     "paper Fig. 10: Poisson 5/s": {"trace": "poisson:5:60", **NO_PLANNER},
     # the same on Fig. 10's own requests (GSM8K 5-shot: 1,020-token prompts, 256-token answers),
@@ -45,7 +46,7 @@ SHAPES = {
     "bursty ShareGPT 3/s": {"trace": "bursty:3:150:3", "planner_period": 50.0},
     # one of the node's GPUs at half the profile's speed, which the control plane is not told
     # (a throttled GPU, a noisy neighbour): what migration is for (docs/simulator.md, Fig. 13)
-    "straggler: Poisson 3/s, 1 of 4 GPUs at half speed": {
+    STRAGGLER: {
         "trace": "poisson:3:150",
         "stragglers": "1:2",
         **NO_PLANNER,
@@ -173,6 +174,55 @@ def placement(x: Experiments, seeds=(0, 1, 2, 3)) -> None:
             }
         )
     x.section(f"Placement: Alg. 3 against INFaaS at threshold 0.9, seeds {list(seeds)}", rows)
+
+
+# (row, policy, the instance-speed extension): Alg. 3 at a fixed threshold and DiLaServe, each
+# with and without pricing instances at their measured speed, beside INFaaS and no migration
+STRAGGLER_ROWS = (
+    ("Alg. 3, fixed 0.9 (placement-only)", "no-dynamic-threshold", False),
+    ("Alg. 3 at measured speeds, fixed 0.9", "no-dynamic-threshold", True),
+    ("INFaaS", "infaas", False),
+    ("DiLaServe", "dilaserve", False),
+    ("DiLaServe at measured speeds", "dilaserve", True),
+    ("DiLaServe without migration", "no-migration", False),
+    ("DiLaServe at measured speeds without migration", "no-migration", True),
+)
+
+
+def stragglers(x: Experiments, seeds=(0, 1, 2, 3)) -> None:
+    """The straggler shape with the extension that prices each instance at its measured speed
+    (`--instance-speed`): SLO attainment and p99 latency per policy, the mean over seeds, and
+    each row's attainment minus INFaaS's."""
+    spec = {**SHAPES[STRAGGLER], "gpus": 4, "profile": GH200}
+    runs = {
+        label: [
+            x.run(
+                f"straggle-{policy}{'-speed' if speed else ''}-s{seed}",
+                policy=policy,
+                seed=seed,
+                instance_speed=speed,
+                **spec,
+            )
+            for seed in seeds
+        ]
+        for label, policy, speed in STRAGGLER_ROWS
+    }
+    infaas = [s["slo_attainment"] for s in runs["INFaaS"]]
+    rows = [
+        {
+            "policy": label,
+            "slo_attainment": round(sum(s["slo_attainment"] for s in out) / len(out), 4),
+            "latency_p99_s": round(sum(s["latency_p99"] for s in out) / len(out), 1),
+            "minus_infaas": spread([100 * (s["slo_attainment"] - i) for s, i in zip(out, infaas)]),
+        }
+        for label, out in runs.items()
+    ]
+    x.section(
+        f"Stragglers: {STRAGGLER}, 4 GH200s, seeds {list(seeds)}",
+        rows,
+        "Means over the seeds; minus_infaas in points, mean [min, max]. At measured speeds: "
+        "Alg. 3 prices each instance's step at that instance's measured speed (an extension).",
+    )
 
 
 def quality(x: Experiments, seeds=(0, 1)) -> None:

@@ -38,6 +38,7 @@ def cluster_config(args, record: bool = False):
         refresh_every_tokens=k,
         slo_headroom=args.slo_headroom,
         max_batch_requests=args.max_batch_requests,
+        instance_speed=args.instance_speed,
     )
     nodes = _nodes(args.nodes, instances)
     control = ControlSpec(
@@ -247,6 +248,12 @@ def _control_args(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="price steps at the latency profile alone, not at the measured slowdown of the "
         "instances' steps against it (docs/control.md)",
+    )
+    p.add_argument(
+        "--instance-speed",
+        action="store_true",
+        help="extension: place each step by the instance's own measured speed, so that a slow "
+        "GPU takes less work (needs the measured speed; docs/control.md)",
     )
     p.add_argument(
         "--candidates",

@@ -203,6 +203,26 @@ def test_a_runs_slowdown_is_the_geometric_mean_of_its_steps_ratios():
     assert s.speed.steps == 3 and s.speed.run_ratio == pytest.approx(4.0 ** (1 / 3))
 
 
+def test_the_instance_speed_extension_prices_a_straggler_at_its_measured_speed():
+    # b (TP-2) is the profile's faster instance; measured 3x slower than its profile, it is the
+    # slower one, and only the extension takes that into Alg. 3's price
+    placed = {}
+    for extension in (False, True):
+        s = scheduler(instance_speed=extension)
+        first = only_launch(s.on_arrival(make_request("r", gen_len=2 * BLOCK), 0.0))
+        price = batch_seconds(PROFILE, 2, first.batch, s.config.costs, s.requests)
+        s.speed.observe(2, first.batch, 3 * price, "b")
+        assert (
+            s.speed.instance_ratio("b") == pytest.approx(1.1) and s.speed.instance_ratio("a") == 1
+        )
+        s.speed.by_instance["b"] = 3.0  # as after many steps
+        done(s, "b", result(s.requests["r"].request, [0], kind=StepKind.RECOMPUTE))
+        x = make_request("x", gen_len=2 * BLOCK, arrival_time=0.0)
+        s.on_arrival(x, 1.0)
+        placed[extension] = s.requests["x"].instance
+    assert placed == {False: "b", True: "a"}
+
+
 def test_measured_slowdown_shrinks_load_controls_capacity():
     # two requests fit at 0.9 in a 100 ms window (2 x 168 of 500 token-steps); at 1.9x slower
     # steps it holds 263: the early one at 0.9 and the later at 0.5 (84) only

@@ -248,3 +248,22 @@ def test_straggling_instances_slow_the_requests_bound_to_them(tmp_path):
     # INFaaS binds each request at arrival: half of them run every step three times as long
     assert slow.summary["latency_mean"] > 1.5 * base.summary["latency_mean"]
     assert slow.summary["finished"] == slow.summary["requests"]
+
+
+def test_pricing_instances_at_their_measured_speed_steers_work_off_a_straggler(tmp_path):
+    trace = small_trace(tmp_path, rate=3.0, seconds=30.0)
+    runs = {
+        extension: simulate(
+            spec(
+                tmp_path,
+                trace=trace,
+                policy="no-dynamic-threshold",
+                planner_period=1e9,
+                stragglers="1:4",
+                instance_speed=extension,
+            )
+        )
+        for extension in (False, True)
+    }
+    assert runs[True].summary["finished"] == runs[True].summary["requests"]
+    assert runs[True].summary["latency_mean"] < 0.9 * runs[False].summary["latency_mean"]

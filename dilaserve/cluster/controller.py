@@ -243,7 +243,7 @@ class Controller:
         self.steps_run += 1
         tp = self.scheduler.instances[iid].tp
         if self.config.measured_speed:  # the step's cost, end to end
-            self.scheduler.speed.observe(tp, batch, now - launched)
+            self.scheduler.speed.observe(tp, batch, now - launched, iid)
         if self.observer is not None:
             self.observer.step_done(iid, tp, event.output, event.seconds)
         if self.recording is not None:

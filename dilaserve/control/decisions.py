@@ -22,6 +22,9 @@ class SchedulerConfig:
     # Alg. 1 fits the predicted remaining time into this share of the budget left: 1.0 is the
     # paper's rule. A policy may set its own (`dilaserve-headroom`: 0.5, a tuned extension).
     slo_headroom: float = 1.0
+    # an extension: Alg. 3 prices each instance's step at that instance's measured speed
+    # (`speed.py`), so that a straggler the profile does not know looks as slow as it is
+    instance_speed: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "kv_cache", KVCacheMode(self.kv_cache))

@@ -8,8 +8,11 @@ request's step is a prefill, so it moves only where that prefill still finishes 
 candidates with room, Alg. 3 as the paper writes it sends the request where the latency profile
 prices a step over the instance's batch with the request in it lowest: the batch is every
 request the instance holds (running, gathered or between steps), in tokens, and the price is
-the full-step curve of the instance's TP degree (ties go to an idle instance). With an exact
-cache (block diffusion, beyond the paper) a move costs a prefill, so there the request goes
+the full-step curve of the instance's TP degree (ties go to an idle instance); with
+`SchedulerConfig.instance_speed` (an extension) it is taken times the instance's measured speed
+over the profile's (`speed.py`), so that a straggler the profile does not know is priced as it
+runs. With an exact cache (block diffusion, beyond the paper) a move costs a prefill, so there
+the request goes
 where its step is predicted to finish first: a busy instance starts the gathered batch, its
 running step's requests included, when that step ends. Least-tokens placement (`llumnix`) picks
 the batch with the fewest tokens. A queue (first-free placement: `fcfs`, `dws-sjf`) gives
@@ -26,6 +29,7 @@ from collections.abc import Mapping, Sequence, Set
 from dilaserve.control.decisions import SchedulerConfig
 from dilaserve.control.instance import InstanceState
 from dilaserve.control.policy import Migration, Order, Placement, Policy
+from dilaserve.control.speed import MeasuredSpeed
 from dilaserve.protocol import CACHED_KINDS, StepKind
 
 
@@ -37,6 +41,7 @@ class Placer:
         instances: Mapping[str, InstanceState],
         tracked: Mapping,  # request id -> the scheduler's record (request, instance, bound)
         solo: Set[str] = frozenset(),  # requests whose steps run alone (the scheduler's set)
+        speed: MeasuredSpeed | None = None,  # per-instance speeds (`config.instance_speed`)
     ):
         self.policy, self.config = policy, config
         self.instances, self.tracked, self.solo = instances, tracked, solo
@@ -46,6 +51,7 @@ class Placer:
         # Alg. 3 as written prices the whole batch; an exact cache, where the step ends first
         self._fastest = policy.placement is Placement.FASTEST_STEP
         self._alg3 = self._fastest and not self._costs.exact
+        self._speed = speed if config.instance_speed else None
 
     def service_key(self, now: float):
         """The order waiting requests are served in (Alg. 3's loop over them): arrival (with
@@ -110,7 +116,10 @@ class Placer:
         """What placement minimises on `inst` for a step of `kind` processing `n` tokens, the
         request bringing `joining` tokens to the instance (0 at home)."""
         if self._alg3:  # the step latency at the batch's tokens with this request in it
-            return inst.full_curve.at(inst.resident_tokens + joining)
+            price = inst.full_curve.at(inst.resident_tokens + joining)
+            if self._speed is not None:  # the extension: at the instance's measured speed
+                price *= self._speed.instance_ratio(inst.instance_id)
+            return price
         fastest = self._fastest
         full, cache = inst.next_batch() if fastest else (inst.pending_full, inst.pending_cache)
         if kind in CACHED_KINDS:

@@ -82,7 +82,7 @@ class Scheduler:
         self._short_path = policy.migration is not Migration.ANY and self._costs.stays_with_cache(
             self._costs.inner_kind
         )
-        self._placer = Placer(policy, config, self.instances, self.requests, self._solo)
+        self._placer = Placer(policy, config, self.instances, self.requests, self._solo, self.speed)
         self._admitted = 0
         # predictions and load control: dynamic thresholds only (a fixed one needs neither)
         self._loads = (

@@ -11,7 +11,10 @@ The cluster runtime reports each step's round trip (launch to result, as the con
 it); `slowdown` is the running ratio of those times to the profile's prediction for the same
 batch, never below 1 (on a machine as fast as when it was profiled, or faster, the profile
 stands, and the algorithms are the paper's). Threshold selection multiplies step times by it;
-load control and admission divide capacity by it. The simulator reports nothing (its steps
+load control and admission divide capacity by it. The same ratio is kept per instance; with
+`SchedulerConfig.instance_speed` (an extension) Alg. 3 prices each instance's step at its own,
+so that a straggler (a throttled GPU, a noisy neighbour) looks as slow as it runs. The
+simulator reports nothing (its steps
 take what its latency model says, times `SimConfig.step_slowdown`, and `slowdown` stays 1)
 unless it predicts a cluster run (`sim/predict.py`: the control plane then learns the
 host's slowdown as the cluster's does) or replays a cluster run's recorded durations
@@ -36,6 +39,7 @@ class MeasuredSpeed:
         self.costs = costs
         self._tracked = tracked  # request id -> the scheduler's record of it
         self.ratio = 1.0  # measured over predicted step time, running
+        self.by_instance: dict[str, float] = {}  # the same, per instance
         self.steps = 0  # steps observed
         self._log_ratios = 0.0  # their sum of log(measured / predicted)
 
@@ -51,13 +55,21 @@ class MeasuredSpeed:
         this host takes as its `SimConfig.step_slowdown`."""
         return math.exp(self._log_ratios / self.steps) if self.steps else 1.0
 
-    def observe(self, tp: int, batch: StepBatch, seconds: float) -> None:
+    def instance_ratio(self, instance_id: str) -> float:
+        """Measured over predicted step time on one instance, running (1 before any step)."""
+        return self.by_instance.get(instance_id, 1.0)
+
+    def observe(self, tp: int, batch: StepBatch, seconds: float, instance_id: str = "") -> None:
         """A step of `batch` on a TP-`tp` instance took `seconds`, launch to result. (Call it
         before the scheduler hears of the step: its requests are still tracked.)"""
         predicted = batch_seconds(self.profile, tp, batch, self.costs, self._tracked)
         if predicted <= 0:
             return
-        self.ratio += WEIGHT * (seconds / predicted - self.ratio)
+        ratio = seconds / predicted
+        self.ratio += WEIGHT * (ratio - self.ratio)
+        if instance_id:
+            mine = self.by_instance.get(instance_id, 1.0)
+            self.by_instance[instance_id] = mine + WEIGHT * (ratio - mine)
         if seconds > 0:
             self.steps += 1
             self._log_ratios += math.log(seconds / predicted)

@@ -118,6 +118,7 @@ def simulate(spec: SimulationSpec, progress=None, log: DecisionLog | None = None
         max_batch_requests=spec.max_batch_requests,
         slo_headroom=spec.slo_headroom,
         refresh_interval=spec.refresh_interval,
+        instance_speed=spec.instance_speed,
     )
     reconfigurer = _reconfigurer(spec, policy, profile, behaviour, config)
     scheduler = Scheduler(policy, profile, predictor, config, reconfigurer)
@@ -130,6 +131,7 @@ def simulate(spec: SimulationSpec, progress=None, log: DecisionLog | None = None
             startup_delay=spec.startup_delay,
             latency_noise=spec.latency_noise,
             instance_slowdown=straggler_slowdown(spec),
+            measured_speed=spec.instance_speed,
             max_batch_tokens=spec.max_batch_tokens,
             seed=spec.seed,
         ),

@@ -150,7 +150,8 @@ class Simulator:
         batch, seconds = self._running.pop(instance_id)
         requests = self.scheduler.requests
         if self.config.measured_speed:
-            self.scheduler.speed.observe(self.scheduler.instances[instance_id].tp, batch, seconds)
+            tp = self.scheduler.instances[instance_id].tp
+            self.scheduler.speed.observe(tp, batch, seconds, instance_id)
         results = tuple(
             self.behaviour.step(requests[i.request_id].request, i.threshold, i.kind)
             for i in batch.items

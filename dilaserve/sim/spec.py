@@ -27,6 +27,10 @@ class SimulationSpec:
     # "COUNT:FACTOR": the first COUNT starting instances take FACTOR times as long per step as
     # the profile says (a throttled GPU, a noisy neighbour); the control plane is not told
     stragglers: str | None = None
+    # an extension: Alg. 3 prices each instance at its measured speed (SchedulerConfig's
+    # `instance_speed`); the simulator then reports step times as the live cluster does, so
+    # the cluster's measured slowdown applies too (`control/speed.py`)
+    instance_speed: bool = False
     slo: float | None = None  # seconds; None: slo_multiple x isolated TP-1 latency
     slo_multiple: float = 5.0
     kv_cache: str = "dual"  # none | dual | block (a block-causal model's exact cache)
