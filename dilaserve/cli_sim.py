@@ -207,6 +207,11 @@ def _add_cluster_arguments(si) -> None:
         help="COUNT:FACTOR: the first COUNT starting instances run each step FACTOR times slower",
     )
     si.add_argument(
+        "--measured-speed",
+        action="store_true",
+        help="report step times to the control plane as the live cluster does",
+    )
+    si.add_argument(
         "--instance-speed",
         action="store_true",
         help="extension: Alg. 3 prices each instance at its measured speed (a straggler's too)",

@@ -267,3 +267,12 @@ def test_pricing_instances_at_their_measured_speed_steers_work_off_a_straggler(t
     }
     assert runs[True].summary["finished"] == runs[True].summary["requests"]
     assert runs[True].summary["latency_mean"] < 0.9 * runs[False].summary["latency_mean"]
+
+
+def test_measured_speed_without_a_straggler_makes_the_papers_decisions(tmp_path):
+    # every step takes exactly the profile's time, so every ratio stays 1
+    runs = [
+        simulate(spec(tmp_path, planner_period=1e9, **flags))
+        for flags in ({}, {"measured_speed": True}, {"instance_speed": True})
+    ]
+    assert len({run.summary["decision_digest"] for run in runs}) == 1

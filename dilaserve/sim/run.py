@@ -131,7 +131,7 @@ def simulate(spec: SimulationSpec, progress=None, log: DecisionLog | None = None
             startup_delay=spec.startup_delay,
             latency_noise=spec.latency_noise,
             instance_slowdown=straggler_slowdown(spec),
-            measured_speed=spec.instance_speed,
+            measured_speed=spec.measured_speed or spec.instance_speed,
             max_batch_tokens=spec.max_batch_tokens,
             seed=spec.seed,
         ),

@@ -27,9 +27,12 @@ class SimulationSpec:
     # "COUNT:FACTOR": the first COUNT starting instances take FACTOR times as long per step as
     # the profile says (a throttled GPU, a noisy neighbour); the control plane is not told
     stragglers: str | None = None
-    # an extension: Alg. 3 prices each instance at its measured speed (SchedulerConfig's
-    # `instance_speed`); the simulator then reports step times as the live cluster does, so
-    # the cluster's measured slowdown applies too (`control/speed.py`)
+    # the simulator reports step times to the control plane as the live cluster does, which
+    # then prices steps at the cluster's measured slowdown (`control/speed.py`; with no
+    # straggler and no noise it stays exactly 1) ...
+    measured_speed: bool = False
+    # ... and, an extension, Alg. 3 prices each instance at its own (SchedulerConfig's
+    # `instance_speed`; it implies `measured_speed`)
     instance_speed: bool = False
     slo: float | None = None  # seconds; None: slo_multiple x isolated TP-1 latency
     slo_multiple: float = 5.0
