@@ -50,8 +50,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_ids: np.ndarray = field(init=False)
     confidences: np.ndarray = field(init=False)
-    num_committed: int = field(init=False, default=0)
-    current_block: int = field(init=False, default=0)  # the first block with a masked position
+    num_committed: int = field(init=False)
+    current_block: int = field(init=False)  # the first block with a masked position
     starts_block: bool = True  # the next step is the first step of a block
     num_steps: int = 0
     steps_by_kind: dict[StepKind, int] = field(default_factory=dict)
@@ -69,6 +69,8 @@ class Request:
                 f"request {self.request_id}: {self.gen_len=} must be a positive "
                 f"multiple of {self.block_len=}"
             )
+        self.num_committed = 0
+        self.current_block = 0
         self.output_ids = np.full(self.gen_len, self.mask_id, dtype=np.int32)
         self.confidences = np.zeros(self.gen_len, dtype=np.float32)
         self.prompt_len = len(self.prompt_ids)

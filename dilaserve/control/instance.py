@@ -103,6 +103,7 @@ class InstanceState:
             seconds += self.full_memo[1]
         if cache:
             if self.cache_memo[0] != cache:
+                assert self.cache_curve is not None  # cache tokens come only with a cache
                 self.cache_memo = (cache, self.cache_curve.at(cache))
             seconds += self.cache_memo[1]
         return seconds

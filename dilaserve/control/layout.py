@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from dilaserve.control.decisions import InstanceSpec, LaunchStep, Reconfiguration
-from dilaserve.control.planner import CapacityPlan, new_model, solution_reader, solved
+from dilaserve.control.planner import CapacityPlan, new_model, qsum, solution_reader, solved
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,8 +41,6 @@ def plan_layout(
     time_limit: float = 30.0,
 ) -> list[SlotPlacement]:
     """Stage 2: place R_d = counts[d] instances in node slots keeping most existing ones."""
-    import highspy
-
     h = new_model(time_limit)
     nodes = range(len(gpus_per_node))
     degrees = sorted(d for d, r in counts.items() if r > 0)
@@ -51,20 +49,19 @@ def plan_layout(
         for d in degrees:
             for slot in range(gpus_per_node[n] // d):
                 u[n, d, slot] = h.addBinary()
-                gpus = [h.addBinary() for _ in range(gpus_per_node[n])]
-                for g, var in enumerate(gpus):
+                assigned = [h.addBinary() for _ in range(gpus_per_node[n])]
+                for g, var in enumerate(assigned):
                     a[n, d, slot, g] = var
-                h.addConstr(highspy.qsum(gpus) == d * u[n, d, slot])
+                h.addConstr(qsum(assigned) == d * u[n, d, slot])
                 if slot:  # symmetry: slots of one (node, tp) fill in order
                     h.addConstr(u[n, d, slot] <= u[n, d, slot - 1])
         for g in range(gpus_per_node[n]):
             on_gpu = [a[n, d, s, g] for d in degrees for s in range(gpus_per_node[n] // d)]
             if on_gpu:
-                h.addConstr(highspy.qsum(on_gpu) <= 1)
+                h.addConstr(qsum(on_gpu) <= 1)
     for d in degrees:
         h.addConstr(
-            highspy.qsum(u[n, d, s] for n in nodes for s in range(gpus_per_node[n] // d))
-            == counts[d]
+            qsum(u[n, d, s] for n in nodes for s in range(gpus_per_node[n] // d)) == counts[d]
         )
     keep = {}  # (instance, node, tp, slot) -> binary: the instance stays in that slot
     for inst in existing:
@@ -78,9 +75,9 @@ def plan_layout(
             h.addConstr(var <= u[inst.node, inst.tp, slot])
             for g in inst.gpus:
                 h.addConstr(var <= a[inst.node, inst.tp, slot, g])
-        h.addConstr(highspy.qsum(choices) <= 1)
+        h.addConstr(qsum(choices) <= 1)
     if keep:
-        h.maximize(highspy.qsum(keep.values()))
+        h.maximize(qsum(keep.values()))
     else:
         h.run()
     if not solved(h):

@@ -86,7 +86,8 @@ class WorkloadMonitor:
             self._arrivals.popleft()
         if not self._arrivals:
             return []
-        span = max(min(self.window, now - self._first), 1.0)
+        first = now if self._first is None else self._first  # set with the first arrival
+        span = max(min(self.window, now - first), 1.0)
         groups: dict[tuple[int, int, float], list[_Arrival]] = {}
         for a in self._arrivals:
             groups.setdefault(a.key, []).append(a)

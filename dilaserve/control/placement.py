@@ -88,13 +88,13 @@ class Placer:
         """The instance for the request's next step and that step's kind; None: no room."""
         r, mode = t.request, self.config.kv_cache
         home = self.instances.get(t.instance) if t.instance is not None else None
-        home_kind = r.next_kind(mode, r.request_id in home.holds) if home is not None else None
+        away = r.next_kind(mode, has_cache=False)
+        home_kind = r.next_kind(mode, r.request_id in home.holds) if home is not None else away
         if home is not None and home.draining:
             stays = self._costs.stays_with_cache(home_kind)
             if not stays or self.policy.migration is Migration.ANY:
-                home, home_kind = None, None  # leave now; a cache step stays with its cache
+                home = None  # leave now; a cache step stays with its cache
         candidates = self._candidates(t, home, home_kind, open_instances)
-        away = r.next_kind(mode, has_cache=False)
         solo = r.request_id in self.solo
         if len(candidates) == 1:  # no choice (cache step at home, bound request): room only
             inst = candidates[0]

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from dilaserve.control.monitor import WorkloadClass
 from dilaserve.control.profile import LatencyProfile
@@ -147,10 +148,10 @@ class _Stage1:
         self.cfg, self.degrees = cfg, tuple(degrees)
         self.nodes = range(len(cfg.gpus_per_node))
         self.families = {d: _families(profile, cfg, d) for d in self.degrees}
-        self.x: dict[tuple[int, int], object] = {}  # (node, tp) -> instances
-        self.z: dict[tuple[str, int, int], object] = {}  # (step family, tp, batch) -> binary
+        self.x: dict[tuple[int, int], Any] = {}  # (node, tp) -> instances (HiGHS variables)
+        self.z: dict[tuple[str, int, int], Any] = {}  # (step family, tp, batch) -> binary
         self.latency: dict[tuple[str, int, int], float] = {}  # (family, tp, batch) -> seconds
-        self.thr_steps: dict[tuple[int, float], object] = {}  # s_kc
+        self.thr_steps: dict[tuple[int, float], Any] = {}  # s_kc
         self.demand: dict[int, list] = {d: [] for d in self.degrees}  # instance-s/s on TP d
         self._instances(fixed)
         self._batch_choices(profile)
@@ -162,7 +163,7 @@ class _Stage1:
             for d in self.degrees:
                 most = gpus[n] // d if fixed is None else fixed.get((n, d), 0)
                 self.x[n, d] = h.addIntegral(lb=0 if fixed is None else most, ub=most)
-            h.addConstr(_qsum(d * self.x[n, d] for d in self.degrees) <= gpus[n])
+            h.addConstr(qsum(d * self.x[n, d] for d in self.degrees) <= gpus[n])
 
     def _batch_choices(self, profile: LatencyProfile) -> None:
         """z_db: one batch size per TP degree and step family."""
@@ -171,7 +172,7 @@ class _Stage1:
                 for b in sizes:
                     self.z[fam, d, b] = self.h.addBinary()
                     self.latency[fam, d, b] = profile.step_latency(d, b, kind)
-                self.h.addConstr(_qsum(self.z[fam, d, b] for b in sizes) == 1)
+                self.h.addConstr(qsum(self.z[fam, d, b] for b in sizes) == 1)
 
     def add_class(self, k: int, cls: WorkloadClass):
         """A class's steps over thresholds and (TP degree, batch size); returns t_k."""
@@ -181,7 +182,7 @@ class _Stage1:
         for c in cfg.thresholds:
             self.thr_steps[k, c] = h.addVariable(lb=0, ub=most_steps)
         steps = [self.thr_steps[k, c] for c in cfg.thresholds]
-        h.addConstr(_qsum(tps[c] * self.thr_steps[k, c] for c in cfg.thresholds) == cls.output_len)
+        h.addConstr(qsum(tps[c] * self.thr_steps[k, c] for c in cfg.thresholds) == cls.output_len)
         by_family: dict[str, list] = {}
         latency_terms = []
         bound = {"full": most_steps, "cache": 0.0}  # the big-M of each family's w_kdb
@@ -191,7 +192,7 @@ class _Stage1:
         boundary = costs.boundary_batch_tokens(cls.num_tokens)
         for d in self.degrees:
             for fam, _, sizes in self.families[d]:
-                tokens = boundary if fam == "full" else cfg.cache_block
+                tokens = boundary if fam == "full" else cfg.cache_block or 0  # cached: set
                 for b in sizes:
                     w = h.addVariable(lb=0, ub=bound[fam])  # w_kdb
                     h.addConstr(w <= bound[fam] * self.z[fam, d, b])
@@ -201,17 +202,17 @@ class _Stage1:
                     coefficient = cls.rate * tokens * lat / b
                     if coefficient > NEGLIGIBLE:
                         self.demand[d].append(coefficient * w)
-        h.addConstr(_qsum(steps) == _qsum(w for ws in by_family.values() for w in ws))
+        h.addConstr(qsum(steps) == qsum(w for ws in by_family.values() for w in ws))
         if cfg.cache_block is not None:  # one recompute step per block
-            h.addConstr(_qsum(by_family["full"]) == cls.output_len / cfg.cache_block)
-        t_k = _qsum(latency_terms)
+            h.addConstr(qsum(by_family["full"]) == cls.output_len / cfg.cache_block)
+        t_k = qsum(latency_terms)
         h.addConstr(t_k <= cls.slo)
         return t_k
 
     def add_stability(self) -> None:
         for d in self.degrees:
             if self.demand[d]:
-                self.h.addConstr(_qsum(self.demand[d]) <= _qsum(self.x[n, d] for n in self.nodes))
+                self.h.addConstr(qsum(self.demand[d]) <= qsum(self.x[n, d] for n in self.nodes))
 
     def objectives(self, classes: Sequence[WorkloadClass], t_exprs) -> tuple:
         """Mean threshold per output token, then SLO slack (both over the total rate: the same
@@ -219,16 +220,17 @@ class _Stage1:
         tps = self.cfg.tokens_per_step
         total_rate = sum(c.rate for c in classes) or 1.0
         share = [cls.rate / total_rate for cls in classes]
-        mean_threshold = _qsum(
+        mean_threshold = qsum(
             (share[k] * c * tps[c] / cls.output_len) * self.thr_steps[k, c]
             for k, cls in enumerate(classes)
             for c in self.cfg.thresholds
         )
-        slack = _qsum(share[k] * (cls.slo - t) for k, (cls, t) in enumerate(zip(classes, t_exprs)))
+        slack = qsum(share[k] * (cls.slo - t) for k, (cls, t) in enumerate(zip(classes, t_exprs)))
         return mean_threshold, slack
 
 
-def _qsum(terms):
+def qsum(terms):
+    """HiGHS's sum of variables and expressions (one expression, not a chain of additions)."""
     import highspy
 
     return highspy.qsum(list(terms))

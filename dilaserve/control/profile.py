@@ -119,7 +119,10 @@ class LatencyProfile:
             points.setdefault(key, []).append(point)
         if not points:
             raise ValueError("latency profile has no entries")
-        curves = {k: Curve(*map(tuple, zip(*sorted(v)))) for k, v in points.items()}
+        curves = {}
+        for k, v in points.items():
+            tokens, seconds = zip(*sorted(v))
+            curves[k] = Curve(tuple(tokens), tuple(seconds))
         meta = {k: v for k, v in raw.items() if k not in ("entries", "block_len")}
         return cls(curves, int(raw.get("block_len", 32)), meta)
 

@@ -97,6 +97,7 @@ class Reconfigurer:
         self.history: list[dict] = []  # one entry per planning round, for run logs
 
     def record(self, request: Request, now: float) -> None:
+        assert request.deadline is not None  # the scheduler sets it at arrival
         slo = request.deadline - request.arrival_time
         self.monitor.record(now, request.prompt_len, request.gen_len, slo)
 

@@ -52,7 +52,7 @@ class _Tracked:
     instance: str | None = None  # where its state lives
     bound: str | None = None  # the only instance it may use (no migration / on-arrival)
     needs_threshold: bool = True
-    order: tuple[float, float, int] = ()  # (-priority, arrival, seq): arrival service order
+    order: tuple = ()  # (-priority, arrival, seq): arrival service order
 
 
 class Scheduler:
@@ -349,8 +349,9 @@ class Scheduler:
         """Alg. 1 over the thresholds load control allows and the request accepts; a request
         whose bounds exclude all of them gets the nearest it accepts."""
         r = t.request
-        if not self.policy.is_dynamic:
-            return r.clamp_threshold(self.policy.fixed_threshold)
+        fixed = self.policy.fixed_threshold
+        if fixed is not None:  # not a dynamic policy
+            return r.clamp_threshold(fixed)
         if not t.needs_threshold:
             return r.threshold
         t.needs_threshold = False
@@ -364,6 +365,7 @@ class Scheduler:
         if inst.seconds_memo[0] != key:  # the same for every request placed there this round
             load = InstanceLoad(inst.tp, *key)
             inst.seconds_memo = (key, step_seconds(load, self.profile, self._costs))
+        assert r.deadline is not None and self._loads is not None  # set at arrival; dynamic
         slo_left = (r.deadline - now) * self._headroom
         steps = self._loads.steps_left(r.request_id, allowed)
         if self._costs.exact and r.request_id not in inst.holds:  # it prefills there first
@@ -376,6 +378,7 @@ class Scheduler:
         """What a prefill of `r` on `inst` costs beyond the block step it replaces."""
         costs = self._costs
         prefill = inst.full_curve.at(costs.request_tokens(StepKind.PREFILL, r))
+        assert inst.cache_curve is not None  # an exact cache has its curve
         return max(prefill - inst.cache_curve.at(costs.inner_tokens(r.num_tokens)), 0.0)
 
     def _launch(self, now: float) -> list[StepLaunch]:

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from dilaserve.control.profile import LatencyProfile
 from dilaserve.control.step_costs import StepCosts
@@ -85,7 +86,7 @@ def instance_capacity(
 
 
 def load_matrix(
-    steps: np.ndarray, num_tokens: np.ndarray, recompute_left: np.ndarray, costs: Costs
+    steps: np.ndarray, num_tokens: ArrayLike, recompute_left: ArrayLike, costs: Costs
 ) -> np.ndarray:
     """`request_load` for many requests and thresholds at once: steps [n, T] -> loads [n, T].
     Boundary steps (at most `recompute_left`) process the whole sequence (`num_tokens`), or
