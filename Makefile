@@ -6,7 +6,7 @@ TORCH := torch==2.13.0
 
 PORT ?= 8000
 
-.PHONY: setup serve demo test test-all lint bench train-model train-model-llada2 eval
+.PHONY: setup serve demo test test-all lint bench train-model train-model-llada2 eval compile uncompile
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -29,6 +29,21 @@ test: setup
 
 test-all: setup  ## includes tests marked slow
 	$(PY) -m pytest -q -m ""
+
+# The control plane's hot path and the simulator's event loop, compiled by mypyc from the very
+# source the server runs: the same decisions, simulations ~14% faster (docs/simulator.md, Speed).
+# Optional; `make uncompile` goes back to the plain modules.
+COMPILED := dilaserve/request.py dilaserve/protocol.py dilaserve/sim/simulator.py \
+	dilaserve/sim/behaviour.py $(addprefix dilaserve/control/,scheduler.py placement.py \
+	instance.py load_control.py load_table.py thresholds.py features.py step_costs.py \
+	profile.py speed.py)
+
+compile: setup  ## a few minutes on one core
+	$(PY) -m pip install -q 'mypy>=1.10'  # mypyc comes with it
+	$(VENV)/bin/mypyc $(COMPILED)
+
+uncompile:
+	rm -rf build *__mypyc*.so $(COMPILED:.py=.cpython-*.so)
 
 lint: setup
 	$(VENV)/bin/ruff check dilaserve tests benchmarks
