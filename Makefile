@@ -33,17 +33,20 @@ test-all: setup  ## includes tests marked slow
 # The control plane's hot path and the simulator's event loop, compiled by mypyc from the very
 # source the server runs: the same decisions, simulations ~14% faster (docs/simulator.md, Speed).
 # Optional; `make uncompile` goes back to the plain modules.
-COMPILED := dilaserve/request.py dilaserve/protocol.py dilaserve/sim/simulator.py \
+COMPILED := dilaserve/request.py dilaserve/sim/simulator.py \
 	dilaserve/sim/behaviour.py $(addprefix dilaserve/control/,scheduler.py placement.py \
 	instance.py load_control.py load_table.py thresholds.py features.py step_costs.py \
 	profile.py speed.py)
 
-compile: setup  ## a few minutes on one core
+SITE = $(shell $(PY) -c "import sysconfig; print(sysconfig.get_paths()['platlib'])")
+
+compile: setup  ## under a minute to a few on one core
 	$(PY) -m pip install -q 'mypy>=1.10'  # mypyc comes with it
 	$(VENV)/bin/mypyc $(COMPILED)
+	echo $(CURDIR) > $(SITE)/dilaserve-mypyc.pth  # the modules' shared runtime, at the top level
 
 uncompile:
-	rm -rf build *__mypyc*.so $(COMPILED:.py=.cpython-*.so)
+	rm -rf build *__mypyc*.so $(SITE)/dilaserve-mypyc.pth $(COMPILED:.py=.cpython-*.so)
 
 lint: setup
 	$(VENV)/bin/ruff check dilaserve tests benchmarks

@@ -102,7 +102,7 @@ class LatencyProfile:
         return self.curve(tp, kind).tokens[-1]
 
     @classmethod
-    def from_dict(cls, raw: dict) -> LatencyProfile:
+    def from_dict(cls, raw: object) -> LatencyProfile:
         if not isinstance(raw, dict) or not isinstance(raw.get("entries", []), list):
             raise ValueError("a latency profile is an object with a list of 'entries'")
         if raw.get("schema", SCHEMA) != SCHEMA:

@@ -295,7 +295,7 @@ class BlockStepsBehaviour:
         left = max(int(steps[block]) - done, 1)
         positions = free[: -(-len(free) // left)].astype(np.int32)
         block_done = len(positions) == len(free)
-        last = block + 1 >= len(steps) or steps[block + 1] == 0
+        last = block + 1 >= len(steps) or bool(steps[block + 1] == 0)
         self._done_in_block[r.request_id] = 0 if block_done else done + 1
         return RequestStepResult(
             r.request_id,

@@ -21,13 +21,13 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from dilaserve.control.decisions import DecisionLog, Decisions, InstanceSpec
 from dilaserve.control.profile import LatencyProfile
 from dilaserve.control.rollout import Rollout
-from dilaserve.control.scheduler import Scheduler
 from dilaserve.control.speed import batch_seconds
 from dilaserve.protocol import StepBatch, StepOutput
 from dilaserve.request import Request
@@ -74,7 +74,7 @@ class SimResult:
 class Simulator:
     def __init__(
         self,
-        scheduler: Scheduler,
+        scheduler: Any,  # a Scheduler, or one behind admission control (`sim/predict.py`)
         profile: LatencyProfile,
         behaviour,
         instances: list[InstanceSpec],
