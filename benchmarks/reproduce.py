@@ -1,9 +1,6 @@
 """Reproduce the DiLaServe paper's experiments in the simulator, beside the paper's numbers.
 
-    python benchmarks/reproduce.py [--only table4,table4h200,fig9,fig10,fig10high,fig11,
-                                           table6,leverage,fig9bench,fig10gsm8k,fig13lengths,
-                                           fig13bounded,fig13speeds,azure,mechanisms,placement,
-                                           stragglers,quality,dws]
+    python benchmarks/reproduce.py [--only NAME,...  (default all of `EXPERIMENTS`)]
                                    [--minutes-per-hour 1.25] [--out benchmarks/results]
 
 Every simulation writes its own run folder (config, per-request records, per-interval metrics,

@@ -13,7 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from dilaserve.control.decisions import InstanceSpec, LaunchStep, Reconfiguration
-from dilaserve.control.planner import CapacityPlan, new_model, qsum, solution_reader, solved
+from dilaserve.control.highs import new_model, qsum, solution_reader, solved
+from dilaserve.control.planner import CapacityPlan
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,24 +2,23 @@
 
 The candidates are every instance taking new work, unless the request may not move: a request
 bound to one instance (no migration, or bound at arrival), or, with migration only before
-recompute steps, a request whose next step is a cache step where its approximate cache lives.
-An exact (block-diffusion) cache makes that rule a priced decision: away from its cache the
+recompute steps, a request whose next step is a cache step where its approximate cache lives. An
+exact (block-diffusion) cache makes that rule a priced decision: away from its cache the
 request's step is a prefill, so it moves only where that prefill still finishes first. Among the
 candidates with room, Alg. 3 as the paper writes it sends the request where the latency profile
 prices a step over the instance's batch with the request in it lowest: the batch is every
-request the instance holds (running, gathered or between steps), in tokens, and the price is
-the full-step curve of the instance's TP degree (ties go to an idle instance); with
+request the instance holds (running, gathered or between steps), in tokens, and the price is the
+full-step curve of the instance's TP degree (ties go to an idle instance); with
 `SchedulerConfig.instance_speed` (an extension) it is taken times the instance's measured speed
 over the profile's (`speed.py`), so that a straggler the profile does not know is priced as it
 runs. With an exact cache (block diffusion, beyond the paper) a move costs a prefill, so there
-the request goes
-where its step is predicted to finish first: a busy instance starts the gathered batch, its
-running step's requests included, when that step ends. Least-tokens placement (`llumnix`) picks
-the batch with the fewest tokens. A queue (first-free placement: `fcfs`, `dws-sjf`) gives
-waiting requests only to instances between steps, least tokens first. Which waiting request
-goes first is the policy's service order (`service_key`: arrival, or DWS-SJF's shortest aged
-expected cost). The scheduler owns the state; this reads it (the instances and the tracked
-requests, shared mappings) and decides.
+the request goes where its step is predicted to finish first: a busy instance starts the
+gathered batch, its running step's requests included, when that step ends. Least-tokens
+placement (`llumnix`) picks the batch with the fewest tokens. A queue (first-free placement:
+`fcfs`, `dws-sjf`) gives waiting requests only to instances between steps, least tokens first.
+Which waiting request goes first is the policy's service order (`service_key`: arrival, or DWS-
+SJF's shortest aged expected cost). The scheduler owns the state; this reads it (the instances
+and the tracked requests, shared mappings) and decides.
 """
 
 from __future__ import annotations

@@ -52,16 +52,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dilaserve.control.highs import new_model, qsum, solution_reader, solved
 from dilaserve.control.monitor import WorkloadClass
 from dilaserve.control.profile import LatencyProfile
 from dilaserve.control.step_costs import StepCosts
 from dilaserve.protocol import KVCacheMode
 
-# HiGHS's MIP search, and so which of several near-equal plans it returns, depends on its number
-# of threads, by default derived from the machine's hardware threads: with one thread 3 of the
-# paper-sized simulation's 40 planning rounds pick another plan. A fixed count gives every machine
-# the same search (and the simulator the same decision log); 2 reproduces the published runs.
-HIGHS_THREADS = 2
 # stability terms below HiGHS's matrix tolerance (instance-seconds per second per step) are
 # dropped, as HiGHS would drop them; a request class that small adds no measurable load
 NEGLIGIBLE = 1e-9
@@ -229,13 +225,6 @@ class _Stage1:
         return mean_threshold, slack
 
 
-def qsum(terms):
-    """HiGHS's sum of variables and expressions (one expression, not a chain of additions)."""
-    import highspy
-
-    return highspy.qsum(list(terms))
-
-
 def _families(profile: LatencyProfile, cfg: PlannerConfig, tp: int):
     """Step families with their batch-size candidates: (name, kind, batch sizes)."""
     costs = cfg.costs
@@ -258,41 +247,6 @@ def _build_stage1(
     t_exprs = [m.add_class(k, cls) for k, cls in enumerate(classes)]
     m.add_stability()
     return m, m.objectives(classes, t_exprs), t_exprs, m.demand
-
-
-def new_model(time_limit: float, gap: float | None = None):
-    """An empty, quiet HiGHS model with a time limit per solve; `gap` is the relative MIP gap
-    a solve may stop at (HiGHS's default is 1e-4). The planner passes its `tolerance`: an
-    objective is held only that close to its optimum anyway, and the looser gap cut the
-    simulator's planning time from 12.2 s to 8.7 s over its first 10 rounds, with the same plans."""
-    import highspy
-
-    h = highspy.Highs()
-    h.silent()
-    h.setOptionValue("threads", HIGHS_THREADS)
-    h.setOptionValue("time_limit", time_limit)
-    if gap is not None:
-        h.setOptionValue("mip_rel_gap", gap)
-    return h
-
-
-def solved(h) -> bool:
-    import highspy
-
-    status = h.getModelStatus()
-    if status == highspy.HighsModelStatus.kOptimal:
-        return True
-    # a time limit with a feasible incumbent still gives a usable plan
-    return h.getInfo().primal_solution_status == 2
-
-
-def solution_reader(h):
-    """The solved model's value of a variable or expression, the solution read once
-    (`h.val` copies the whole solution on every call: 8 s of a paper-sized simulation)."""
-    import highspy
-
-    solution = h.getSolution().col_value
-    return lambda item: highspy.Highs.internal_get_value(solution, item)
 
 
 def _maximise_in_order(h, objectives, tolerance: float) -> list[float] | None:

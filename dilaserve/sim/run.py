@@ -193,7 +193,7 @@ def initial_instances(spec: SimulationSpec) -> list[InstanceSpec]:
 
 def straggler_slowdown(spec: SimulationSpec) -> dict[str, float]:
     """Instance id -> its steps' time factor, for the spec's stragglers."""
-    count, factor = spec.straggler_slowdown()
+    count, factor = spec.parsed_stragglers()
     return {f"i{k}": factor for k in range(count)}
 
 

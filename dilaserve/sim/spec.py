@@ -64,7 +64,7 @@ class SimulationSpec:
         if self.gpus <= 0 or self.gpus % self.initial_tp:
             raise ValueError(f"{self.gpus=} must be a positive multiple of {self.initial_tp=}")
         self.layout()  # a malformed layout or straggler count fails here, not mid-run
-        self.straggler_slowdown()
+        self.parsed_stragglers()
         if self.rate_scale <= 0:
             raise ValueError(f"{self.rate_scale=} must be positive")
         if self.slo is not None and self.slo <= 0:
@@ -96,7 +96,7 @@ class SimulationSpec:
             raise ValueError(f"{self.initial_layout=} needs {first} GPUs; {self.gpus=}")
         return degrees
 
-    def straggler_slowdown(self) -> tuple[int, float]:
+    def parsed_stragglers(self) -> tuple[int, float]:
         """(how many of the first instances are slow, their step-time factor); (0, 1.0): none."""
         if self.stragglers is None:
             return 0, 1.0
