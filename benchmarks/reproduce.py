@@ -32,7 +32,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import reproduce_lengths as lengths
-from reproduce_shapes import GH200, mechanisms, placement, quality, stragglers
+from reproduce_shapes import GH200, batch_limits, mechanisms, placement, quality, stragglers
 from reproduce_traces import azure, dws_setting
 
 from dilaserve.runs import create_run_dir, markdown_table, write_json
@@ -341,6 +341,7 @@ EXPERIMENTS = {
     "quality": quality,
     "placement": placement,
     "stragglers": stragglers,
+    "batchlimits": batch_limits,
     "dws": dws_setting,
 }
 ALIASES = {"fig13": "table6"}

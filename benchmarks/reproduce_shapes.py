@@ -269,3 +269,59 @@ def quality(x: Experiments, seeds=(0, 1)) -> None:
         "paper at 0.9 and 0.7, extrapolated below 0.7 (linearly, or with the bundled model's "
         "accelerating drop). Paper: under 1% accuracy loss.",
     )
+
+
+def batch_limits(x: Experiments, table4_seeds=(0, 1, 2)) -> None:
+    """Alg. 3's maxBatchSize read as the batch size Stage 1 chose for the instance's TP degree
+    (`--plan-batch-limits`), against the default, the instance's own batch-token limit: the Table
+    4 trace (16 GH200s) and the mechanism shapes the planner runs in (`--shapes` as for the
+    mechanisms), each at its seeds. The paper's Alg. 3 reads `inst.maxBatchSize` without saying
+    where it comes from (papers.md 1.7)."""
+    settings = [("Table 4 trace, 16 GH200s", "table4", {"profile": GH200}, table4_seeds)]
+    for shape, tag, changes in shapes_to_run(x):
+        if changes.get("planner_period") != NO_PLANNER["planner_period"]:
+            settings.append((shape, tag, {**changes, "gpus": 4, "profile": GH200}, x.seeds))
+    rows = []
+    for setting, tag, spec, seeds in settings:
+        runs = {
+            limits: [
+                x.run(
+                    f"batchlim-{tag}{'-limits' if limits else ''}-s{seed}",
+                    policy="dilaserve",
+                    seed=seed,
+                    plan_batch_limits=limits,
+                    **spec,
+                )
+                for seed in seeds
+            ]
+            for limits in (False, True)
+        }
+
+        rows.append(
+            {
+                "setting": setting,
+                "seeds": len(seeds),
+                "slo_default": mean_of(runs[False], "slo_attainment"),
+                "slo_plan_limits": mean_of(runs[True], "slo_attainment"),
+                "effect": spread(
+                    [
+                        100 * (b["slo_attainment"] - a["slo_attainment"])
+                        for a, b in zip(*runs.values())
+                    ]
+                ),
+                "latency_mean_default_s": mean_of(runs[False], "latency_mean"),
+                "latency_mean_plan_limits_s": mean_of(runs[True], "latency_mean"),
+                "digests_default": " ".join(s["decision_digest"][:16] for s in runs[False]),
+            }
+        )
+    x.section(
+        "Batch limits: Stage 1's batch sizes as Alg. 3's maxBatchSize",
+        rows,
+        "DiLaServe with each instance's batch bounded by the batch sizes the applied plan chose "
+        "for its TP degree (full-sequence and cache-step tokens apart), against the default "
+        "(the instance's batch-token limit). Effect in points, mean [min, max] over the seeds.",
+    )
+
+
+def mean_of(summaries: list[dict], key: str) -> float:
+    return round(sum(s[key] for s in summaries) / len(summaries), 4)

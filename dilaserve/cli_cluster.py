@@ -48,6 +48,7 @@ def cluster_config(args, record: bool = False):
         scheduler,
         nodes=nodes,
         planner_period=args.planner_period,
+        plan_batch_limits=args.plan_batch_limits,
         candidates=args.candidates,
     )
     config = ClusterConfig(
@@ -295,6 +296,11 @@ def _planner_args(p: argparse.ArgumentParser) -> None:
         "total on one node; 0: no reconfiguration",
     )
     p.add_argument("--planner-period", type=float, default=300.0, help="seconds between rounds")
+    p.add_argument(
+        "--plan-batch-limits",
+        action="store_true",
+        help="the planner's batch sizes bound each instance's batch (Alg. 3's maxBatchSize)",
+    )
     p.add_argument(
         "--max-batch-requests", type=int, default=None, help="requests per step batch (no limit)"
     )

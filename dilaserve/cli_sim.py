@@ -225,6 +225,11 @@ def _add_cluster_arguments(si) -> None:
     si.add_argument("--planner-period", type=float, default=300.0)
     si.add_argument("--startup-delay", type=float, default=30.0)
     si.add_argument(
+        "--plan-batch-limits",
+        action="store_true",
+        help="the planner's batch sizes bound each instance's batch (Alg. 3's maxBatchSize)",
+    )
+    si.add_argument(
         "--serial-launches",
         action="store_true",
         help="a reconfiguration launches each instance only once the one before it is up",

@@ -14,6 +14,7 @@ from dilaserve.control.planner import CapacityPlan, plan_capacity
 from dilaserve.control.policy import get_policy
 from dilaserve.control.reconfigure import Reconfigurer, worth_applying
 from dilaserve.control.scheduler import Scheduler, SchedulerConfig
+from dilaserve.protocol import StepKind
 from dilaserve.request import Request
 
 from conftest import PLANNER_PROFILE as PROFILE
@@ -146,10 +147,8 @@ def test_a_rising_load_is_planned_for_until_the_next_window():
     assert falling.classes(10.0)[0].rate == pytest.approx(1.1 * 0.5)
 
 
-def scheduler_with_planner(
-    policy: str, guard_moves: bool = False, startup_delay: float = 30.0
-) -> Scheduler:
-    cfg = config(period=10.0, guard_moves=guard_moves, startup_delay=startup_delay)
+def scheduler_with_planner(policy: str, guard_moves: bool = False, **planner) -> Scheduler:
+    cfg = config(period=10.0, guard_moves=guard_moves, **planner)
     s = Scheduler(
         get_policy(policy, fixed_threshold=0.9, candidates=(0.5, 0.9)),
         PROFILE,
@@ -213,3 +212,38 @@ def test_a_proposal_that_keeps_the_running_counts_costs_one_solve(monkeypatch):
             assert calls == [None] and r.history[-1]["current"] == {2: 1}
     assert r.on_tick(20.0, [InstanceSlot("a", 0, 1, (0,)), InstanceSlot("b", 0, 1, (1,))])
     assert calls == [None, None, {(0, 1): 2}]  # a change is weighed against what runs
+
+
+def test_with_batch_limits_the_plan_carries_its_batch_sizes_to_every_instance():
+    # PlannerConfig.batch_limits: Alg. 3's maxBatchSize is the batch size Stage 1 chose for the
+    # instance's TP degree; the instances already up take it when the plan begins, new ones
+    # when they come up, and a degree the plan leaves out keeps its own limit
+    s = scheduler_with_planner("dilaserve", batch_limits=True)
+    for i in range(4):
+        s.on_arrival(Request(f"r{i}", tuple(range(3, 67)), 64, 32, 1, 0.9, i * 2.5), i * 2.5)
+    move = s.on_tick(10.0).reconfiguration
+    assert move.target == {2: 1}
+    [(tp, (full, cache))] = move.batch_limits.items()
+    assert tp == 2 and cache is None and full in PROFILE.curve(2, StepKind.FULL).tokens
+    assert s.reconfigurer.history[-1]["batch_limits"] == move.batch_limits
+    s.set_batch_limits(move.batch_limits)
+    assert s.instances["a"].planned_batch is None  # TP-1: not in the plan
+    s.add_instance("c", 2, 4096, node=0, gpus=(0, 1))
+    assert s.instances["c"].planned_batch == (full, None)
+
+
+def test_without_batch_limits_a_plan_leaves_instance_limits_alone():
+    s = scheduler_with_planner("dilaserve")
+    for i in range(4):
+        s.on_arrival(Request(f"r{i}", tuple(range(3, 67)), 64, 32, 1, 0.9, i * 2.5), i * 2.5)
+    assert s.on_tick(10.0).reconfiguration.batch_limits is None
+
+
+def test_a_round_that_keeps_the_instances_still_sets_the_plans_batch_sizes():
+    cfg = config(period=10.0, guard_moves=False, batch_limits=True)
+    r = Reconfigurer(PROFILE, cfg, WorkloadMonitor(window=10.0, safety=1.0))
+    for i in range(4):
+        t = i * 2.5
+        r.record(Request(f"r{i}", tuple(range(3, 67)), 64, 32, 1, 0.9, t, t + 2.5), t)
+    plan = r.on_tick(10.0, [InstanceSlot("c", 0, 2, (0, 1))])  # what runs is the proposal
+    assert plan.steps == () and plan.stop_after == () and set(plan.batch_limits) == {2}

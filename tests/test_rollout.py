@@ -90,3 +90,22 @@ def test_retired_instances_stop_once_every_launch_is_up():
     assert "spare" in scheduler.instances
     rollout.on_up(tp1("x", 3), 7.5)
     assert "spare" not in scheduler.instances and not rollout.active
+
+
+class LimitedScheduler(IdleScheduler):
+    def __init__(self, *instances: str):
+        super().__init__(*instances)
+        self.limits = None
+
+    def set_batch_limits(self, limits):
+        self.limits = limits
+
+
+def test_a_plan_of_batch_limits_alone_sets_them_and_moves_nothing():
+    scheduler, driver = LimitedScheduler("old"), Driver()
+    rollout = Rollout(scheduler, driver, 4096)
+    limits = {1: (2048, 512)}
+    assert not rollout.begin(Reconfiguration((), (), {1: 1}, batch_limits=limits), 0.0)
+    assert scheduler.limits == limits and not rollout.active and rollout.log == []
+    assert rollout.begin(tp4_to_four_tp1(serial=False), 1.0)  # no limits: left as they were
+    assert scheduler.limits == limits

@@ -8,6 +8,7 @@ from dilaserve.control.policy import get_policy
 from dilaserve.control.profile import Curve, LatencyProfile
 from dilaserve.control.scheduler import Scheduler, SchedulerConfig
 from dilaserve.control.speed import batch_seconds
+from dilaserve.control.thresholds import instance_capacity
 from dilaserve.protocol import RequestStepResult, StepKind, StepOutput
 
 from conftest import make_request
@@ -512,3 +513,27 @@ def test_an_instance_batch_counts_its_tokens_and_hands_them_over_at_launch():
     inst.launch(now=2.0)
     assert inst.busy and inst.busy_until == pytest.approx(2.0 + 0.55 + 0.05)
     assert inst.holds == {"b", "c"} and inst.pending == [] and inst.pending_full == 0
+
+
+def test_a_planned_batch_bounds_full_sequence_and_cache_step_tokens_apart():
+    # Alg. 3's maxBatchSize from the plan: (full-sequence, cache-step) tokens, each family alone
+    inst = InstanceState("i", 1, 1000, Curve((10, 100), (0.1, 1.0)), Curve((10,), (0.05,)))
+    inst.planned_batch = (100, 64)
+    assert inst.has_room(500, 8)  # an empty batch still takes anything
+    inst.gather("a", StepKind.RECOMPUTE, 60)
+    inst.gather("b", StepKind.CACHE, 32)
+    assert inst.has_room(40, 8) and not inst.has_room(41, 8)  # full: 60 of 100
+    assert inst.has_room(32, 8, cached=True) and not inst.has_room(33, 8, cached=True)
+    inst.planned_batch = None  # the instance's own limit over the mixed batch
+    assert inst.has_room(908, 8) and not inst.has_room(909, 8)
+
+
+def test_a_planned_cache_batch_sets_alg4s_sequences_per_batch():
+    # Alg. 4's capacity runs cache steps of maxNumSeqPerBatch sequences: with the plan's batch
+    # limits, as many as the planned cache-step batch holds blocks (4), not 64
+    s = scheduler(instances=(("a", 1),))
+    before = s.load_control.throughput(s.instances.values(), mean_tokens=200.0)
+    s.set_batch_limits({1: (1000, 4 * BLOCK)})
+    after = s.load_control.throughput(s.instances.values(), mean_tokens=200.0)
+    expected = instance_capacity(PROFILE, 1, 1.0, s.config.costs, 200.0, 4)
+    assert after == pytest.approx(expected) and after < before

@@ -29,6 +29,7 @@ class ControlSpec:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     nodes: tuple[int, ...] = ()  # GPUs (or CPU slots) per node; () turns the planner off
     planner_period: float = 300.0
+    plan_batch_limits: bool = False  # PlannerConfig.batch_limits
     candidates: tuple[float, ...] | None = None  # the threshold ladder; None: the policy's
 
     def __post_init__(self):
@@ -64,6 +65,7 @@ def build_scheduler(spec: ControlSpec) -> Scheduler:
             cache_block=spec.scheduler.cache_block,
             exact_cache=spec.scheduler.costs.exact,
             period=spec.planner_period,
+            batch_limits=spec.plan_batch_limits,
         )
         reconfigurer = Reconfigurer(profile, planner)
     return Scheduler(policy, profile, predictor, spec.scheduler, reconfigurer)

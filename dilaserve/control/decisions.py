@@ -79,6 +79,9 @@ class Reconfiguration:
     stop_after: tuple[str, ...]
     target: dict[int, int]  # instances per TP degree once done
     serial: bool = False
+    # Alg. 3's maxBatchSize per TP degree from the plan, tp -> (full-sequence, cache-step)
+    # tokens (`PlannerConfig.batch_limits`); None: instances keep the limit they started with
+    batch_limits: dict[int, tuple[int, int | None]] | None = None
 
 
 @dataclass(frozen=True, slots=True)

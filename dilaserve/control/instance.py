@@ -23,6 +23,10 @@ class InstanceState:
     cache_curve: Curve | None = None  # latency of cache (block, commit) steps, with a KV cache
     node: int = 0
     gpus: tuple[int, ...] = ()
+    # Alg. 3's maxBatchSize as Stage 1 chose it for this TP degree (`PlannerConfig.batch_limits`):
+    # (full-sequence, cache-step) tokens, each family bounded alone; None: `max_batch_tokens`
+    # over the mixed batch
+    planned_batch: tuple[int, int | None] | None = None
     draining: bool = False  # being stopped: finishes its running step, takes no new work
     busy: bool = False
     busy_until: float = 0.0  # predicted end of the running step
@@ -43,15 +47,22 @@ class InstanceState:
     cache_memo: tuple[int, float] = (0, 0.0)
     seconds_memo: tuple = (None, (0.0, 0.0))  # ((resident tokens, residents), step_seconds)
 
-    def has_room(self, tokens: int, max_requests: float, solo: bool = False) -> bool:
-        """A batch takes a request while within max batch tokens and `max_requests`; an empty
-        one takes any. A request that runs alone (`solo`) needs an empty batch, and a batch
-        holding one takes no one else."""
+    def has_room(
+        self, tokens: int, max_requests: float, solo: bool = False, cached: bool = False
+    ) -> bool:
+        """A batch takes a request's step (`cached`: a cache step) while within its batch tokens
+        and `max_requests`; an empty one takes any. A request that runs alone (`solo`) needs an
+        empty batch, and a batch holding one takes no one else."""
         if not self.pending:
             return True
         if solo or self.solo or len(self.pending) >= max_requests:
             return False
-        return self.pending_full + self.pending_cache + tokens <= self.max_batch_tokens
+        if self.planned_batch is None:
+            return self.pending_full + self.pending_cache + tokens <= self.max_batch_tokens
+        full, cache = self.planned_batch
+        if cached and cache is not None:
+            return self.pending_cache + tokens <= cache
+        return self.pending_full + tokens <= full
 
     def gather(self, request_id: str, kind: StepKind, tokens: int, solo: bool = False) -> None:
         """Add a request's next step (`tokens` processed) to the batch; `solo`: it runs alone

@@ -122,8 +122,6 @@ def launch_order(
             inst = retiring.pop(rid)
             for g in inst.gpus:
                 del owner[inst.node, g]
-        # Stage 1's batch size is an operating point, not a cap: capping an instance at the
-        # small batch a light load favours starves it when load rises before the next round
         spec = InstanceSpec(
             f"{name_prefix}-n{nxt.node}-tp{nxt.tp}-g{nxt.gpus[0]}", nxt.node, nxt.tp, nxt.gpus
         )

@@ -147,19 +147,23 @@ class LoadControl:
         `mean_tokens` (default: those in flight), at the measured speed (`speed.py`)."""
         if mean_tokens is None:
             mean_tokens = self._table.mean_tokens()
-        per_tp = {
-            tp: instance_capacity(
-                self.profile,
-                tp,
-                1.0,
-                self.config.costs,
-                mean_tokens,
-                self.config.max_requests_per_instance,
+        per_kind = {
+            key: instance_capacity(
+                self.profile, key[0], 1.0, self.config.costs, mean_tokens, key[1]
             )
-            for tp in {inst.tp for inst in instances}
+            for key in {self._batch_shape(inst) for inst in instances}
         }
         slowdown = self.speed.slowdown if self.speed is not None else 1.0
-        return sum(per_tp[inst.tp] for inst in instances) / slowdown
+        return sum(per_kind[self._batch_shape(inst)] for inst in instances) / slowdown
+
+    def _batch_shape(self, inst) -> tuple[int, int]:
+        """(tp, Alg. 4's maxNumSeqPerBatch): the sequences whose cache-step blocks fit the
+        batch size the plan chose for the instance, else `max_requests_per_instance`."""
+        planned = getattr(inst, "planned_batch", None)
+        costs = self.config.costs
+        if planned is None or planned[1] is None or not costs.cached:
+            return inst.tp, self.config.max_requests_per_instance
+        return inst.tp, max(planned[1] // costs.block_len, 1)
 
     def lowest_load(self, min_priority: float) -> tuple[float, float, int]:
         """(load, tokens, requests) of the requests in flight of priority >= `min_priority`,

@@ -75,11 +75,14 @@ class Placer:
         """Tokens the request's step of `kind` processes."""
         return self._costs.request_tokens(kind, t.request)
 
-    def has_room(self, inst: InstanceState, tokens: int, solo: bool = False) -> bool:
-        """Whether the batch gathered there takes the request (`solo`: one that runs alone)."""
+    def has_room(
+        self, inst: InstanceState, tokens: int, kind: StepKind, solo: bool = False
+    ) -> bool:
+        """Whether the batch gathered there takes the request's step of `kind` (`solo`: one
+        that runs alone)."""
         if inst.busy and self._queue:
             return False  # a queue: requests wait, in service order, until an instance is free
-        return inst.has_room(tokens, self._max_requests, solo)
+        return inst.has_room(tokens, self._max_requests, solo, kind in CACHED_KINDS)
 
     def place(
         self, t, now: float, open_instances: Sequence[InstanceState]
@@ -98,12 +101,12 @@ class Placer:
         if len(candidates) == 1:  # no choice (cache step at home, bound request): room only
             inst = candidates[0]
             kind = home_kind if inst is home else away
-            return (inst, kind) if self.has_room(inst, self.tokens(t, kind), solo) else None
+            return (inst, kind) if self.has_room(inst, self.tokens(t, kind), kind, solo) else None
         best, best_key = None, None
         for inst in candidates:
             kind = home_kind if inst is home else away
             n = self.tokens(t, kind)
-            if not self.has_room(inst, n, solo):
+            if not self.has_room(inst, n, kind, solo):
                 continue
             joining = 0 if inst is home else r.num_tokens
             key = (self._cost(inst, kind, n, joining, now), inst.busy, inst.instance_id)

@@ -80,6 +80,7 @@ class PlannerConfig:
     startup_delay: float = 30.0  # ... for longer than this (an instance's start-up) > SLO slack
     serial_launches: bool = False  # each launch waits for the last (rollout.py; the paper's)
     rate_trend: bool = True  # plan for the load's growth over the window (monitor.py)
+    batch_limits: bool = False  # the plan's batch sizes bound instances (Alg. 3's maxBatchSize)
 
     @property
     def costs(self) -> StepCosts:
@@ -118,6 +119,15 @@ class CapacityPlan:
     def counts(self) -> dict[int, int]:
         """Instances per TP degree over all nodes."""
         return counts_by_tp(self.instances)
+
+    def batch_limits(self) -> dict[int, tuple[int, int | None]]:
+        """Alg. 3's maxBatchSize per TP degree: tp -> (full-sequence, cache-step) tokens, the
+        batch sizes this plan chose (none for a degree it runs no instance of)."""
+        return {
+            tp: (self.batch_tokens[tp], self.cache_batch_tokens.get(tp))
+            for tp in self.counts()
+            if tp in self.batch_tokens
+        }
 
     @property
     def gpus(self) -> int:

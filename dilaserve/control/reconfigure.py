@@ -29,6 +29,7 @@ the day's peak rather than after it; and a move's launches whose GPUs are free l
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from dilaserve.control.decisions import Reconfiguration
 from dilaserve.control.layout import InstanceSlot, launch_order, plan_layout
@@ -133,7 +134,12 @@ class Reconfigurer:
                 "applied": apply,
             }
         )
+        limits = proposal.batch_limits() if self.config.batch_limits else None
+        if limits is not None:
+            self.history[-1]["batch_limits"] = limits
         if not apply:
+            if limits and current is proposal:  # new batch sizes on the same instances: free
+                return Reconfiguration((), (), proposal.counts(), batch_limits=limits)
             return None
         layout = plan_layout(
             proposal.counts(), self.config.gpus_per_node, running, self.config.time_limit
@@ -145,7 +151,7 @@ class Reconfigurer:
         if guarded and self._move_hurts(plan, running, classes, current):
             self.history[-1]["applied"] = False
             return None
-        return plan
+        return replace(plan, batch_limits=limits)
 
     def _move_hurts(self, plan: Reconfiguration, running, classes, current) -> bool:
         """Whether the move leaves too few GPUs serving for longer than the SLOs' slack."""

@@ -70,8 +70,13 @@ class Rollout:
         self.driver.instance_added(spec, now)
 
     def begin(self, plan: Reconfiguration, now: float) -> bool:
-        """Start carrying out `plan`, unless one is in progress (the planner asks again)."""
+        """Start carrying out `plan`, unless one is in progress (the planner asks again).
+        Returns whether a move began (a plan of batch limits alone sets them and moves nothing)."""
         if self.active:
+            return False
+        if plan.batch_limits is not None:
+            self.scheduler.set_batch_limits(plan.batch_limits)
+        if not plan.steps and not plan.stop_after:
             return False
         self.log.append({"time": now, "target": plan.target})
         self._steps = deque(plan.steps)

@@ -23,6 +23,7 @@ keeps its own books (`instance.py`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from dilaserve.control.decisions import Decisions, SchedulerConfig, StepLaunch
@@ -69,6 +70,7 @@ class Scheduler:
         self.config = config
         self.reconfigurer = reconfigurer if policy.reconfigure else None
         self.instances: dict[str, InstanceState] = {}
+        self._batch_limits: dict[int, tuple[int, int | None]] = {}  # tp -> the plan's batch
         self._open: list[InstanceState] = []  # instances that take new work (not draining)
         self.requests: dict[str, _Tracked] = {}
         self._ready: list[str] = []
@@ -126,7 +128,16 @@ class Scheduler:
         self.instances[instance_id] = InstanceState(
             instance_id, tp, max_batch_tokens, full_curve, cache_curve, node, gpus
         )
+        self.instances[instance_id].planned_batch = self._batch_limits.get(tp)
         self._open = self._open_instances()
+
+    def set_batch_limits(self, limits: Mapping[int, tuple[int, int | None]]) -> None:
+        """Alg. 3's maxBatchSize per TP degree, from the plan being carried out: tp ->
+        (full-sequence, cache-step) tokens, for the instances up and those to come; a degree
+        the plan gives none keeps the limit it was started with."""
+        self._batch_limits = dict(limits)
+        for inst in self.instances.values():
+            inst.planned_batch = self._batch_limits.get(inst.tp)
 
     def remove_instance(self, instance_id: str, now: float) -> Decisions:
         """Forget an instance (stopped, or failed: its running step is lost); its requests
@@ -300,7 +311,7 @@ class Scheduler:
             home = self._cache_home(t)
             if home is not None:  # Alg. 3's only candidate; what place and _assign would do
                 solo = rid in self._solo
-                if not self._placer.has_room(home, block, solo):
+                if not self._placer.has_room(home, block, self._costs.inner_kind, solo):
                     waiting.append(rid)
                     continue
                 home.gather(rid, self._costs.inner_kind, block, solo)

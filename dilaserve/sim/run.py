@@ -97,6 +97,7 @@ def _reconfigurer(spec: SimulationSpec, policy, profile, behaviour, config):
         startup_delay=spec.startup_delay,
         serial_launches=spec.serial_launches,
         rate_trend=spec.rate_trend,
+        batch_limits=spec.plan_batch_limits,
     )
     return Reconfigurer(profile, planner)
 

@@ -51,6 +51,7 @@ class SimulationSpec:
     startup_delay: float = 30.0
     serial_launches: bool = False  # a reconfiguration's launches wait for one another
     rate_trend: bool = True  # the planner plans for the load's growth (monitor.py)
+    plan_batch_limits: bool = False  # the plan's batch sizes bound instances (Alg. 3)
     latency_noise: float = 0.0
     interval: float = 300.0  # seconds per row of the per-interval metrics
     predictor_prompts: int = 100  # sample requests the simulated predictor trains on
