@@ -336,6 +336,7 @@ EXPERIMENTS = {
     "fig13lengths": lengths.fig13_lengths,
     "fig13bounded": lengths.fig13_bounded,
     "fig13speeds": lengths.fig13_speeds,
+    "fig13stale": lengths.fig13_stale,
     "azure": azure,
     "mechanisms": mechanisms,
     "quality": quality,

@@ -149,7 +149,7 @@ def _add_simulate_command(sub) -> None:
         "--trace",
         default="paper",
         help="paper | poisson:RPS:SECONDS | bursty/code:RPS:SECONDS[:CV] | "
-        "fixed:RPS:SECONDS:PROMPT:OUTPUT | CSV path",
+        "fixed:RPS:SECONDS:PROMPT:OUTPUT[/OUTPUT...] | CSV path",
     )
     si.add_argument("--peak-rps", type=float, default=20.0, help="peak of the paper trace")
     si.add_argument(

@@ -341,9 +341,16 @@ def test_a_fixed_length_trace_gives_every_request_the_lengths_it_names():
     assert 60 < len(trace) < 180  # Poisson, 4/s for 30 s
     assert set(trace.prompt_tokens.tolist()) == {1020}
     assert set(trace.output_tokens.tolist()) == {256}  # rounded up to whole blocks
-    assert parse_fixed("fixed:2:10:256:1024") == (2.0, 10.0, 256, 1024)
-    for bad in ("fixed:2:10:256", "fixed:2:10:a:256", "fixed:2:10:256:1.5"):
+    assert parse_fixed("fixed:2:10:256:1024") == (2.0, 10.0, 256, (1024,))
+    for bad in ("fixed:2:10:256", "fixed:2:10:a:256", "fixed:2:10:256:1.5", "fixed:2:10:256:32/"):
         with pytest.raises(ValueError, match="fixed:RPS:SECONDS:PROMPT:OUTPUT"):
             parse_fixed(bad)
     with pytest.raises(ValueError, match="output > 0"):
-        parse_fixed("fixed:2:10:256:0")
+        parse_fixed("fixed:2:10:256:64/0")
+
+
+def test_a_fixed_trace_with_several_outputs_draws_each_request_one_of_them():
+    trace = make_trace(SimulationSpec(trace="fixed:10:60:256:256/1000", block_len=32))
+    outputs = trace.output_tokens.tolist()
+    assert set(outputs) == {256, 1024} and set(trace.prompt_tokens.tolist()) == {256}
+    assert 0.35 < outputs.count(256) / len(outputs) < 0.65

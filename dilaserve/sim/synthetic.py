@@ -57,18 +57,20 @@ def parse_poisson(trace: str) -> tuple[float, float]:
         raise ValueError(f"trace={trace!r} must be poisson:RPS:SECONDS, two numbers") from None
 
 
-def parse_fixed(trace: str) -> tuple[float, float, int, int]:
-    """(rate, seconds, prompt, output) of a `fixed:RPS:SECONDS:PROMPT:OUTPUT` trace name."""
+def parse_fixed(trace: str) -> tuple[float, float, int, tuple[int, ...]]:
+    """(rate, seconds, prompt, outputs) of a `fixed:RPS:SECONDS:PROMPT:OUTPUT[/OUTPUT...]` trace
+    name (several outputs: each request draws one, equally likely)."""
     try:
         _, rate, seconds, prompt, output = trace.split(":")
-        lengths = int(prompt), int(output)
+        prompt_len, outputs = int(prompt), tuple(int(o) for o in output.split("/"))
     except ValueError:
         raise ValueError(
-            f"trace={trace!r} must be fixed:RPS:SECONDS:PROMPT:OUTPUT (token counts as integers)"
+            f"trace={trace!r} must be fixed:RPS:SECONDS:PROMPT:OUTPUT[/OUTPUT...] (token counts "
+            "as integers)"
         ) from None
-    if lengths[0] < 0 or lengths[1] <= 0:
-        raise ValueError(f"trace={trace!r}: the prompt must be >= 0 and the output > 0 tokens")
-    return float(rate), float(seconds), *lengths
+    if prompt_len < 0 or min(outputs) <= 0:
+        raise ValueError(f"trace={trace!r}: the prompt must be >= 0 and each output > 0 tokens")
+    return float(rate), float(seconds), prompt_len, outputs
 
 
 def parse_bursty(trace: str) -> tuple[float, float, float]:

@@ -55,11 +55,12 @@ def synthetic_trace(name: str, block_len: int, rng: np.random.Generator) -> trac
     """`poisson:RPS:SECONDS` (ShareGPT lengths), `bursty:RPS:SECONDS[:CV]` (the same lengths,
     gamma arrivals), `code:RPS:SECONDS[:CV]` (code-like lengths, gamma arrivals) or
     `fixed:RPS:SECONDS:PROMPT:OUTPUT` (Poisson arrivals, every request the same lengths: the
-    paper's Fig. 12 and 13 settings)."""
+    paper's Fig. 12 and 13 settings; `OUTPUT/OUTPUT...`: each request draws one of these)."""
     if name.startswith("fixed:"):
-        rate, seconds, prompt_len, output_len = synthetic.parse_fixed(name)
+        rate, seconds, prompt_len, outputs = synthetic.parse_fixed(name)
         arrivals = synthetic.poisson_arrivals(rate, seconds, rng)
-        lengths = np.array([prompt_len]), traces.rounded_outputs([output_len], block_len)
+        prompts = np.full(len(outputs), prompt_len)
+        lengths = prompts, traces.rounded_outputs(list(outputs), block_len)
         return synthetic.synthesize_trace(arrivals, *lengths, rng, source=name)
     if name.startswith("poisson:"):
         rate, seconds = synthetic.parse_poisson(name)
