@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 
 from dilaserve.control.decisions import SchedulerConfig
 from dilaserve.control.features import request_states
+from dilaserve.control.instance import InstanceState
 from dilaserve.control.load_table import LoadTable
 from dilaserve.control.policy import LoadWindow
 from dilaserve.control.profile import LatencyProfile
@@ -156,11 +157,10 @@ class LoadControl:
         slowdown = self.speed.slowdown if self.speed is not None else 1.0
         return sum(per_kind[self._batch_shape(inst)] for inst in instances) / slowdown
 
-    def _batch_shape(self, inst) -> tuple[int, int]:
+    def _batch_shape(self, inst: InstanceState) -> tuple[int, int]:
         """(tp, Alg. 4's maxNumSeqPerBatch): the sequences whose cache-step blocks fit the
         batch size the plan chose for the instance, else `max_requests_per_instance`."""
-        planned = getattr(inst, "planned_batch", None)
-        costs = self.config.costs
+        planned, costs = inst.planned_batch, self.config.costs
         if planned is None or planned[1] is None or not costs.cached:
             return inst.tp, self.config.max_requests_per_instance
         return inst.tp, max(planned[1] // costs.block_len, 1)
