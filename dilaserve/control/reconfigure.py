@@ -7,7 +7,9 @@ objectives depend on instances per TP degree only). The proposal is carried out 
 raises the mean threshold or the SLO slack by at least `improvement` (10%), or if the current
 configuration can no longer meet the SLOs at all. Stage 2 then places the proposal keeping as
 many running instances as it can, and `launch_order` sequences the moves. Called from
-`Scheduler.on_tick(now)`.
+`Scheduler.on_tick(now)`. With `PlannerConfig.batch_limits` (off by default; docs/control.md) a
+plan also carries its batch sizes as Alg. 3's maxBatchSize, and a round whose proposal keeps the
+running instances sets them alone (the same instances, new limits: nothing to weigh).
 
 Our addition, on by default (`PlannerConfig.guard_moves`; the paper says nothing of the cost of
 a move): a move from a configuration that meets the SLOs is skipped when, at some step of it,
