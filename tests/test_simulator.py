@@ -276,3 +276,13 @@ def test_measured_speed_without_a_straggler_makes_the_papers_decisions(tmp_path)
         for flags in ({}, {"measured_speed": True}, {"instance_speed": True})
     ]
     assert len({run.summary["decision_digest"] for run in runs}) == 1
+
+
+def test_with_the_plans_batch_limits_every_request_still_finishes(tmp_path):
+    # Alg. 3's maxBatchSize from Stage 1 (`--plan-batch-limits`): the same run, its instances'
+    # batches bounded by the plan once it is applied, which moves decisions but loses nothing
+    kw = dict(planner_period=5.0, startup_delay=2.0, gpus=8)
+    free = simulate(spec(tmp_path, **kw)).summary
+    bounded = simulate(spec(tmp_path, plan_batch_limits=True, **kw)).summary
+    assert bounded["finished"] == bounded["requests"] == free["requests"]
+    assert bounded["decision_digest"] != free["decision_digest"]
