@@ -28,3 +28,18 @@ def test_instances_fill_nodes_in_order():
 
 def test_no_dws_estimator_unless_named():
     assert ClusterConfig().dws_estimator() is None
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_serve_passes_the_plan_batch_limits_to_the_planner(flag):
+    from dilaserve.cli import build_parser
+    from dilaserve.cli_args import resolve_model
+    from dilaserve.cli_cluster import cluster_config
+    from dilaserve.control.build import build_scheduler
+
+    argv = ["serve", "--nodes", "2"] + (["--plan-batch-limits"] if flag else [])
+    args = build_parser().parse_args(argv)
+    resolve_model(args)
+    config, _ = cluster_config(args)
+    assert config.control.plan_batch_limits is flag
+    assert build_scheduler(config.control).reconfigurer.config.batch_limits is flag
