@@ -1,7 +1,7 @@
 """Predictive fidelity: the simulator's prediction of live cluster runs, from its own models.
 
     python benchmarks/fidelity.py [--rates 30,50,80] [--policies dilaserve,fcfs] [--seconds 40]
-        [--slo 0.3] [--instances 2] [--calibration-rate 40] [--calibration-seconds 20]
+        [--slo 0.3] [--instances 2] [--calibration-rate run] [--calibration-seconds 20]
 
 For each policy and Poisson rate, `run-trace`'s load (bundled model, held-out problems, every
 request with the same SLO) runs on an in-process cluster of local workers, and the simulator
@@ -11,9 +11,12 @@ duration. `--profile`: a profile measured now (`dilaserve profile`), for both th
 plane and the prediction (the bundled calibration's was measured on another day).
 
 The profile is measured with one instance on a quiet machine; serving, the two workers share
-the host's cores with the controller, and the machine drifts. So each policy first runs once
-more, at `--calibration-rate` on other arrivals (a run that is not predicted), and its steps'
-measured slowdown over the profile (`step_time_ratio`) is the prediction's `step_slowdown`.
+the host's cores with the controller, and the machine drifts. So before each predicted run the
+policy runs once more at the same rate on other arrivals (a run that is not predicted), and its
+steps' measured slowdown over the profile (`step_time_ratio`) is the prediction's
+`step_slowdown`: the slowdown grows with the load (the controller's share of the cores), and
+the machine drifts less over 20 s than over a whole sweep. `--calibration-rate 40`: one
+calibration per policy at that rate instead (the method of the runs before 2026-12-02 15:00).
 Each row also gives the prediction at the slowdown the run itself measured (`_at_run_speed`):
 what is left there is the models' error, the rest the host's drift since the calibration run.
 Targets
@@ -39,12 +42,12 @@ def options(policy: str, args) -> list[str]:
     return out
 
 
-def calibrate(config, args) -> float:
-    """The host's step slowdown while this policy serves: a run at the calibration rate, on
-    arrivals of another seed than the predicted runs'."""
+def calibrate(config, args, rate: float) -> float:
+    """The host's step slowdown while this policy serves: a run at `rate`, on arrivals of
+    another seed than the predicted runs'."""
     from dilaserve.cluster.trace_run import TraceRunSpec, run_trace
 
-    trace = f"poisson:{args.calibration_rate}:{args.calibration_seconds}"
+    trace = f"poisson:{rate:g}:{args.calibration_seconds}"
     spec = TraceRunSpec(trace, slo=args.slo, seed=args.seed + 1000)
     slowdown = run_trace(config, spec)["summary"]["step_time_ratio"]
     print(f"calibration run {trace}: step slowdown {slowdown}", flush=True)
@@ -61,7 +64,9 @@ def main() -> None:
     parser.add_argument("--slo", type=float, default=0.3)
     parser.add_argument("--instances", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--calibration-rate", type=float, default=40.0)
+    parser.add_argument(
+        "--calibration-rate", default="run", help="run: each run's own rate; or one rate"
+    )
     parser.add_argument("--calibration-seconds", type=float, default=20.0)
     parser.add_argument(
         "--profile", help="a latency profile to use instead of the bundled calibration's"
@@ -72,8 +77,12 @@ def main() -> None:
     for policy in args.policies.split(","):
         config, _ = run_trace_config(options(policy, args), record=True)
         trajectories = str(BUNDLED_CALIBRATION / "trajectories.npz")
-        slowdown = calibrate(config, args)
+        once = args.calibration_rate != "run"
+        if once:
+            slowdown = calibrate(config, args, float(args.calibration_rate))
         for rate in (float(r) for r in args.rates.split(",")):
+            if not once:
+                slowdown = calibrate(config, args, rate)
             trace = f"poisson:{rate}:{args.seconds}"
             spec = TraceRunSpec(
                 trace, slo=args.slo, seed=args.seed, predict=trajectories, predict_slowdown=slowdown
