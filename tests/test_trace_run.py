@@ -53,9 +53,12 @@ def test_refused_requests_are_counted_as_missed(monkeypatch):
     assert summary["slo_attainment_of_arrivals"] == round(2 / arrivals, 4)
 
 
-def test_the_simulator_predicts_the_run_from_its_own_models(tmp_path):
+@pytest.mark.parametrize("slo", [1.0, 0.001])
+def test_the_simulator_predicts_the_run_from_its_own_models(tmp_path, slo):
     """`run-trace --predict`: beside the real run, the simulator's prediction of the same
-    arrivals from the measured profile and other prompts' recorded trajectories."""
+    arrivals from the measured profile and other prompts' recorded trajectories. Requests
+    admission refused on arrival (an SLO nothing meets) count as missed in both, so the
+    prediction weighs the same requests as the run."""
     from dilaserve.cluster.runtime import ClusterConfig
     from dilaserve.cluster.worker import WorkerConfig
     from dilaserve.config import BUNDLED_MODEL
@@ -69,10 +72,14 @@ def test_the_simulator_predicts_the_run_from_its_own_models(tmp_path):
     trajs = record_trajectories(llm, prompts, (0.5, 0.6, 0.7, 0.8, 0.9), 64)
     save_trajectories(tmp_path / "t.npz", trajs)
     config = ClusterConfig(WorkerConfig(threads=1), instances=(1,), record=True)
-    spec = trace_run.TraceRunSpec("poisson:6:2", slo=1.0, predict=str(tmp_path / "t.npz"))
+    spec = trace_run.TraceRunSpec("poisson:6:2", slo=slo, predict=str(tmp_path / "t.npz"))
     summary = trace_run.run_trace(config, spec)["summary"]
     predicted = summary["prediction"]
     assert predicted["requests"] == summary["requests"]
+    if slo < 0.01:  # every request refused on arrival, by the run and by the prediction
+        assert summary["refused"] == summary["requests"] > 0
+        assert summary["slo_attainment"] == predicted["slo_attainment"] == 0.0
+        return
     assert 0 <= predicted["slo_attainment"] <= 1 and predicted["latency_mean"] > 0
     assert predicted["slo_attainment_error_pp"] == round(
         100 * (predicted["slo_attainment"] - summary["slo_attainment"]), 2

@@ -188,6 +188,8 @@ class Controller:
         request = handle.request
         request.arrival_time = now
         if not self._within_capacity(handle, now):
+            if self.recording is not None:
+                self.recording.refused.append(request.fresh())
             return
         handle.admission.set_result(None)
         if self.recording is not None:

@@ -217,9 +217,11 @@ class Answers:
 @dataclass
 class Recording:
     """What a run did, for replay in the simulator: each request as admitted, and each step
-    launch with the clock at launch and at completion and what the step committed."""
+    launch with the clock at launch and at completion and what the step committed; and the
+    requests admission refused on arrival, which a prediction of the run weighs again."""
 
     requests: list[Request] = field(default_factory=list)  # fresh copies, as admitted
+    refused: list[Request] = field(default_factory=list)  # fresh copies, as they arrived
     launches: list[tuple[str, float, float, tuple[RequestStepResult, ...]]] = field(
         default_factory=list
     )

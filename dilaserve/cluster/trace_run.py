@@ -166,8 +166,10 @@ def _prediction(cluster: Cluster, config: ClusterConfig, spec: TraceRunSpec, rea
 def _predicted(cluster, config: ClusterConfig, spec: TraceRunSpec, slowdown: float, real: dict):
     from dilaserve.sim.predict import predict, prediction_summary
 
+    recording = cluster.controller.recording
+    arrived = sorted(recording.requests + recording.refused, key=lambda r: r.arrival_time)
     result = predict(
-        cluster.controller.recording.requests,
+        arrived,
         config.control,
         spec.predict,
         config.initial_specs(),
