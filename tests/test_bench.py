@@ -135,8 +135,11 @@ def test_bench_against_stub(server, trace_csv, tmp_path, endpoint):
     sent = [r["sent"] for r in records]
     assert sent == sorted(sent)
     assert all(r["sent"] >= r["arrival"] for r in records)
-    # Open loop: the slow request does not hold back the ones scheduled after it.
-    assert summary["send_lag_max"] < 0.15
+    # Open loop: the slow request does not hold back the ones scheduled after it (each is
+    # sent while it still runs; no bound on the send lag, which a loaded machine stretches)
+    slow_end = records[SLOW]["sent"] + records[SLOW]["latency"]
+    assert all(r["sent"] < slow_end for r in records[SLOW + 1 :])
+    assert summary["send_lag_max"] == round(max(r["sent"] - r["arrival"] for r in records), 6)
     assert len(bodies) == n
     assert {b["model"] for b in bodies} == {"stub-model"}
     assert all(b["threshold"] == 0.9 and b["slo_ms"] == SLO_MS for b in bodies)
