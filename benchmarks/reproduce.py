@@ -50,12 +50,11 @@ PAPER_TABLE6 = {4: 1.17, 8: 1.28, 12: 1.33, 16: 1.38}  # latency, any-step / rec
 
 
 class Experiments:
-    def __init__(self, out: Path, base: SimulationSpec):
+    def __init__(self, out: Path, base: SimulationSpec, shapes=(), seeds=(0, 1)):
         self.out, self.base = out, base
         self.sections: list[str] = []
-        self.plots: list[str] = []
-        self.shapes: list[str] = []  # mechanisms: only these workload shapes (all if empty)
-        self.seeds: tuple[int, ...] = (0, 1)  # mechanisms: the seeds of each shape
+        self.shapes: list[str] = list(shapes)  # mechanisms: only these shapes (all if empty)
+        self.seeds: tuple[int, ...] = tuple(seeds)  # mechanisms: the seeds of each shape
 
     def run(self, name: str, **changes) -> dict:
         spec = replace(self.base, **changes)
@@ -388,9 +387,8 @@ def main() -> None:
         interval=60.0,
     )
     write_json(out / "config.json", {**vars(args), **commit(), "base": base.__dict__})
-    x = Experiments(out, base)
-    x.shapes = [w for w in args.shapes.split(",") if w]
-    x.seeds = tuple(int(seed) for seed in args.seeds.split(","))
+    shapes = [w for w in args.shapes.split(",") if w]
+    x = Experiments(out, base, shapes, (int(seed) for seed in args.seeds.split(",")))
     for name in names:
         EXPERIMENTS[name](x)
         (out / "report.md").write_text("# DiLaServe reproduction\n\n" + "\n".join(x.sections))

@@ -214,7 +214,7 @@ def stragglers(x: Experiments, seeds=(0, 1, 2, 3)) -> None:
     rows = [
         {
             "policy": label,
-            "slo_attainment": round(sum(s["slo_attainment"] for s in out) / len(out), 4),
+            "slo_attainment": mean_of(out, "slo_attainment"),
             "latency_p99_s": round(sum(s["latency_p99"] for s in out) / len(out), 1),
             "minus_infaas": spread([100 * (s["slo_attainment"] - i) for s, i in zip(out, infaas)]),
         }
@@ -296,7 +296,6 @@ def batch_limits(x: Experiments, table4_seeds=(0, 1, 2)) -> None:
             ]
             for limits in (False, True)
         }
-
         rows.append(
             {
                 "setting": setting,

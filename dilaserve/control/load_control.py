@@ -148,14 +148,15 @@ class LoadControl:
         `mean_tokens` (default: those in flight), at the measured speed (`speed.py`)."""
         if mean_tokens is None:
             mean_tokens = self._table.mean_tokens()
-        per_kind = {
+        shapes = [self._batch_shape(inst) for inst in instances]
+        per_shape = {
             key: instance_capacity(
                 self.profile, key[0], 1.0, self.config.costs, mean_tokens, key[1]
             )
-            for key in {self._batch_shape(inst) for inst in instances}
+            for key in set(shapes)
         }
         slowdown = self.speed.slowdown if self.speed is not None else 1.0
-        return sum(per_kind[self._batch_shape(inst)] for inst in instances) / slowdown
+        return sum(per_shape[key] for key in shapes) / slowdown
 
     def _batch_shape(self, inst: InstanceState) -> tuple[int, int]:
         """(tp, Alg. 4's maxNumSeqPerBatch): the sequences whose cache-step blocks fit the

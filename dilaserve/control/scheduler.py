@@ -23,7 +23,7 @@ keeps its own books (`instance.py`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import Counter
 from dataclasses import dataclass, replace
 
 from dilaserve.control.decisions import Decisions, SchedulerConfig, StepLaunch
@@ -86,8 +86,9 @@ class Scheduler:
         )
         self._placer = Placer(policy, config, self.instances, self.requests, self._solo, self.speed)
         self._admitted = 0
-        # predictions and load control: dynamic thresholds only (a fixed one needs neither)
-        self._loads = (
+        # predictions and load control (Alg. 2/4; admission asks it the same question): dynamic
+        # thresholds only, a fixed one needs neither
+        self.load_control = (
             LoadControl(
                 self._ladder,
                 predictor,
@@ -101,12 +102,6 @@ class Scheduler:
             if policy.is_dynamic
             else None
         )
-
-    @property
-    def load_control(self) -> LoadControl | None:
-        """The load control of a dynamic-threshold policy (predicted steps, capacity), else
-        None. Admission asks it the same question Algorithm 2 does."""
-        return self._loads
 
     # -- instances ---------------------------------------------------------------------------
 
@@ -125,16 +120,15 @@ class Scheduler:
         cache_curve = None
         if self._costs.cached:
             cache_curve = self.profile.curve(tp, self._costs.inner_kind)
+        planned = self._batch_limits.get(tp)
         self.instances[instance_id] = InstanceState(
-            instance_id, tp, max_batch_tokens, full_curve, cache_curve, node, gpus
+            instance_id, tp, max_batch_tokens, full_curve, cache_curve, node, gpus, planned
         )
-        self.instances[instance_id].planned_batch = self._batch_limits.get(tp)
         self._open = self._open_instances()
 
-    def set_batch_limits(self, limits: Mapping[int, tuple[int, int | None]]) -> None:
-        """Alg. 3's maxBatchSize per TP degree, from the plan being carried out: tp ->
-        (full-sequence, cache-step) tokens, for the instances up and those to come; a degree
-        the plan gives none keeps the limit it was started with."""
+    def set_batch_limits(self, limits: dict[int, tuple[int, int | None]]) -> None:
+        """The plan's Alg. 3 maxBatchSize per TP degree (`Reconfiguration.batch_limits`), for the
+        instances up and to come; a degree it leaves out keeps its own limit."""
         self._batch_limits = dict(limits)
         for inst in self.instances.values():
             inst.planned_batch = self._batch_limits.get(inst.tp)
@@ -162,10 +156,7 @@ class Scheduler:
 
     def instances_by_tp(self) -> dict[int, int]:
         """How many instances of each TP degree are up, by degree."""
-        counts: dict[int, int] = {}
-        for inst in self.instances.values():
-            counts[inst.tp] = counts.get(inst.tp, 0) + 1
-        return dict(sorted(counts.items()))
+        return dict(sorted(Counter(inst.tp for inst in self.instances.values()).items()))
 
     def is_idle(self, instance_id: str) -> bool:
         """Nothing runs or is gathered there, and no request there is mid-block (its next step
@@ -218,8 +209,8 @@ class Scheduler:
         tracked.bound = self._placer.bind(self._open)
         self.requests[request.request_id] = tracked
         self._ready.append(request.request_id)
-        if self._loads is not None:
-            self._loads.admit(request.request_id)
+        if self.load_control is not None:
+            self.load_control.admit(request.request_id)
         return self._schedule(now, load_changed=True)
 
     def on_step_done(self, instance_id: str, output: StepOutput, now: float) -> Decisions:
@@ -240,8 +231,8 @@ class Scheduler:
                 continue
             self._ready.append(rid)
             going_on.append(t)
-        if self._loads is not None:
-            self._loads.stepped(going_on)
+        if self.load_control is not None:
+            self.load_control.stepped(going_on)
         decisions = self._schedule(now, load_changed=bool(finished))
         return Decisions(decisions.launches, decisions.releases, tuple(finished))
 
@@ -285,8 +276,8 @@ class Scheduler:
         self._move(t, None)
         del self.requests[rid]
         self._solo.discard(rid)
-        if self._loads is not None:
-            self._loads.forget(rid)
+        if self.load_control is not None:
+            self.load_control.forget(rid)
 
     def on_tick(self, now: float) -> Decisions:
         """Periodic: retry deferred requests; every planning period, maybe reconfigure."""
@@ -302,9 +293,9 @@ class Scheduler:
 
     def _schedule(self, now: float, load_changed: bool) -> Decisions:
         ready = sorted(self._ready, key=self._placer.service_key(now))
-        if self._loads is not None:
-            refreshed = self._loads.refresh(now)
-            self._loads.run_if_due(now, load_changed, refreshed, self.instances.values())
+        if self.load_control is not None:
+            refreshed = self.load_control.refresh(now)
+            self.load_control.run_if_due(now, load_changed, refreshed, self.instances.values())
         releases, waiting, block = [], [], self._costs.block_len
         for rid in ready:
             t = self.requests[rid]
@@ -376,9 +367,9 @@ class Scheduler:
         if inst.seconds_memo[0] != key:  # the same for every request placed there this round
             load = InstanceLoad(inst.tp, *key)
             inst.seconds_memo = (key, step_seconds(load, self.profile, self._costs))
-        assert r.deadline is not None and self._loads is not None  # set at arrival; dynamic
+        assert r.deadline is not None and self.load_control is not None  # set at arrival; dynamic
         slo_left = (r.deadline - now) * self._headroom
-        steps = self._loads.steps_left(r.request_id, allowed)
+        steps = self.load_control.steps_left(r.request_id, allowed)
         if self._costs.exact and r.request_id not in inst.holds:  # it prefills there first
             slo_left -= self._prefill_extra(r, inst)
         slowdown = self.speed.slowdown
