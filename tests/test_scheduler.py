@@ -192,16 +192,16 @@ def test_measured_slowdown_prices_the_remaining_steps_at_the_speed_steps_run():
     assert picked == {1.0: 0.9, 1.6: 0.5, 0.5: 0.9}
 
 
-def test_a_runs_slowdown_is_the_geometric_mean_of_its_steps_ratios():
-    # what a prediction of the host takes (`SimConfig.step_slowdown`): every step weighs the
-    # same, where the running ratio forgets
+def test_a_runs_slowdown_is_its_measured_time_over_the_profiles():
+    # what a prediction of the host takes (`SimConfig.step_slowdown`): every step counts, where
+    # the running ratio forgets, and the steps' seconds add up as the prediction's will
     s = scheduler(instances=(("a", 1),), slo=10.0)
     launch = only_launch(s.on_arrival(make_request("r"), 0.0))
     price = batch_seconds(PROFILE, 1, launch.batch, s.config.costs, s.requests)
     assert s.speed.run_ratio == 1.0  # nothing observed yet
     for ratio in (0.5, 2.0, 4.0):
         s.speed.observe(1, launch.batch, ratio * price)
-    assert s.speed.steps == 3 and s.speed.run_ratio == pytest.approx(4.0 ** (1 / 3))
+    assert s.speed.steps == 3 and s.speed.run_ratio == pytest.approx((0.5 + 2.0 + 4.0) / 3)
 
 
 def test_the_instance_speed_extension_prices_a_straggler_at_its_measured_speed():

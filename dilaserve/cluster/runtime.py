@@ -161,7 +161,7 @@ class Cluster:
 
     @property
     def step_time_ratio(self) -> float:
-        """Steps' measured time over the profile's, geometric mean over every step so far."""
+        """Steps' measured time over the profile's, each summed over every step so far."""
         return self.scheduler.speed.run_ratio
 
     def instances_by_tp(self) -> dict[int, int]:

@@ -123,7 +123,7 @@ def _runtime_summary(cluster: Cluster, rows: list[dict]) -> dict:
         "controller_overhead_ms_p99": round(
             1e3 * float(np.percentile(trips[:, 0] - trips[:, 1], 99)), 3
         ),
-        # steps' round trips over the profile's price, geometric mean over the run (1 when the
+        # steps' round trips over the profile's price, summed over the run (1 when the
         # cluster does not measure its speed): what a prediction of this host takes
         "step_time_ratio": round(cluster.step_time_ratio, 4),
         **controller.stats,

@@ -7,7 +7,7 @@ the same SLOs, the cluster's control spec (its measured latency profile and step
 and recorded engine trajectories of *other* prompts of the same model (`ReplayBehaviour`, each
 request tied to a random recorded prompt); step durations come from the profile, times the
 host's slowdown while serving (`slowdown`: measured beforehand by a calibration run, the
-geometric mean of its steps' round trips over the profile's price; it is what the profile
+its steps' round trips summed over their profile prices; it is what the profile
 misses on a host whose cores the workers share with the controller, and the machine's drift
 since it was profiled). The control plane learns that slowdown as the cluster's does
 (`measured_speed`, `control/speed.py`). Admission by capacity (`control/admission.py`) runs as
