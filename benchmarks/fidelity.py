@@ -103,7 +103,8 @@ def main() -> None:
                     "real_latency_mean": s["latency_mean"],
                     "predicted_latency_mean": p["latency_mean"],
                     "latency_ratio": p["latency_mean_ratio"],
-                    "refused": s["refused"],
+                    "refused": s["refused"],  # by the controller's admission: predicted too
+                    "refused_at_submit": s["refused_at_submit"],  # before it: in neither
                     "error_pp_at_run_speed": post["slo_attainment_error_pp"],
                     "latency_ratio_at_run_speed": post["latency_mean_ratio"],
                 }
