@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -35,7 +34,7 @@ import reproduce_lengths as lengths
 from reproduce_shapes import GH200, batch_limits, mechanisms, placement, quality, stragglers
 from reproduce_traces import azure, dws_setting
 
-from dilaserve.runs import create_run_dir, markdown_table, write_json
+from dilaserve.runs import create_run_dir, markdown_table, source_commit, write_json
 from dilaserve.sim.plots import bar_chart
 from dilaserve.sim.run import SimulationSpec, simulate, write_run
 
@@ -358,15 +357,6 @@ def experiments_named(only: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def commit() -> dict:
-    """The commit the experiment ran at, and whether the tree had uncommitted changes."""
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], capture_output=True, text=True).stdout.strip()
-
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "-uno"))}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--only", default=",".join(EXPERIMENTS))
@@ -386,7 +376,7 @@ def main() -> None:
         startup_delay=30.0 * compression,
         interval=60.0,
     )
-    write_json(out / "config.json", {**vars(args), **commit(), "base": base.__dict__})
+    write_json(out / "config.json", {**vars(args), **source_commit(), "base": base.__dict__})
     shapes = [w for w in args.shapes.split(",") if w]
     x = Experiments(out, base, shapes, (int(seed) for seed in args.seeds.split(",")))
     for name in names:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,7 +38,24 @@ def environment() -> dict:
         "processor": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(),
         "command": " ".join(sys.argv),
+        **source_commit(),
     }
+
+
+def source_commit() -> dict:
+    """The commit of the checkout this package runs from, and whether its tracked files had
+    uncommitted changes (empty outside a git checkout)."""
+
+    def git(*args: str) -> str:
+        here = str(Path(__file__).parent)
+        try:
+            done = subprocess.run(["git", "-C", here, *args], capture_output=True, text=True)
+        except OSError:  # no git on this machine
+            return ""
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    head = git("rev-parse", "HEAD")
+    return {"commit": head, "dirty": bool(head and git("status", "--porcelain", "-uno"))}
 
 
 def write_json(path: Path, data) -> None:

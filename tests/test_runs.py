@@ -1,0 +1,23 @@
+"""Run folders record what made them: the checkout's commit among the environment."""
+
+import subprocess
+from pathlib import Path
+
+from dilaserve import runs
+
+
+def test_the_environment_names_the_commit_it_ran_at():
+    root = Path(runs.__file__).parent
+    head = subprocess.run(
+        ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True
+    )
+    env = runs.environment()
+    if head.returncode != 0:  # an installed copy, outside any checkout
+        assert env["commit"] == "" and env["dirty"] is False
+    else:
+        assert env["commit"] == head.stdout.strip() and isinstance(env["dirty"], bool)
+
+
+def test_outside_a_checkout_the_commit_is_empty(monkeypatch, tmp_path):
+    monkeypatch.setattr(runs, "__file__", str(tmp_path / "runs.py"))
+    assert runs.source_commit() == {"commit": "", "dirty": False}
