@@ -161,16 +161,16 @@ def _prediction(cluster: Cluster, config: ClusterConfig, spec: TraceRunSpec, rea
     far it is from what happened; `at_run_speed`: the same, given the slowdown the host turned
     out to run at (`step_time_ratio`), which separates the models' error from the host's drift
     between the calibration and the run."""
-    ahead = _predicted(cluster, config, spec, spec.predict_slowdown, real)
-    after = _predicted(cluster, config, spec, real["step_time_ratio"], real)
+    recording = cluster.controller.recording  # every request admission saw, in arrival order
+    arrived = sorted(recording.requests + recording.refused, key=lambda r: r.arrival_time)
+    ahead = _predicted(arrived, config, spec, spec.predict_slowdown, real)
+    after = _predicted(arrived, config, spec, real["step_time_ratio"], real)
     return {**ahead, "trajectories": spec.predict, "at_run_speed": after}
 
 
-def _predicted(cluster, config: ClusterConfig, spec: TraceRunSpec, slowdown: float, real: dict):
+def _predicted(arrived, config: ClusterConfig, spec: TraceRunSpec, slowdown: float, real: dict):
     from dilaserve.sim.predict import predict, prediction_summary
 
-    recording = cluster.controller.recording
-    arrived = sorted(recording.requests + recording.refused, key=lambda r: r.arrival_time)
     result = predict(
         arrived,
         config.control,

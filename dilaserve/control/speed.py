@@ -51,10 +51,9 @@ class MeasuredSpeed:
     def run_ratio(self) -> float:
         """Measured over predicted step time over every step observed, each summed (1 before
         any): the host's slowdown over a whole run, which a simulator's prediction of this host
-        takes as its `SimConfig.step_slowdown`. A ratio of sums, so that the prediction's steps
-        add up to the time the run's did; the geometric mean of the steps' ratios, used until
-        2026-12-02, fell 2-7% below it on a live cluster's runs (steps vary around the profile,
-        and a mean of logs weighs the slow ones least), and its predictions were the faster."""
+        takes as its `SimConfig.step_slowdown`: a ratio of sums, so that the prediction's steps
+        add up to the time the run's did (a mean of the steps' ratios weighs slow steps less;
+        docs/simulator.md, "Predictive fidelity")."""
         return self._measured / self._predicted if self._predicted else 1.0
 
     def instance_ratio(self, instance_id: str) -> float:

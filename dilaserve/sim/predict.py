@@ -6,10 +6,10 @@ gets only what it would have before the run: the same requests arriving at the s
 the same SLOs, the cluster's control spec (its measured latency profile and step predictor),
 and recorded engine trajectories of *other* prompts of the same model (`ReplayBehaviour`, each
 request tied to a random recorded prompt); step durations come from the profile, times the
-host's slowdown while serving (`slowdown`: measured beforehand by a calibration run, the
-its steps' round trips summed over their profile prices; it is what the profile
-misses on a host whose cores the workers share with the controller, and the machine's drift
-since it was profiled). The control plane learns that slowdown as the cluster's does
+host's slowdown while serving (`slowdown`: measured beforehand by a calibration run, its
+steps' round trips summed over their profile prices; it is what the profile misses on a
+host whose cores the workers share with the controller, and the machine's drift since it was
+profiled). The control plane learns that slowdown as the cluster's does
 (`measured_speed`, `control/speed.py`). Admission by capacity (`control/admission.py`) runs as
 in the cluster: a request it refuses never runs and counts as missed. Its metrics, set beside
 the real run's, measure how well the simulator predicts this machine.
