@@ -31,7 +31,7 @@ from dilaserve.control.placement import Placer
 from dilaserve.control.reconfigure import Reconfigurer
 from dilaserve.control.scheduler import Scheduler
 from dilaserve.request import Request
-from dilaserve.runs import markdown_table, write_records, write_table_run
+from dilaserve.runs import control_plane_compiled, markdown_table, write_records, write_table_run
 from dilaserve.sim.behaviour import ParametricBehaviour
 from dilaserve.sim.run import SimulationSpec, simulate
 
@@ -101,13 +101,6 @@ def pin_to_cpus(count: int) -> list[int]:
     return cpus
 
 
-def compiled() -> bool:
-    """Whether the control plane runs as mypyc built it (`make compile`)."""
-    import dilaserve.control.scheduler
-
-    return not dilaserve.control.scheduler.__file__.endswith(".py")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--policies", default="dilaserve,infaas")
@@ -117,8 +110,8 @@ def main() -> None:
     ap.add_argument("--cpus", type=int, default=1, help="CPUs to run on (0: all)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
-    print(f"control plane compiled (make compile): {compiled()}", flush=True)
-    if args.breakdown and compiled():
+    print(f"control plane compiled (make compile): {control_plane_compiled()}", flush=True)
+    if args.breakdown and control_plane_compiled():
         ap.error("--breakdown wraps methods, which compiled classes do not allow: make uncompile")
     if args.cpus:
         print(f"pinned to CPUs {pin_to_cpus(args.cpus)}", flush=True)
@@ -154,7 +147,7 @@ def main() -> None:
                 "request_steps_per_s": round(steps / run.timing["wall_seconds"]),
                 "slo_attainment": run.summary["slo_attainment"],
                 "decision_digest": run.summary["decision_digest"][:16],
-                "compiled": compiled(),
+                "compiled": control_plane_compiled(),
             }
         )
         print(f"\n{records[-1]}", flush=True)

@@ -38,8 +38,17 @@ def environment() -> dict:
         "processor": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(),
         "command": " ".join(sys.argv),
+        "compiled": control_plane_compiled(),
         **source_commit(),
     }
+
+
+def control_plane_compiled() -> bool:
+    """Whether the control plane runs as mypyc built it (`make compile`): the same decisions,
+    but a live run's controller takes less of the host's time."""
+    import dilaserve.control.scheduler
+
+    return not dilaserve.control.scheduler.__file__.endswith(".py")
 
 
 def source_commit() -> dict:

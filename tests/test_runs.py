@@ -21,3 +21,12 @@ def test_the_environment_names_the_commit_it_ran_at():
 def test_outside_a_checkout_the_commit_is_empty(monkeypatch, tmp_path):
     monkeypatch.setattr(runs, "__file__", str(tmp_path / "runs.py"))
     assert runs.source_commit() == {"commit": "", "dirty": False}
+
+
+def test_the_environment_says_whether_the_control_plane_is_compiled(monkeypatch):
+    import dilaserve.control.scheduler as scheduler
+
+    monkeypatch.setattr(scheduler, "__file__", "/x/scheduler.cpython-311-x86_64-linux-gnu.so")
+    assert runs.environment()["compiled"] is True
+    monkeypatch.setattr(scheduler, "__file__", "/x/scheduler.py")
+    assert runs.environment()["compiled"] is False
