@@ -55,6 +55,7 @@ class LoadControl:
         self.predictor = predictor
         self.profile = profile
         self.config = config
+        self._costs = config.costs  # (a property that builds one: read once)
         self.enabled = enabled
         self.window = window
         self.speed = speed
@@ -132,7 +133,7 @@ class LoadControl:
             return
         self._last_run = now
         capacity = self.throughput(instances) * self._window(now)
-        for rid, rank in self._table.run(capacity, self.config.costs):
+        for rid, rank in self._table.run(capacity, self._costs):
             t = self._tracked[rid]
             t.allowed = self.ladder[rank:]
             t.needs_threshold = True
@@ -150,9 +151,7 @@ class LoadControl:
             mean_tokens = self._table.mean_tokens()
         shapes = [self._batch_shape(inst) for inst in instances]
         per_shape = {
-            key: instance_capacity(
-                self.profile, key[0], 1.0, self.config.costs, mean_tokens, key[1]
-            )
+            key: instance_capacity(self.profile, key[0], 1.0, self._costs, mean_tokens, key[1])
             for key in set(shapes)
         }
         slowdown = self.speed.slowdown if self.speed is not None else 1.0
@@ -161,7 +160,7 @@ class LoadControl:
     def _batch_shape(self, inst: InstanceState) -> tuple[int, int]:
         """(tp, Alg. 4's maxNumSeqPerBatch): the sequences whose cache-step blocks fit the
         batch size the plan chose for the instance, else `max_requests_per_instance`."""
-        planned, costs = inst.planned_batch, self.config.costs
+        planned, costs = inst.planned_batch, self._costs
         if planned is None or planned[1] is None or not costs.cached:
             return inst.tp, self.config.max_requests_per_instance
         return inst.tp, max(planned[1] // costs.block_len, 1)
@@ -169,7 +168,7 @@ class LoadControl:
     def lowest_load(self, min_priority: float) -> tuple[float, float, int]:
         """(load, tokens, requests) of the requests in flight of priority >= `min_priority`,
         each at the lowest threshold (what admission weighs a newcomer against)."""
-        return self._table.lowest_load(min_priority, self.config.costs)
+        return self._table.lowest_load(min_priority, self._costs)
 
     def lowest_priority(self) -> float:
         """The lowest priority in flight (+inf: none)."""

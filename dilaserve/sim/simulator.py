@@ -86,6 +86,7 @@ class Simulator:
         self.profile = profile
         self.behaviour = behaviour
         self.config = config
+        self._costs = scheduler.config.costs  # (a property that builds one: read once)
         self.durations = durations or self._profile_duration
         self.log = log or DecisionLog()
         self.rng = np.random.default_rng(config.seed)
@@ -191,8 +192,8 @@ class Simulator:
     def _profile_duration(self, instance_id: str, batch: StepBatch, now: float) -> float:
         """The profile's latency of the batch, as the scheduler prices it, times the host's
         slowdown (with noise)."""
-        tp, costs = self.scheduler.instances[instance_id].tp, self.scheduler.config.costs
-        seconds = batch_seconds(self.profile, tp, batch, costs, self.scheduler.requests)
+        tp = self.scheduler.instances[instance_id].tp
+        seconds = batch_seconds(self.profile, tp, batch, self._costs, self.scheduler.requests)
         seconds *= self.config.step_slowdown * self.config.instance_slowdown.get(instance_id, 1.0)
         if self.config.latency_noise:
             seconds *= float(self.rng.lognormal(0.0, self.config.latency_noise))
