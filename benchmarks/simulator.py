@@ -25,7 +25,7 @@ import os
 import sys
 import time
 
-from dilaserve.control.decisions import DecisionLog
+from dilaserve.control.decision_log import DecisionLog
 from dilaserve.control.load_control import LoadControl
 from dilaserve.control.placement import Placer
 from dilaserve.control.reconfigure import Reconfigurer

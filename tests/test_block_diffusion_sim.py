@@ -8,7 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from dilaserve.control.decisions import DecisionLog
+from dilaserve.control.decision_log import DecisionLog
 from dilaserve.protocol import StepKind
 from dilaserve.request import Request
 from dilaserve.sim.behaviour import (

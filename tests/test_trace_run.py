@@ -6,7 +6,7 @@ import pytest
 
 from dilaserve.cluster import trace_run
 from dilaserve.cluster.requests import Overloaded
-from dilaserve.control.decisions import DecisionLog
+from dilaserve.control.decision_log import DecisionLog
 from dilaserve.sim.simulator import SimConfig
 
 from conftest import make_request

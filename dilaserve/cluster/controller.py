@@ -39,7 +39,8 @@ from dilaserve.cluster.config import ClusterConfig
 from dilaserve.cluster.replacements import Replacements
 from dilaserve.cluster.requests import Answers, Observer, Overloaded, Recording, RequestHandle
 from dilaserve.control.admission import LOWEST_PRIORITY, Admission, Room
-from dilaserve.control.decisions import DecisionLog, Decisions, InstanceSpec
+from dilaserve.control.decision_log import DecisionLog
+from dilaserve.control.decisions import Decisions, InstanceSpec
 from dilaserve.control.rollout import Rollout
 from dilaserve.control.scheduler import Scheduler
 from dilaserve.protocol import StepBatch, StepOutput

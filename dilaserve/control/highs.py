@@ -33,6 +33,27 @@ def new_model(time_limit: float, gap: float | None = None):
     return h
 
 
+def add_switched(h, bound: float, switches) -> list:
+    """Variables 0 <= w_i <= `bound`, each held at 0 unless its binary is on (w_i <= bound *
+    switches[i]). The same columns and rows, in the same order, as `addVariable` and `addConstr`
+    once per variable, but in one call each: the expression layer's cost per call was two thirds
+    of building the paper-sized simulation's Stage-1 models (docs/simulator.md, Speed)."""
+    import highspy
+    import numpy as np
+
+    n, first = len(switches), h.numVariables
+    none = np.empty(0, dtype=np.int32)
+    h.addCols(n, np.zeros(n), np.zeros(n), np.full(n, float(bound)), 0, none, none, np.empty(0))
+    index = np.empty(2 * n, dtype=np.int32)  # each row: its switch, then its w (sorted)
+    index[0::2] = [z.index for z in switches]
+    index[1::2] = np.arange(first, first + n)
+    value = np.empty(2 * n)
+    value[0::2], value[1::2] = -bound, 1.0
+    starts = np.arange(0, 2 * n, 2, dtype=np.int32)
+    h.addRows(n, np.full(n, -highspy.kHighsInf), np.zeros(n), 2 * n, starts, index, value)
+    return [highspy.highs_var(first + i, h) for i in range(n)]
+
+
 def solved(h) -> bool:
     """Whether the last solve left a plan to read: optimal, or feasible within its time."""
     import highspy

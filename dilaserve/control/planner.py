@@ -52,7 +52,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dilaserve.control.highs import new_model, qsum, solution_reader, solved
+from dilaserve.control.highs import add_switched, new_model, qsum, solution_reader, solved
 from dilaserve.control.monitor import WorkloadClass
 from dilaserve.control.profile import LatencyProfile
 from dilaserve.control.step_costs import StepCosts
@@ -199,9 +199,8 @@ class _Stage1:
         for d in self.degrees:
             for fam, _, sizes in self.families[d]:
                 tokens = boundary if fam == "full" else cfg.cache_block or 0  # cached: set
-                for b in sizes:
-                    w = h.addVariable(lb=0, ub=bound[fam])  # w_kdb
-                    h.addConstr(w <= bound[fam] * self.z[fam, d, b])
+                switches = [self.z[fam, d, b] for b in sizes]
+                for b, w in zip(sizes, add_switched(h, bound[fam], switches)):  # w_kdb
                     by_family.setdefault(fam, []).append(w)
                     lat = self.latency[fam, d, b]
                     latency_terms.append(lat * w)

@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections import defaultdict, deque
 
 from dilaserve.control.build import ControlSpec, build_scheduler
-from dilaserve.control.decisions import DecisionLog, InstanceSpec
+from dilaserve.control.decision_log import DecisionLog
+from dilaserve.control.decisions import InstanceSpec
 from dilaserve.protocol import RequestStepResult, StepBatch, StepKind
 from dilaserve.request import Request
 from dilaserve.sim.simulator import SimConfig, SimResult, Simulator

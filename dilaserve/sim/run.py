@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dilaserve.control.decisions import DecisionLog, InstanceSpec
+from dilaserve.control.decision_log import DecisionLog
+from dilaserve.control.decisions import InstanceSpec
 from dilaserve.control.planner import PlannerConfig
 from dilaserve.control.policy import get_policy
 from dilaserve.control.profile import LatencyProfile

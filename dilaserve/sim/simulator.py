@@ -25,7 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from dilaserve.control.decisions import DecisionLog, Decisions, InstanceSpec
+from dilaserve.control.decision_log import DecisionLog
+from dilaserve.control.decisions import Decisions, InstanceSpec
 from dilaserve.control.profile import LatencyProfile
 from dilaserve.control.rollout import Rollout
 from dilaserve.control.speed import batch_seconds
