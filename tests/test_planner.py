@@ -247,3 +247,37 @@ def test_a_round_that_keeps_the_instances_still_sets_the_plans_batch_sizes():
         r.record(Request(f"r{i}", tuple(range(3, 67)), 64, 32, 1, 0.9, t, t + 2.5), t)
     plan = r.on_tick(10.0, [InstanceSlot("c", 0, 2, (0, 1))])  # what runs is the proposal
     assert plan.steps == () and plan.stop_after == () and set(plan.batch_limits) == {2}
+
+
+def test_switched_variables_are_the_rows_one_constraint_at_a_time_adds():
+    """`add_switched` is what `addVariable` plus `addConstr(w <= bound * z)` per variable give:
+    the same model, so the same plans."""
+    import highspy
+    import numpy as np
+
+    from dilaserve.control.highs import add_switched, new_model
+
+    def model(batched: bool):
+        h = new_model(time_limit=5.0)
+        z = [h.addBinary() for _ in range(3)]
+        if batched:
+            w = add_switched(h, 2.5, z)
+        else:
+            w = []
+            for switch in z:
+                w.append(h.addVariable(lb=0, ub=2.5))
+                h.addConstr(w[-1] <= 2.5 * switch)
+        h.addConstr(highspy.qsum(z) == 1)
+        h.addConstr(highspy.qsum(w) >= 1.0)
+        return h, z, w
+
+    one_at_a_time, batched = model(False)[0].getLp(), model(True)[0].getLp()
+    for field in ("col_lower_", "col_upper_", "row_lower_", "row_upper_", "integrality_"):
+        assert list(getattr(batched, field)) == list(getattr(one_at_a_time, field)), field
+    for field in ("start_", "index_", "value_"):
+        assert np.array_equal(
+            getattr(batched.a_matrix_, field), getattr(one_at_a_time.a_matrix_, field)
+        ), field
+    h, z, w = model(True)
+    h.maximize(w[1] - w[0] - w[2])
+    assert h.val(z[1]) > 0.5 and h.val(w[1]) == 2.5 and h.val(w[0]) == h.val(w[2]) == 0
