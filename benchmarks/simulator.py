@@ -101,6 +101,44 @@ def pin_to_cpus(count: int) -> list[int]:
     return cpus
 
 
+def measure(policy: str, args) -> tuple[dict, list[dict]]:
+    """One policy's run: its speed record, and its breakdown rows with `--breakdown`. Only
+    these come back: a finished run holds every request, and kept alive through the next
+    policy's run it slowed that run's garbage collection (the policies after the first took
+    4-7% longer in one process than alone; docs/simulator.md, Speed)."""
+    spec = SimulationSpec(
+        policy=policy, peak_rps=args.peak_rps, minutes_per_hour=args.minutes_per_hour
+    )
+
+    def progress(now, done, total):
+        if int(now) % 300 == 0:
+            print(
+                f"\r{policy}: simulated {now:6.0f} s, {done}/{total}",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    totals: dict[str, list] = {}
+    with timed_parts(totals) if args.breakdown else contextlib.nullcontext():
+        run = simulate(spec, progress)
+    wall = run.timing["wall_seconds"]
+    steps = sum(row["steps"] for row in run.rows)
+    record = {
+        "policy": policy,
+        "requests": run.summary["requests"],
+        "simulated_s": run.summary["simulated_seconds"],
+        "wall_s": wall,
+        "events": run.summary["events"],
+        "events_per_s": run.timing["events_per_second"],
+        "request_steps_per_s": round(steps / wall),
+        "slo_attainment": run.summary["slo_attainment"],
+        "decision_digest": run.summary["decision_digest"][:16],
+        "compiled": control_plane_compiled(),
+    }
+    return record, breakdown_rows(policy, totals, wall) if totals else []
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--policies", default="dilaserve,infaas")
@@ -117,40 +155,10 @@ def main() -> None:
         print(f"pinned to CPUs {pin_to_cpus(args.cpus)}", flush=True)
     records, breakdown = [], []
     for policy in args.policies.split(","):
-        spec = SimulationSpec(
-            policy=policy, peak_rps=args.peak_rps, minutes_per_hour=args.minutes_per_hour
-        )
-
-        def progress(now, done, total, policy=policy):
-            if int(now) % 300 == 0:
-                print(
-                    f"\r{policy}: simulated {now:6.0f} s, {done}/{total}",
-                    end="",
-                    file=sys.stderr,
-                    flush=True,
-                )
-
-        totals: dict[str, list] = {}
-        with timed_parts(totals) if args.breakdown else contextlib.nullcontext():
-            run = simulate(spec, progress)
-        if totals:
-            breakdown += breakdown_rows(policy, totals, run.timing["wall_seconds"])
-        steps = sum(row["steps"] for row in run.rows)
-        records.append(
-            {
-                "policy": policy,
-                "requests": run.summary["requests"],
-                "simulated_s": run.summary["simulated_seconds"],
-                "wall_s": run.timing["wall_seconds"],
-                "events": run.summary["events"],
-                "events_per_s": run.timing["events_per_second"],
-                "request_steps_per_s": round(steps / run.timing["wall_seconds"]),
-                "slo_attainment": run.summary["slo_attainment"],
-                "decision_digest": run.summary["decision_digest"][:16],
-                "compiled": control_plane_compiled(),
-            }
-        )
-        print(f"\n{records[-1]}", flush=True)
+        record, parts = measure(policy, args)  # the run itself is gone before the next starts
+        records.append(record)
+        breakdown += parts
+        print(f"\n{record}", flush=True)
     folder = write_table_run(args.out, "simulator", vars(args), records, "simulator speed")
     if breakdown:
         table = markdown_table(breakdown, list(breakdown[0]))
