@@ -21,9 +21,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import multiprocessing
 import os
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 from dilaserve.control.decision_log import DecisionLog
 from dilaserve.control.load_control import LoadControl
@@ -102,10 +104,7 @@ def pin_to_cpus(count: int) -> list[int]:
 
 
 def measure(policy: str, args) -> tuple[dict, list[dict]]:
-    """One policy's run: its speed record, and its breakdown rows with `--breakdown`. Only
-    these come back: a finished run holds every request, and kept alive through the next
-    policy's run it slowed that run's garbage collection (the policies after the first took
-    4-7% longer in one process than alone; docs/simulator.md, Speed)."""
+    """One policy's run: its speed record, and its breakdown rows with `--breakdown`."""
     spec = SimulationSpec(
         policy=policy, peak_rps=args.peak_rps, minutes_per_hour=args.minutes_per_hour
     )
@@ -154,8 +153,12 @@ def main() -> None:
     if args.cpus:
         print(f"pinned to CPUs {pin_to_cpus(args.cpus)}", flush=True)
     records, breakdown = [], []
+    # each policy in a fresh process (pinned and told its OpenMP threads as this one is): in
+    # one process the policies after the first ran 4-11% slower than alone (docs/simulator.md)
+    spawn = multiprocessing.get_context("spawn")
     for policy in args.policies.split(","):
-        record, parts = measure(policy, args)  # the run itself is gone before the next starts
+        with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as fresh:
+            record, parts = fresh.submit(measure, policy, args).result()
         records.append(record)
         breakdown += parts
         print(f"\n{record}", flush=True)
