@@ -39,7 +39,7 @@ def environment() -> dict:
         "threads": torch.get_num_threads(),
         "command": " ".join(sys.argv),
         "compiled": control_plane_compiled(),
-        **source_commit(),
+        **_LOADED_FROM,
     }
 
 
@@ -65,6 +65,11 @@ def source_commit() -> dict:
 
     head = git("rev-parse", "HEAD")
     return {"commit": head, "dirty": bool(head and git("status", "--porcelain", "-uno"))}
+
+
+# what `environment()` records: the checkout as this module was first imported, near when the
+# process loaded its code, not as it stands when a long run ends and writes its folder
+_LOADED_FROM = source_commit()
 
 
 def write_json(path: Path, data) -> None:
