@@ -17,6 +17,8 @@ steps' measured slowdown over the profile (`step_time_ratio`) is the prediction'
 `step_slowdown`: the slowdown grows with the load (the controller's share of the cores), and
 the machine drifts less over 20 s than over a whole sweep. `--calibration-rate 40`: one
 calibration per policy at that rate instead (the method of the runs before 2026-12-02 15:00).
+`--by-batch`: the calibration's slowdown per batch size (`step_time_ratio_by_batch`: the
+steps of 1, 2-3, 4-7, ... requests), which grows with the batch on this host.
 Each row also gives the prediction at the slowdown the run itself measured (`_at_run_speed`):
 what is left there is the models' error, the rest the host's drift since the calibration run.
 Targets
@@ -42,16 +44,17 @@ def options(policy: str, args) -> list[str]:
     return out
 
 
-def calibrate(config, args, rate: float) -> float:
-    """The host's step slowdown while this policy serves: a run at `rate`, on arrivals of
-    another seed than the predicted runs'."""
+def calibrate(config, args, rate: float) -> tuple[float, dict[int, float] | None]:
+    """The host's step slowdown while this policy serves, overall and (`--by-batch`) per batch
+    size: a run at `rate`, on arrivals of another seed than the predicted runs'."""
     from dilaserve.cluster.trace_run import TraceRunSpec, run_trace
 
     trace = f"poisson:{rate:g}:{args.calibration_seconds}"
     spec = TraceRunSpec(trace, slo=args.slo, seed=args.seed + 1000)
-    slowdown = run_trace(config, spec)["summary"]["step_time_ratio"]
-    print(f"calibration run {trace}: step slowdown {slowdown}", flush=True)
-    return slowdown
+    summary = run_trace(config, spec)["summary"]
+    slowdown, by_batch = summary["step_time_ratio"], summary["step_time_ratio_by_batch"]
+    print(f"calibration run {trace}: step slowdown {slowdown}, by batch {by_batch}", flush=True)
+    return slowdown, by_batch if args.by_batch else None
 
 
 def main() -> None:
@@ -69,6 +72,11 @@ def main() -> None:
     )
     parser.add_argument("--calibration-seconds", type=float, default=20.0)
     parser.add_argument(
+        "--by-batch",
+        action="store_true",
+        help="predict with the calibration's slowdown per batch size, not one for every step",
+    )
+    parser.add_argument(
         "--profile", help="a latency profile to use instead of the bundled calibration's"
     )
     parser.add_argument("--out", default="benchmarks/results")
@@ -79,13 +87,18 @@ def main() -> None:
         trajectories = str(BUNDLED_CALIBRATION / "trajectories.npz")
         once = args.calibration_rate != "run"
         if once:
-            slowdown = calibrate(config, args, float(args.calibration_rate))
+            slowdown, by_batch = calibrate(config, args, float(args.calibration_rate))
         for rate in (float(r) for r in args.rates.split(",")):
             if not once:
-                slowdown = calibrate(config, args, rate)
+                slowdown, by_batch = calibrate(config, args, rate)
             trace = f"poisson:{rate}:{args.seconds}"
             spec = TraceRunSpec(
-                trace, slo=args.slo, seed=args.seed, predict=trajectories, predict_slowdown=slowdown
+                trace,
+                slo=args.slo,
+                seed=args.seed,
+                predict=trajectories,
+                predict_slowdown=slowdown,
+                predict_slowdown_by_batch=by_batch,
             )
             s = run_trace(config, spec)["summary"]
             p = s["prediction"]

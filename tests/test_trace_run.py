@@ -21,6 +21,7 @@ class TwoInFlightCluster:
             step_times=[], steps_run=0, stats={}, log=DecisionLog(), recording=None
         )
         self.step_time_ratio = 1.0
+        self.step_time_ratio_by_batch: dict[int, float] = {}
 
     def start(self):
         return self

@@ -164,6 +164,11 @@ class Cluster:
         """Steps' measured time over the profile's, each summed over every step so far."""
         return self.scheduler.speed.run_ratio
 
+    @property
+    def step_time_ratio_by_batch(self) -> dict[int, float]:
+        """`step_time_ratio` per batch size (`MeasuredSpeed.run_ratio_by_batch`)."""
+        return self.scheduler.speed.run_ratio_by_batch()
+
     def instances_by_tp(self) -> dict[int, int]:
         return dict(self.controller.instance_log[-1][1]) if self.controller.instance_log else {}
 

@@ -37,6 +37,8 @@ class TraceRunSpec:
     predict: str | None = None  # recorded trajectories: also write the simulator's prediction
     predict_slowdown: float = 1.0  # the host's step slowdown the prediction assumes (a
     # calibration run's `step_time_ratio`; `sim/predict.py`)
+    # or per batch size (a calibration run's `step_time_ratio_by_batch`; None: the one above)
+    predict_slowdown_by_batch: dict[int, float] | None = None
 
     def __post_init__(self):
         if self.rate_scale <= 0 or self.slo <= 0 or self.predict_slowdown <= 0:
@@ -129,6 +131,9 @@ def _runtime_summary(cluster: Cluster, rows: list[dict]) -> dict:
         # steps' round trips over the profile's price, summed over the run (1 when the
         # cluster does not measure its speed): what a prediction of this host takes
         "step_time_ratio": round(cluster.step_time_ratio, 4),
+        "step_time_ratio_by_batch": {  # the same per batch size (`run_ratio_by_batch`)
+            b: round(r, 4) for b, r in cluster.step_time_ratio_by_batch.items()
+        },
         **controller.stats,
         "decision_digest": controller.log.digest,
     }
@@ -163,12 +168,17 @@ def _prediction(cluster: Cluster, config: ClusterConfig, spec: TraceRunSpec, rea
     between the calibration and the run."""
     recording = cluster.controller.recording  # every request admission saw, in arrival order
     arrived = sorted(recording.requests + recording.refused, key=lambda r: r.arrival_time)
-    ahead = _predicted(arrived, config, spec, spec.predict_slowdown, real)
-    after = _predicted(arrived, config, spec, real["step_time_ratio"], real)
+    ahead = _predicted(
+        arrived, config, spec, spec.predict_slowdown, spec.predict_slowdown_by_batch, real
+    )
+    by_batch = real["step_time_ratio_by_batch"] if spec.predict_slowdown_by_batch else None
+    after = _predicted(arrived, config, spec, real["step_time_ratio"], by_batch, real)
     return {**ahead, "trajectories": spec.predict, "at_run_speed": after}
 
 
-def _predicted(arrived, config: ClusterConfig, spec: TraceRunSpec, slowdown: float, real: dict):
+def _predicted(
+    arrived, config: ClusterConfig, spec: TraceRunSpec, slowdown: float, by_batch, real: dict
+):
     from dilaserve.sim.predict import predict, prediction_summary
 
     result = predict(
@@ -182,11 +192,13 @@ def _predicted(arrived, config: ClusterConfig, spec: TraceRunSpec, slowdown: flo
         config.overload,
         slowdown,
         config.measured_speed,
+        by_batch,
     )
     predicted = prediction_summary(result)
     return {
         **predicted,
         "step_slowdown": slowdown,
+        "step_slowdown_by_batch": by_batch,
         "slo_attainment_error_pp": round(
             100 * (predicted["slo_attainment"] - real["slo_attainment"]), 2
         ),

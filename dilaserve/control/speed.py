@@ -41,6 +41,7 @@ class MeasuredSpeed:
         self.by_instance: dict[str, float] = {}  # the same, per instance
         self.steps = 0  # steps observed
         self._measured = self._predicted = 0.0  # their seconds, measured and predicted, summed
+        self._by_batch: dict[int, list[float]] = {}  # batch_bin -> [measured, predicted] sums
 
     @property
     def slowdown(self) -> float:
@@ -55,6 +56,13 @@ class MeasuredSpeed:
         add up to the time the run's did (a mean of the steps' ratios weighs slow steps less;
         docs/simulator.md, "Predictive fidelity")."""
         return self._measured / self._predicted if self._predicted else 1.0
+
+    def run_ratio_by_batch(self) -> dict[int, float]:
+        """`run_ratio` per batch size (`batch_bin`: the steps of 1, 2-3, 4-7, ... requests).
+        On a host whose cores the workers share with the controller the slowdown grows with
+        the batch (fcfs at its knee: 0.66 at 8-15 requests, 0.82 at 64-127), which one ratio
+        for every step misprices; a prediction takes this table (docs/simulator.md)."""
+        return {b: m / p for b, (m, p) in sorted(self._by_batch.items()) if p > 0}
 
     def instance_ratio(self, instance_id: str) -> float:
         """Measured over predicted step time on one instance, running (1 before any step)."""
@@ -75,6 +83,14 @@ class MeasuredSpeed:
             self.steps += 1
             self._measured += seconds
             self._predicted += predicted
+            sums = self._by_batch.setdefault(batch_bin(len(batch.items)), [0.0, 0.0])
+            sums[0] += seconds
+            sums[1] += predicted
+
+
+def batch_bin(requests: int) -> int:
+    """The power of two at or below a step's request count: its bin in `run_ratio_by_batch`."""
+    return 1 << (max(requests, 1).bit_length() - 1)
 
 
 def batch_seconds(

@@ -9,7 +9,8 @@ request tied to a random recorded prompt); step durations come from the profile,
 host's slowdown while serving (`slowdown`: measured beforehand by a calibration run, its
 steps' round trips summed over their profile prices; it is what the profile misses on a
 host whose cores the workers share with the controller, and the machine's drift since it was
-profiled). The control plane learns that slowdown as the cluster's does
+profiled; or one slowdown per batch size, since on such a host it grows with the batch).
+The control plane learns that slowdown as the cluster's does
 (`measured_speed`, `control/speed.py`). Admission by capacity (`control/admission.py`) runs as
 in the cluster: a request it refuses never runs and counts as missed. Its metrics, set beside
 the real run's, measure how well the simulator predicts this machine.
@@ -17,6 +18,7 @@ the real run's, measure how well the simulator predicts this machine.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -64,10 +66,12 @@ def predict(
     overload: str = "reject",
     slowdown: float = 1.0,
     measured_speed: bool = False,
+    slowdown_by_batch: Mapping[int, float] | None = None,
 ) -> SimResult:
     """Simulate `requests` (as admitted: arrival and deadline on the run's clock) on the
     instances, the behaviour drawn from `trajectories`, each step `slowdown` times the
-    profile's time; `measured_speed`: the cluster's (`ClusterConfig.measured_speed`)."""
+    profile's time, or, with `slowdown_by_batch` (`MeasuredSpeed.run_ratio_by_batch`), the
+    slowdown of its batch size; `measured_speed`: the cluster's (`ClusterConfig.measured_speed`)."""
     recorded = load_trajectories(trajectories)
     behaviour = ReplayBehaviour(recorded)
     windows = {t.gen_len for t in recorded}
@@ -87,6 +91,7 @@ def predict(
         seed=seed,
         measured_speed=measured_speed,
         step_slowdown=slowdown,
+        slowdown_by_batch=dict(slowdown_by_batch or {}),
     )
     return Simulator(scheduler, scheduler.profile, behaviour, instances, config).run(fresh)
 

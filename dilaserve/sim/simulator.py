@@ -29,7 +29,7 @@ from dilaserve.control.decision_log import DecisionLog
 from dilaserve.control.decisions import Decisions, InstanceSpec
 from dilaserve.control.profile import LatencyProfile
 from dilaserve.control.rollout import Rollout
-from dilaserve.control.speed import batch_seconds
+from dilaserve.control.speed import batch_bin, batch_seconds
 from dilaserve.protocol import StepBatch, StepOutput
 from dilaserve.request import Request
 
@@ -49,6 +49,9 @@ class SimConfig:
     # serving (its drift since it was profiled, the controller's share of shared cores), for a
     # prediction of that host (`sim/predict.py`; a calibration run's `step_time_ratio`)
     step_slowdown: float = 1.0
+    # batch_bin -> the slowdown of a step of that many requests instead (`run_ratio_by_batch`;
+    # bins it lacks take `step_slowdown`)
+    slowdown_by_batch: Mapping[int, float] = field(default_factory=dict)
     # instance id -> a further factor on its steps' time (stragglers the control plane is not
     # told about; `SimulationSpec.stragglers`)
     instance_slowdown: Mapping[str, float] = field(default_factory=dict)
@@ -56,8 +59,8 @@ class SimConfig:
     def __post_init__(self):
         if self.tick <= 0 or self.startup_delay < 0 or self.latency_noise < 0:
             raise ValueError(f"{self}: tick must be positive, delays and noise non-negative")
-        if self.step_slowdown <= 0:
-            raise ValueError(f"{self.step_slowdown=} must be positive")
+        if self.step_slowdown <= 0 or min(self.slowdown_by_batch.values(), default=1.0) <= 0:
+            raise ValueError(f"{self.step_slowdown=}, {self.slowdown_by_batch=}: must be > 0")
 
 
 @dataclass
@@ -195,7 +198,11 @@ class Simulator:
         slowdown (with noise)."""
         tp = self.scheduler.instances[instance_id].tp
         seconds = batch_seconds(self.profile, tp, batch, self._costs, self.scheduler.requests)
-        seconds *= self.config.step_slowdown * self.config.instance_slowdown.get(instance_id, 1.0)
+        slowdown = self.config.step_slowdown
+        if self.config.slowdown_by_batch:
+            bin_ = batch_bin(len(batch.items))
+            slowdown = self.config.slowdown_by_batch.get(bin_, slowdown)
+        seconds *= slowdown * self.config.instance_slowdown.get(instance_id, 1.0)
         if self.config.latency_noise:
             seconds *= float(self.rng.lognormal(0.0, self.config.latency_noise))
         return seconds
