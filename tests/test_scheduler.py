@@ -1,5 +1,7 @@
 """Scheduler tests: hand-made StepOutputs in, decisions out."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -7,9 +9,9 @@ from dilaserve.control.instance import InstanceState
 from dilaserve.control.policy import get_policy
 from dilaserve.control.profile import Curve, LatencyProfile
 from dilaserve.control.scheduler import Scheduler, SchedulerConfig
-from dilaserve.control.speed import batch_seconds
+from dilaserve.control.speed import batch_bin, batch_seconds
 from dilaserve.control.thresholds import instance_capacity
-from dilaserve.protocol import RequestStepResult, StepKind, StepOutput
+from dilaserve.protocol import RequestStepResult, StepBatch, StepKind, StepOutput
 
 from conftest import make_request
 
@@ -202,6 +204,20 @@ def test_a_runs_slowdown_is_its_measured_time_over_the_profiles():
     for ratio in (0.5, 2.0, 4.0):
         s.speed.observe(1, launch.batch, ratio * price)
     assert s.speed.steps == 3 and s.speed.run_ratio == pytest.approx((0.5 + 2.0 + 4.0) / 3)
+
+
+def test_a_runs_slowdown_per_batch_size_keeps_each_sizes_steps_apart():
+    s = scheduler(instances=(("a", 1),), slo=10.0)
+    first = only_launch(s.on_arrival(make_request("r"), 0.0)).batch  # a step of one request
+    for rid in ("x", "y"):
+        s.on_arrival(make_request(rid), 0.0)
+    three = StepBatch(tuple(replace(first.items[0], request_id=rid) for rid in ("r", "x", "y")))
+    one, many = (batch_seconds(PROFILE, 1, b, s.config.costs, s.requests) for b in (first, three))
+    s.speed.observe(1, first, 0.5 * one)
+    s.speed.observe(1, three, 2.0 * many)
+    s.speed.observe(1, three, 4.0 * many)
+    assert [batch_bin(n) for n in (1, 2, 3, 4, 7, 8, 100)] == [1, 2, 2, 4, 4, 8, 64]
+    assert s.speed.run_ratio_by_batch() == pytest.approx({1: 0.5, 2: 3.0})
 
 
 def test_the_instance_speed_extension_prices_a_straggler_at_its_measured_speed():

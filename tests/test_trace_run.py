@@ -124,3 +124,30 @@ def test_the_prediction_runs_every_step_at_the_hosts_slowdown():
     assert latency[2.0] == pytest.approx([2 * t for t in latency[1.0]])
     with pytest.raises(ValueError, match="step_slowdown"):
         SimConfig(step_slowdown=0.0)
+
+
+def test_a_slowdown_per_batch_size_prices_each_step_by_its_batch():
+    """`slowdown_by_batch` (a calibration run's `step_time_ratio_by_batch`) picks each step's
+    slowdown by its request count; batch sizes it lacks take `slowdown`."""
+    from dilaserve.cluster.runtime import ClusterConfig
+    from dilaserve.config import BUNDLED_CALIBRATION
+    from dilaserve.sim.predict import predict as simulate
+
+    config = ClusterConfig()
+    spaced = [
+        make_request(f"r{i}", gen_len=64, arrival_time=5.0 * i, deadline=5.0 * i + 60.0)
+        for i in range(4)
+    ]  # alone on the instance: every step a batch of one
+    args = (config.control, BUNDLED_CALIBRATION / "trajectories.npz", config.initial_specs())
+
+    def latencies(**slowdowns):
+        result = simulate(spaced, *args, config.tick, config.max_batch_tokens, **slowdowns)
+        return [r.finish_time - r.arrival_time for r in result.requests]
+
+    alone = latencies()
+    assert latencies(slowdown_by_batch={1: 3.0}) == pytest.approx([3 * t for t in alone])
+    assert latencies(slowdown=2.0, slowdown_by_batch={4: 3.0}) == pytest.approx(
+        [2 * t for t in alone]
+    )
+    with pytest.raises(ValueError, match="slowdown_by_batch"):
+        SimConfig(slowdown_by_batch={1: 0.0})
