@@ -57,9 +57,7 @@ def calibrate(config, args, rate: float) -> tuple[float, dict[int, float] | None
     return slowdown, by_batch if args.by_batch else None
 
 
-def main() -> None:
-    from dilaserve.cluster.trace_run import TraceRunSpec, run_trace
-
+def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", default="30,50,80")
     parser.add_argument("--policies", default="dilaserve,fcfs")
@@ -80,48 +78,55 @@ def main() -> None:
         "--profile", help="a latency profile to use instead of the bundled calibration's"
     )
     parser.add_argument("--out", default="benchmarks/results")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def predicted_run(config, args, policy: str, rate: float, slowdown, by_batch) -> dict:
+    """One live run at `rate` beside the simulator's prediction of it: the table's row."""
+    from dilaserve.cluster.trace_run import TraceRunSpec, run_trace
+
+    spec = TraceRunSpec(
+        f"poisson:{rate}:{args.seconds}",
+        slo=args.slo,
+        seed=args.seed,
+        predict=str(BUNDLED_CALIBRATION / "trajectories.npz"),
+        predict_slowdown=slowdown,
+        predict_slowdown_by_batch=by_batch,
+    )
+    s = run_trace(config, spec)["summary"]
+    p = s["prediction"]
+    post = p["at_run_speed"]
+    return {
+        "policy": policy,
+        "rps": rate,
+        "requests": s["requests"],
+        "calibrated_slowdown": slowdown,
+        "run_slowdown": s["step_time_ratio"],
+        "real_slo_attainment": s["slo_attainment"],
+        "predicted_slo_attainment": p["slo_attainment"],
+        "error_pp": p["slo_attainment_error_pp"],
+        "real_latency_mean": s["latency_mean"],
+        "predicted_latency_mean": p["latency_mean"],
+        "latency_ratio": p["latency_mean_ratio"],
+        "refused": s["refused"],  # by the controller's admission: predicted too
+        "refused_at_submit": s["refused_at_submit"],  # before it: in neither
+        "error_pp_at_run_speed": post["slo_attainment_error_pp"],
+        "latency_ratio_at_run_speed": post["latency_mean_ratio"],
+    }
+
+
+def main() -> None:
+    args = parse_args()
     records = []
     for policy in args.policies.split(","):
         config, _ = run_trace_config(options(policy, args), record=True)
-        trajectories = str(BUNDLED_CALIBRATION / "trajectories.npz")
         once = args.calibration_rate != "run"
         if once:
             slowdown, by_batch = calibrate(config, args, float(args.calibration_rate))
         for rate in (float(r) for r in args.rates.split(",")):
             if not once:
                 slowdown, by_batch = calibrate(config, args, rate)
-            trace = f"poisson:{rate}:{args.seconds}"
-            spec = TraceRunSpec(
-                trace,
-                slo=args.slo,
-                seed=args.seed,
-                predict=trajectories,
-                predict_slowdown=slowdown,
-                predict_slowdown_by_batch=by_batch,
-            )
-            s = run_trace(config, spec)["summary"]
-            p = s["prediction"]
-            post = p["at_run_speed"]
-            records.append(
-                {
-                    "policy": policy,
-                    "rps": rate,
-                    "requests": s["requests"],
-                    "calibrated_slowdown": slowdown,
-                    "run_slowdown": s["step_time_ratio"],
-                    "real_slo_attainment": s["slo_attainment"],
-                    "predicted_slo_attainment": p["slo_attainment"],
-                    "error_pp": p["slo_attainment_error_pp"],
-                    "real_latency_mean": s["latency_mean"],
-                    "predicted_latency_mean": p["latency_mean"],
-                    "latency_ratio": p["latency_mean_ratio"],
-                    "refused": s["refused"],  # by the controller's admission: predicted too
-                    "refused_at_submit": s["refused_at_submit"],  # before it: in neither
-                    "error_pp_at_run_speed": post["slo_attainment_error_pp"],
-                    "latency_ratio_at_run_speed": post["latency_mean_ratio"],
-                }
-            )
+            records.append(predicted_run(config, args, policy, rate, slowdown, by_batch))
             print(records[-1], flush=True)
     write_table_run(args.out, "fidelity", vars(args), records, "simulator vs live cluster")
 
