@@ -1,7 +1,8 @@
-"""Reliability suite (issue 22): `dilaserve serve` under hostile bodies, overload and faults.
+"""Reliability suite (issues 22 and 38): `dilaserve serve` under hostile bodies and clients,
+overload, storms, a CPU-hungry neighbour and faults, judged against issue 38's targets.
 
     python benchmarks/reliability.py [--fuzz 1500] [--overload-seconds 60] [--slo-ms 2000]
-                                     [--slo-headroom 1.0]
+                                     [--storm-clients 400] [--drain-timeout 2] [--beside-hog]
 
 Starts `dilaserve serve` (the bundled model, two TP-1 instances, on 127.0.0.1 only) in a
 process group of its own and runs these phases, each bounded in time:
@@ -10,31 +11,42 @@ process group of its own and runs these phases, each bounded in time:
    surrogates, broken JSON, deep nesting, bodies over the size limit, prompts past the
    context), 16 at a time. Every answer must be a completion or an error in OpenAI's shape, and
    never a 5xx; afterwards a normal request is served and nothing is left in flight. Then
-   /health is timed while 8 clients send the largest bodies the server reads and long prompts.
+   /health is timed while 8 clients send the largest bodies the server reads and long prompts,
+   while 4 clients send headers growing to 64 MB, and while 8 clients send chats of 25,000
+   empty messages (the server's resident memory alongside).
 2. capacity: a closed loop of 32 clients for `--capacity-seconds`: requests served per second
    at saturation (the capacity).
 3. overload: Poisson arrivals at 3x that capacity for `--overload-seconds`: how fast refusals
    come (429 with Retry-After), the share of admitted requests within their SLO, requests left
    without an answer, and the served rate against the capacity.
-4. kill -9 of a worker under load (half the capacity): requests that failed, and how long
-   until /health says "ok" again.
-5. SIGSTOP of a worker under load: the longest wait of a request, and requests that failed
-   (the instance is taken for hung after the step timeout the latency profile gives).
-6. SIGTERM to the server's whole process group under streaming load (what systemd and
-   `timeout` send): answers after the signal (503 with Retry-After, or refused connections),
-   streams that ended with `[DONE]`, and the time to exit.
+4. storm: `--storm-clients` closed-loop clients for `--storm-seconds`, the same figures.
+5. neighbour: half the capacity, open loop, beside a CPU hog on every core.
+6. kill -9, then SIGSTOP, of a worker under load (half the capacity): requests that failed (a
+   429 after the fault counts as failed), the longest wait, and how long until /health says
+   "ok" again.
+   After the overload, the storm, the neighbour and each fault, once nothing is in flight: 25
+   requests one at a time, every one of which an idle server must admit.
+7. drain at capacity: SIGTERM to the server's process group under `--storm-clients` clients:
+   every request sent after it must get 503 with Retry-After and `Connection: close`, and the
+   server must exit within `--drain-timeout` plus one second.
+8. streams longer than the drain (a fresh server): SIGTERM with 16 long streams open; each must
+   end with `[DONE]`, and the exit within the drain timeout plus one second.
+
+`--beside-hog` runs all of it beside a CPU hog on every core (a busy machine).
 
 The load comes from `lean_http.Pool`, a lean HTTP client: httpx's own CPU time, on the cores the
 server uses, was counted as the server's latency at these rates.
 
-This file starts the server, runs the phases in order and writes the run folder; the phases are
-in `reliability_phases.py`, the load they put on the server in `reliability_load.py`, the
-hostile bodies and the check of OpenAI's answer shape in `reliability_inputs.py`, and the
-figures made of the records in `reliability_summaries.py`.
+This file starts the server, runs the phases in order, judges the targets and writes the run
+folder; the phases are in `reliability_phases.py` and `reliability_hostile.py`, the load they
+put on the server in `reliability_load.py`, the hostile bodies and the check of OpenAI's answer
+shape in `reliability_inputs.py`, and the figures made of the records in
+`reliability_summaries.py`.
 
-Writes benchmarks/results/reliability-TIMESTAMP/: config.json, summary.json (every figure),
-server.log (without its access lines) and report.md. Latency figures depend on the machine's
-load: the report says what else ran (the load average at start and end).
+Writes benchmarks/results/reliability-TIMESTAMP/ (an ignored folder): config.json, summary.json
+(every figure and the verdict of each target), server.log (without its access lines) and
+report.md. Latency figures depend on the machine's load: the report says what else ran (the load
+average at start and end).
 """
 
 from __future__ import annotations
@@ -50,16 +62,21 @@ import time
 from pathlib import Path
 
 import httpx
-from reliability_load import closed_loop, one, pool_for
-from reliability_phases import (
-    fuzz,
-    health_under_large_bodies,
-    kill_phase,
-    overload_phase,
-    term_phase,
-    term_streams,
+from reliability_hostile import (
+    CpuHog,
+    drain_at_capacity,
+    health_while,
+    huge_header,
+    idle_admits,
+    many_message_chat,
+    neighbour,
+    storm,
+    streams_past_the_drain,
 )
+from reliability_load import closed_loop, one, pool_for
+from reliability_phases import fuzz, health_under_large_bodies, kill_phase, overload_phase
 from reliability_summaries import served_rate
+from reliability_targets import verdicts
 
 from dilaserve.runs import create_run_dir, environment, write_json
 
@@ -72,10 +89,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(port: int, slo_ms: float, log: Path, headroom: float = 1.0) -> subprocess.Popen:
+def start_server(port: int, args, log: Path) -> subprocess.Popen:
     command = [sys.executable, "-m", "dilaserve.cli", "serve", "--port", str(port)]
-    command += ["--slo", str(slo_ms / 1000), "--drain-timeout", "5", "--log-interval", "0"]
-    command += ["--slo-headroom", str(headroom)]
+    command += ["--slo", str(args.slo_ms / 1000), "--drain-timeout", str(args.drain_timeout)]
+    command += ["--log-interval", "0", "--slo-headroom", str(args.slo_headroom)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = log.open("w")
     server = subprocess.Popen(command, env=env, stdout=out, stderr=out, start_new_session=True)
@@ -97,54 +114,97 @@ def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-async def run(args, folder: Path) -> dict:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    summary: dict = {"load_average_start": load_average(), "cpus": os.cpu_count()}
-    server = start_server(port, args.slo_ms, folder / "server.log", args.slo_headroom)
-    try:
+class Run:
+    """The phases in order against one server after another, each phase's summary kept and
+    printed as it ends."""
+
+    def __init__(self, args, folder: Path):
+        self.args, self.folder = args, folder
+        self.summary: dict = {"load_average_start": load_average(), "cpus": os.cpu_count()}
+        self.servers = 0
+        self.server, self.url = None, ""
+
+    def start(self) -> None:
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        log = self.folder / f"server-{self.servers}.log"
+        self.server = start_server(port, self.args, log)
+        self.servers += 1
+
+    def keep(self, name: str, figures: dict) -> None:
+        self.summary[name] = figures
+        print(f"{name}:", figures, flush=True)
+
+    async def idle(self, after: str) -> None:
+        self.summary.setdefault("idle_after", []).append(
+            await idle_admits(self.url, self.args.slo_ms, after)
+        )
+        print("idle after", after, self.summary["idle_after"][-1], flush=True)
+
+    async def hostile(self) -> None:
+        args, url = self.args, self.url
         t = time.monotonic()
-        summary["fuzz"] = await fuzz(url, args.fuzz, args.seed, t + args.fuzz_seconds)
-        summary["fuzz"]["seconds"] = round(time.monotonic() - t, 1)
+        figures = await fuzz(url, args.fuzz, args.seed, t + args.fuzz_seconds)
+        self.keep("fuzz", figures | {"seconds": round(time.monotonic() - t, 1)})
         health = httpx.get(f"{url}/health", timeout=10).json()
         pool = pool_for(url)
         served = await one(pool, args.slo_ms)
         await pool.close()
-        summary["after_fuzz"] = {"health": health["status"], "in_flight": health["in_flight"],
-                                 "normal_request": served["status"]}  # fmt: skip
-        print("fuzz:", summary["fuzz"], summary["after_fuzz"], flush=True)
-        summary["large_bodies"] = await health_under_large_bodies(url, 15.0)
-        print("/health under large bodies:", summary["large_bodies"], flush=True)
+        self.keep("after_fuzz", {"health": health["status"], "in_flight": health["in_flight"],
+                                 "normal_request": served["status"]})  # fmt: skip
+        self.keep("large_bodies", await health_under_large_bodies(url, 15.0))
+        pid = self.server.pid
+        self.keep("header_flood", await health_while(url, pid, huge_header, 4, 15.0))
+        self.keep("many_message_chats", await health_while(url, pid, many_message_chat, 8, 15.0))
 
+    async def load(self) -> float:
+        args, url = self.args, self.url
         records = await closed_loop(url, 32, args.capacity_seconds, args.slo_ms)
         capacity = served_rate(records, args.capacity_seconds)
-        summary["capacity"] = {"clients": 32, "seconds": args.capacity_seconds,
-                               "served_per_s": capacity}  # fmt: skip
-        print("capacity:", summary["capacity"], flush=True)
+        self.keep("capacity", {"clients": 32, "seconds": args.capacity_seconds,
+                               "served_per_s": capacity})  # fmt: skip
+        self.keep("overload", await overload_phase(url, 3 * capacity, capacity, args))
+        await self.idle("overload")
+        clients, seconds = args.storm_clients, args.storm_seconds
+        self.keep("storm", await storm(url, clients, seconds, capacity, args.slo_ms))
+        await self.idle("storm")
+        self.keep("neighbour", await neighbour(url, capacity / 2, 20.0, args.slo_ms))
+        await self.idle("neighbour")
+        return capacity
 
-        summary["overload"] = await overload_phase(url, 3 * capacity, capacity, args)
-        print("overload:", summary["overload"], flush=True)
+    async def faults(self, capacity: float) -> None:
+        url, slo_ms = self.url, self.args.slo_ms
+        self.keep("kill_9", await kill_phase(url, self.server, capacity / 2, slo_ms, "kill"))
+        await self.idle("kill -9")
+        self.keep("sigstop", await kill_phase(url, self.server, capacity / 2, slo_ms, "stop"))
+        await self.idle("SIGSTOP")
 
-        await asyncio.sleep(3)
-        summary["kill_9"] = await kill_phase(url, server, capacity / 2, args.slo_ms, "kill")
-        print("kill -9:", summary["kill_9"], flush=True)
-        summary["sigstop"] = await kill_phase(url, server, capacity / 2, args.slo_ms, "stop")
-        print("SIGSTOP:", summary["sigstop"], flush=True)
-        summary["sigterm"] = await term_phase(url, server, capacity / 2, args.slo_ms)
-        print("SIGTERM:", summary["sigterm"], flush=True)
+    async def drains(self) -> None:
+        args = self.args
+        figures = await drain_at_capacity(
+            self.url, self.server, args.storm_clients, args.slo_ms, args.drain_timeout
+        )
+        self.keep("drain_at_capacity", figures)
+        self.start()
+        figures = await streams_past_the_drain(
+            self.url, self.server, 16, args.slo_ms, args.drain_timeout
+        )
+        self.keep("streams_past_the_drain", figures)
 
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        server = start_server(port, args.slo_ms, folder / "server-2.log", args.slo_headroom)
-        summary["sigterm_streams"] = await term_streams(url, server, args.slo_ms)
-        print("SIGTERM, streams:", summary["sigterm_streams"], flush=True)
-    finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGKILL)
-    summary["load_average_end"] = load_average()
-    for log in folder.glob("server*.log"):
-        drop_access_lines(log)
-    return summary
+    async def run(self) -> dict:
+        self.start()
+        try:
+            await self.hostile()
+            capacity = await self.load()
+            await self.faults(capacity)
+            await self.drains()
+        finally:
+            if self.server.poll() is None:
+                os.killpg(self.server.pid, signal.SIGKILL)
+        self.summary["load_average_end"] = load_average()
+        for log in self.folder.glob("server*.log"):
+            drop_access_lines(log)
+        return self.summary
 
 
 def drop_access_lines(log: Path) -> None:
@@ -158,15 +218,26 @@ def report(summary: dict, args) -> str:
     lines = [
         "# Reliability suite",
         "",
-        f"Command: `python benchmarks/reliability.py --fuzz {args.fuzz} --overload-seconds "
-        f"{args.overload_seconds} --slo-ms {args.slo_ms} --slo-headroom {args.slo_headroom}`; "
-        f"load average "
+        f"Command: `python benchmarks/reliability.py {' '.join(args.argv)}`; load average "
         f"{summary['load_average_start']} at start, {summary['load_average_end']} at end "
-        f"({summary['cpus']} CPUs).",
+        f"({summary['cpus']} CPUs){'; beside a CPU hog on every core' if args.beside_hog else ''}.",
+        "",
+        "## Targets (issue 38)",
+        "",
+        "| target | measured | met |",
+        "|---|---|---|",
+        *(
+            f"| {v['target']} | {v['measured']} | {'yes' if v['met'] else '**no**'} |"
+            for v in summary["verdicts"]
+        ),  # fmt: skip
+        "",
+        "## Phases",
         "",
         f"- fuzz: {f['bodies']} hostile bodies, statuses {f['statuses']}; answers not in OpenAI's "
         f"shape or 5xx: {f['bad']}; after: {summary['after_fuzz']}",
         f"- /health under the largest bodies: {summary['large_bodies']}",
+        f"- /health under header floods: {summary['header_flood']}",
+        f"- /health under many-message chats: {summary['many_message_chats']}",
         f"- capacity: {summary['capacity']['served_per_s']} requests/s served (32 clients)",
         f"- overload at {o['rate_per_s']}/s for {o['seconds']} s: {o['refused_429']} refused "
         f"(p50 {o['refusal_latency_p50_s']} s, p99 {o['refusal_latency_p99_s']} s; "
@@ -175,10 +246,13 @@ def report(summary: dict, args) -> str:
         f"{o['served_within_slo_server']:.1%} as the server does), "
         f"{o['without_answer']} without an answer, "
         f"{o['served_per_s']}/s served vs {o['capacity_per_s']}/s at capacity",
+        f"- storm: {summary['storm']}",
+        f"- neighbour: {summary['neighbour']}",
         f"- kill -9 of a worker: {summary['kill_9']}",
         f"- SIGSTOP of a worker (30 s): {summary['sigstop']}",
-        f"- SIGTERM to the process group under load: {summary['sigterm']}",
-        f"- SIGTERM with 8 streams open: {summary['sigterm_streams']}",
+        *(f"- idle after {i['after']}: {i}" for i in summary["idle_after"]),
+        f"- drain at capacity: {summary['drain_at_capacity']}",
+        f"- streams past the drain: {summary['streams_past_the_drain']}",
     ]
     return "\n".join(lines) + "\n"
 
@@ -189,6 +263,9 @@ def main() -> None:
     parser.add_argument("--fuzz-seconds", type=float, default=300, help="the fuzz's time bound")
     parser.add_argument("--capacity-seconds", type=float, default=20)
     parser.add_argument("--overload-seconds", type=float, default=60)
+    parser.add_argument("--storm-clients", type=int, default=400)
+    parser.add_argument("--storm-seconds", type=float, default=30)
+    parser.add_argument("--drain-timeout", type=float, default=2.0, help="serve's")
     parser.add_argument("--slo-ms", type=float, default=2000)
     parser.add_argument(
         "--slo-headroom",
@@ -196,14 +273,25 @@ def main() -> None:
         default=1.0,
         help="serve's --slo-headroom (1.0: the paper's threshold selection)",
     )
+    parser.add_argument(
+        "--beside-hog", action="store_true", help="run beside a CPU hog on every core"
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=str(ROOT / "results"))
+    parser.add_argument("--out", default=str(ROOT.parent / "runs"), help="(an ignored folder)")
     args = parser.parse_args()
+    args.argv = sys.argv[1:]
     folder = create_run_dir(args.out, "reliability")
     write_json(folder / "config.json", {"args": vars(args), "environment": environment()})
-    summary = asyncio.run(run(args, folder))
+    if args.beside_hog:
+        with CpuHog():
+            summary = asyncio.run(Run(args, folder).run())
+    else:
+        summary = asyncio.run(Run(args, folder).run())
+    summary["verdicts"] = verdicts(summary, args)
     write_json(folder / "summary.json", summary)
     (folder / "report.md").write_text(report(summary, args))
+    for v in summary["verdicts"]:
+        print(f"{'met' if v['met'] else 'NOT MET'}: {v['target']}: {v['measured']}")
     print(f"run folder: {folder}")
 
 

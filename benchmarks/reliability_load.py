@@ -23,6 +23,7 @@ async def one(pool: Pool, slo_ms: float) -> dict:
     try:
         answer = await pool.post("/v1/completions", completion_body(slo_ms))
         record["status"], record["retry_after"] = answer.status, answer.headers.get("retry-after")
+        record["connection"] = answer.headers.get("connection")
         record["openai_shape"] = is_openai_answer(answer.status, answer.body)
         if answer.status == 200:  # the latency the server counts, from when it got the request
             record["server_latency"] = answer.json()["dilaserve"]["latency_s"]
@@ -80,8 +81,11 @@ async def open_loop(url: str, rate: float, seconds: float, slo_ms: float, seed: 
     return list(records)
 
 
-async def stream_one(http: httpx.AsyncClient, slo_ms: float) -> dict:
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 32, "slo_ms": slo_ms, "stream": True}
+async def stream_one(
+    http: httpx.AsyncClient, slo_ms: float, max_tokens: int = 32, prompt: str = PROMPT
+) -> dict:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "slo_ms": slo_ms,
+            "stream": True}  # fmt: skip
     try:
         async with http.stream("POST", "/v1/completions", json=body) as r:
             lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]

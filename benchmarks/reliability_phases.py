@@ -1,7 +1,7 @@
 """The reliability suite's phases against a running server, each bounded in time: the fuzz and
 /health under large bodies, the overload at a rate, and the faults (kill -9 or SIGSTOP of a
-worker, SIGTERM to the process group under load and with streams open). Each returns its
-summary; starting the server and writing the run folder are `reliability.py`'s."""
+worker). Each returns its summary; starting the server and writing the run folder are
+`reliability.py`'s (issue 38's phases are in `reliability_hostile.py`)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import httpx
 from reliability_inputs import MODEL, hostile_body, is_openai_answer
-from reliability_load import open_loop, stream_one
-from reliability_summaries import fault_summary, overload_summary, percentile, tally
+from reliability_load import open_loop
+from reliability_summaries import fault_summary, overload_summary, percentile
 
 # -- fuzz ----------------------------------------------------------------------------------
 
@@ -152,10 +152,12 @@ async def kill_phase(url: str, server: subprocess.Popen, rate: float, slo_ms: fl
     pid = worker_pids(server.pid)[0]
     seen: list = []
     hold = 30.0 if how == "stop" else 0.0
+    fault_at: list[float] = []
 
     async def fault(t0):
         watch = asyncio.ensure_future(health_watch(url, t0, t0 + 35 + hold, seen))
         await asyncio.sleep(3.0)
+        fault_at.append(time.perf_counter())
         os.kill(pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
         await asyncio.sleep(hold)
         if how == "stop":
@@ -166,52 +168,4 @@ async def kill_phase(url: str, server: subprocess.Popen, rate: float, slo_ms: fl
         await watch
 
     records = await open_loop(url, rate, 15.0 + hold, slo_ms, seed=5, during=fault)
-    return fault_summary(records, seen, 3.0) | {"worker": pid}
-
-
-async def term_phase(url: str, server: subprocess.Popen, rate: float, slo_ms: float) -> dict:
-    signalled: dict = {}
-
-    async def fault(t0):
-        await asyncio.sleep(3.0)
-        signalled["at"] = time.perf_counter()
-        os.killpg(server.pid, signal.SIGTERM)
-        while server.poll() is None and time.perf_counter() - signalled["at"] < 60:
-            await asyncio.sleep(0.05)
-        signalled["exit_s"] = round(time.perf_counter() - signalled["at"], 2)
-
-    records = await open_loop(url, rate, 12.0, slo_ms, seed=6, during=fault)
-    after = [r for r in records if r["sent"] >= signalled["at"]]
-    exited_at = signalled["at"] + signalled["exit_s"]
-    during = [r for r in after if r["sent"] < exited_at]
-    return {
-        "exit_s": signalled["exit_s"],
-        "exit_code": server.returncode,
-        "sent_while_draining": len(during),
-        "draining_answers": tally(r["status"] for r in during),
-        "draining_503_with_retry_after": sum(
-            r["status"] == 503 and r.get("retry_after") is not None for r in during
-        ),
-        "in_flight_at_signal": tally(
-            r["status"] for r in records if r["sent"] < signalled["at"] <= r["sent"] + r["latency"]
-        ),
-        "errors_in_openai_shape": all(
-            r.get("openai_shape", True) for r in records if isinstance(r["status"], int)
-        ),  # fmt: skip
-    }
-
-
-async def term_streams(url: str, server, slo_ms: float) -> dict:
-    """SIGTERM while streams run: each must end with [DONE]."""
-    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
-        tasks = [asyncio.ensure_future(stream_one(http, slo_ms)) for _ in range(8)]
-        await asyncio.sleep(0.3)
-        os.killpg(server.pid, signal.SIGTERM)
-        records = await asyncio.gather(*tasks)
-    server.wait(60)
-    return {
-        "streams": len(records),
-        "ended_with_done": sum(bool(r.get("done")) for r in records),
-        "with_error_event": sum(bool(r.get("error_event")) for r in records),
-        "statuses": tally(r["status"] for r in records),
-    }
+    return fault_summary(records, seen, 3.0, fault_at[0]) | {"worker": pid}

@@ -48,9 +48,12 @@ def overload_summary(records: list[dict], seconds: float, capacity: float, slo_m
     }
 
 
-def fault_summary(records: list[dict], health: list, at: float) -> dict:
-    after = [r for r in records if r["status"] != 429]
-    failed = [r for r in after if r["status"] != 200]
+def fault_summary(records: list[dict], health: list, at: float, fault_at: float) -> dict:
+    """`at`: the fault's time on the health watch's clock; `fault_at`: on the records' clock. A
+    429 after the fault is a failure (the server refused work it had room for: issue 38)."""
+    failed = [
+        r for r in records if r["status"] != 200 and (r["status"] != 429 or r["sent"] >= fault_at)
+    ]
     not_ok = [t for t, status in health if t >= at and status != "ok"]
     back = next((t for t, status in health if t > (max(not_ok) if not_ok else at) and
                  status == "ok"), None)  # fmt: skip
@@ -58,7 +61,7 @@ def fault_summary(records: list[dict], health: list, at: float) -> dict:
         "sent": len(records),
         "served": sum(r["status"] == 200 for r in records),
         "failed": len(failed),
-        "failed_statuses": sorted({str(r["status"]) for r in failed}),
+        "failed_statuses": tally(r["status"] for r in failed),
         "longest_wait_s": round(max((r["latency"] for r in records), default=0.0), 3),
         "health_not_ok_s": [min(not_ok), max(not_ok)] if not_ok else None,
         "health_ok_again_at_s": back,

@@ -1,0 +1,90 @@
+"""Issue 38's targets, judged from the reliability suite's summary: each a line of the report
+(`target`, what was `measured`, whether it was `met`). Nothing here sends a request."""
+
+from __future__ import annotations
+
+HEALTH_P99_S = 0.1  # /health under hostile clients, and a refusal at 3x capacity
+SERVED_SHARE = 0.9  # of the capacity, served while overloaded
+WITHIN_SLO = 0.9  # of the admitted requests, within their SLO
+HOSTILE_REQUESTS = 1500
+
+
+def verdicts(summary: dict, args) -> list[dict]:
+    lines = [idle_verdict(i) for i in summary["idle_after"]]
+    lines += overload_verdicts("3x capacity, open loop", summary["overload"])
+    lines += overload_verdicts(f"{args.storm_clients} closed-loop clients", summary["storm"])
+    lines.append(fuzz_verdict(summary["fuzz"]))
+    for name in ("header_flood", "many_message_chats"):
+        lines.append(health_verdict(name, summary[name]))
+    for name in ("kill_9", "sigstop"):
+        failed = summary[name]
+        lines.append(verdict(f"{name}: nothing lost (a 429 after the fault fails)",
+                             f"{failed['failed']} failed {failed['failed_statuses']}",
+                             failed["failed"] == 0))  # fmt: skip
+    lines += drain_verdicts(summary["drain_at_capacity"], summary["streams_past_the_drain"])
+    return lines
+
+
+def verdict(target: str, measured: str, met: bool) -> dict:
+    return {"target": target, "measured": measured, "met": bool(met)}
+
+
+def idle_verdict(idle: dict) -> dict:
+    return verdict(
+        f"idle after {idle['after']}: 0 of {idle['sent']} refused",
+        f"{idle['refused']} refused (slowdown before {idle['slowdown_before']}, "
+        f"health {idle['health_before']})",
+        idle["refused"] == 0,
+    )
+
+
+def overload_verdicts(name: str, o: dict) -> list[dict]:
+    p99 = o["refusal_latency_p99_s"]
+    return [
+        verdict(f"{name}: refusals p99 < {HEALTH_P99_S * 1000:.0f} ms",
+                f"{p99} s of {o['refused_429']}", p99 is None or p99 < HEALTH_P99_S),
+        verdict(f"{name}: served >= {SERVED_SHARE}x capacity",
+                f"{o['served_per_s']}/s vs {o['capacity_per_s']}/s",
+                o["served_per_s"] >= SERVED_SHARE * o["capacity_per_s"]),
+        verdict(f"{name}: >= {WITHIN_SLO:.0%} of admitted within SLO",
+                f"{o['served_within_slo']:.1%} (client), {o['served_within_slo_server']:.1%} "
+                f"(server) of {o['served']}; {o['without_answer']} unanswered",
+                o["served_within_slo"] >= WITHIN_SLO and o["without_answer"] == 0),
+    ]  # fmt: skip
+
+
+def fuzz_verdict(f: dict) -> dict:
+    errors = sum(n for status, n in f["statuses"].items() if status.startswith("5"))
+    unanswered = sum(n for status, n in f["statuses"].items() if not status.isdigit())
+    return verdict(
+        f">= {HOSTILE_REQUESTS} hostile requests: 0 5xx, 0 unanswered",
+        f"{f['bodies']} sent, {errors} 5xx, {unanswered} unanswered, {f['bad']} not OpenAI's shape",
+        f["bodies"] >= HOSTILE_REQUESTS and errors == 0 and unanswered == 0 and f["bad"] == 0,
+    )
+
+
+def health_verdict(name: str, h: dict) -> dict:
+    p99 = h["health_p99_s"]
+    return verdict(
+        f"/health p99 < {HEALTH_P99_S * 1000:.0f} ms during {name.replace('_', ' ')}",
+        f"p99 {p99} s of {h['health_polls']} polls ({h['health_failed_polls']} failed), "
+        f"server RSS <= {h['server_rss_max_mib']} MiB, answers {h['answers']}",
+        p99 is not None and p99 < HEALTH_P99_S and h["health_failed_polls"] == 0,
+    )
+
+
+def drain_verdicts(drain: dict, streams: dict) -> list[dict]:
+    limit = drain["drain_timeout_s"] + 1
+    return [
+        verdict(
+            "drain at capacity: every new request 503 + Retry-After + Connection: close",
+            f"{drain['answered_503_close_retry']} of {drain['sent_after_signal']} "
+            f"(statuses {drain['statuses_after_signal']})",
+            drain["answered_otherwise"] == 0 and drain["unanswered"] == 0,
+        ),
+        verdict(f"drain at capacity: exit <= {limit:g} s", f"{drain['exit_s']} s",
+                drain["exit_s"] <= limit),
+        verdict(f"streams past the drain: each ends with [DONE], exit <= {limit:g} s",
+                f"{streams['ended_with_done']} of {streams['streams']}, exit {streams['exit_s']} s",
+                streams["ended_with_done"] == streams["streams"] and streams["exit_s"] <= limit),
+    ]  # fmt: skip
