@@ -1,0 +1,92 @@
+"""On-time calibration (an extension): how much longer admitted requests take than admission
+predicted, learned from the requests that finished.
+
+Admission (`admission.py`) admits a request when the work ahead of it and its own, at the lowest
+threshold, fit its SLO at the cluster's measured throughput: a point estimate. A point estimate
+that is right on average is late about half the time, and under overload it is not even right
+on average: a request waits for the step in flight, shares batches larger than the profile's
+best, and the measured slowdown lags the machine. On the bundled model at 3x capacity, 75% of
+the requests admitted that way finished late.
+
+Each admitted request's predicted time to finish is recorded; when it finishes, the ratio of
+the time it took to that prediction joins a window of recent ratios. `factor(now)` is the
+window's `target` quantile (never below 1): admission multiplies its predicted times by it, so
+that a request is admitted only if it would finish in time `target` of the time, going by how
+the predictions erred lately. `target` is the one number a user sets: an on-time probability
+(a service-level target), not a margin fitted to a trace.
+
+An estimate is not a fact (DESIGN.md 7): with no request finishing (nothing admitted, e.g.
+because the factor itself refuses everything) the factor decays toward 1 with a half-life, so
+admission returns to the plain prediction and the next requests measure again. Pure
+bookkeeping: the caller passes the time.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+ON_TIME_TARGET = 0.95  # the share of admitted requests meant to finish within their SLO
+WINDOW = 256  # finished requests whose ratios are kept (the latest)
+MIN_EVIDENCE = 16  # ratios needed before the quantile is used (a few say little)
+HALF_LIFE = 10.0  # seconds without a finished request for the factor to halve toward 1
+MAX_PENDING = 100_000  # predictions kept for requests in flight (a backstop)
+
+
+class OnTimeCalibration:
+    def __init__(
+        self,
+        target: float = ON_TIME_TARGET,
+        window: int = WINDOW,
+        half_life: float = HALF_LIFE,
+        min_evidence: int = MIN_EVIDENCE,
+    ):
+        if not 0.0 < target < 1.0:
+            raise ValueError(f"{target=} must be in (0, 1)")
+        if window < 1 or half_life <= 0 or min_evidence < 1:
+            raise ValueError(f"{window=}, {half_life=} and {min_evidence=} must be positive")
+        self.target = target
+        self.half_life = half_life
+        self.min_evidence = min_evidence
+        self._ratios: deque[float] = deque(maxlen=window)
+        self._pending: dict[str, tuple[float, float]] = {}  # id -> (admitted at, predicted s)
+        self._quantile = 1.0  # of the window, as of the last finished request
+        self._last = 0.0  # when the last request finished
+        self.finished = 0  # requests measured
+        self.late = 0  # of them, later than predicted times the factor then in force
+
+    def admitted(self, request_id: str, predicted_seconds: float, now: float) -> None:
+        """A request was admitted at `now`, predicted to finish in `predicted_seconds`."""
+        if predicted_seconds > 0 and len(self._pending) < MAX_PENDING:
+            self._pending[request_id] = (now, predicted_seconds)
+
+    def forget(self, request_id: str) -> None:
+        """A request ended without finishing (cancelled, failed): nothing to learn."""
+        self._pending.pop(request_id, None)
+
+    def finished_at(self, request_id: str, now: float) -> None:
+        """A request finished at `now`: its time against its prediction joins the window."""
+        admitted = self._pending.pop(request_id, None)
+        if admitted is None:
+            return
+        at, predicted = admitted
+        ratio = (now - at) / predicted
+        self.late += ratio > self.factor(now)
+        self.finished += 1
+        self._ratios.append(ratio)
+        self._last = now
+        if len(self._ratios) >= self.min_evidence:
+            self._quantile = float(np.quantile(self._ratios, self.target))
+
+    def factor(self, now: float) -> float:
+        """How many times its predicted time admission should allow a request (>= 1): the
+        window's `target` quantile of taken over predicted time, decayed toward 1 by how long
+        no request has finished."""
+        excess = max(self._quantile - 1.0, 0.0)
+        idle = max(now - self._last, 0.0)
+        return 1.0 + excess * 0.5 ** (idle / self.half_life)
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
