@@ -20,13 +20,12 @@ replacement with the same GPUs is started (`replace_failed`); an instance whose 
 its step timeout (`step_timeout_of`: the configured or derived timeout times the instance's
 measured slowdown) is taken for hung and killed, to the same end; the last instance serving
 only once past `LAST_INSTANCE_GRACE` times that: slowness alone never leaves the cluster with
-none. A replacement that cannot be
-started or dies loading is retried with backoff (`replacements`). If the engine raises on a
-step (a batch too big for memory, a request that breaks it), the step's requests resume from
-their last committed tokens, each alone from then on; one whose step fails alone fails. An
-exception in the controller itself (a bug) fails only what the event it was handling
-concerned: one request, or one instance (taken out and replaced); the controller goes on
-(`_survive`).
+none. A replacement that cannot be started or dies loading is retried with backoff
+(`replacements`). If the engine raises on a step (a batch too big for memory, a request that
+breaks it), the step's requests resume from their last committed tokens, each alone from then
+on; one whose step fails alone fails. An exception in the controller itself (a bug) fails only
+what the event it was handling concerned: one request, or one instance (taken out and
+replaced); the controller goes on (`_survive`).
 """
 
 from __future__ import annotations

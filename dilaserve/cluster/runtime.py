@@ -92,7 +92,6 @@ class Cluster:
         self._thread: threading.Thread | None = None
         self._t0 = 0.0
         self._next_id = 0
-        self._refused_at_once = 0  # by `is_full` (the room), before reaching the controller
 
     def _intake(self, model_config) -> Intake:
         config = self.config
@@ -185,11 +184,6 @@ class Cluster:
     def step_slowdown_stale_seconds(self) -> float:
         """How long the slowdown has been decaying for want of steps (0: it is current)."""
         return self.scheduler.speed.stale_seconds()
-
-    @property
-    def refused(self) -> int:
-        """Requests refused for capacity so far: by the controller and by the room."""
-        return self.controller.stats["refused"] + self._refused_at_once
 
     @property
     def step_time_ratio(self) -> float:
@@ -313,6 +307,5 @@ class Cluster:
             slo = None  # (not a positive number: `intake` names it)
         if not isinstance(priority, int) or not self.controller.room.refuses(priority, slo):
             return False
-        self._refused_at_once += 1
         self.controller.refused_in_a_row += 1
         return True
