@@ -7,9 +7,12 @@ factor above 1 while it lasts) and commit as the simulator's behaviour model say
 is asserted in events and steps of that clock, never in wall-clock seconds.
 """
 
+import concurrent.futures
 import heapq
+from types import SimpleNamespace
 
 import pytest
+from fastapi.testclient import TestClient
 
 from dilaserve.cluster.backends import WorkerEvent
 from dilaserve.cluster.controller import LAST_INSTANCE_GRACE
@@ -21,11 +24,14 @@ from dilaserve.control.build import ControlSpec, build_scheduler
 from dilaserve.control.decisions import SchedulerConfig
 from dilaserve.control.speed import HALF_LIFE, STALE_STEPS, MeasuredSpeed, batch_seconds
 from dilaserve.protocol import StepBatch, StepItem, StepKind, StepOutput
+from dilaserve.server.app import ServerSettings, create_app
+from dilaserve.server.metrics import ServerMetrics
 from dilaserve.sim.behaviour import ParametricBehaviour
 
 from conftest import make_request
 
 QUESTION = "What is 12 + 30?"
+MODEL = "tiny-llada"
 
 
 class VirtualInstances:
@@ -228,6 +234,30 @@ def test_an_slo_no_idle_cluster_meets_is_invalid_not_overloaded():
     assert outcome(cluster, submit(cluster, "fine")) == "admitted"
 
 
+class _InvalidAtAdmission:
+    """Just enough of a Cluster for the API: admission fails each request as invalid."""
+
+    def __init__(self):
+        self.config = ClusterConfig()
+        self.intake = SimpleNamespace(check_text_length=lambda chars, param: None)
+
+    def submit(self, prompt, **kw):
+        handle = SimpleNamespace(admission=concurrent.futures.Future(), request_id="r")
+        handle.admission.set_exception(InvalidRequest("slo_ms", "slo_ms: no cluster meets it"))
+        return handle
+
+    def is_full(self, priority):
+        return False
+
+
+def test_an_slo_no_idle_cluster_meets_is_a_400_naming_it():
+    app = create_app(_InvalidAtAdmission(), ServerSettings(MODEL), ServerMetrics(), manage=False)
+    with TestClient(app) as client:
+        body = {"model": MODEL, "prompt": "hi", "slo_ms": 0.1}
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "slo_ms"
+
+
 def test_a_request_is_priced_against_its_own_slo():
     """Load in flight that a 0.05 s window cannot hold, but a minute can: a request that
     gives itself a minute is admitted; one with the server's SLO is not."""
@@ -245,6 +275,12 @@ def test_health_is_degraded_while_admission_refuses_everything():
     refused = [outcome(cluster, submit(cluster, f"r{k}")) for k in range(3)]
     assert refused == ["refused"] * 3
     assert cluster.health() == "degraded" and "refused the last 3" in cluster.health_reason()
+    app = create_app(cluster, ServerSettings(MODEL), ServerMetrics(), manage=False)
+    with TestClient(app) as client:
+        health = client.get("/health")
+        assert health.status_code == 200 and health.json()["status"] == "degraded"
+        assert "refused the last 3" in health.json()["reason"]
+        assert "dilaserve_degraded 1.0" in client.get("/metrics").text
     run_until(cluster, lambda: not cluster.controller.handles)
     assert outcome(cluster, submit(cluster, "next")) == "admitted"
     assert cluster.health() == "ok" and cluster.health_reason() is None

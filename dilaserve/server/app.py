@@ -145,8 +145,8 @@ def create_app(
     @app.get("/health")
     async def health():
         body = {"in_flight": cluster.in_flight, "instances": cluster.instances_by_tp()}
-        body["reason"] = cluster.health_reason()  # None when ok
         status = cluster.health()
+        body["reason"] = None if status == "ok" else cluster.health_reason()
         code = 503 if status == "unavailable" else 200
         headers = {"Retry-After": "5"} if code == 503 else None
         return JSONResponse({"status": status, **body}, status_code=code, headers=headers)
