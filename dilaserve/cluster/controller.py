@@ -251,7 +251,7 @@ class Controller:
         if refusal is None:
             self.refused_in_a_row = 0
             return True
-        if refusal.param is None and self.admission.mode == "deprioritize":
+        if self.admission.mode == "deprioritize":
             self.stats["deprioritized"] += 1
             handle.request.priority = LOWEST_PRIORITY
             return True

@@ -22,10 +22,11 @@ minute is not refused for what a 10 s window holds.
 
 Admission never refuses all work for good (DESIGN.md section 7): a request that comes while
 nothing is in flight is admitted whatever the estimates say (a probe: its steps measure the
-machine again, and the measured slowdown also decays by itself, `speed.py`). Only a request
-that no idle cluster could serve is refused then: alone, at the lowest threshold, on the
-fastest instance, at the profile's speed, it needs more than its SLO; that is the request's
-fault (`Refusal.param`: the HTTP layer's 400 naming the field), not the load's.
+machine again, and the measured slowdown also decays by itself, `speed.py`), unless even at
+the profile's speed it cannot finish in the time its deadline leaves. A request that no idle
+cluster could serve (alone, at the lowest threshold, on the fastest instance, at the profile's
+speed, it needs more than its SLO) is the request's fault, not the load's: `Refusal.param`
+names the field, the HTTP layer's 400; with `deprioritize` it is served last, as any other.
 
 Between events the controller publishes a `Room` (what is left for a request served after
 everything in flight), which the HTTP front reads to refuse at once, before tokenizing or
@@ -122,7 +123,8 @@ class Admission:
         it and of every request served before it exceeds the capacity until its deadline,
         or, even alone at the lowest threshold and the measured speed, it would not finish by
         its deadline (it waited too long to get here). With nothing in flight it is admitted
-        (a probe: `speed.py`)."""
+        unless it would not finish by its deadline even at the profile's speed (a probe:
+        `speed.py`)."""
         if not self.enabled or not self.scheduler.instances:
             return None
         self.scheduler.speed.advance(now)
@@ -130,20 +132,19 @@ class Admission:
         steps = self._predicted_steps(request, lowest)
         needed = self._fastest_seconds(request, lowest, steps)  # at the profile's speed
         impossible = self._impossible(request, needed, submitted)
-        if impossible is not None or not self.scheduler.requests:
+        if impossible is not None:
             return impossible
         deadline = request.deadline if request.deadline is not None else now + self._slo
         left = max(deadline - now, 0.0)
+        if not self.scheduler.requests:  # a probe: priced at the profile, not the estimates
+            return _too_late(needed, left)
         ahead = self._loads.lowest_load(request.priority)
         excess = self._excess(ahead, request, steps, left)
         if excess > 0:
             return Refusal(
                 f"over capacity: the load in flight exceeds it by {excess:.0f} token-steps"
             )
-        needed *= self.scheduler.speed.slowdown
-        if needed > left:
-            return Refusal(f"it needs at least {needed:.2f} s and {left:.2f} s are left")
-        return None
+        return _too_late(needed * self.scheduler.speed.slowdown, left)
 
     def _impossible(self, request: Request, needed: float, submitted: float | None):
         """A `Refusal` naming the SLO when `needed` (seconds, alone on the fastest instance at
@@ -217,3 +218,11 @@ class Admission:
         """Load control's cluster capacity over `window` seconds, for requests of
         `mean_tokens`, at the measured speed."""
         return self._loads.throughput(self.scheduler.instances.values(), mean_tokens) * window
+
+
+def _too_late(needed: float, left: float) -> Refusal | None:
+    """A refusal when `needed` seconds exceed the `left` before the deadline (it waited too
+    long to get here)."""
+    if needed <= left:
+        return None
+    return Refusal(f"it needs at least {needed:.2f} s and {left:.2f} s are left")
