@@ -16,6 +16,7 @@ from dilaserve.dashboard.page import live_page, static_page
 from dilaserve.dashboard.timeline import THRESHOLD_EDGES, Timeline
 from dilaserve.protocol import StepKind, StepOutput
 from dilaserve.server.app import ServerSettings, create_app
+from dilaserve.server.dashboard import TOKEN_SECONDS, dashboard_token, is_authorised
 from dilaserve.server.metrics import THRESHOLD_BUCKETS, ServerMetrics
 
 GRAFANA = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "dilaserve.json"
@@ -144,6 +145,7 @@ class _Cluster:
     """Just enough of a Cluster for the feed, the metrics and the app (not managed)."""
 
     step_slowdown = 1.0
+    step_slowdown_stale_seconds = 0.0
 
     def __init__(self):
         self.config = SimpleNamespace(
@@ -196,6 +198,11 @@ def test_the_live_feed_reads_priorities_events_and_gauges_from_the_cluster():
     assert data["series"]["attainment_by_priority"] == {"5": [1.0]}
     assert data["totals"]["failed"] == 1 and data["totals"]["migrations"] == 2
     assert data["totals"]["rejected"] == 1 and data["series"]["rejected"] == [1]
+    # the headline counts the refusal as a miss: 1 on time of 2 answered
+    assert data["totals"]["attainment"] == 1.0
+    assert data["totals"]["attainment_of_arrivals"] == 0.5
+    assert data["series"]["attainment_of_arrivals"] == [0.5]
+    assert data["current"]["slowdown"] == 1.0 and data["series"]["slowdown"] == [1.0]
     assert [e["kind"] for e in data["events"]] == ["reconfiguration", "instance failure"]
     assert data["events"][0]["text"] == "to 2 x TP-1, 0 x TP-2"
     assert data["current"]["queue"] == 3
@@ -250,6 +257,19 @@ def test_the_page_carries_a_token_that_opens_its_data_and_nothing_else():
         assert client.get("/dashboard/data", headers=bearer).status_code == 200
         assert client.get("/v1/models", headers=bearer).status_code == 401
     assert '"token"' not in live_page("/dashboard/data")  # no key: no token
+
+
+def test_the_dashboard_token_expires():
+    token = dashboard_token("sekret", 1000.0)
+    bearer = f"Bearer {token}".encode()
+    assert is_authorised("/dashboard/data", bearer, "sekret", now=1000.0 + TOKEN_SECONDS - 1)
+    assert not is_authorised("/dashboard/data", bearer, "sekret", now=1000.0 + TOKEN_SECONDS)
+    assert not is_authorised("/dashboard/data", bearer, "other", now=1000.0)
+    expires, _, mac = token.partition(".")
+    later = f"Bearer {int(expires) + TOKEN_SECONDS:.0f}.{mac}".encode()  # a forged expiry
+    assert not is_authorised("/dashboard/data", later, "sekret", now=1000.0)
+    assert not is_authorised("/v1/models", bearer, "sekret", now=1000.0)
+    assert not is_authorised("/dashboard/data", b"Bearer \xb2.x", "sekret", now=1000.0)
 
 
 # -- the simulator's report -----------------------------------------------------------------

@@ -232,7 +232,9 @@ def test_the_instance_speed_extension_prices_a_straggler_at_its_measured_speed()
         assert (
             s.speed.instance_ratio("b") == pytest.approx(1.1) and s.speed.instance_ratio("a") == 1
         )
-        s.speed.by_instance["b"] = 3.0  # as after many steps
+        for _ in range(100):  # as after many steps, the latest at the next arrival's time
+            s.speed.observe(2, first.batch, 3 * price, "b", now=1.0)
+        assert s.speed.instance_ratio("b") == pytest.approx(3.0, rel=0.01)
         done(s, "b", result(s.requests["r"].request, [0], kind=StepKind.RECOMPUTE))
         x = make_request("x", gen_len=2 * BLOCK, arrival_time=0.0)
         s.on_arrival(x, 1.0)

@@ -268,6 +268,7 @@ class _RefusingCluster:
     """Just enough of a Cluster to see how the API reports admission refusals."""
 
     step_slowdown = 1.0
+    step_slowdown_stale_seconds = 0.0
 
     def __init__(self, error):
         self.error = error
@@ -288,6 +289,9 @@ class _RefusingCluster:
 
     def health(self):
         return "unavailable"
+
+    def health_reason(self):
+        return "not accepting requests"
 
     def is_full(self, priority):
         return False

@@ -28,8 +28,9 @@ class ClusterConfig:
     max_tokens: int = 64  # the output window of requests that name none
     max_batch_tokens: int = 8192  # per instance and step
     replace_failed: bool = True
-    step_timeout: float | None = None  # seconds a step may run before its instance counts as
-    # hung (killed and replaced); None: from the latency profile (`derived_step_timeout`)
+    step_timeout: float | None = None  # seconds a step may run, at the profile's speed, before
+    # its instance counts as hung (killed and replaced); the controller scales it by the
+    # instance's measured slowdown; None: from the latency profile (`derived_step_timeout`)
     start_timeout: float = 300.0  # seconds to wait for the initial instances to load
     record: bool = False  # keep a `Recording` (for replay in the simulator)
     max_in_flight: int = 1024  # a backstop: more waiting or running requests are refused
@@ -63,7 +64,10 @@ class ClusterConfig:
     def derived_step_timeout(self, profile: LatencyProfile) -> float:
         """`step_timeout` if set; else the slowest step the scheduler can launch (a full-sequence
         step of `max_batch_tokens` on the layout's slowest TP degree, as `profile` predicts it)
-        times `HUNG_STEP_FACTOR`, and at least `MIN_STEP_TIMEOUT` seconds."""
+        times `HUNG_STEP_FACTOR`, and at least `MIN_STEP_TIMEOUT` seconds. Either is the
+        timeout at the profile's speed: the controller multiplies it by each instance's
+        measured slowdown (`Controller.step_timeout_of`), so that a loaded machine's slow
+        steps are not taken for hung ones."""
         if self.step_timeout is not None:
             return self.step_timeout
         kind = self.control.scheduler.costs.sequence_kind

@@ -17,13 +17,15 @@ the simulator to the same decision log (`sim.replay`); that parity is tested.
 Faults: if an instance's process dies, its requests continue elsewhere from their last
 committed tokens (the step it was running is lost), the failure is counted and logged, and a
 replacement with the same GPUs is started (`replace_failed`); an instance whose step runs past
-`step_timeout` is taken for hung and killed, to the same end. A replacement that cannot be
-started or dies loading is retried with backoff (`replacements`). If the engine raises on a
-step (a batch too big for memory, a request that breaks it), the step's requests resume from
-their last committed tokens, each alone from then on; one whose step fails alone fails. An
-exception in the controller itself (a bug) fails only what the event it was handling
-concerned: one request, or one instance (taken out and replaced); the controller goes on
-(`_survive`).
+its step timeout (`step_timeout_of`: the configured or derived timeout times the instance's
+measured slowdown) is taken for hung and killed, to the same end; the last instance serving
+only once past `LAST_INSTANCE_GRACE` times that: slowness alone never leaves the cluster with
+none. A replacement that cannot be started or dies loading is retried with backoff
+(`replacements`). If the engine raises on a step (a batch too big for memory, a request that
+breaks it), the step's requests resume from their last committed tokens, each alone from then
+on; one whose step fails alone fails. An exception in the controller itself (a bug) fails only
+what the event it was handling concerned: one request, or one instance (taken out and
+replaced); the controller goes on (`_survive`).
 """
 
 from __future__ import annotations
@@ -37,7 +39,14 @@ from collections.abc import Callable
 from dilaserve.cluster.backends import Backend, WorkerEvent
 from dilaserve.cluster.config import ClusterConfig
 from dilaserve.cluster.replacements import Replacements
-from dilaserve.cluster.requests import Answers, Observer, Overloaded, Recording, RequestHandle
+from dilaserve.cluster.requests import (
+    Answers,
+    InvalidRequest,
+    Observer,
+    Overloaded,
+    Recording,
+    RequestHandle,
+)
 from dilaserve.control.admission import LOWEST_PRIORITY, Admission, Room
 from dilaserve.control.decision_log import DecisionLog
 from dilaserve.control.decisions import Decisions, InstanceSpec
@@ -47,6 +56,10 @@ from dilaserve.protocol import StepBatch, StepOutput
 
 log = logging.getLogger("dilaserve.cluster")
 STEP_TIMES_KEPT = 100_000  # steps whose timings a cluster keeps (the latest)
+# the last instance serving is killed only once a step has run this many times its timeout:
+# within it, it may be slow (spared: killing it would leave nothing serving); past it, it is
+# hung, and with nothing killed nothing would ever serve again
+LAST_INSTANCE_GRACE = 10.0
 
 
 class Controller:
@@ -81,6 +94,7 @@ class Controller:
             "reconfigurations": 0,
             "controller_errors": 0,  # exceptions in the controller (survived: see `_survive`)
             "refused": 0,  # over capacity at admission (`admission`), refused
+            "refused_invalid": 0,  # of those, with an SLO no idle cluster meets (a 400)
             "deprioritized": 0,  # over capacity at admission, served last
         }
         # (round trip, engine seconds) of the latest steps: bounded, for a server that runs on
@@ -93,9 +107,13 @@ class Controller:
         self.closing = threading.Event()  # `run` returns once it is set
         self.replacements = Replacements()
         self.room = Room()  # admission's answer between events (`Cluster.is_full`)
+        # requests refused for capacity since the last one admitted, here or by the `room`
+        # (`Cluster.health`); written from the callers' threads too: a monitoring figure
+        self.refused_in_a_row = 0
         self._specs: dict[str, InstanceSpec] = {}  # starting or running
         self._inflight: dict[str, tuple[float, StepBatch]] = {}
         self._hung: set[str] = set()  # killed for a step past `step_timeout`, death not yet seen
+        self._spared: set[str] = set()  # past it, but the last serving (logged; its step runs)
         self._events: deque[WorkerEvent] = deque()
         self._last = 0.0
         self._handling: tuple[str, object] = ("start", None)  # what the controller is handling
@@ -177,13 +195,37 @@ class Controller:
         self.apply(self.scheduler.on_tick(now), now, "t")
         for replacement in self.replacements.due(now):
             self._replace("(retry)", replacement, now)
-        for iid, (launched, _) in self._inflight.items():
-            if now - launched > self.step_timeout and iid not in self._hung:
-                log.error(
-                    "instance %s: a step has run %.0f s; killing it as hung", iid, now - launched
+        for iid, (launched, _) in list(self._inflight.items()):
+            if now - launched > self.step_timeout_of(iid) and iid not in self._hung:
+                self._kill_hung(iid, now - launched)
+
+    def step_timeout_of(self, instance_id: str) -> float:
+        """Seconds a step of the instance may run before it counts as hung: `step_timeout`
+        (profile-speed seconds) times the instance's measured slowdown, so that a machine
+        that is slow, not hung, keeps its instances (`speed.py`; a hung instance reports no
+        steps, and its slowdown decays back to the profile's)."""
+        return self.step_timeout * max(self.scheduler.speed.instance_ratio(instance_id), 1.0)
+
+    def _kill_hung(self, iid: str, seconds: float) -> None:
+        """Kill an instance whose step has run `seconds`, unless it is the last one serving
+        and the step is within `LAST_INSTANCE_GRACE` times its timeout: slowness alone never
+        leaves the cluster with none (logged once per step)."""
+        serving = set(self.scheduler.instances) - self._hung
+        last = serving <= {iid}
+        if last and seconds <= LAST_INSTANCE_GRACE * self.step_timeout_of(iid):
+            if iid not in self._spared:
+                self._spared.add(iid)
+                log.warning(
+                    "instance %s: a step has run %.0f s, past its timeout; not killed yet: it "
+                    "is the last instance serving (killed past %.0fx the timeout)",
+                    iid,
+                    seconds,
+                    LAST_INSTANCE_GRACE,
                 )
-                self._hung.add(iid)  # its death is reported, and handled, as any other
-                self.backend.kill(iid)
+            return
+        log.error("instance %s: a step has run %.0f s; killing it as hung", iid, seconds)
+        self._hung.add(iid)  # its death is reported, and handled, as any other
+        self.backend.kill(iid)
 
     def _admit(self, handle: RequestHandle, now: float) -> None:
         request = handle.request
@@ -201,12 +243,13 @@ class Controller:
         """Admission by capacity (`admission`): a request that cannot meet its SLO is refused,
         or served last."""
         try:
-            refusal = self.admission.refusal(handle.request, now)
+            refusal = self.admission.refusal(handle.request, now, handle.submitted)
         except Exception:  # a bug in the check must not fail the request: admit it
             self.stats["controller_errors"] += 1
             log.exception("admission check of request %s failed; admitted", handle.request_id)
             return True
         if refusal is None:
+            self.refused_in_a_row = 0
             return True
         if self.admission.mode == "deprioritize":
             self.stats["deprioritized"] += 1
@@ -214,6 +257,11 @@ class Controller:
             return True
         self.stats["refused"] += 1
         self.handles.pop(handle.request_id, None)
+        if refusal.param is not None:  # the request's fault, whatever the load: a 400
+            self.stats["refused_invalid"] += 1
+            self.answers.refuse(handle, InvalidRequest(refusal.param, refusal.reason))
+            return False
+        self.refused_in_a_row += 1
         self.answers.refuse(handle, Overloaded(f"cannot meet its SLO now: {refusal}"))
         return False
 
@@ -242,11 +290,12 @@ class Controller:
         if iid not in self.scheduler.instances:
             return  # removed meanwhile; its requests already moved on
         launched, batch = self._inflight.pop(iid)
+        self._spared.discard(iid)
         self.step_times.append((now - launched, event.seconds))
         self.steps_run += 1
         tp = self.scheduler.instances[iid].tp
         if self.config.measured_speed:  # the step's cost, end to end
-            self.scheduler.speed.observe(tp, batch, now - launched, iid)
+            self.scheduler.speed.observe(tp, batch, now - launched, iid, now)
         if self.observer is not None:
             self.observer.step_done(iid, tp, event.output, event.seconds)
         if self.recording is not None:
@@ -287,6 +336,7 @@ class Controller:
         log.error("instance %s failed: %s", iid, error)
         self._inflight.pop(iid, None)
         self._hung.discard(iid)
+        self._spared.discard(iid)
         spec = self._specs.pop(iid, None)
         was_serving = iid in self.scheduler.instances  # not one that failed to load
         self.rollout.on_failed(iid, now)

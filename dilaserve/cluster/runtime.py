@@ -38,6 +38,9 @@ from dilaserve.cluster.requests import (
 from dilaserve.control.build import build_scheduler
 
 log = logging.getLogger("dilaserve.cluster")
+# refused for capacity in a row, none admitted between: health says "degraded" (one refusal
+# is a request too big for the moment; several in a row are admission refusing the work)
+REFUSALS_DEGRADED = 3
 
 
 def with_family_cache(config: ClusterConfig, family) -> ClusterConfig:
@@ -137,11 +140,28 @@ class Cluster:
         return self._accepting
 
     def health(self) -> str:
-        """Says "ok"; "degraded": lost capacity not yet restored; "unavailable": not accepting
-        requests, or every instance lost (a planned reconfiguration may briefly run none)."""
+        """Says "ok"; "degraded": lost capacity not yet restored, or admission refusing every
+        request (`health_reason` says which); "unavailable": not accepting requests, or every
+        instance lost (a planned reconfiguration may briefly run none)."""
         if not self._accepting or self._all_lost():
             return "unavailable"
-        return "degraded" if self.controller.replacements.pending else "ok"
+        return "ok" if self.health_reason() is None else "degraded"
+
+    def health_reason(self) -> str | None:
+        """Why the cluster is not "ok" (None: it is)."""
+        if not self._accepting:
+            return "not accepting requests (starting or shutting down)"
+        if self._all_lost():
+            return "no instance serving: lost capacity is being restored"
+        if self.controller.replacements.pending:
+            return "lost capacity is being restored"
+        refused = self.controller.refused_in_a_row
+        if refused >= REFUSALS_DEGRADED:
+            return (
+                f"admission refused the last {refused} requests (steps measured at "
+                f"{self.scheduler.speed.slowdown:.1f}x the profile's time)"
+            )
+        return None
 
     def _all_lost(self) -> bool:
         return not self.scheduler.instances and self.controller.replacements.pending
@@ -156,8 +176,14 @@ class Cluster:
 
     @property
     def step_slowdown(self) -> float:
-        """Steps' measured time over the latency profile's, running (`control/speed.py`)."""
+        """Steps' measured time over the latency profile's, running and decaying toward 1 when
+        no step reports (`control/speed.py`)."""
         return self.scheduler.speed.ratio
+
+    @property
+    def step_slowdown_stale_seconds(self) -> float:
+        """How long the slowdown has been decaying for want of steps (0: it is current)."""
+        return self.scheduler.speed.stale_seconds()
 
     @property
     def step_time_ratio(self) -> float:
@@ -225,7 +251,7 @@ class Cluster:
 
         Raises ValueError naming a bad argument, `Overloaded` when admission control refuses
         work, and `Closed` when the cluster is not serving."""
-        if self.is_full(priority):  # before any work on it, tokenizing included
+        if self.is_full(priority, slo):  # before any work on it, tokenizing included
             raise Overloaded(FULL)
         submission = self.intake.check(
             prompt,
@@ -272,8 +298,14 @@ class Cluster:
         self.controller.cancels.append(request_id)
         self.backend.wake()
 
-    def is_full(self, priority: int) -> bool:
-        """Would a request of `priority` be refused now? (`admission.Room`: it comes after
-        everything in flight, and the capacity left as of the controller's last event is
-        below the least a request adds.)"""
-        return isinstance(priority, int) and self.controller.room.refuses(priority)
+    def is_full(self, priority: int, slo: float | None = None) -> bool:
+        """Would a request of `priority` and `slo` seconds (default: the server's) be refused
+        now? (`admission.Room`: it comes after everything in flight, and the capacity over its
+        SLO left as of the controller's last event is below the least a request adds.) A
+        refusal counts toward `health`."""
+        if slo is not None and not slo > 0:
+            slo = None  # (not a positive number: `intake` names it)
+        if not isinstance(priority, int) or not self.controller.room.refuses(priority, slo):
+            return False
+        self.controller.refused_in_a_row += 1
+        return True

@@ -87,7 +87,7 @@ def run_trace(config: ClusterConfig, spec: TraceRunSpec, progress=None) -> dict:
                 correct[handle.request_id] = (
                     arith.extract_answer(handle.result().text) == problem.answer
                 )
-            except RuntimeError:
+            except (RuntimeError, ValueError):  # failed, or refused (a 400: `InvalidRequest`)
                 correct[handle.request_id] = False
     finally:
         cluster.close()

@@ -16,6 +16,18 @@ thresholds) admit every request; the count limit (`max_in_flight`) still holds.
 Capacity and the time a request needs are at the measured speed (`speed.py`): without it, on
 this project's loaded 2-core machine, admission refused nothing at 3x capacity.
 
+Each request is priced against its own SLO: capacity over the time its deadline leaves
+(`deadline - now`), not over the server's default SLO, so that a request that gives itself a
+minute is not refused for what a 10 s window holds.
+
+Admission never refuses all work for good (DESIGN.md section 7): a request that comes while
+nothing is in flight is admitted whatever the estimates say (a probe: its steps measure the
+machine again, and the measured slowdown also decays by itself, `speed.py`), unless even at
+the profile's speed it cannot finish in the time its deadline leaves. A request that no idle
+cluster could serve (alone, at the lowest threshold, on the fastest instance, at the profile's
+speed, it needs more than its SLO) is the request's fault, not the load's: `Refusal.param`
+names the field, the HTTP layer's 400; with `deprioritize` it is served last, as any other.
+
 Between events the controller publishes a `Room` (what is left for a request served after
 everything in flight), which the HTTP front reads to refuse at once, before tokenizing or
 queueing for the controller; what it does not refuse is asked in full here.
@@ -41,19 +53,45 @@ LOWEST_PRIORITY = -(2**31)  # (intake.PRIORITIES[0]) where a deprioritized reque
 
 
 @dataclass(frozen=True)
+class Refusal:
+    """Why a request is not admitted. `param`: the request field at fault when no idle
+    cluster could serve it (a 400); None when the load or the measured speed refuses it now
+    (a 429: retry later)."""
+
+    reason: str
+    param: str | None = None
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+@dataclass(frozen=True)
 class Room:
     """Admission's answer between events, for requests that come after everything in flight:
-    `refuses(priority)` without asking the controller (the HTTP front asks it of each request
-    before reading its prompt). A request at or below the lowest priority in flight is refused
-    when the capacity over one SLO window, less the load in flight at the lowest threshold, is
-    below the least any request adds (one step over one block); others are asked in full."""
+    `refuses(priority, slo)` without asking the controller (the HTTP front asks it of each
+    request before reading its prompt). A request at or below the lowest priority in flight is
+    refused when the capacity over its SLO (`slo` seconds; default: the server's), less the
+    load in flight at the lowest threshold, is below the least any request adds (one step over
+    one block); others are asked in full. With nothing in flight it refuses nothing."""
 
     lowest_priority: float = float("inf")  # in flight (+inf: nothing is)
-    spare: float = float("inf")  # token-steps
+    throughput: float = float("inf")  # token-steps per second, at the measured speed
+    load: float = 0.0  # token-steps in flight, at the lowest threshold
     least: float = 0.0  # the least load a request adds
+    slo: float = float("inf")  # the server's default SLO, seconds
 
-    def refuses(self, priority: int) -> bool:
-        return priority <= self.lowest_priority and self.spare < self.least
+    @property
+    def spare(self) -> float:
+        """Token-steps left over the server's SLO (what a request of that SLO finds)."""
+        return self.spare_within(self.slo)
+
+    def spare_within(self, seconds: float) -> float:
+        return self.throughput * seconds - self.load
+
+    def refuses(self, priority: int, slo: float | None = None) -> bool:
+        if priority > self.lowest_priority or self.lowest_priority == float("inf"):
+            return False  # served before everything in flight, or nothing is: asked in full
+        return self.spare_within(self.slo if slo is None else slo) < self.least
 
 
 class Admission:
@@ -70,48 +108,76 @@ class Admission:
 
     def room(self) -> Room:
         """What is left for a request served after everything in flight (`Room`)."""
-        if not self.enabled or not self.scheduler.instances:
-            return Room()
+        if not self.enabled or not self.scheduler.instances or not self.scheduler.requests:
+            return Room()  # nothing in flight: the next request is admitted (a probe)
         load, tokens, count = self._loads.lowest_load(float("-inf"))
-        capacity = self._capacity(tokens / count if count else 0.0)
+        mean_tokens = tokens / count if count else 0.0
+        throughput = self._loads.throughput(self.scheduler.instances.values(), mean_tokens)
         least = self.scheduler.config.costs.block_len  # one step over one block
-        return Room(self._loads.lowest_priority(), capacity - load, least)
+        return Room(self._loads.lowest_priority(), throughput, load, least, self._slo)
 
-    def refusal(self, request: Request, now: float) -> str | None:
-        """Why `request` cannot meet its SLO now (None: admit it): the load of it and of every
-        request served before it exceeds capacity, or even alone, at the lowest
-        threshold, it would not finish by its deadline (it waited too long to get here)."""
+    def refusal(self, request: Request, now: float, submitted: float | None = None):
+        """Why `request` is not admitted now (a `Refusal`; None: admit it). Its SLO counts
+        from `submitted` (default: its arrival time). Refused: no idle cluster could meet
+        its SLO (`Refusal.param` names the field); or, with requests in flight, the load of
+        it and of every request served before it exceeds the capacity until its deadline,
+        or, even alone at the lowest threshold and the measured speed, it would not finish by
+        its deadline (it waited too long to get here). With nothing in flight it is admitted
+        unless it would not finish by its deadline even at the profile's speed (a probe:
+        `speed.py`)."""
         if not self.enabled or not self.scheduler.instances:
             return None
+        self.scheduler.speed.advance(now)
         lowest = self._loads.ladder[-1]
-        ahead = self._loads.lowest_load(request.priority)
-        excess = self._excess(ahead, request, 1.0)  # over with one step of its own: refused
-        if excess <= 0:
-            steps = self._predicted_steps(request, lowest)
-            excess = self._excess(ahead, request, steps)
-        if excess > 0:
-            return f"over capacity: the load in flight exceeds it by {excess:.0f} token-steps"
+        steps = self._predicted_steps(request, lowest)
+        needed = self._fastest_seconds(request, lowest, steps)  # at the profile's speed
+        impossible = self._impossible(request, needed, submitted)
+        if impossible is not None:
+            return impossible
         deadline = request.deadline if request.deadline is not None else now + self._slo
-        needed = self._fastest_seconds(request, lowest, steps)
-        if needed > deadline - now:
-            left = max(deadline - now, 0.0)
-            return f"it needs at least {needed:.2f} s and {left:.2f} s are left"
-        return None
+        left = max(deadline - now, 0.0)
+        if not self.scheduler.requests:  # a probe: priced at the profile, not the estimates
+            return _too_late(needed, left)
+        ahead = self._loads.lowest_load(request.priority)
+        excess = self._excess(ahead, request, steps, left)
+        if excess > 0:
+            return Refusal(
+                f"over capacity: the load in flight exceeds it by {excess:.0f} token-steps"
+            )
+        return _too_late(needed * self.scheduler.speed.slowdown, left)
+
+    def _impossible(self, request: Request, needed: float, submitted: float | None):
+        """A `Refusal` naming the SLO when `needed` (seconds, alone on the fastest instance at
+        the profile's speed) exceeds it: no idle cluster could meet it."""
+        if request.deadline is None:  # the server's SLO: too many tokens asked for it
+            slo, param = self._slo, "max_tokens"
+        else:
+            start = request.arrival_time if submitted is None else submitted
+            slo, param = request.deadline - start, "slo_ms"
+        if needed <= slo:
+            return None
+        return Refusal(
+            f"{param}: the request needs at least {needed:.3f} s alone on an idle instance at "
+            f"the lowest threshold, and its SLO is {slo:.3f} s: no cluster could meet it",
+            param,
+        )
 
     @property
     def _slo(self) -> float:
         return self.scheduler.config.slo
 
-    def _excess(self, ahead: tuple[float, float, int], request: Request, steps: float) -> float:
+    def _excess(
+        self, ahead: tuple[float, float, int], request: Request, steps: float, window: float
+    ) -> float:
         """How far the load of `request` (`steps` left at the lowest threshold) and of every
         request served before it (`ahead`: their load at the lowest threshold, tokens and
-        number) exceeds the cluster's capacity over one SLO window (<= 0: it fits)."""
+        number) exceeds the cluster's capacity over `window` seconds (<= 0: it fits)."""
         load, tokens, count = ahead
         mean_tokens = (tokens + request.num_tokens) / (count + 1)
-        return load + self._load([request], [steps]) - self._capacity(mean_tokens)
+        return load + self._load([request], [steps]) - self._capacity(mean_tokens, window)
 
     def _fastest_seconds(self, request: Request, threshold: float, steps: float) -> float:
-        """Seconds `request` needs alone on the fastest instance, at the measured slowdown."""
+        """Seconds `request` needs alone on the fastest instance, at the profile's speed."""
         view = LoadView(
             request.request_id,
             0.0,
@@ -120,13 +186,12 @@ class Admission:
             request.num_blocks_to_recompute,
         )
         costs = self.scheduler.config.costs
-        seconds = min(
+        return min(
             predicted_time_left(
                 view, threshold, InstanceLoad(tp, request.num_tokens, 1), self._profile, costs
             )
             for tp in {inst.tp for inst in self.scheduler.instances.values()}
         )
-        return seconds * self.scheduler.speed.slowdown
 
     @property
     def _profile(self):
@@ -149,6 +214,15 @@ class Admission:
         )
         return float(loads.sum())
 
-    def _capacity(self, mean_tokens: float) -> float:
-        """Load control's cluster capacity over one SLO window, for requests of `mean_tokens`."""
-        return self._loads.throughput(self.scheduler.instances.values(), mean_tokens) * self._slo
+    def _capacity(self, mean_tokens: float, window: float) -> float:
+        """Load control's cluster capacity over `window` seconds, for requests of
+        `mean_tokens`, at the measured speed."""
+        return self._loads.throughput(self.scheduler.instances.values(), mean_tokens) * window
+
+
+def _too_late(needed: float, left: float) -> Refusal | None:
+    """A refusal when `needed` seconds exceed the `left` before the deadline (it waited too
+    long to get here)."""
+    if needed <= left:
+        return None
+    return Refusal(f"it needs at least {needed:.2f} s and {left:.2f} s are left")

@@ -292,6 +292,7 @@ class Scheduler:
     # -- one scheduling round ----------------------------------------------------------------
 
     def _schedule(self, now: float, load_changed: bool) -> Decisions:
+        self.speed.advance(now)  # a stale measured slowdown decays with event time (speed.py)
         ready = sorted(self._ready, key=self._placer.service_key(now))
         if self.load_control is not None:
             refreshed = self.load_control.refresh(now)

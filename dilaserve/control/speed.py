@@ -19,6 +19,15 @@ take what its latency model says, times `SimConfig.step_slowdown`, and `slowdown
 unless it predicts a cluster run (`sim/predict.py`: the control plane then learns the
 host's slowdown as the cluster's does) or replays a cluster run's recorded durations
 (`SimConfig.measured_speed`), so that the replay makes the run's decisions.
+
+An estimate, not a fact (DESIGN.md section 7): it moves only when a step completes, so a
+slowdown learnt under a storm, a neighbour or a fault would outlive them once admission refuses
+everything (nothing runs, nothing is observed). Each ratio therefore decays back toward the
+profile (1) with event time: `advance(now)`, which the scheduler calls on every event, halves
+its excess over 1 every `HALF_LIFE` seconds once no step has been observed for `STALE_STEPS`
+times the latest step's duration (while steps keep coming, the measurements alone steer it).
+Admission also probes: a request that comes while nothing is in flight is admitted
+(`admission.py`), and its steps measure the machine as it is now.
 """
 
 from __future__ import annotations
@@ -30,6 +39,48 @@ from dilaserve.control.step_costs import StepCosts
 from dilaserve.protocol import CACHED_KINDS, StepBatch
 
 WEIGHT = 0.05  # each step's share of the running ratio
+# seconds of event time in which a stale ratio's excess over the profile halves: long against
+# a step (ms to ~1 s), so a busy server's ratio is its measurements'; short against an
+# operator's patience: a 32x slowdown left by a storm is back under 2x within a minute
+HALF_LIFE = 10.0
+# a ratio counts as current for this many of the latest step's durations after it (a step
+# that takes long is no sign of stale evidence); only the time beyond decays it
+STALE_STEPS = 3.0
+
+
+class Estimate:
+    """One running ratio of measured over predicted step time, decaying toward 1 when stale."""
+
+    __slots__ = ("ratio", "_anchor", "_seen", "_fresh_for")
+
+    def __init__(self):
+        self.ratio = 1.0  # as of the last `advance` (or observation)
+        self._anchor = 1.0  # as of the last observation
+        self._seen: float | None = None  # the event time of the last observation
+        self._fresh_for = 0.0  # seconds after it that it counts as current
+
+    def blend(self, ratio: float, seconds: float, now: float) -> None:
+        """A step that took `seconds` ran `ratio` times the profile's time, at `now`."""
+        self.advance(now)
+        self.ratio += WEIGHT * (ratio - self.ratio)
+        self._anchor, self._seen = self.ratio, now
+        self._fresh_for = STALE_STEPS * seconds
+
+    def advance(self, now: float) -> None:
+        """Decay toward 1 for the stale part of the time since the last observation (a
+        function of `now` alone: advancing twice to the same time is advancing once)."""
+        if self._seen is None:
+            return
+        stale = now - self._seen - self._fresh_for
+        if stale > 0:
+            self.ratio = 1.0 + (self._anchor - 1.0) * 0.5 ** (stale / HALF_LIFE)
+
+    def stale_seconds(self, now: float) -> float:
+        """Seconds of `now` past the time the latest observation counts as current (0:
+        current, or never observed)."""
+        if self._seen is None:
+            return 0.0
+        return max(now - self._seen - self._fresh_for, 0.0)
 
 
 class MeasuredSpeed:
@@ -37,11 +88,32 @@ class MeasuredSpeed:
         self.profile = profile
         self.costs = costs
         self._tracked = tracked  # request id -> the scheduler's record of it
-        self.ratio = 1.0  # measured over predicted step time, running
-        self.by_instance: dict[str, float] = {}  # the same, per instance
+        self.overall = Estimate()  # measured over predicted step time, running
+        self.by_instance: dict[str, Estimate] = {}  # the same, per instance
+        self.now = 0.0  # the latest event time it was told (`advance`)
         self.steps = 0  # steps observed
         self._measured = self._predicted = 0.0  # their seconds, measured and predicted, summed
         self._by_batch: dict[int, list[float]] = {}  # batch_bin -> [measured, predicted] sums
+
+    @property
+    def ratio(self) -> float:
+        """Measured over predicted step time, running (decayed to `now`)."""
+        return self.overall.ratio
+
+    @ratio.setter
+    def ratio(self, value: float) -> None:  # (tests set it; an observation moves it on)
+        self.overall.ratio = self.overall._anchor = value
+
+    def advance(self, now: float) -> None:
+        """The event time is `now`: stale ratios decay toward the profile (`HALF_LIFE`)."""
+        self.now = max(self.now, now)
+        self.overall.advance(self.now)
+        for estimate in self.by_instance.values():
+            estimate.advance(self.now)
+
+    def stale_seconds(self) -> float:
+        """How long the slowdown has been decaying for want of steps (0: it is current)."""
+        return self.overall.stale_seconds(self.now)
 
     @property
     def slowdown(self) -> float:
@@ -66,19 +138,29 @@ class MeasuredSpeed:
 
     def instance_ratio(self, instance_id: str) -> float:
         """Measured over predicted step time on one instance, running (1 before any step)."""
-        return self.by_instance.get(instance_id, 1.0)
+        estimate = self.by_instance.get(instance_id)
+        return 1.0 if estimate is None else estimate.ratio
 
-    def observe(self, tp: int, batch: StepBatch, seconds: float, instance_id: str = "") -> None:
-        """A step of `batch` on a TP-`tp` instance took `seconds`, launch to result. (Call it
-        before the scheduler hears of the step: its requests are still tracked.)"""
+    def observe(
+        self,
+        tp: int,
+        batch: StepBatch,
+        seconds: float,
+        instance_id: str = "",
+        now: float | None = None,
+    ) -> None:
+        """A step of `batch` on a TP-`tp` instance took `seconds`, launch to result, and
+        ended at event time `now` (default: the latest `advance`). (Call it before the
+        scheduler hears of the step: its requests are still tracked.)"""
         predicted = batch_seconds(self.profile, tp, batch, self.costs, self._tracked)
         if predicted <= 0:
             return
+        self.now = self.now if now is None else max(self.now, now)
         ratio = seconds / predicted
-        self.ratio += WEIGHT * (ratio - self.ratio)
+        self.overall.blend(ratio, seconds, self.now)
         if instance_id:
-            mine = self.by_instance.get(instance_id, 1.0)
-            self.by_instance[instance_id] = mine + WEIGHT * (ratio - mine)
+            mine = self.by_instance.setdefault(instance_id, Estimate())
+            mine.blend(ratio, seconds, self.now)
         if seconds > 0:
             self.steps += 1
             self._measured += seconds

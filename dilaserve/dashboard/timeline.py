@@ -4,7 +4,9 @@ Time is a parameter (seconds since the run began); this module reads no clock. E
 (`interval` seconds, the last `keep` of them) holds the requests that finished in it (count, on
 time, per priority, a log-binned latency histogram, the thresholds of their steps, tokens), the
 steps each instance ran (count, batch tokens, engine seconds by step kind), and the largest
-queue, requests in flight and instances per TP degree sampled in it. Memory and the cost of
+queue, requests in flight, measured step slowdown (live runs) and instances per TP degree
+sampled in it. Attainment is given of the requests finished and of every request answered
+(refused ones count as missed: the headline). Memory and the cost of
 `to_json` depend on `keep` and the number of instances, never on the number of requests; a
 request costs O(its steps) once, when it finishes.
 """
@@ -48,6 +50,7 @@ class _Interval:
     steps: dict[str, _Steps] = field(default_factory=dict)
     queue: int = 0
     in_flight: int = 0
+    slowdown: float | None = None  # the largest measured step slowdown sampled (live runs)
     instances_by_tp: dict[int, int] | None = None
     percentiles: tuple | None = None  # memoised once the interval is closed
 
@@ -68,7 +71,7 @@ class Timeline:
         self.totals = dict.fromkeys(
             ("finished", "met", "failed", "rejected", "tokens", "migrations"), 0
         )
-        self.last = {"queue": 0, "in_flight": 0}
+        self.last = {"queue": 0, "in_flight": 0, "slowdown": None}
         self._by_tp: dict[int, int] = {}
 
     # -- what happened ----------------------------------------------------------------------
@@ -112,12 +115,15 @@ class Timeline:
         count_seconds[0] += 1
         count_seconds[1] += seconds
 
-    def sample(self, now: float, queue: int, in_flight: int) -> None:
-        """The queue length and requests in flight now (each interval keeps its largest)."""
+    def sample(self, now: float, queue: int, in_flight: int, slowdown: float | None = None) -> None:
+        """The queue length, requests in flight and (a live server's) measured step slowdown
+        now, the one admission prices at (each interval keeps its largest)."""
         w = self._at(now)
         w.queue = max(w.queue, queue)
         w.in_flight = max(w.in_flight, in_flight)
-        self.last = {"queue": queue, "in_flight": in_flight}
+        if slowdown is not None:
+            w.slowdown = slowdown if w.slowdown is None else max(w.slowdown, slowdown)
+        self.last = {"queue": queue, "in_flight": in_flight, "slowdown": slowdown}
 
     def set_instances(self, now: float, instance_tp: dict[str, int]) -> None:
         """The instances serving from `now` on, with their TP degrees."""
@@ -177,7 +183,7 @@ class Timeline:
         for w in windows[:-1]:
             if w.percentiles is None:
                 w.percentiles = _percentiles(w.latency_bins)
-        finished = self.totals["finished"]
+        finished, asked = self.totals["finished"], self.totals["finished"] + self.totals["rejected"]
         return {
             "schema": 1,
             **meta,
@@ -187,6 +193,8 @@ class Timeline:
             "totals": {
                 **self.totals,
                 "attainment": round(self.totals["met"] / finished, 4) if finished else None,
+                # the headline: refused requests count as missed
+                "attainment_of_arrivals": _share(self.totals["met"], asked),
             },
             "current": {**self.last, "instances": self._current_instances(windows)},
             "series": self._series(windows),
@@ -208,12 +216,14 @@ class Timeline:
             "failed": [w.failed for w in windows],
             "rejected": [w.rejected for w in windows],
             "attainment": [_share(w.met, w.finished) for w in windows],
+            "attainment_of_arrivals": [_share(w.met, w.finished + w.rejected) for w in windows],
             "attainment_by_priority": {p: [_priority_share(w, p) for w in windows] for p in names},
             **{f"latency_p{q}": [p[k] for p in pct] for k, q in enumerate(PERCENTILES)},
             "thresholds": [list(w.thresholds) for w in windows],
             "tokens_per_s": [round(w.tokens / self.interval, 2) for w in windows],
             "queue": [w.queue for w in windows],
             "in_flight": [w.in_flight for w in windows],
+            "slowdown": [None if w.slowdown is None else round(w.slowdown, 3) for w in windows],
             "migrations": [w.migrations for w in windows],
             "instances_by_tp": {
                 str(tp): [(w.instances_by_tp or {}).get(tp, 0) for w in windows] for tp in tps

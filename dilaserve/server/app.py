@@ -146,6 +146,7 @@ def create_app(
     async def health():
         body = {"in_flight": cluster.in_flight, "instances": cluster.instances_by_tp()}
         status = cluster.health()
+        body["reason"] = None if status == "ok" else cluster.health_reason()
         code = 503 if status == "unavailable" else 200
         headers = {"Retry-After": "5"} if code == 503 else None
         return JSONResponse({"status": status, **body}, status_code=code, headers=headers)
@@ -316,7 +317,10 @@ class _Api:
 
     def _not_taken(self, e: Exception) -> Response:
         """The answer to a request the cluster did not take in: refused for capacity (429),
-        closed (503), or failed before it started (500; the message names the request)."""
+        closed (503), an SLO no idle cluster meets (400), or failed before it started (500;
+        the message names the request)."""
+        if isinstance(e, InvalidRequest):
+            return error(400, str(e), e.param)
         if isinstance(e, Overloaded):
             self.metrics.rejected()
             return error(429, str(e), headers={"Retry-After": str(self.settings.retry_after)})

@@ -10,8 +10,11 @@ is seconds since it began to watch. A request costs O(its steps) once; a data re
 With an API key set the page and its data need it, as `/v1/` does: as a bearer token, or, so that
 a browser can ask for it, as the password of HTTP Basic authentication (any user name; only the
 page itself answers 401 with a Basic challenge). The page served then carries a token that opens
-the dashboard only (an HMAC of the key), which its data requests send: browsers do not all send
-Basic credentials again for a script's requests.
+the dashboard only, which its data requests send: browsers do not all send Basic credentials
+again for a script's requests. The token expires (`TOKEN_SECONDS` after the page was served: it
+is its expiry time and an HMAC of it under the key), so that one copied out of a page, a proxy
+log or a browser's history does not open the dashboard for good; a page left open past it
+asks to be reloaded.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ DATA_PATH = "/dashboard/data"
 SAMPLE_SECONDS = 0.1  # the cluster's gauges are sampled at most this often on the step path
 MAX_TRACKED = 1 << 16  # priorities remembered for requests in flight (more: the oldest go)
 CHALLENGE = {"WWW-Authenticate": 'Basic realm="dilaserve dashboard", charset="UTF-8"'}
+# how long a page's token opens the dashboard's data: a working day (a page left open overnight
+# is reloaded, asking for the key again)
+TOKEN_SECONDS = 12 * 3600.0
 
 
 class LiveFeed:
@@ -118,7 +124,7 @@ class LiveFeed:
     def _sample(self, now: float) -> None:
         c, t = self._cluster, self.timeline
         self._next_sample = now + SAMPLE_SECONDS
-        t.sample(now, c.queue_length(), c.in_flight)
+        t.sample(now, c.queue_length(), c.in_flight, c.step_slowdown)
         instances = {iid: inst.tp for iid, inst in dict(c.scheduler.instances).items()}
         if instances != t.instance_tp:
             t.set_instances(now, instances)
@@ -159,12 +165,13 @@ def add_dashboard(
 ) -> None:
     """The page and its data on `app`; `meta()`: what the page says of the server (read at each
     data request). Checking the API key, if any, is the app's middleware's job
-    (`is_authorised`); the page carries the dashboard's token for its data requests."""
-    token = None if api_key is None else dashboard_token(api_key)
-    page = live_page(DATA_PATH, token=token)
+    (`is_authorised`); each page served carries a fresh dashboard token for its data
+    requests."""
 
     @app.get("/dashboard", include_in_schema=False)
     async def dashboard():
+        token = None if api_key is None else dashboard_token(api_key, time.time())
+        page = live_page(DATA_PATH, token=token)
         return HTMLResponse(page, headers={"Cache-Control": "no-store"})
 
     @app.get(DATA_PATH, include_in_schema=False)
@@ -176,20 +183,40 @@ def is_dashboard(path: str) -> bool:
     return path == "/dashboard" or path.startswith("/dashboard/")
 
 
-def dashboard_token(key: str) -> str:
-    """A token that opens the dashboard and nothing else."""
-    return hmac.new(key.encode(), b"dilaserve dashboard", hashlib.sha256).hexdigest()
+def dashboard_token(key: str, now: float) -> str:
+    """A token that opens the dashboard and nothing else until `TOKEN_SECONDS` after `now`
+    (Unix time): "<expiry>.<HMAC of it under the key>"."""
+    expires = str(int(now + TOKEN_SECONDS))
+    return f"{expires}.{_token_mac(key, expires)}"
 
 
-def is_authorised(path: str, authorization: bytes, key: str) -> bool:
+def _token_mac(key: str, expires: str) -> str:
+    message = f"dilaserve dashboard until {expires}".encode()
+    return hmac.new(key.encode(), message, hashlib.sha256).hexdigest()
+
+
+def is_authorised(path: str, authorization: bytes, key: str, now: float | None = None) -> bool:
     """Whether a dashboard path may be served to a request that did not send the API key as a
-    bearer token: the key as a Basic password, or the dashboard's token as a bearer token."""
+    bearer token: the key as a Basic password, or an unexpired dashboard token as a bearer
+    token (`now`: Unix time, default the clock's)."""
     if not is_dashboard(path):
         return False
-    token = f"Bearer {dashboard_token(key)}".encode()
-    return secrets.compare_digest(authorization, token) or _basic_password_matches(
-        authorization, key
+    return _token_valid(authorization, key, time.time() if now is None else now) or (
+        _basic_password_matches(authorization, key)
     )
+
+
+def _token_valid(authorization: bytes, key: str, now: float) -> bool:
+    """Whether `Authorization: Bearer <expiry>.<mac>` carries a token of `key` not expired."""
+    scheme, _, token = authorization.partition(b" ")
+    expires, _, mac = token.decode("ascii", "replace").partition(".")
+    if (
+        scheme.lower() != b"bearer"
+        or not (expires.isascii() and expires.isdigit())
+        or int(expires) <= now
+    ):
+        return False
+    return secrets.compare_digest(mac.encode(), _token_mac(key, expires).encode())
 
 
 def challenge(path: str) -> dict | None:

@@ -1,8 +1,10 @@
 """Prometheus metrics of a serving cluster (`GET /metrics`).
 
 Counters and histograms are fed by the controller thread through the cluster's `Observer`;
-gauges (queue length, requests in flight, instances per TP degree, SLO attainment) and the
-cluster's own counters (migrations, reconfigurations, instance failures) are read when scraped.
+gauges (queue length, requests in flight, instances per TP degree, SLO attainment of those
+finished and of every request answered, refusals counted as missed; the measured step slowdown
+and how stale it is; degraded health) and the cluster's own counters (migrations,
+reconfigurations, instance failures) are read when scraped.
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ class ServerMetrics:
             buckets=THRESHOLD_BUCKETS,
             registry=self.registry,
         )
-        self.met = self.finished = 0
+        self.met = self.finished = self.refused = 0
         self._window = _Window()  # since the last `interval_line`
         self.dashboard = LiveFeed()  # what GET /dashboard draws
 
@@ -109,6 +111,7 @@ class ServerMetrics:
         self.dashboard.request_failed(request_id, reason)
 
     def rejected(self) -> None:
+        self.refused += 1
         self.requests.labels("rejected").inc()
         self.dashboard.request_rejected()
 
@@ -139,8 +142,19 @@ class _ClusterCollector:
         yield _gauge("dilaserve_requests_in_flight", "Requests admitted, not done", c.in_flight)
         attainment = m.met / m.finished if m.finished else 1.0
         yield _gauge("dilaserve_slo_attainment", "Share of finished requests on time", attainment)
-        slowdown = "Steps' measured time over the latency profile's (running; priced at >= 1)"
+        asked = m.finished + m.refused
+        of_arrivals = m.met / asked if asked else 1.0
+        text = "Share of requests finished on time, refused ones (429, 503) counted as missed"
+        yield _gauge("dilaserve_slo_attainment_of_arrivals", text, of_arrivals)
+        slowdown = (
+            "Steps' measured time over the latency profile's (running; priced at >= 1; decays "
+            "toward 1 while no step reports)"
+        )
         yield _gauge("dilaserve_step_slowdown", slowdown, c.step_slowdown)
+        stale = "Seconds the step slowdown has been decaying for want of steps (0: current)"
+        yield _gauge("dilaserve_step_slowdown_stale_seconds", stale, c.step_slowdown_stale_seconds)
+        degraded = "1 while /health says degraded (lost capacity, or admission refusing all)"
+        yield _gauge("dilaserve_degraded", degraded, float(c.health() == "degraded"))
         instances = GaugeMetricFamily(
             "dilaserve_instances", "Model instances by tensor-parallel degree", labels=["tp"]
         )

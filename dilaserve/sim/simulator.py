@@ -156,7 +156,7 @@ class Simulator:
         requests = self.scheduler.requests
         if self.config.measured_speed:
             tp = self.scheduler.instances[instance_id].tp
-            self.scheduler.speed.observe(tp, batch, seconds, instance_id)
+            self.scheduler.speed.observe(tp, batch, seconds, instance_id, now)
         results = tuple(
             self.behaviour.step(requests[i.request_id].request, i.threshold, i.kind)
             for i in batch.items

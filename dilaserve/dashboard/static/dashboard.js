@@ -169,7 +169,9 @@ function bucketName(edges, k) {
 function drawCharts(data) {
   const s = data.series;
   const priorities = Object.keys(s.attainment_by_priority);
-  const attainment = [{name: "overall", values: s.attainment, width: 2.6, color: "#1d2330"}];
+  const attainment = [{name: "overall", values: s.attainment, width: 2.6, color: "#1d2330"},
+                      {name: "of arrivals (refused = missed)", values: s.attainment_of_arrivals,
+                       width: 2, dash: "6 2", color: "#c0392b"}];
   if (priorities.length > 1) {
     priorities.forEach((p, k) => attainment.push({name: `priority ${p}`, dash: "5 3",
                                                   values: s.attainment_by_priority[p],
@@ -187,6 +189,9 @@ function drawCharts(data) {
     {name: "in flight", values: s.in_flight}, {name: "queue", values: s.queue},
     {name: "rejected", values: s.rejected, dash: "2 3"}],
   {yLabel: "requests"});
+  lineChart(document.getElementById("chart-slowdown"), data, [
+    {name: "slowdown", values: s.slowdown || [], color: "#c0392b"}],
+  {yLabel: "x profile", ref: 1, refLabel: "profile", empty: "no slowdown sampled"});
   const instances = document.getElementById("chart-instances");
   const tps = Object.keys(s.instances_by_tp);
   const migrations = Math.max(0, ...s.migrations);
@@ -263,8 +268,13 @@ function drawHeader(data) {
   });
   if (data.title) document.title = data.title;
   const t = data.totals;
-  const cards = [["within SLO", t.attainment === null ? "-" : `${(100 * t.attainment).toFixed(1)}%`],
+  const share = (x) => (x === null || x === undefined ? "-" : `${(100 * x).toFixed(1)}%`);
+  const slowdown = data.current.slowdown;
+  const cards = [["within SLO (refused = missed)", share(t.attainment_of_arrivals)],
+                 ["of finished, on time", share(t.attainment)],
                  ["finished", t.finished], ["failed", t.failed], ["rejected", t.rejected],
+                 ["step slowdown", slowdown === null || slowdown === undefined ? "-"
+                   : `${slowdown.toFixed(1)}x`],
                  ["in flight", data.current.in_flight], ["queue", data.current.queue],
                  ["migrations", t.migrations], ["time", `${fmt(data.now)} s`]];
   const box = document.getElementById("totals");
@@ -272,6 +282,7 @@ function drawHeader(data) {
   cards.forEach(([k, v]) => {
     const card = document.createElement("div");
     card.dataset.total = k;
+    if (k === "rejected" && t.rejected > 0) card.classList.add("bad");
     card.textContent = k;
     const b = document.createElement("b");
     b.textContent = v;
@@ -303,6 +314,9 @@ async function poll(config) {
     const url = new URL(config.url, window.location.origin);
     const headers = config.token ? {Authorization: `Bearer ${config.token}`} : {};
     const response = await fetch(url, {cache: "no-store", credentials: "same-origin", headers});
+    if (response.status === 401 && config.token) {
+      throw new Error("the page's dashboard token has expired: reload the page");
+    }
     if (!response.ok) throw new Error(`HTTP ${response.status} from ${config.url}`);
     draw(await response.json());
     showStatus("");
