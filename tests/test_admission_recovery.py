@@ -116,7 +116,7 @@ def run_until(cluster: Cluster, done, limit: int = 200_000) -> int:
             return events
         controller._next_event()
         if controller._handling[0] != "poll":
-            controller.room = controller.admission.room()
+            controller.room = controller.admission.room(controller._last)
     raise AssertionError(f"not done after {limit} events")
 
 
@@ -324,5 +324,5 @@ def test_the_room_refuses_nothing_while_nothing_is_in_flight():
     s.add_instance("a", 1, 8192)
     s.speed.ratio = 1e6  # whatever the estimate says
     admission = Admission(s)
-    assert admission.room() == Room() and not admission.room().refuses(0)
+    assert admission.room(0.0) == Room() and not admission.room(0.0).refuses(0)
     assert admission.refusal(make_request("r", gen_len=32, deadline=10.0), 0.0) is None

@@ -3,7 +3,11 @@ and its way back to the plain prediction when no evidence comes."""
 
 import pytest
 
+from dilaserve.control.admission import Admission
+from dilaserve.control.build import ControlSpec, build_scheduler
 from dilaserve.control.on_time import OnTimeCalibration
+
+from conftest import make_request
 
 
 def finish(calibration, ratios, start=0.0):
@@ -57,3 +61,26 @@ def test_bad_settings_are_refused_by_name(kw):
     name = next(iter(kw))
     with pytest.raises(ValueError, match=name):
         OnTimeCalibration(**kw)
+
+
+def test_admission_counts_on_what_finished_requests_took():
+    """Load in flight that fits a request's SLO by the prediction, but not once finished
+    requests took five times theirs; with no request finishing for long, it fits again."""
+    scheduler = build_scheduler(ControlSpec())
+    scheduler.add_instance("i0", 1, 8192)
+    for k in range(20):
+        scheduler.on_arrival(make_request(f"busy{k}", gen_len=64, deadline=1e6), 0.0)
+    admission = Admission(scheduler)
+    probe = make_request("probe", gen_len=32, deadline=1e6)
+    assert admission.refusal(probe, 0.0) is None
+    needed = admission._predicted  # what the load ahead and its own take, predicted
+    request = make_request("new", gen_len=32, deadline=2 * needed)
+    assert admission.refusal(request, 0.0) is None
+    assert not admission.room(0.0).refuses(0, 2 * needed)
+    finish(admission.on_time, [5.0] * 64)  # (admitted at 0 s, finished at 5 s)
+    late = make_request("late", gen_len=32, deadline=5.0 + 2 * needed)
+    assert admission.refusal(late, 5.0) is not None
+    assert admission.room(5.0).refuses(0, 2 * needed)
+    later = 5.0 + 10 * admission.on_time.half_life
+    again = make_request("again", gen_len=32, deadline=later + 2 * needed)
+    assert admission.refusal(again, later) is None

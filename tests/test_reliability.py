@@ -569,17 +569,17 @@ def test_the_room_between_events_refuses_only_what_admission_would():
     cluster = Cluster(config(control=TIGHT))  # (not started: its control plane is all this needs)
     scheduler, admission = cluster.scheduler, cluster.controller.admission
     scheduler.add_instance("i0", 1, 8192)
-    assert not admission.room().refuses(0)  # nothing in flight
+    assert not admission.room(0.0).refuses(0)  # nothing in flight
     requests = [make_request(f"r{i}", gen_len=256) for i in range(40)]
     for r in requests:  # taken in whatever admission says: far over capacity
         scheduler.on_arrival(r, 0.0)
-    room = admission.room()
+    room = admission.room(0.0)
     assert room.spare < 0 and room.refuses(0)
     assert not room.refuses(1)  # served before everything in flight: asked in full
     assert admission.refusal(make_request("new", gen_len=8), 0.0) is not None
     for r in requests:  # capacity frees (cancelled, as finished or failed)
         scheduler.cancel(r.request_id)
-    assert not admission.room().refuses(0)
+    assert not admission.room(0.0).refuses(0)
 
 
 # -- security: the HTTP surface ---------------------------------------------------------------

@@ -139,7 +139,7 @@ class Controller:
             try:
                 self._next_event()
                 if self._handling[0] != "poll":  # the load or the instances may have changed
-                    self.room = self.admission.room()
+                    self.room = self.admission.room(self._last)
             except Exception as e:  # a controller bug: fail what it concerned, never the rest
                 self._survive(e)
 
@@ -235,6 +235,7 @@ class Controller:
                 self.recording.refused.append(request.fresh())
             return
         handle.admission.set_result(None)
+        self.admission.admitted(request.request_id, now)
         if self.recording is not None:
             self.recording.requests.append(request.fresh())
         self.apply(self.scheduler.on_arrival(request, now), now, f"a{request.request_id}")
@@ -390,9 +391,11 @@ class Controller:
 
     def _finish(self, rid: str, now: float) -> None:
         handle = self.handles.pop(rid, None)
+        self.admission.finished(rid, now)
         if handle is not None:
             self.answers.finish(handle, now)
 
     def fail(self, handle: RequestHandle, error: BaseException) -> None:
         self.handles.pop(handle.request_id, None)
+        self.admission.dropped(handle.request_id)
         self.answers.fail(handle, error)

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dilaserve.control.features import request_states
+from dilaserve.control.on_time import OnTimeCalibration
 from dilaserve.control.thresholds import (
     InstanceLoad,
     LoadView,
@@ -75,7 +76,8 @@ class Room:
     one block); others are asked in full. With nothing in flight it refuses nothing."""
 
     lowest_priority: float = float("inf")  # in flight (+inf: nothing is)
-    throughput: float = float("inf")  # token-steps per second, at the measured speed
+    throughput: float = float("inf")  # token-steps per second, at the measured speed, over
+    # the on-time factor (`on_time.py`): what admission counts on
     load: float = 0.0  # token-steps in flight, at the lowest threshold
     least: float = 0.0  # the least load a request adds
     slo: float = float("inf")  # the server's default SLO, seconds
@@ -95,24 +97,26 @@ class Room:
 
 
 class Admission:
-    def __init__(self, scheduler, mode: str = "reject"):
+    def __init__(self, scheduler, mode: str = "reject", on_time: OnTimeCalibration | None = None):
         if mode not in OVERLOAD_MODES:
             raise ValueError(f"overload mode {mode!r} must be one of {OVERLOAD_MODES}")
         self.scheduler = scheduler  # control.scheduler.Scheduler, read on the controller thread
         self.mode = mode
         self._loads = scheduler.load_control  # None for fixed-threshold policies
+        self.on_time = on_time or OnTimeCalibration()
+        self._predicted = 0.0  # seconds the last request asked about needs (`refusal`)
 
     @property
     def enabled(self) -> bool:
         return self._loads is not None and self._loads.enabled
 
-    def room(self) -> Room:
-        """What is left for a request served after everything in flight (`Room`)."""
+    def room(self, now: float) -> Room:
+        """What is left at `now` for a request served after everything in flight (`Room`)."""
         if not self.enabled or not self.scheduler.instances or not self.scheduler.requests:
             return Room()  # nothing in flight: the next request is admitted (a probe)
         load, tokens, count = self._loads.lowest_load(float("-inf"))
         mean_tokens = tokens / count if count else 0.0
-        throughput = self._loads.throughput(self.scheduler.instances.values(), mean_tokens)
+        throughput = self._throughput(mean_tokens) / self.on_time.factor(now)
         least = self.scheduler.config.costs.block_len  # one step over one block
         return Room(self._loads.lowest_priority(), throughput, load, least, self._slo)
 
@@ -136,15 +140,36 @@ class Admission:
             return impossible
         deadline = request.deadline if request.deadline is not None else now + self._slo
         left = max(deadline - now, 0.0)
+        alone = needed * self.scheduler.speed.slowdown
         if not self.scheduler.requests:  # a probe: priced at the profile, not the estimates
+            self._predicted = alone
             return _too_late(needed, left)
-        ahead = self._loads.lowest_load(request.priority)
-        excess = self._excess(ahead, request, steps, left)
-        if excess > 0:
+        load, tokens, count = self._loads.lowest_load(request.priority)
+        load += self._load([request], [steps])
+        queued = load / self._throughput((tokens + request.num_tokens) / (count + 1))
+        self._predicted = max(queued, alone)
+        factor = self.on_time.factor(now)
+        if queued * factor > left:
             return Refusal(
-                f"over capacity: the load in flight exceeds it by {excess:.0f} token-steps"
+                f"over capacity: the load in flight and its own take {queued:.2f} s "
+                f"(x{factor:.2f} to be on time {self.on_time.target:.0%} of the time), and "
+                f"{left:.2f} s are left"
             )
-        return _too_late(needed * self.scheduler.speed.slowdown, left)
+        return _too_late(alone * factor, left)
+
+    def admitted(self, request_id: str, now: float) -> None:
+        """The request last asked about was admitted: its predicted time is on record for
+        the on-time calibration (`finished`)."""
+        if self.enabled:
+            self.on_time.admitted(request_id, self._predicted, now)
+
+    def finished(self, request_id: str, now: float) -> None:
+        """A request admitted here finished at `now`: it teaches the on-time calibration."""
+        self.on_time.finished_at(request_id, now)
+
+    def dropped(self, request_id: str) -> None:
+        """A request admitted here ended without finishing (cancelled, failed)."""
+        self.on_time.forget(request_id)
 
     def _impossible(self, request: Request, needed: float, submitted: float | None):
         """A `Refusal` naming the SLO when `needed` (seconds, alone on the fastest instance at
@@ -165,16 +190,6 @@ class Admission:
     @property
     def _slo(self) -> float:
         return self.scheduler.config.slo
-
-    def _excess(
-        self, ahead: tuple[float, float, int], request: Request, steps: float, window: float
-    ) -> float:
-        """How far the load of `request` (`steps` left at the lowest threshold) and of every
-        request served before it (`ahead`: their load at the lowest threshold, tokens and
-        number) exceeds the cluster's capacity over `window` seconds (<= 0: it fits)."""
-        load, tokens, count = ahead
-        mean_tokens = (tokens + request.num_tokens) / (count + 1)
-        return load + self._load([request], [steps]) - self._capacity(mean_tokens, window)
 
     def _fastest_seconds(self, request: Request, threshold: float, steps: float) -> float:
         """Seconds `request` needs alone on the fastest instance, at the profile's speed."""
@@ -214,10 +229,10 @@ class Admission:
         )
         return float(loads.sum())
 
-    def _capacity(self, mean_tokens: float, window: float) -> float:
-        """Load control's cluster capacity over `window` seconds, for requests of
+    def _throughput(self, mean_tokens: float) -> float:
+        """Load control's cluster throughput (token-steps per second) for requests of
         `mean_tokens`, at the measured speed."""
-        return self._loads.throughput(self.scheduler.instances.values(), mean_tokens) * window
+        return self._loads.throughput(self.scheduler.instances.values(), mean_tokens)
 
 
 def _too_late(needed: float, left: float) -> Refusal | None:

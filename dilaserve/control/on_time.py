@@ -28,7 +28,7 @@ from collections import deque
 import numpy as np
 
 ON_TIME_TARGET = 0.95  # the share of admitted requests meant to finish within their SLO
-WINDOW = 256  # finished requests whose ratios are kept (the latest)
+WINDOW = 64  # finished requests whose ratios are kept (the latest): a few seconds at load
 MIN_EVIDENCE = 16  # ratios needed before the quantile is used (a few say little)
 HALF_LIFE = 10.0  # seconds without a finished request for the factor to halve toward 1
 MAX_PENDING = 100_000  # predictions kept for requests in flight (a backstop)

@@ -34,8 +34,8 @@ from dilaserve.trajectory import load_trajectories
 
 
 class AdmittingScheduler:
-    """A scheduler behind the cluster's admission control: `on_arrival` asks `Admission` first;
-    everything else is the scheduler's."""
+    """A scheduler behind the cluster's admission control: `on_arrival` asks `Admission` first,
+    and finished requests teach its on-time calibration; everything else is the scheduler's."""
 
     def __init__(self, scheduler, overload: str = "reject"):
         self.scheduler = scheduler
@@ -52,7 +52,21 @@ class AdmittingScheduler:
             return Decisions()
         if refusal is not None:
             request.priority = LOWEST_PRIORITY
-        return self.scheduler.on_arrival(request, now)
+        self.admission.admitted(request.request_id, now)
+        return self._learn(self.scheduler.on_arrival(request, now), now)
+
+    def on_step_done(self, instance_id: str, output, now: float) -> Decisions:
+        return self._learn(self.scheduler.on_step_done(instance_id, output, now), now)
+
+    def on_tick(self, now: float) -> Decisions:
+        return self._learn(self.scheduler.on_tick(now), now)
+
+    def _learn(self, decisions: Decisions, now: float) -> Decisions:
+        """The requests that `decisions` finish teach admission's on-time calibration, as the
+        cluster's controller does."""
+        for rid in decisions.finished:
+            self.admission.finished(rid, now)
+        return decisions
 
 
 def predict(
