@@ -146,6 +146,8 @@ class _Cluster:
 
     step_slowdown = 1.0
     step_slowdown_stale_seconds = 0.0
+    on_time_factor = 1.0
+    on_time = SimpleNamespace(finished=0, late=0)
 
     def __init__(self):
         self.config = SimpleNamespace(

@@ -257,6 +257,8 @@ def test_metrics_expose_outcomes_thresholds_instances_and_steps(live):
         "dilaserve_step_threshold_bucket",
         "dilaserve_queue_length",
         "dilaserve_slo_attainment",
+        "dilaserve_admission_on_time_factor",
+        "dilaserve_admission_on_time_measured_total 1.0",
         "dilaserve_migrations_total",
         "dilaserve_reconfigurations_total",
         "dilaserve_generated_tokens_total",
@@ -269,6 +271,8 @@ class _RefusingCluster:
 
     step_slowdown = 1.0
     step_slowdown_stale_seconds = 0.0
+    on_time_factor = 1.0
+    on_time = SimpleNamespace(finished=0, late=0)
 
     def __init__(self, error):
         self.error = error

@@ -186,6 +186,16 @@ class Cluster:
         return self.scheduler.speed.stale_seconds()
 
     @property
+    def on_time(self):
+        """Admission's on-time calibration (`control/on_time.py`)."""
+        return self.controller.admission.on_time
+
+    @property
+    def on_time_factor(self) -> float:
+        """How many times its predicted time admission allows a request now (>= 1)."""
+        return self.on_time.factor(self.now())
+
+    @property
     def step_time_ratio(self) -> float:
         """Steps' measured time over the profile's, each summed over every step so far."""
         return self.scheduler.speed.run_ratio

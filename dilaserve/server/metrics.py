@@ -153,6 +153,22 @@ class _ClusterCollector:
         yield _gauge("dilaserve_step_slowdown", slowdown, c.step_slowdown)
         stale = "Seconds the step slowdown has been decaying for want of steps (0: current)"
         yield _gauge("dilaserve_step_slowdown_stale_seconds", stale, c.step_slowdown_stale_seconds)
+        factor = (
+            "Admission's on-time factor: how many times its predicted time a request is allowed "
+            "(the on-time target's quantile of finished requests' taken over predicted time; "
+            "decays toward 1 while none finishes)"
+        )
+        yield _gauge("dilaserve_admission_on_time_factor", factor, c.on_time_factor)
+        yield CounterMetricFamily(
+            "dilaserve_admission_on_time_measured",
+            "Admitted requests whose time admission's on-time calibration measured",
+            value=c.on_time.finished,
+        )
+        yield CounterMetricFamily(
+            "dilaserve_admission_on_time_late",
+            "Of those, requests that took longer than predicted times the factor then in force",
+            value=c.on_time.late,
+        )
         degraded = "1 while /health says degraded (lost capacity, or admission refusing all)"
         yield _gauge("dilaserve_degraded", degraded, float(c.health() == "degraded"))
         instances = GaugeMetricFamily(
