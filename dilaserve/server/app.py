@@ -31,6 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
@@ -43,15 +44,18 @@ from dilaserve.cluster.requests import (
 )
 from dilaserve.cluster.runtime import Cluster
 from dilaserve.server.dashboard import add_dashboard, challenge, is_authorised, page_meta
-from dilaserve.server.guards import Guards, error_body, received
+from dilaserve.server.guards import OPEN_PATHS, Guards, error_body, received
+from dilaserve.server.limits import HttpLimits
 from dilaserve.server.metrics import ServerMetrics
-from dilaserve.server.schemas import ChatCompletionRequest, CompletionRequest
+from dilaserve.server.schemas import MAX_MESSAGES, ChatCompletionRequest, CompletionRequest
 from dilaserve.server.shapes import ChatShape, CompletionShape, sse, token_usage
 
 log = logging.getLogger("dilaserve.server")
 
 
 MAX_BODY_BYTES = 1 << 20  # default request body limit: 1 MiB (a 128k-token prompt as text)
+MAX_CONNECTIONS = 1024  # default cap on open connections (more are answered 503)
+INLINE_BODY_BYTES = 64 * 1024  # larger bodies are parsed and validated off the event loop
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,9 @@ class ServerSettings:
     api_key: str | None = None  # clients must send it as a bearer token (all but probes)
     log_interval: float = 10.0  # seconds between the log's activity lines (0: none)
     max_body_bytes: int = MAX_BODY_BYTES  # larger request bodies get 413 before being read
+    max_messages: int = MAX_MESSAGES  # a chat with more gets 400 naming `messages`
+    max_connections: int = MAX_CONNECTIONS  # open connections; requests over it get 503
+    http: HttpLimits = HttpLimits()  # a request's head size and read timeouts (`limits.py`)
     allowed_hosts: tuple[str, ...] = ("*",)  # Host header names answered ("*": any)
     docs: bool = False  # serve /docs and /openapi.json
     calibration: dict | None = None  # what the control plane's inputs are (GET /v1/models)
@@ -70,8 +77,9 @@ class ServerSettings:
     def __post_init__(self):
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("the API key is empty (leave it unset to serve without a key)")
-        if self.max_body_bytes <= 0:
-            raise ValueError(f"{self.max_body_bytes=} must be positive")
+        for name in ("max_body_bytes", "max_messages", "max_connections"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive")
 
 
 def error(
@@ -125,15 +133,22 @@ def create_app(
     if settings.api_key is not None:
         _require_api_key(app, settings.api_key)
     app.add_middleware(
-        Guards, max_body_bytes=settings.max_body_bytes, allowed_hosts=settings.allowed_hosts
+        Guards,
+        max_body_bytes=settings.max_body_bytes,
+        allowed_hosts=settings.allowed_hosts,
+        cluster=cluster,
+        retry_after=settings.retry_after,
+        api_key=settings.api_key,
     )
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    async def completions(request: Request):
+        body = await api.parse(request, CompletionRequest)
         return await api.guarded(api.generate(request, body, body.prompt, body.max_tokens, False))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    async def chat_completions(request: Request):
+        body = await api.parse(request, ChatCompletionRequest)
         return await api.guarded(api.chat(request, body))
 
     @app.get("/v1/models")
@@ -155,6 +170,13 @@ def create_app(
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _validated(schema: type[BaseModel], raw: bytes, max_messages: int):
+    try:
+        return schema.model_validate_json(raw, context={"max_messages": max_messages})
+    except ValidationError as e:
+        raise RequestValidationError(e.errors(include_url=False)) from None
 
 
 def _describe_calibration(calibration: dict | None) -> str:
@@ -180,9 +202,6 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
         return error(exc.status_code, str(exc.detail))
-
-
-OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers need no key
 
 
 def _require_api_key(app: FastAPI, key: str) -> None:
@@ -220,6 +239,15 @@ class _Api:
         self.settings = settings
         self.metrics = metrics
 
+    async def parse(self, request: Request, schema: type[BaseModel]):
+        """The request's body as `schema`, or RequestValidationError (the 400 naming the field).
+        A large body is parsed and validated off the event loop, so that it holds up no other
+        request; a chat over `max_messages` is refused before its messages are validated."""
+        raw = await request.body()
+        if len(raw) <= INLINE_BODY_BYTES:
+            return _validated(schema, raw, self.settings.max_messages)
+        return await run_in_threadpool(_validated, schema, raw, self.settings.max_messages)
+
     async def guarded(self, answer):
         """The answer, or, if handling the request raised, a 500 in OpenAI's shape for it alone
         (the connection stays open for the client's other requests)."""
@@ -256,6 +284,8 @@ class _Api:
             slo = body.deadline - arrived_unix
             if slo <= 0:
                 return error(400, f"deadline={body.deadline} has passed", "deadline")
+        if not self.cluster.accepting:  # draining: 503 wins over 429
+            return self._not_taken(Closed("the cluster is not accepting requests"))
         if self.cluster.is_full(body.priority):  # refused at once, before any work
             return self._not_taken(Overloaded(FULL))
         try:  # tokenizing is off the event loop: a long prompt holds up no other request
