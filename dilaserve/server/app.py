@@ -22,6 +22,7 @@ in flight finish (up to `drain_timeout` seconds), then stops the instances.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 from contextlib import asynccontextmanager
@@ -34,6 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from dilaserve.cluster.requests import (
     FULL,
@@ -173,8 +175,14 @@ def create_app(
 
 
 def _validated(schema: type[BaseModel], raw: bytes, max_messages: int):
+    """`raw` as `schema` (json's parser, not pydantic's: that one refuses a lone surrogate as
+    invalid JSON, where the 400 should name the field holding it)."""
     try:
-        return schema.model_validate_json(raw, context={"max_messages": max_messages})
+        data = json.loads(raw)
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested past the stack
+        raise RequestValidationError([{"type": "json_invalid", "loc": (), "msg": ""}]) from None
+    try:
+        return schema.model_validate(data, context={"max_messages": max_messages})
     except ValidationError as e:
         raise RequestValidationError(e.errors(include_url=False)) from None
 
@@ -243,7 +251,10 @@ class _Api:
         """The request's body as `schema`, or RequestValidationError (the 400 naming the field).
         A large body is parsed and validated off the event loop, so that it holds up no other
         request; a chat over `max_messages` is refused before its messages are validated."""
-        raw = await request.body()
+        try:
+            raw = await request.body()
+        except ClientDisconnect:  # gone, or over the size limit (Guards sent the 413)
+            raise HTTPException(400, "the client left before sending the whole body") from None
         if len(raw) <= INLINE_BODY_BYTES:
             return _validated(schema, raw, self.settings.max_messages)
         return await run_in_threadpool(_validated, schema, raw, self.settings.max_messages)

@@ -123,6 +123,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._timer = None
         if self.transport.is_closing():
             return
+        if not self._in_head and self.flow.read_paused:  # the app, not the client, is slow
+            self._arm(self.limits.body_timeout)
+            return
         cycle = self.cycle
         if not self._in_head and cycle is not None and cycle.response_started:
             self.transport.close()  # answered already (before the body came): just close
