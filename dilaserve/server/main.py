@@ -21,6 +21,7 @@ connections (uvicorn's `limit_concurrency`: 503 over it), body size and early re
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import socket
@@ -38,7 +39,11 @@ from dilaserve.server.metrics import ServerMetrics
 
 log = logging.getLogger("dilaserve.server")
 EXIT_SECONDS = 1.0  # after the drain timeout, the longest the process takes to exit
-SHUTDOWN_SECONDS = 0.4  # of which uvicorn's shutdown: the last answers go out, sockets close
+LAST_WORD_SECONDS = 0.1  # after the listener closes, for requests already sent to get a 503
+GRACEFUL_SECONDS = 0.3  # uvicorn's wait for the last answers to go out
+# of EXIT_SECONDS, uvicorn's shutdown's: its loop's tick (0.1 s), LAST_WORD_SECONDS, its own
+# pause (0.1 s) and GRACEFUL_SECONDS, with a margin for the interpreter's exit
+SHUTDOWN_SECONDS = 0.1 + LAST_WORD_SECONDS + 0.1 + GRACEFUL_SECONDS + 0.1
 CLOSE_JOIN_SECONDS = 0.2  # the controller thread's to stop before what is left is failed
 # Idle keep-alive connections are closed after this (uvicorn's default is 5 s). A client that
 # reuses one just as the server closes it loses that request (a read error), so the server
@@ -102,6 +107,14 @@ class DrainingServer(uvicorn.Server):
                 describe_cluster(self.cluster.config),
             )
 
+    async def shutdown(self, sockets=None) -> None:
+        """uvicorn's, but a request sent on an open connection before the listener closed is
+        answered (503: draining) rather than dropped with its connection."""
+        for server in self.servers:
+            server.close()
+        await asyncio.sleep(LAST_WORD_SECONDS)
+        await super().shutdown(sockets)
+
     def handle_exit(self, sig, frame) -> None:
         if self._draining is not None or not self.started:
             return super().handle_exit(sig, frame)  # a second signal, or still starting: now
@@ -141,7 +154,7 @@ def server_config(app, settings: ServerSettings, **options) -> uvicorn.Config:
             "http": limited_protocol(settings.http),
             "ws": "none",
             "limit_concurrency": settings.max_connections,
-            "timeout_graceful_shutdown": SHUTDOWN_SECONDS,
+            "timeout_graceful_shutdown": GRACEFUL_SECONDS,
             "timeout_keep_alive": KEEP_ALIVE_SECONDS,
             **options,
         },
