@@ -5,11 +5,14 @@ chat template), `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus), `G
 (a live page, `server/dashboard.py`). With
 `stream: true` a response is Server-Sent Events whose deltas are committed text only, in order:
 text goes out once it and everything before it is committed. `usage` counts generated tokens
-only. Errors have OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`): 400
-naming the bad field, 413 (a body over the limit), 404 (an unknown model), 429 (over capacity:
-`control/admission.py`) and 503 (shutting down, or no instance left) with Retry-After. One
-bad request never touches another: validation happens before the request reaches the cluster,
-and a failed request (whatever it raised) fails alone. A client that disconnects, streaming
+only (of the text returned). Errors have OpenAI's shape (`{"error": {"message", "type",
+"param", "code"}}`): 400 naming the bad field, 413 (a body over the limit), 404 (an unknown
+model), 429 (over capacity: `control/admission.py`) and 503 (shutting down, or no instance
+left) with Retry-After; what the front refuses before any handler runs (Host, draining,
+capacity, body size) is `guards.py`'s, and what uvicorn's protocol refuses (request heads, slow
+clients) `limits.py`'s. One bad request never touches another: validation happens before the
+request reaches the cluster (a large body's off the event loop), and a failed request
+(whatever it raised) fails alone. A client that disconnects, streaming
 or not, has its request cancelled. With an API key set, `/v1/` endpoints answer only requests
 carrying `Authorization: Bearer KEY` (401 otherwise; the dashboard also takes KEY as a Basic
 password, so that a browser can ask for it); `/health` and `/metrics` stay open to probes and
