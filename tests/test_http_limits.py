@@ -2,11 +2,14 @@
 refusals before the body is read, a chat's message cap, strict fields, and the drain's 503s
 (`guards.py`, `main.py`), against a real cluster of the bundled model served by uvicorn."""
 
+import asyncio
+import json
 import logging
 import signal
 import socket
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -15,6 +18,7 @@ import uvicorn
 from dilaserve.cluster.runtime import ClusterConfig
 from dilaserve.cluster.worker import WorkerConfig
 from dilaserve.server.app import ServerSettings
+from dilaserve.server.guards import Guards
 from dilaserve.server.limits import HttpLimits
 from dilaserve.server.main import DrainingServer, build_app, server_config
 from dilaserve.tasks import arith
@@ -110,6 +114,14 @@ def test_a_head_within_the_limit_is_served(live):
     assert r.status_code == 200
 
 
+def test_a_body_sent_with_its_head_counts_only_after_the_head(live):
+    body = json.dumps({"model": MODEL, "prompt": "7" * 60_000}).encode()  # past the context
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n"
+    head += b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+    answer = raw_exchange(live.port, head + body)  # one write, many times the head limit
+    assert answer.startswith(b"HTTP/1.1 400") and b'"param":"prompt"' in answer
+
+
 def test_a_slow_head_is_answered_408_and_its_connection_closed(live):
     answer = raw_exchange(live.port, b"GET /health HTTP/1.1\r\nHost: localhost\r\n")
     assert answer.startswith(b"HTTP/1.1 408")  # (raw_exchange returned: the server closed it)
@@ -142,6 +154,26 @@ def test_a_room_full_at_the_default_priority_refuses_only_requests_that_name_non
     refused = post(live, "/v1/completions", body)
     assert refused.status_code == 429 and refused.json()["error"]["type"] == "rate_limit_error"
     assert post(live, "/v1/completions", {**body, "priority": 5}).status_code == 200
+
+
+async def _api(scope, receive, send):
+    """Stands for the API behind the guards (which would answer 401 to a wrong key)."""
+    await send({"type": "http.response.start", "status": 204, "headers": []})
+    await send({"type": "http.response.body", "body": b""})
+
+
+def test_only_a_client_with_the_key_is_refused_before_the_api():
+    cluster = SimpleNamespace(accepting=True, is_full=lambda priority: True)
+    guards = Guards(_api, 1 << 20, cluster=cluster, api_key="sekret")
+
+    async def status(key: str) -> int:
+        transport = httpx.ASGITransport(app=guards)
+        async with httpx.AsyncClient(transport=transport, base_url="http://x") as client:
+            headers = {"Authorization": f"Bearer {key}"}
+            return (await client.post("/v1/completions", json={}, headers=headers)).status_code
+
+    assert asyncio.run(status("sekret")) == 429
+    assert asyncio.run(status("wrong")) == 204  # the API's to answer (401)
 
 
 # -- fields -----------------------------------------------------------------------------------

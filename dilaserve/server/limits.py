@@ -123,25 +123,36 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._timer = None
         if self.transport.is_closing():
             return
-        if not self._in_head and self.flow.read_paused:  # the app, not the client, is slow
-            self._arm(self.limits.body_timeout)
-            return
-        cycle = self.cycle
-        if not self._in_head and cycle is not None and cycle.response_started:
-            self.transport.close()  # answered already (before the body came): just close
-            return
         part = "head" if self._in_head else "body"
         seconds = self.limits.header_timeout if self._in_head else self.limits.body_timeout
+        if self._is_waiting_for_us():
+            self._arm(seconds)
+            return
         self._answer_and_close(408, f"the request's {part} did not arrive within {seconds:g} s")
+
+    def _is_waiting_for_us(self) -> bool:
+        """Is the server, not the client, why the request is unfinished? Its body is not read
+        because the app has not read what came (flow control paused reading), or its head is
+        a pipelined request's, sent while the previous one is still being answered."""
+        if not self._in_head:
+            return self.flow.read_paused
+        return self.cycle is not None and not self.cycle.response_complete
 
     def _too_long(self) -> str:
         return f"the request's head exceeds {self.limits.max_header_bytes} bytes"
 
     def _answer_and_close(self, status: int, message: str) -> None:
         self._disarm()
-        if self.cycle is not None and not self.cycle.response_complete:
-            self.cycle.disconnected = True  # the app, if it runs, hears the client has gone
-            self.cycle.message_event.set()
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True  # the app, if it runs, hears the client has gone
+            cycle.message_event.set()
+        if cycle is not None and cycle.response_started and not cycle.response_complete:
+            self.transport.close()  # mid-answer: a status line now would corrupt it
+            return
+        if cycle is not None and cycle.response_complete and not self._in_head:
+            self.transport.close()  # answered already (before the body came): just close
+            return
         body = message.encode()
         head = [
             b"HTTP/1.1 %d %s\r\n" % (status, STATUS_TEXT[status]),
