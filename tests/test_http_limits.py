@@ -134,6 +134,28 @@ def test_an_under_sent_body_is_answered_408_and_its_connection_closed(live):
     assert httpx.get(f"{live.url}/health", timeout=HANG_GUARD).status_code == 200
 
 
+def test_connections_over_the_limit_get_a_503_with_retry_after():
+    port = free_port()
+    config = server_config(_api, ServerSettings(MODEL, max_connections=2), port=port)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started)
+    try:
+        with (
+            socket.create_connection(("127.0.0.1", port)),
+            socket.create_connection(("127.0.0.1", port)),
+        ):  # two idle connections: the limit
+            answer = raw_exchange(port, b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in answer
+        assert b"connection: close" in answer and b'"service_unavailable"' in answer
+        answer = raw_exchange(port, b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 204")  # under the limit again
+    finally:
+        server.should_exit = True
+        thread.join(HANG_GUARD)
+
+
 # -- refusing before the body -----------------------------------------------------------------
 
 

@@ -75,15 +75,15 @@ class Guards:
         headers = dict(scope.get("headers") or ())
         send = self._closing_while_draining(send)
         if not self._host_allowed(headers.get(b"host", b"").decode("latin-1")):
-            return await _respond(send, 400, "the Host header names no host this server serves")
+            return await respond(send, 400, "the Host header names no host this server serves")
         if self._draining() and scope["path"] not in OPEN_PATHS:
-            return await _respond(send, 503, SHUTTING_DOWN, CLOSED_RETRY_AFTER)
+            return await respond(send, 503, SHUTTING_DOWN, CLOSED_RETRY_AFTER)
         early = self._may_refuse_early(scope, headers)
         if early and self.cluster.is_full(PRIORITIES[1]):  # whatever the priority: unread
-            return await _respond(send, 429, FULL, self.retry_after)
+            return await respond(send, 429, FULL, self.retry_after)
         declared = headers.get(b"content-length", b"0")
         if not declared.isdigit() or int(declared) > self.max_body_bytes:
-            return await _respond(send, 413, self._too_large())
+            return await respond(send, 413, self._too_large())
         limited = _LimitedBody(receive, send, self)
         receive = limited.receive
         if early and self.cluster.is_full(0):
@@ -91,7 +91,7 @@ class Guards:
             if body is None:  # too large (413 sent) or the client left
                 return None
             if b'"priority"' not in body:  # the default priority, which the room refuses
-                return await _respond(send, 429, FULL, self.retry_after)
+                return await respond(send, 429, FULL, self.retry_after)
             receive = limited.replay(body)
         await self.app(scope, receive, limited.send)
 
@@ -144,7 +144,7 @@ class _LimitedBody:
         self.size += len(message.get("body", b""))
         if self.size > self.guards.max_body_bytes:
             self.refused = True
-            await _respond(self._send, 413, self.guards._too_large())
+            await respond(self._send, 413, self.guards._too_large())
             return {"type": "http.disconnect"}  # the app stops reading
         return message
 
@@ -177,9 +177,13 @@ class _LimitedBody:
         return replayed
 
 
-async def _respond(send, status: int, message: str, retry_after: int | None = None) -> None:
+async def respond(
+    send, status: int, message: str, retry_after: int | None = None, headers=()
+) -> None:
+    """An error in OpenAI's shape, from ASGI (`headers`: more headers)."""
     body = json.dumps(error_body(status, message)).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    length = (b"content-length", str(len(body)).encode())
+    headers = [(b"content-type", b"application/json"), length, *headers]
     if retry_after is not None:
         headers.append((b"retry-after", str(retry_after).encode()))
     await send({"type": "http.response.start", "status": status, "headers": headers})

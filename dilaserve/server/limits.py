@@ -14,8 +14,11 @@ request: docs/serving.md) and adds:
 - a body that stops arriving for `body_timeout` seconds likewise (without the 408 when the app
   has already answered, e.g. a refusal sent before the body was read).
 
-What the app refuses (body size, capacity, draining) is `guards.py`'s; the number of open
-connections is uvicorn's `limit_concurrency`.
+- over `max_connections` open connections (uvicorn's `limit_concurrency`, passed on), or as
+  many requests running, a request is answered 503 with Retry-After and `Connection: close`
+  in OpenAI's shape (uvicorn's own answer is plain text, and logs a warning per request).
+
+What the app refuses (body size, capacity, draining) is `guards.py`'s.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import sys
 from dataclasses import dataclass
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from dilaserve.server.guards import respond
 
 STATUS_TEXT = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
@@ -61,6 +66,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        # uvicorn's own check answers plain text and logs a warning per request: ours instead
+        self.max_connections, self.limit_concurrency = self.limit_concurrency, None
         self._timer = None
         self._begin_head()
 
@@ -89,7 +96,18 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._arm(self.limits.body_timeout)
-        super().on_headers_complete()
+        if not self._is_over_capacity():
+            return super().on_headers_complete()
+        app, self.app = self.app, too_many_connections
+        try:
+            super().on_headers_complete()  # (the request's cycle, answered by that app)
+        finally:
+            self.app = app
+
+    def _is_over_capacity(self) -> bool:
+        """As uvicorn's `limit_concurrency`: too many connections open, or requests running."""
+        limit = self.max_connections
+        return limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit)
 
     def on_body(self, body: bytes) -> None:
         self._arm(self.limits.body_timeout)
@@ -162,6 +180,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         ]
         self.transport.write(b"".join(head) + body)
         self.transport.close()
+
+
+async def too_many_connections(scope, receive, send) -> None:
+    """The answer over `max_connections`: 503 in OpenAI's shape, with Retry-After, closing."""
+    message = "the server holds as many connections as it takes; retry later"
+    await respond(send, 503, message, retry_after=1, headers=[(b"connection", b"close")])
 
 
 def _refused_by_callback() -> _Refused | None:
