@@ -146,12 +146,12 @@ def create_app(
         api_key=settings.api_key,
     )
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body_docs(CompletionRequest))
     async def completions(request: Request):
         body = await api.parse(request, CompletionRequest)
         return await api.guarded(api.generate(request, body, body.prompt, body.max_tokens, False))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body_docs(ChatCompletionRequest))
     async def chat_completions(request: Request):
         body = await api.parse(request, ChatCompletionRequest)
         return await api.guarded(api.chat(request, body))
@@ -175,6 +175,23 @@ def create_app(
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _body_docs(schema: type[BaseModel]) -> dict:
+    """The OpenAPI description of a body the handler parses itself (`_Api.parse`)."""
+    described = schema.model_json_schema()
+    definitions = described.pop("$defs", {})
+
+    def inline(node):
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return inline(definitions[ref.removeprefix("#/$defs/")])
+            return {key: inline(value) for key, value in node.items()}
+        return [inline(item) for item in node] if isinstance(node, list) else node
+
+    content = {"application/json": {"schema": inline(described)}}
+    return {"requestBody": {"required": True, "content": content}}
 
 
 def _validated(schema: type[BaseModel], raw: bytes, max_messages: int):

@@ -12,8 +12,7 @@ request: docs/serving.md) and adds:
 - a head not complete `header_timeout` seconds after it began (or after the connection opened)
   is answered 408 and the connection closed;
 - a body that stops arriving for `body_timeout` seconds likewise (without the 408 when the app
-  has already answered, e.g. a refusal sent before the body was read).
-
+  has already answered, e.g. a refusal sent before the body was read);
 - over `max_connections` open connections (uvicorn's `limit_concurrency`, passed on), or as
   many requests running, a request is answered 503 with Retry-After and `Connection: close`
   in OpenAI's shape (uvicorn's own answer is plain text, and logs a warning per request).
@@ -60,7 +59,7 @@ def limited_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
 
 
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol, with the head and timeout limits of `HttpLimits`."""
+    """uvicorn's httptools protocol, with the limits of `HttpLimits` and `max_connections`."""
 
     limits = HttpLimits()
 
