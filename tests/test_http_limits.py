@@ -173,8 +173,10 @@ def test_a_room_full_at_the_default_priority_refuses_only_requests_that_name_non
 ):
     monkeypatch.setattr(live.cluster, "is_full", lambda priority: priority <= 0)
     body = {"prompt": QUESTIONS[0], "max_tokens": 64}
+    before = rejected(live)
     refused = post(live, "/v1/completions", body)
     assert refused.status_code == 429 and refused.json()["error"]["type"] == "rate_limit_error"
+    assert rejected(live) == before + 1  # counted, as the API's refusals are
     assert post(live, "/v1/completions", {**body, "priority": 5}).status_code == 200
 
 
@@ -196,6 +198,15 @@ def test_only_a_client_with_the_key_is_refused_before_the_api():
 
     assert asyncio.run(status("sekret")) == 429
     assert asyncio.run(status("wrong")) == 204  # the API's to answer (401)
+
+
+def rejected(live) -> float:
+    """The server's count of refused requests (`/metrics`)."""
+    lines = httpx.get(f"{live.url}/metrics", timeout=HANG_GUARD).text.splitlines()
+    line = next(
+        (x for x in lines if x.startswith('dilaserve_requests_total{outcome="rejected"}')), ""
+    )
+    return float(line.split()[-1]) if line else 0.0
 
 
 # -- fields -----------------------------------------------------------------------------------

@@ -144,6 +144,7 @@ def create_app(
         cluster=cluster,
         retry_after=settings.retry_after,
         api_key=settings.api_key,
+        on_refusal=metrics.rejected,
     )
 
     @app.post("/v1/completions", openapi_extra=_body_docs(CompletionRequest))

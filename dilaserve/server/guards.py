@@ -50,7 +50,8 @@ class Guards:
     """ASGI middleware: stamps the arrival time, checks the Host header, refuses while draining
     or full, and checks the body size. `cluster` (`accepting`, `is_full(priority)`): None
     refuses nothing for draining or capacity; `api_key`: only requests carrying it are refused
-    early for capacity (the others get the API's 401)."""
+    early for capacity (the others get the API's 401); `on_refusal()`: counts those refusals
+    (the server's metrics, as the API's own)."""
 
     def __init__(
         self,
@@ -60,6 +61,7 @@ class Guards:
         cluster=None,
         retry_after: int = 1,
         api_key: str | None = None,
+        on_refusal=lambda: None,
     ):
         self.app = app
         self.max_body_bytes = max_body_bytes
@@ -67,6 +69,7 @@ class Guards:
         self.cluster = cluster
         self.retry_after = retry_after
         self.bearer = None if api_key is None else f"Bearer {api_key}".encode()
+        self.on_refusal = on_refusal  # told of each request refused for draining or capacity
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -77,9 +80,11 @@ class Guards:
         if not self._host_allowed(headers.get(b"host", b"").decode("latin-1")):
             return await respond(send, 400, "the Host header names no host this server serves")
         if self._draining() and scope["path"] not in OPEN_PATHS:
+            self.on_refusal()
             return await respond(send, 503, SHUTTING_DOWN, CLOSED_RETRY_AFTER)
         early = self._may_refuse_early(scope, headers)
         if early and self.cluster.is_full(PRIORITIES[1]):  # whatever the priority: unread
+            self.on_refusal()
             return await respond(send, 429, FULL, self.retry_after)
         declared = headers.get(b"content-length", b"0")
         if not declared.isdigit() or int(declared) > self.max_body_bytes:
@@ -91,6 +96,7 @@ class Guards:
             if body is None:  # too large (413 sent) or the client left
                 return None
             if b'"priority"' not in body:  # the default priority, which the room refuses
+                self.on_refusal()
                 return await respond(send, 429, FULL, self.retry_after)
             receive = limited.replay(body)
         await self.app(scope, receive, limited.send)
