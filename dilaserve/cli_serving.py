@@ -99,6 +99,7 @@ def _add_run_trace_command(sub) -> None:
 def cmd_serve(args) -> None:
     import logging
 
+    from dilaserve.server.limits import HttpLimits
     from dilaserve.server.main import bind, serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -116,6 +117,11 @@ def cmd_serve(args) -> None:
         max_body_bytes=args.max_body_bytes,
         allowed_hosts=tuple(args.allowed_host) or None,
         docs=args.docs,
+        max_messages=args.max_messages,
+        max_connections=args.max_connections,
+        http=HttpLimits(
+            args.max_header_bytes, args.max_headers, args.header_timeout, args.body_timeout
+        ),
     )
 
 
@@ -139,6 +145,7 @@ def _add_serve_command(sub) -> None:
         default=1 << 20,
         help="larger request bodies are refused (413) before they are read",
     )
+    _add_http_limits(sv)
     sv.add_argument(
         "--allowed-host",
         action="append",
@@ -154,6 +161,49 @@ def _add_serve_command(sub) -> None:
         help="seconds between log lines of what the server did (0: none)",
     )
     sv.set_defaults(func=cmd_serve)
+
+
+def _add_http_limits(parser) -> None:
+    """`serve`'s limits on what a client may send or hold (docs/serving.md, "Limits")."""
+    from dilaserve.server.app import MAX_CONNECTIONS
+    from dilaserve.server.limits import HttpLimits
+    from dilaserve.server.schemas import MAX_MESSAGES
+
+    http = HttpLimits()
+    limits = parser.add_argument_group("HTTP limits")
+    limits.add_argument(
+        "--max-messages",
+        type=int,
+        default=MAX_MESSAGES,
+        help="a chat with more messages is refused (400) before they are validated",
+    )
+    limits.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=http.max_header_bytes,
+        help="a request line and headers longer than this are refused (431)",
+    )
+    limits.add_argument(
+        "--max-headers", type=int, default=http.max_headers, help="more header fields: 431"
+    )
+    limits.add_argument(
+        "--header-timeout",
+        type=float,
+        default=http.header_timeout,
+        help="seconds a client has to send a request's head (then 408, connection closed)",
+    )
+    limits.add_argument(
+        "--body-timeout",
+        type=float,
+        default=http.body_timeout,
+        help="seconds a request's body may pause (then 408, connection closed)",
+    )
+    limits.add_argument(
+        "--max-connections",
+        type=int,
+        default=MAX_CONNECTIONS,
+        help="open connections the server holds; requests over it get 503",
+    )
 
 
 def _add_api_key(parser, meaning: str) -> None:

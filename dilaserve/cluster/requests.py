@@ -63,8 +63,9 @@ class RequestResult:
     def of(
         cls, handle: RequestHandle, ids: list[int], text: str, stopped: bool, now: float
     ) -> RequestResult:
-        """A finished request's answer: `ids` its generated tokens, `text` the answer (their
-        text before any stop string), `stopped` whether a stop string came."""
+        """A finished request's answer: `ids` its tokens (those of `text` when a stop string
+        cut it), `text` the answer (their text before any stop string), `stopped` whether a
+        stop string came."""
         r = handle.request
         first = None if r.first_block_time is None else r.first_block_time - handle.submitted
         return cls(
@@ -84,6 +85,19 @@ def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
     """`text` before the first occurrence of any of the `stop` strings, and whether one occurs."""
     cut = min((i for s in stop if (i := text.find(s)) >= 0), default=-1)
     return (text, False) if cut < 0 else (text[:cut], True)
+
+
+def tokens_for(tokenizer, ids: Sequence[int], num_chars: int) -> int:
+    """The fewest leading `ids` whose text holds the first `num_chars` characters of theirs (a
+    token that straddles a stop string counts: its start is returned)."""
+    lo, hi = 0, len(ids)
+    while lo < hi:  # (a prefix's text grows with it)
+        mid = (lo + hi) // 2
+        if len(tokenizer.decode(ids[:mid])) >= num_chars:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def held_back(text: str, stop: Sequence[str]) -> int:
@@ -192,6 +206,8 @@ class Answers:
         r = handle.request
         ids = r.generated_ids(self.tokenizer.special.stop_ids)
         text, stopped = cut_at_stop(self.tokenizer.decode(ids), handle.stop)
+        if stopped:  # usage counts the tokens of the text returned, not those cut off
+            ids = ids[: tokens_for(self.tokenizer, ids, len(text))]
         handle.extend_text(text, final=True)
         handle._push(None)
         result = RequestResult.of(handle, ids, text, stopped, now)

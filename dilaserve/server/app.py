@@ -5,11 +5,14 @@ chat template), `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus), `G
 (a live page, `server/dashboard.py`). With
 `stream: true` a response is Server-Sent Events whose deltas are committed text only, in order:
 text goes out once it and everything before it is committed. `usage` counts generated tokens
-only. Errors have OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`): 400
-naming the bad field, 413 (a body over the limit), 404 (an unknown model), 429 (over capacity:
-`control/admission.py`) and 503 (shutting down, or no instance left) with Retry-After. One
-bad request never touches another: validation happens before the request reaches the cluster,
-and a failed request (whatever it raised) fails alone. A client that disconnects, streaming
+only (of the text returned). Errors have OpenAI's shape (`{"error": {"message", "type",
+"param", "code"}}`): 400 naming the bad field, 413 (a body over the limit), 404 (an unknown
+model), 429 (over capacity: `control/admission.py`) and 503 (shutting down, or no instance
+left) with Retry-After; what the front refuses before any handler runs (Host, draining,
+capacity, body size) is `guards.py`'s, and what uvicorn's protocol refuses (request heads, slow
+clients) `limits.py`'s. One bad request never touches another: validation happens before the
+request reaches the cluster (a large body's off the event loop), and a failed request
+(whatever it raised) fails alone. A client that disconnects, streaming
 or not, has its request cancelled. With an API key set, `/v1/` endpoints answer only requests
 carrying `Authorization: Bearer KEY` (401 otherwise; the dashboard also takes KEY as a Basic
 password, so that a browser can ask for it); `/health` and `/metrics` stay open to probes and
@@ -22,6 +25,7 @@ in flight finish (up to `drain_timeout` seconds), then stops the instances.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 from contextlib import asynccontextmanager
@@ -31,8 +35,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from dilaserve.cluster.requests import (
     FULL,
@@ -43,15 +49,18 @@ from dilaserve.cluster.requests import (
 )
 from dilaserve.cluster.runtime import Cluster
 from dilaserve.server.dashboard import add_dashboard, challenge, is_authorised, page_meta
-from dilaserve.server.guards import Guards, error_body, received
+from dilaserve.server.guards import OPEN_PATHS, Guards, error_body, received
+from dilaserve.server.limits import HttpLimits
 from dilaserve.server.metrics import ServerMetrics
-from dilaserve.server.schemas import ChatCompletionRequest, CompletionRequest
+from dilaserve.server.schemas import MAX_MESSAGES, ChatCompletionRequest, CompletionRequest
 from dilaserve.server.shapes import ChatShape, CompletionShape, sse, token_usage
 
 log = logging.getLogger("dilaserve.server")
 
 
 MAX_BODY_BYTES = 1 << 20  # default request body limit: 1 MiB (a 128k-token prompt as text)
+MAX_CONNECTIONS = 1024  # default cap on open connections (more are answered 503)
+INLINE_BODY_BYTES = 64 * 1024  # larger bodies are parsed and validated off the event loop
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,9 @@ class ServerSettings:
     api_key: str | None = None  # clients must send it as a bearer token (all but probes)
     log_interval: float = 10.0  # seconds between the log's activity lines (0: none)
     max_body_bytes: int = MAX_BODY_BYTES  # larger request bodies get 413 before being read
+    max_messages: int = MAX_MESSAGES  # a chat with more gets 400 naming `messages`
+    max_connections: int = MAX_CONNECTIONS  # open connections; requests over it get 503
+    http: HttpLimits = HttpLimits()  # a request's head size and read timeouts (`limits.py`)
     allowed_hosts: tuple[str, ...] = ("*",)  # Host header names answered ("*": any)
     docs: bool = False  # serve /docs and /openapi.json
     calibration: dict | None = None  # what the control plane's inputs are (GET /v1/models)
@@ -70,8 +82,9 @@ class ServerSettings:
     def __post_init__(self):
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("the API key is empty (leave it unset to serve without a key)")
-        if self.max_body_bytes <= 0:
-            raise ValueError(f"{self.max_body_bytes=} must be positive")
+        for name in ("max_body_bytes", "max_messages", "max_connections"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive")
 
 
 def error(
@@ -125,15 +138,23 @@ def create_app(
     if settings.api_key is not None:
         _require_api_key(app, settings.api_key)
     app.add_middleware(
-        Guards, max_body_bytes=settings.max_body_bytes, allowed_hosts=settings.allowed_hosts
+        Guards,
+        max_body_bytes=settings.max_body_bytes,
+        allowed_hosts=settings.allowed_hosts,
+        cluster=cluster,
+        retry_after=settings.retry_after,
+        api_key=settings.api_key,
+        on_refusal=metrics.rejected,
     )
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    @app.post("/v1/completions", openapi_extra=_body_docs(CompletionRequest))
+    async def completions(request: Request):
+        body = await api.parse(request, CompletionRequest)
         return await api.guarded(api.generate(request, body, body.prompt, body.max_tokens, False))
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    @app.post("/v1/chat/completions", openapi_extra=_body_docs(ChatCompletionRequest))
+    async def chat_completions(request: Request):
+        body = await api.parse(request, ChatCompletionRequest)
         return await api.guarded(api.chat(request, body))
 
     @app.get("/v1/models")
@@ -156,6 +177,36 @@ def create_app(
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _body_docs(schema: type[BaseModel]) -> dict:
+    """The OpenAPI description of a body the handler parses itself (`_Api.parse`)."""
+    described = schema.model_json_schema()
+    definitions = described.pop("$defs", {})
+
+    def inline(node):
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return inline(definitions[ref.removeprefix("#/$defs/")])
+            return {key: inline(value) for key, value in node.items()}
+        return [inline(item) for item in node] if isinstance(node, list) else node
+
+    content = {"application/json": {"schema": inline(described)}}
+    return {"requestBody": {"required": True, "content": content}}
+
+
+def _validated(schema: type[BaseModel], raw: bytes, max_messages: int):
+    """`raw` as `schema` (json's parser, not pydantic's: that one refuses a lone surrogate as
+    invalid JSON, where the 400 should name the field holding it)."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested past the stack
+        raise RequestValidationError([{"type": "json_invalid", "loc": (), "msg": ""}]) from None
+    try:
+        return schema.model_validate(data, context={"max_messages": max_messages})
+    except ValidationError as e:
+        raise RequestValidationError(e.errors(include_url=False)) from None
 
 
 def _describe_calibration(calibration: dict | None) -> str:
@@ -181,9 +232,6 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
         return error(exc.status_code, str(exc.detail))
-
-
-OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers need no key
 
 
 def _require_api_key(app: FastAPI, key: str) -> None:
@@ -221,6 +269,18 @@ class _Api:
         self.settings = settings
         self.metrics = metrics
 
+    async def parse(self, request: Request, schema: type[BaseModel]):
+        """The request's body as `schema`, or RequestValidationError (the 400 naming the field).
+        A large body is parsed and validated off the event loop, so that it holds up no other
+        request; a chat over `max_messages` is refused before its messages are validated."""
+        try:
+            raw = await request.body()
+        except ClientDisconnect:  # gone, or over the size limit (Guards sent the 413)
+            raise HTTPException(400, "the client left before sending the whole body") from None
+        if len(raw) <= INLINE_BODY_BYTES:
+            return _validated(schema, raw, self.settings.max_messages)
+        return await run_in_threadpool(_validated, schema, raw, self.settings.max_messages)
+
     async def guarded(self, answer):
         """The answer, or, if handling the request raised, a 500 in OpenAI's shape for it alone
         (the connection stays open for the client's other requests)."""
@@ -257,6 +317,8 @@ class _Api:
             slo = body.deadline - arrived_unix
             if slo <= 0:
                 return error(400, f"deadline={body.deadline} has passed", "deadline")
+        if not self.cluster.accepting:  # draining: 503 wins over 429
+            return self._not_taken(Closed("the cluster is not accepting requests"))
         if self.cluster.is_full(body.priority):  # refused at once, before any work
             return self._not_taken(Overloaded(FULL))
         try:  # tokenizing is off the event loop: a long prompt holds up no other request

@@ -4,6 +4,13 @@ so that nothing of a refused request is read or parsed):
 - the time it reached the server (`received(request)`): latency and SLOs count from there, not
   from when the cluster got it;
 - the Host header, against the names the server answers to (DNS rebinding);
+- draining: while the server shuts down, every new request but the probes' (`/health`,
+  `/metrics`) is answered 503 with Retry-After at once, whatever the load, and every answer
+  carries `Connection: close`, so that no client reuses a connection the server is closing;
+- capacity: a generation request the controller's `Room` refuses is answered 429 before its
+  body is parsed: at once when the room refuses every priority, else once the body shows it
+  asks for none (the default priority, 0, is refused); what is left is asked in full by the
+  API. Refusing so costs the front little enough that refusals cannot starve the workers;
 - the body size: a declared Content-Length over the limit, or a body that grows past it, is
   refused with 413 in OpenAI's shape before it is parsed.
 
@@ -13,10 +20,18 @@ so that nothing of a refused request is read or parsed):
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from collections.abc import Sequence
 
+from dilaserve.cluster.intake import PRIORITIES
+from dilaserve.cluster.requests import FULL
+
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers: no key, and answered while draining
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+CLOSED_RETRY_AFTER = 5  # seconds a client refused by a server shutting down should wait
+SHUTTING_DOWN = "the server is shutting down; retry on another replica or later"
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None):
@@ -32,43 +47,82 @@ def received(request) -> tuple[float, float]:
 
 
 class Guards:
-    """ASGI middleware: stamps the arrival time, checks the Host header and the body size."""
+    """ASGI middleware: stamps the arrival time, checks the Host header, refuses while draining
+    or full, and checks the body size. `cluster` (`accepting`, `is_full(priority)`): None
+    refuses nothing for draining or capacity; `api_key`: only requests carrying it are refused
+    early for capacity (the others get the API's 401); `on_refusal()`: counts those refusals
+    (the server's metrics, as the API's own)."""
 
-    def __init__(self, app, max_body_bytes: int, allowed_hosts: Sequence[str] = ("*",)):
+    def __init__(
+        self,
+        app,
+        max_body_bytes: int,
+        allowed_hosts: Sequence[str] = ("*",),
+        cluster=None,
+        retry_after: int = 1,
+        api_key: str | None = None,
+        on_refusal=lambda: None,
+    ):
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.allowed_hosts = tuple(h.lower() for h in allowed_hosts)
+        self.cluster = cluster
+        self.retry_after = retry_after
+        self.bearer = None if api_key is None else f"Bearer {api_key}".encode()
+        self.on_refusal = on_refusal  # told of each request refused for draining or capacity
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         scope["dilaserve_received"] = (time.perf_counter(), time.time())
         headers = dict(scope.get("headers") or ())
+        send = self._closing_while_draining(send)
         if not self._host_allowed(headers.get(b"host", b"").decode("latin-1")):
-            return await _respond(send, 400, "the Host header names no host this server serves")
+            return await respond(send, 400, "the Host header names no host this server serves")
+        if self._draining() and scope["path"] not in OPEN_PATHS:
+            self.on_refusal()
+            return await respond(send, 503, SHUTTING_DOWN, CLOSED_RETRY_AFTER)
+        early = self._may_refuse_early(scope, headers)
+        if early and self.cluster.is_full(PRIORITIES[1]):  # whatever the priority: unread
+            self.on_refusal()
+            return await respond(send, 429, FULL, self.retry_after)
         declared = headers.get(b"content-length", b"0")
         if not declared.isdigit() or int(declared) > self.max_body_bytes:
-            return await _respond(send, 413, self._too_large())
-        refused = False  # the body grew past the limit: 413 sent, the app's answer dropped
+            return await respond(send, 413, self._too_large())
+        limited = _LimitedBody(receive, send, self)
+        receive = limited.receive
+        if early and self.cluster.is_full(0):
+            body = await limited.read()
+            if body is None:  # too large (413 sent) or the client left
+                return None
+            if b'"priority"' not in body:  # the default priority, which the room refuses
+                self.on_refusal()
+                return await respond(send, 429, FULL, self.retry_after)
+            receive = limited.replay(body)
+        await self.app(scope, receive, limited.send)
 
-        async def counting_receive():
-            nonlocal refused
-            if refused:
-                return {"type": "http.disconnect"}
-            message = await receive()
-            counting_receive.size += len(message.get("body", b""))
-            if counting_receive.size > self.max_body_bytes:
-                refused = True
-                await _respond(send, 413, self._too_large())
-                return {"type": "http.disconnect"}  # the app stops reading
-            return message
+    def _draining(self) -> bool:
+        return self.cluster is not None and not self.cluster.accepting
 
-        async def guarded_send(message):
-            if not refused:
-                await send(message)
+    def _closing_while_draining(self, send):
+        """`send`, adding `Connection: close` to an answer begun while the server drains."""
 
-        counting_receive.size = 0
-        await self.app(scope, counting_receive, guarded_send)
+        async def closing_send(message):
+            if message["type"] == "http.response.start" and self._draining():
+                close = [(b"connection", b"close")]
+                message = {**message, "headers": [*message.get("headers", ()), *close]}
+            await send(message)
+
+        return closing_send
+
+    def _may_refuse_early(self, scope, headers) -> bool:
+        """Is this a generation request (by an authorised client) that capacity may refuse?"""
+        if self.cluster is None or scope["method"] != "POST":
+            return False
+        if scope["path"] not in GENERATION_PATHS:
+            return False
+        sent = headers.get(b"authorization", b"")
+        return self.bearer is None or secrets.compare_digest(sent, self.bearer)
 
     def _host_allowed(self, host: str) -> bool:
         if "*" in self.allowed_hosts:
@@ -80,9 +134,64 @@ class Guards:
         return f"the request body exceeds the server's limit of {self.max_body_bytes} bytes"
 
 
-async def _respond(send, status: int, message: str) -> None:
+class _LimitedBody:
+    """A request's body as the app receives it: refused with 413 once it grows past the limit
+    (the app then hears the client left, and its answer is dropped); or read whole here, and
+    replayed to the app."""
+
+    def __init__(self, receive, send, guards: Guards):
+        self._receive, self._send, self.guards = receive, send, guards
+        self.size, self.refused = 0, False
+
+    async def receive(self):
+        if self.refused:
+            return {"type": "http.disconnect"}
+        message = await self._receive()
+        self.size += len(message.get("body", b""))
+        if self.size > self.guards.max_body_bytes:
+            self.refused = True
+            await respond(self._send, 413, self.guards._too_large())
+            return {"type": "http.disconnect"}  # the app stops reading
+        return message
+
+    async def send(self, message):
+        if not self.refused:
+            await self._send(message)
+
+    async def read(self) -> bytes | None:
+        """The whole body (None: it grew past the limit, or the client left)."""
+        parts = []
+        while True:
+            message = await self.receive()
+            if message["type"] != "http.request":
+                return None
+            parts.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                return b"".join(parts)
+
+    def replay(self, body: bytes):
+        """A receive that gives the app `body` read here, then what comes next."""
+        given = False
+
+        async def replayed():
+            nonlocal given
+            if given:
+                return await self.receive()
+            given = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        return replayed
+
+
+async def respond(
+    send, status: int, message: str, retry_after: int | None = None, headers=()
+) -> None:
+    """An error in OpenAI's shape, from ASGI (`headers`: more headers)."""
     body = json.dumps(error_body(status, message)).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    length = (b"content-length", str(len(body)).encode())
+    headers = [(b"content-type", b"application/json"), length, *headers]
+    if retry_after is not None:
+        headers.append((b"retry-after", str(retry_after).encode()))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 

@@ -4,20 +4,29 @@ The port is bound before anything loads: a port in use stops the command at once
 line. The "serving at ..." line is logged once the server really listens.
 
 Shutdown (SIGINT/SIGTERM): the server keeps listening while it drains, so that new requests
-get 503 with Retry-After and `/health` says 503 rather than a refused connection; requests in
-flight have up to the drain timeout to finish; those still running then get an error in
-OpenAI's shape (a stream: an error event and `[DONE]`). Only then does uvicorn stop listening
-and the instances stop. Workers ignore terminal signals (a SIGTERM to the process group, as
-systemd and `timeout` send, reaches them too): the server stops them. A second signal stops
-at once.
+get 503 with Retry-After and `Connection: close` (`guards.py`: at any load, before capacity's
+429) and `/health` says 503 rather than a refused connection; requests in flight have up to the
+drain timeout to finish; those still running then get an error in OpenAI's shape (a stream: an
+error event and `[DONE]`). Then uvicorn stops listening and the instances stop. The process
+exits within the drain timeout plus `EXIT_SECONDS`: stopping the instances and uvicorn's own
+shutdown get what is left of that second, and an instance still stopping then is left to end
+on its own (its socket closes with the process). Workers ignore terminal signals (a SIGTERM to
+the process group, as systemd and `timeout` send, reaches them too): the server stops them. A
+second signal stops at once.
+
+The HTTP front's limits (`ServerSettings`): request heads and read timeouts (`limits.py`), open
+connections (uvicorn's `limit_concurrency`: 503 over it), body size and early refusals
+(`guards.py`). The access log shows no query strings (a client may put a key there).
 """
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import socket
 import threading
+import time
 from pathlib import Path
 
 import uvicorn
@@ -25,10 +34,17 @@ import uvicorn
 from dilaserve.cluster.runtime import Cluster, ClusterConfig
 from dilaserve.server.app import ServerSettings, create_app, describe_cluster
 from dilaserve.server.guards import allowed_hosts_for
+from dilaserve.server.limits import limited_protocol
 from dilaserve.server.metrics import ServerMetrics
 
 log = logging.getLogger("dilaserve.server")
-FLUSH_SECONDS = 0.5  # after failing what is left, time for those answers to go out
+EXIT_SECONDS = 1.0  # after the drain timeout, the longest the process takes to exit
+LAST_WORD_SECONDS = 0.1  # after the listener closes, for requests already sent to get a 503
+GRACEFUL_SECONDS = 0.3  # uvicorn's wait for the last answers to go out
+# of EXIT_SECONDS, uvicorn's shutdown's: its loop's tick (0.1 s), LAST_WORD_SECONDS, its own
+# pause (0.1 s) and GRACEFUL_SECONDS, with a margin for the interpreter's exit
+SHUTDOWN_SECONDS = 0.1 + LAST_WORD_SECONDS + 0.1 + GRACEFUL_SECONDS + 0.1
+CLOSE_JOIN_SECONDS = 0.2  # the controller thread's to stop before what is left is failed
 # Idle keep-alive connections are closed after this (uvicorn's default is 5 s). A client that
 # reuses one just as the server closes it loses that request (a read error), so the server
 # should outlast the clients and proxies in front of it (commonly 60 s).
@@ -91,6 +107,14 @@ class DrainingServer(uvicorn.Server):
                 describe_cluster(self.cluster.config),
             )
 
+    async def shutdown(self, sockets=None) -> None:
+        """uvicorn's, but a request sent on an open connection before the listener closed is
+        answered (503: draining) rather than dropped with its connection."""
+        for server in self.servers:
+            server.close()
+        await asyncio.sleep(LAST_WORD_SECONDS)
+        await super().shutdown(sockets)
+
     def handle_exit(self, sig, frame) -> None:
         if self._draining is not None or not self.started:
             return super().handle_exit(sig, frame)  # a second signal, or still starting: now
@@ -105,12 +129,51 @@ class DrainingServer(uvicorn.Server):
         self._draining.start()
 
     def _drain_then_exit(self, sig, frame) -> None:
-        drained = self.cluster.drain(self.settings.drain_timeout)
-        if not drained:
+        timeout = self.settings.drain_timeout
+        deadline = time.monotonic() + timeout + EXIT_SECONDS - SHUTDOWN_SECONDS
+        if not self.cluster.drain(timeout):
             log.info("drain timed out: failing %d requests in flight", self.cluster.in_flight)
-        self.cluster.close()  # fails what is left, in OpenAI's shape, and stops the instances
-        threading.Event().wait(FLUSH_SECONDS)
+        # fails what is left, in OpenAI's shape, and stops the instances; an instance slower
+        # to stop than the time left is not waited for
+        closing = threading.Thread(
+            target=self.cluster.close, args=(CLOSE_JOIN_SECONDS,), name="dilaserve-close"
+        )
+        closing.daemon = True
+        closing.start()
+        closing.join(max(deadline - time.monotonic(), 0.0))
         super().handle_exit(sig, frame)
+
+
+def server_config(app, settings: ServerSettings, **options) -> uvicorn.Config:
+    """uvicorn's configuration with the front's limits (`options`: more of uvicorn's, e.g. a
+    port). Its access log shows paths without their query strings."""
+    uv = uvicorn.Config(
+        app,
+        **{
+            "log_level": "info",
+            "http": limited_protocol(settings.http),
+            "ws": "none",
+            "limit_concurrency": settings.max_connections,
+            "timeout_graceful_shutdown": GRACEFUL_SECONDS,
+            "timeout_keep_alive": KEEP_ALIVE_SECONDS,
+            **options,
+        },
+    )
+    access = logging.getLogger("uvicorn.access")  # (configured by uvicorn.Config)
+    if not any(isinstance(f, QueryRedacted) for f in access.filters):
+        access.addFilter(QueryRedacted())
+    return uv
+
+
+class QueryRedacted(logging.Filter):
+    """Access-log lines without query strings: a client may put a key there (`?api_key=`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) > 2 and "?" in str(args[2]):
+            path = str(args[2]).split("?", 1)[0]
+            record.args = (*args[:2], f"{path}?[query not logged]", *args[3:])
+        return True
 
 
 def serve(
@@ -125,7 +188,9 @@ def serve(
     max_body_bytes: int | None = None,
     allowed_hosts: tuple[str, ...] | None = None,
     docs: bool = False,
+    **limits,
 ) -> None:
+    """`limits`: more `ServerSettings` fields (max_messages, max_connections, http)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     sock = bind(host, port)  # before anything loads
     shown = f"[{host}]" if ":" in host else host
@@ -139,14 +204,12 @@ def serve(
         docs=docs,
         calibration=calibration,
         **({} if max_body_bytes is None else {"max_body_bytes": max_body_bytes}),
+        **limits,
     )
     app, cluster = build_app(config, settings, manage=False)
     cluster.start()  # before uvicorn: a model that fails to load is one error line, not a trace
     freeze_start_up_heap()
-    uv = uvicorn.Config(
-        app, log_level="info", timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_SECONDS
-    )
-    server = DrainingServer(uv, cluster, settings)
+    server = DrainingServer(server_config(app, settings), cluster, settings)
     try:
         server.run(sockets=[sock])
     finally:

@@ -2,10 +2,15 @@
 
 `stop` (a string, or up to 4, each at most 256 characters) ends the answer before the first of
 them; the request stops being worked on once one is committed. Sampling fields OpenAI clients
-commonly send that do not apply to confidence-threshold decoding (temperature, top_p, seed,
-user, ...) are accepted and ignored, so existing clients work unchanged. Fields asking for what
-this server cannot give (`logprobs`, `top_logprobs`, `echo`, `best_of` above 1, `suffix`) get a
-400 naming them, rather than a silently different answer. Extension fields:
+commonly send that do not apply to confidence-threshold decoding (temperature, top_p,
+presence/frequency penalties, seed, user) are checked for their type and range and then
+ignored, so existing clients work unchanged; other unknown fields are ignored. Fields asking
+for what this server cannot give (`logprobs` or `top_logprobs` with any value but null/false,
+0 included, `echo`, `best_of` above 1, `suffix`) get a 400 naming them, rather than a silently
+different answer. Types are strict: `"0.5"` is not a number, `1.0` not an integer, `true` not
+either. A chat's messages have a role of system, user, assistant or tool (anything else, a
+template's special tokens included, is refused) and number at most `max_messages` (the server's
+setting, passed as validation context; default `MAX_MESSAGES`). Extension fields:
 
 - `slo_ms`: the latency SLO in milliseconds from submission, or `deadline`: a Unix time in
   seconds; default: the server's `--slo`;
@@ -17,7 +22,12 @@ this server cannot give (`logprobs`, `top_logprobs`, `echo`, `best_of` above 1, 
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
+
+MAX_MESSAGES = 1024  # a chat's messages, unless the server says otherwise
+ROLES = ("system", "user", "assistant", "tool")  # the roles chat templates know
 
 
 def _valid_unicode(value):
@@ -35,7 +45,7 @@ def _valid_unicode(value):
 
 
 class _Generation(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -51,6 +61,13 @@ class _Generation(BaseModel):
     stop: str | list[str] | None = None
     logprobs: bool | int | None = None
     top_logprobs: int | None = None
+    # accepted, checked and ignored (see the module's docstring)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    seed: int | None = None
+    user: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -60,10 +77,16 @@ class _Generation(BaseModel):
 
     def unsupported(self) -> str | None:
         """The first field asking for what this server cannot give, if any."""
-        return next((name for name in _UNSUPPORTED if getattr(self, name, None)), None)
+        return next((name for name in _UNSUPPORTED if _asks(getattr(self, name, None))), None)
 
 
-_UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix")  # each refused when set (truthy)
+_UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix")  # each refused when set
+
+
+def _asks(value) -> bool:
+    """Does a field's value ask for something? Any value but null and false does: `logprobs: 0`
+    asks for the chosen tokens' log-probabilities."""
+    return value is not None and value is not False
 
 
 class CompletionRequest(_Generation):
@@ -83,12 +106,12 @@ class CompletionRequest(_Generation):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
-    role: str
+    role: Literal[ROLES]
     content: str | list[dict]
 
-    _unicode = field_validator("role", "content")(_valid_unicode)
+    _unicode = field_validator("content")(_valid_unicode)
 
     @field_validator("content")
     @classmethod
@@ -109,6 +132,15 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _not_too_many(cls, messages, info: ValidationInfo):
+        """Refused before each message is validated (templating 25,000 took seconds)."""
+        limit = (info.context or {}).get("max_messages", MAX_MESSAGES)
+        if isinstance(messages, list) and len(messages) > limit:
+            raise ValueError(f"a chat of {len(messages)} messages; at most {limit}")
+        return messages
 
     @property
     def window(self) -> int | None:

@@ -1,0 +1,196 @@
+"""The HTTP front's limits on what a client may send, below the ASGI app (`HttpLimits`), and
+uvicorn's protocol with them (`limited_protocol`).
+
+uvicorn's fast parser (httptools) buffers a request's head however long it grows, and no uvicorn
+protocol times out a client that sends its head or its body slowly: four clients sending 64 MB
+headers held the event loop for 21.6 s, and 300 slow clients held their connections as long as
+they liked. This protocol keeps httptools (h11, which has a head limit, cost 40% more CPU per
+request: docs/serving.md) and adds:
+
+- a head (request line and headers) over `max_header_bytes`, counted per read, or with more
+  than `max_headers` fields, is answered 431 and the connection closed, before more is read;
+- a head not complete `header_timeout` seconds after it began (or after the connection opened)
+  is answered 408 and the connection closed;
+- a body that stops arriving for `body_timeout` seconds likewise (without the 408 when the app
+  has already answered, e.g. a refusal sent before the body was read);
+- over `max_connections` open connections (uvicorn's `limit_concurrency`, passed on), or as
+  many requests running, a request is answered 503 with Retry-After and `Connection: close`
+  in OpenAI's shape (uvicorn's own answer is plain text, and logs a warning per request).
+
+What the app refuses (body size, capacity, draining) is `guards.py`'s.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from dilaserve.server.guards import respond
+
+STATUS_TEXT = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    max_header_bytes: int = 64 * 1024  # request line + headers (nginx's large buffers: 32 KiB)
+    max_headers: int = 100  # header fields (as Apache's LimitRequestFields)
+    header_timeout: float = 10.0  # seconds to send a request's head
+    body_timeout: float = 10.0  # seconds the body may pause between reads
+
+    def __post_init__(self):
+        for name in ("max_header_bytes", "max_headers", "header_timeout", "body_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive")
+
+
+class _Refused(Exception):
+    """Raised from a parser callback to stop parsing; `send_400_response` answers `status`."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def limited_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol with `limits` (pass it as `uvicorn.Config(http=...)`)."""
+    return type("LimitedHttpToolsProtocol", (LimitedHttpToolsProtocol,), {"limits": limits})
+
+
+class LimitedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol, with the limits of `HttpLimits` and `max_connections`."""
+
+    limits = HttpLimits()
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        # uvicorn's own check answers plain text and logs a warning per request: ours instead
+        self.max_connections, self.limit_concurrency = self.limit_concurrency, None
+        self._timer = None
+        self._begin_head()
+
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._in_head and not self.transport.is_closing():
+            self._head_bytes += len(data)  # all read so far left the head unfinished
+            if self._head_bytes > self.limits.max_header_bytes:
+                self._answer_and_close(431, self._too_long())
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if not self._in_head:  # (a connection's first request began when it opened)
+            self._begin_head()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._num_headers += 1
+        if self._num_headers > self.limits.max_headers:
+            raise _Refused(431, f"more than {self.limits.max_headers} header fields")
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._arm(self.limits.body_timeout)
+        if not self._is_over_capacity():
+            return super().on_headers_complete()
+        app, self.app = self.app, too_many_connections
+        try:
+            super().on_headers_complete()  # (the request's cycle, answered by that app)
+        finally:
+            self.app = app
+
+    def _is_over_capacity(self) -> bool:
+        """As uvicorn's `limit_concurrency`: too many connections open, or requests running."""
+        limit = self.max_connections
+        return limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit)
+
+    def on_body(self, body: bytes) -> None:
+        self._arm(self.limits.body_timeout)
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._disarm()
+        super().on_message_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        """The parser stopped: on a refusal of ours, its answer; else uvicorn's 400."""
+        cause = _refused_by_callback()
+        if cause is None:
+            return super().send_400_response(msg)
+        self._answer_and_close(cause.status, str(cause))
+
+    def _begin_head(self) -> None:
+        self._in_head, self._head_bytes, self._num_headers = True, 0, 0
+        self._arm(self.limits.header_timeout)
+
+    def _arm(self, seconds: float) -> None:
+        self._disarm()
+        self._timer = self.loop.call_later(seconds, self._timed_out)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _timed_out(self) -> None:
+        self._timer = None
+        if self.transport.is_closing():
+            return
+        part = "head" if self._in_head else "body"
+        seconds = self.limits.header_timeout if self._in_head else self.limits.body_timeout
+        if self._is_waiting_for_us():
+            self._arm(seconds)
+            return
+        self._answer_and_close(408, f"the request's {part} did not arrive within {seconds:g} s")
+
+    def _is_waiting_for_us(self) -> bool:
+        """Is the server, not the client, why the request is unfinished? Its body is not read
+        because the app has not read what came (flow control paused reading), or its head is
+        a pipelined request's, sent while the previous one is still being answered."""
+        if not self._in_head:
+            return self.flow.read_paused
+        return self.cycle is not None and not self.cycle.response_complete
+
+    def _too_long(self) -> str:
+        return f"the request's head exceeds {self.limits.max_header_bytes} bytes"
+
+    def _answer_and_close(self, status: int, message: str) -> None:
+        self._disarm()
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True  # the app, if it runs, hears the client has gone
+            cycle.message_event.set()
+        if cycle is not None and cycle.response_started and not cycle.response_complete:
+            self.transport.close()  # mid-answer: a status line now would corrupt it
+            return
+        if cycle is not None and cycle.response_complete and not self._in_head:
+            self.transport.close()  # answered already (before the body came): just close
+            return
+        body = message.encode()
+        head = [
+            b"HTTP/1.1 %d %s\r\n" % (status, STATUS_TEXT[status]),
+            b"content-type: text/plain; charset=utf-8\r\n",
+            b"content-length: %d\r\n" % len(body),
+            b"connection: close\r\n\r\n",
+        ]
+        self.transport.write(b"".join(head) + body)
+        self.transport.close()
+
+
+async def too_many_connections(scope, receive, send) -> None:
+    """The answer over `max_connections`: 503 in OpenAI's shape, with Retry-After, closing."""
+    message = "the server holds as many connections as it takes; retry later"
+    await respond(send, 503, message, retry_after=1, headers=[(b"connection", b"close")])
+
+
+def _refused_by_callback() -> _Refused | None:
+    """The `_Refused` a parser callback raised, if that is what stopped the parser (uvicorn
+    calls `send_400_response` handling the `HttpParserCallbackError` httptools raises while
+    handling the callback's exception)."""
+    cause = sys.exc_info()[1]
+    cause = getattr(cause, "__context__", None)
+    return cause if isinstance(cause, _Refused) else None
