@@ -237,6 +237,8 @@ def test_an_slo_no_idle_cluster_meets_is_invalid_not_overloaded():
 class _InvalidAtAdmission:
     """Just enough of a Cluster for the API: admission fails each request as invalid."""
 
+    accepting = True
+
     def __init__(self):
         self.config = ClusterConfig()
         self.intake = SimpleNamespace(check_text_length=lambda chars, param: None)
@@ -246,7 +248,7 @@ class _InvalidAtAdmission:
         handle.admission.set_exception(InvalidRequest("slo_ms", "slo_ms: no cluster meets it"))
         return handle
 
-    def is_full(self, priority):
+    def is_full(self, priority, slo=None):
         return False
 
 

@@ -159,25 +159,18 @@ def test_connections_over_the_limit_get_a_503_with_retry_after():
 # -- refusing before the body -----------------------------------------------------------------
 
 
-def test_a_full_room_refuses_before_the_body_is_read(live, monkeypatch):
-    monkeypatch.setattr(live.cluster, "is_full", lambda priority: True)
-    head = b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: 100\r\n\r\n"
-    with socket.create_connection(("127.0.0.1", live.port), timeout=HANG_GUARD) as s:
-        s.sendall(head)  # and no body: the answer cannot have waited for it
-        answer = s.recv(65536)
-    assert answer.startswith(b"HTTP/1.1 429") and b"retry-after: 1" in answer.lower()
+def test_a_room_full_at_the_defaults_refuses_only_requests_that_name_none(live, monkeypatch):
+    def is_full(priority, slo=None):  # full for the server's SLO at priority 0 or below
+        return priority <= 0 and slo is None
 
-
-def test_a_room_full_at_the_default_priority_refuses_only_requests_that_name_none(
-    live, monkeypatch
-):
-    monkeypatch.setattr(live.cluster, "is_full", lambda priority: priority <= 0)
+    monkeypatch.setattr(live.cluster, "is_full", is_full)
     body = {"prompt": QUESTIONS[0], "max_tokens": 64}
     before = rejected(live)
     refused = post(live, "/v1/completions", body)
     assert refused.status_code == 429 and refused.json()["error"]["type"] == "rate_limit_error"
     assert rejected(live) == before + 1  # counted, as the API's refusals are
     assert post(live, "/v1/completions", {**body, "priority": 5}).status_code == 200
+    assert post(live, "/v1/completions", {**body, "slo_ms": 60_000}).status_code == 200
 
 
 async def _api(scope, receive, send):
@@ -187,7 +180,7 @@ async def _api(scope, receive, send):
 
 
 def test_only_a_client_with_the_key_is_refused_before_the_api():
-    cluster = SimpleNamespace(accepting=True, is_full=lambda priority: True)
+    cluster = SimpleNamespace(accepting=True, is_full=lambda priority, slo=None: True)
     guards = Guards(_api, 1 << 20, cluster=cluster, api_key="sekret")
 
     async def status(key: str) -> int:
@@ -287,7 +280,9 @@ def test_a_draining_server_answers_503_with_connection_close_even_when_full():
     in_flight = threading.Thread(target=post, args=(server, "/v1/completions", LONG))
     in_flight.start()
     wait_until(lambda: server.cluster.in_flight == 1)
-    server.cluster.is_full = lambda priority: True  # over capacity too: the drain's 503 wins
+    server.cluster.is_full = lambda priority, slo=None: (
+        True
+    )  # over capacity too: the drain's 503 wins
     with httpx.Client(base_url=server.url, timeout=HANG_GUARD) as client:
         assert client.get("/health").status_code == 200  # (a connection opened before)
         server.server.handle_exit(signal.SIGTERM, None)  # what SIGTERM does

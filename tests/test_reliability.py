@@ -460,7 +460,7 @@ class _AdmittingCluster:
     def health(self):
         return "ok"
 
-    def is_full(self, priority):
+    def is_full(self, priority, slo=None):
         return False
 
 

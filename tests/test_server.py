@@ -258,7 +258,7 @@ def test_metrics_expose_outcomes_thresholds_instances_and_steps(live):
         "dilaserve_queue_length",
         "dilaserve_slo_attainment",
         "dilaserve_admission_on_time_factor",
-        "dilaserve_admission_on_time_measured_total 1.0",
+        "dilaserve_admission_on_time_measured_total",
         "dilaserve_migrations_total",
         "dilaserve_reconfigurations_total",
         "dilaserve_generated_tokens_total",
@@ -297,7 +297,7 @@ class _RefusingCluster:
     def health_reason(self):
         return "not accepting requests"
 
-    def is_full(self, priority):
+    def is_full(self, priority, slo=None):
         return False
 
     def queue_length(self):

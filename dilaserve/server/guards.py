@@ -8,9 +8,10 @@ so that nothing of a refused request is read or parsed):
   `/metrics`) is answered 503 with Retry-After at once, whatever the load, and every answer
   carries `Connection: close`, so that no client reuses a connection the server is closing;
 - capacity: a generation request the controller's `Room` refuses is answered 429 before its
-  body is parsed: at once when the room refuses every priority, else once the body shows it
-  asks for none (the default priority, 0, is refused); what is left is asked in full by the
-  API. Refusing so costs the front little enough that refusals cannot starve the workers;
+  body is parsed, once its bytes show it names no priority, SLO or deadline (the server's
+  defaults, which the room refuses); what is left is asked in full by the API, which knows
+  its priority and SLO. Refusing so costs the front little enough that refusals cannot
+  starve the workers;
 - the body size: a declared Content-Length over the limit, or a body that grows past it, is
   refused with 413 in OpenAI's shape before it is parsed.
 
@@ -24,12 +25,13 @@ import secrets
 import time
 from collections.abc import Sequence
 
-from dilaserve.cluster.intake import PRIORITIES
 from dilaserve.cluster.requests import FULL
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers: no key, and answered while draining
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+# a body naming any of these may ask for what the room does not refuse: asked in full
+NAMED_IN_FULL = (b'"priority"', b'"slo_ms"', b'"deadline"')
 CLOSED_RETRY_AFTER = 5  # seconds a client refused by a server shutting down should wait
 SHUTTING_DOWN = "the server is shutting down; retry on another replica or later"
 
@@ -83,9 +85,6 @@ class Guards:
             self.on_refusal()
             return await respond(send, 503, SHUTTING_DOWN, CLOSED_RETRY_AFTER)
         early = self._may_refuse_early(scope, headers)
-        if early and self.cluster.is_full(PRIORITIES[1]):  # whatever the priority: unread
-            self.on_refusal()
-            return await respond(send, 429, FULL, self.retry_after)
         declared = headers.get(b"content-length", b"0")
         if not declared.isdigit() or int(declared) > self.max_body_bytes:
             return await respond(send, 413, self._too_large())
@@ -95,7 +94,7 @@ class Guards:
             body = await limited.read()
             if body is None:  # too large (413 sent) or the client left
                 return None
-            if b'"priority"' not in body:  # the default priority, which the room refuses
+            if not any(name in body for name in NAMED_IN_FULL):  # the defaults: refused
                 self.on_refusal()
                 return await respond(send, 429, FULL, self.retry_after)
             receive = limited.replay(body)
