@@ -23,7 +23,7 @@ from pathlib import Path
 from dilaserve.config import BUNDLED_MODEL, EngineConfig
 from dilaserve.protocol import StepBatch, StepOutput
 
-WORKER_NICE = 10  # ranks' default niceness against the server (docs/cluster.md, Worker priority)
+WORKER_NICE = 0  # ranks' default niceness: the server's (docs/cluster.md, Worker priority)
 MAX_NICE = 19  # the lowest CPU priority on Linux
 
 
