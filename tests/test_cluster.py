@@ -9,6 +9,7 @@ import time
 import pytest
 
 from dilaserve.cluster.backends import LocalBackend, WorkerEvent
+from dilaserve.cluster.config import MIN_STEP_TIMEOUT
 from dilaserve.cluster.runtime import Closed, Cluster, ClusterConfig, Overloaded
 from dilaserve.cluster.worker import WorkerConfig
 from dilaserve.config import BUNDLED_MODEL, BUNDLED_PROFILE, SamplingParams
@@ -111,7 +112,7 @@ class HangsOnce(LocalBackend):
 
 def test_an_instance_whose_step_hangs_is_killed_and_its_request_served_elsewhere():
     expected = LLM().generate(QUESTIONS[:1], SamplingParams(0.9, 64))[0].text
-    cfg = config(control=ControlSpec(policy="fcfs"), instances=(1,), step_timeout=1.0)
+    cfg = config(control=ControlSpec(policy="fcfs"), instances=(1,), step_timeout=MIN_STEP_TIMEOUT)
     with Cluster(cfg, backend=HangsOnce(WORKER)) as cluster:
         result = cluster.submit(QUESTIONS[0]).result(HANG_GUARD_S)
         failures, instances = cluster.controller.stats["failures"], cluster.instances_by_tp()
