@@ -241,7 +241,7 @@ class RayBackend:
 
 
 def start_local_ray(**options) -> None:
-    """A Ray of our own on this machine (`ray.init` `options` besides), reachable from it only:
+    """A Ray of our own on this machine (`options` go to `ray.init` too), reachable from it only:
     node address 127.0.0.1, every server on the loopback interface, no dashboard, and Ray's
     token authentication (unless RAY_AUTH_MODE=disabled) with a token file only this user can
     read. Raises, with Ray shut down again, if Ray put its node anywhere else."""

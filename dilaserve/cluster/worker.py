@@ -35,8 +35,9 @@ class WorkerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     threads: int | None = None  # torch intra-op threads per rank; None: torch's default
     tp_timeout: float = 120.0  # seconds a rank waits for its gang at start-up
-    # added to each rank's CPU niceness against the server's HTTP front and controller, which
-    # share the cores (`--worker-nice`; docs/cluster.md, Worker priority); 0 leaves it
+    # added to each rank's CPU niceness (`--worker-nice`): the rank then yields the cores to the
+    # HTTP front and the controller, and to every other process on the machine as well
+    # (docs/cluster.md, Worker priority); 0 leaves it
     nice: int = WORKER_NICE
 
     def __post_init__(self):
