@@ -327,5 +327,10 @@ def _backend_args(p: argparse.ArgumentParser) -> None:
         help=f"CPU niceness each worker rank adds (0 to {MAX_NICE}): how far the instances "
         "yield the cores to the HTTP front and the controller (docs/cluster.md, Worker priority)",
     )
-    p.add_argument("--ray-address", default=None, help="a running Ray cluster (HEAD:PORT)")
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        help="a running Ray cluster (HEAD:PORT; auto: one started here with ray start); default: "
+        "$RAY_ADDRESS, else a Ray of our own on the loopback interface (docs/cluster-ray.md)",
+    )
     p.add_argument("--tick", type=float, default=0.5, help="seconds between scheduler ticks")
