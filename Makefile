@@ -6,7 +6,7 @@ TORCH := torch==2.13.0
 
 PORT ?= 8000
 
-.PHONY: setup serve demo test test-all lint bench train-model train-model-llada2 eval compile uncompile
+.PHONY: setup serve demo test test-all test-under-load lint bench train-model train-model-llada2 eval compile uncompile
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -29,6 +29,17 @@ test: setup
 
 test-all: setup  ## includes tests marked slow
 	$(PY) -m pytest -q -m ""
+
+# The default suite beside busy loops that keep every core loaded (HOGS of them, twice the cores:
+# a load like the shared 2-core machine's 5 to 9), since no test may depend on how fast the
+# machine is. The trap stops the loops however pytest ends.
+HOGS ?= $(shell echo $$(( 2 * $$(getconf _NPROCESSORS_ONLN) )))
+
+test-under-load: setup
+	@hogs=""; trap 'kill $$hogs 2>/dev/null' EXIT; trap 'exit 2' INT TERM; \
+	for i in $$(seq $(HOGS)); do yes > /dev/null & hogs="$$hogs $$!"; done; \
+	echo "$(HOGS) busy loops beside the suite"; \
+	$(PY) -m pytest -q
 
 # The control plane's hot path and the simulator's event loop, compiled by mypyc from the very
 # source the server runs: the same decisions, simulations ~14% faster (docs/simulator.md, Speed).

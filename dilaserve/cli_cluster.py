@@ -52,7 +52,7 @@ def cluster_config(args, record: bool = False):
         candidates=args.candidates,
     )
     config = ClusterConfig(
-        worker=WorkerConfig(args.model, engine, args.threads),
+        worker=WorkerConfig(args.model, engine, args.threads, nice=args.worker_nice),
         control=control,
         instances=instances,
         backend=args.backend,
@@ -244,11 +244,11 @@ def _control_args(p: argparse.ArgumentParser) -> None:
         help="share of a request's remaining SLO its predicted time must fit (docs/control.md)",
     )
     p.add_argument(
-        "--no-measured-speed",
-        dest="measured_speed",
-        action="store_false",
-        help="price steps at the latency profile alone, not at the measured slowdown of the "
-        "instances' steps against it (docs/control.md)",
+        "--measured-speed",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="price steps at the measured slowdown of the instances' steps against the latency "
+        "profile; --no-measured-speed: at the profile alone (docs/control.md)",
     )
     p.add_argument(
         "--instance-speed",
@@ -315,6 +315,22 @@ def _dws_options(p: argparse.ArgumentParser) -> None:
 
 
 def _backend_args(p: argparse.ArgumentParser) -> None:
+    from dilaserve.cluster.worker import MAX_NICE, WORKER_NICE
+
     p.add_argument("--backend", choices=["local", "ray"], default="local")
-    p.add_argument("--ray-address", default=None, help="a running Ray cluster (HEAD:PORT)")
+    p.add_argument(
+        "--worker-nice",
+        type=int,
+        default=WORKER_NICE,
+        choices=range(MAX_NICE + 1),
+        metavar="N",
+        help=f"CPU niceness each worker rank adds (0 to {MAX_NICE}): how far the instances "
+        "yield the cores to the HTTP front and the controller (docs/cluster.md, Worker priority)",
+    )
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        help="a running Ray cluster (HEAD:PORT; auto: one started here with ray start); default: "
+        "$RAY_ADDRESS, else a Ray of our own on the loopback interface (docs/cluster-ray.md)",
+    )
     p.add_argument("--tick", type=float, default=0.5, help="seconds between scheduler ticks")

@@ -6,10 +6,14 @@
   test knows exactly which positions clear a threshold.
 - `make_request`: a Request factory.
 - `PLANNER_PROFILE`, `planner_config`: a planning problem small enough to solve by hand.
+- `HANG_GUARD_S`, `wait_until`: how long a test waits on real work before it calls it hung.
+- `listening_addresses`, `LOOPBACK`: where a process listens (Linux /proc).
 """
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -29,6 +33,41 @@ from dilaserve.training.tokenizer import train_tokenizer
 
 # Test tensors are tiny: one thread is as fast and never oversubscribes a busy machine.
 torch.set_num_threads(1)
+
+# Waits on real work (a process loading the model, a step on a busy machine) are hang guards,
+# never speed checks: a test asserts what happened, and this bound only stops one that hangs.
+# It is long enough for a 2-core machine at load 9 (`make test-under-load`); a slower one can
+# stretch it with DILASERVE_TEST_PATIENCE (a factor).
+HANG_GUARD_S = 600.0 * float(os.environ.get("DILASERVE_TEST_PATIENCE", "1"))
+
+
+def wait_until(condition, timeout: float = HANG_GUARD_S) -> None:
+    """Return once `condition()` holds; fail the test if `timeout` seconds pass first."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s"
+        time.sleep(0.02)
+
+
+def listening_addresses(pid: int) -> set[str]:
+    """The local addresses of the TCP sockets process `pid` listens on (Linux /proc)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        target = os.readlink(fd) if fd.is_symlink() else ""
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                found.add(fields[1].split(":")[0])
+    return found
+
+
+# 127.0.0.1, ::1 and ::ffff:127.0.0.1 as /proc/net spells them
+LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
+
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"

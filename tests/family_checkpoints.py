@@ -16,6 +16,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from dilaserve.models.checkpoint import save_checkpoint
 from dilaserve.models.registry import config_from_dict
 
+from conftest import HANG_GUARD_S
+
 WORDS = [f"w{i}" for i in range(40)] + [str(d) for d in range(10)] + ["+", "=", "?"]
 QWEN_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
@@ -237,7 +239,7 @@ def tensor_parallel_execute(path: Path, engine, tp: int = 2):
     backend.start(InstanceSpec("tp", 0, tp, tuple(range(tp))))
 
     def wait(kind: str):
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + HANG_GUARD_S
         while time.monotonic() < deadline:
             for event in backend.poll(0.5):
                 assert event.kind == kind, event

@@ -33,6 +33,8 @@ from dilaserve.models.generation import default_max_tokens
 from dilaserve.protocol import StepKind
 from dilaserve.training.random_checkpoint import write_random_llada
 
+from conftest import HANG_GUARD_S
+
 CALIBRATE = ["--requests", "1,2", "--repeats", "1", "--num-prompts", "6"]
 CALIBRATE += ["--max-tokens", "32"]
 
@@ -181,7 +183,7 @@ def mixed_server(calibrated):
     command += ["--port", str(port), "--log-interval", "0"]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + HANG_GUARD_S
     while True:
         assert server.poll() is None, server.stdout.read()
         assert time.monotonic() < deadline, "the server did not come up"

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from dilaserve.cluster.backends import LocalBackend, WorkerEvent
+from dilaserve.cluster.config import MIN_STEP_TIMEOUT
 from dilaserve.cluster.runtime import Closed, Cluster, ClusterConfig, Overloaded
 from dilaserve.cluster.worker import WorkerConfig
 from dilaserve.config import BUNDLED_MODEL, BUNDLED_PROFILE, SamplingParams
@@ -19,6 +20,8 @@ from dilaserve.protocol import StepBatch
 from dilaserve.sim.replay import replay
 from dilaserve.tasks import arith
 
+from conftest import HANG_GUARD_S, wait_until
+
 WORKER = WorkerConfig(threads=1)
 QUESTIONS = [p.question for p in arith.generate(10, seed=3, split="test")]
 
@@ -26,6 +29,7 @@ QUESTIONS = [p.question for p in arith.generate(10, seed=3, split="test")]
 def config(**kw) -> ClusterConfig:
     kw.setdefault("worker", WORKER)
     kw.setdefault("tick", 0.2)
+    kw.setdefault("start_timeout", HANG_GUARD_S)
     return ClusterConfig(**kw)
 
 
@@ -45,7 +49,7 @@ def test_a_fixed_threshold_cluster_answers_as_the_offline_engine_does_and_stream
 
     with Cluster(config(control=ControlSpec(policy="fcfs"))) as cluster:
         handles = submit_all(cluster, QUESTIONS[:6])
-        results = [h.result(60) for h in handles]
+        results = [h.result(HANG_GUARD_S) for h in handles]
         streamed = ["".join(h) for h in handles]
         deltas = asyncio.run(stream_async(cluster, QUESTIONS[0]))
     assert [r.text for r in results] == expected
@@ -59,7 +63,7 @@ def test_a_stop_string_ends_a_request_as_soon_as_it_is_committed():
     with Cluster(config(control=ControlSpec(policy="fcfs"))) as cluster:
         stopped = cluster.submit(QUESTIONS[0], stop=[" "])
         whole = cluster.submit(QUESTIONS[0])
-        stopped, whole = stopped.result(60), whole.result(60)
+        stopped, whole = stopped.result(HANG_GUARD_S), whole.result(HANG_GUARD_S)
     assert (stopped.text, stopped.finish_reason) == (expected.text.split(" ")[0], "stop")
     assert stopped.num_steps < whole.num_steps  # not worked on past the stop string
     assert (whole.text, whole.finish_reason) == (expected.text, "stop")
@@ -85,7 +89,7 @@ class OneAtATime(LocalBackend):
 def test_requests_of_a_failed_batch_retry_alone_and_finish():
     cfg = config(control=ControlSpec(policy="fcfs"), instances=(1,))
     with Cluster(cfg, backend=OneAtATime(WORKER)) as cluster:
-        results = [h.result(60) for h in submit_all(cluster, QUESTIONS[:4], gap=0.0)]
+        results = [h.result(HANG_GUARD_S) for h in submit_all(cluster, QUESTIONS[:4], gap=0.0)]
         failed_steps = cluster.controller.stats["failed_steps"]
     # each finishes its answer (one restarted mid-block recomputes what a cache step would
     # have approximated, so its words may differ from an uninterrupted run's)
@@ -108,9 +112,9 @@ class HangsOnce(LocalBackend):
 
 def test_an_instance_whose_step_hangs_is_killed_and_its_request_served_elsewhere():
     expected = LLM().generate(QUESTIONS[:1], SamplingParams(0.9, 64))[0].text
-    cfg = config(control=ControlSpec(policy="fcfs"), instances=(1,), step_timeout=1.0)
+    cfg = config(control=ControlSpec(policy="fcfs"), instances=(1,), step_timeout=MIN_STEP_TIMEOUT)
     with Cluster(cfg, backend=HangsOnce(WORKER)) as cluster:
-        result = cluster.submit(QUESTIONS[0]).result(60)
+        result = cluster.submit(QUESTIONS[0]).result(HANG_GUARD_S)
         failures, instances = cluster.controller.stats["failures"], cluster.instances_by_tp()
     assert result.text == expected  # nothing was committed before the hang: a clean restart
     assert failures == 1 and instances == {1: 1}  # killed, and replaced
@@ -119,7 +123,7 @@ def test_an_instance_whose_step_hangs_is_killed_and_its_request_served_elsewhere
 def test_a_recorded_run_replays_in_the_simulator_to_the_same_decisions():
     cfg = config(record=True)
     with Cluster(cfg) as cluster:
-        results = [h.result(60) for h in submit_all(cluster, QUESTIONS, slo=2.0)]
+        results = [h.result(HANG_GUARD_S) for h in submit_all(cluster, QUESTIONS, slo=2.0)]
         lines, recording = cluster.controller.log.lines, cluster.controller.recording
     assert len(results) == len(QUESTIONS)
     sim, sim_lines = replay(
@@ -146,10 +150,10 @@ def test_pinned_thresholds_cancellation_and_admission_control():
             cluster.submit(QUESTIONS[3])
         cluster.cancel(cancelled.request_id)
         with pytest.raises(concurrent.futures.CancelledError):
-            cancelled.result(60)
-        assert pinned.result(60).mean_threshold == pytest.approx(0.85)
-        assert 0.6 <= bounded.result(60).mean_threshold <= 0.7
-        assert cluster.submit(QUESTIONS[3]).result(60).num_steps > 0  # room again
+            cancelled.result(HANG_GUARD_S)
+        assert pinned.result(HANG_GUARD_S).mean_threshold == pytest.approx(0.85)
+        assert 0.6 <= bounded.result(HANG_GUARD_S).mean_threshold <= 0.7
+        assert cluster.submit(QUESTIONS[3]).result(HANG_GUARD_S).num_steps > 0  # room again
         assert cluster.in_flight == 0
 
 
@@ -159,11 +163,9 @@ def test_every_request_completes_when_a_worker_is_killed_mid_trace():
         while not cluster.controller.step_times:
             time.sleep(0.005)
         cluster.backend.kill("i0")
-        results = [h.result(120) for h in handles]
+        results = [h.result(HANG_GUARD_S) for h in handles]
         assert cluster.controller.stats["failures"] == 1
-        deadline = time.monotonic() + 60
-        while "i0.1" not in cluster.scheduler.instances and time.monotonic() < deadline:
-            time.sleep(0.05)  # the replacement loads
+        wait_until(lambda: "i0.1" in cluster.scheduler.instances)  # the replacement loads
         assert set(cluster.scheduler.instances) == {"i1", "i0.1"}
     answers = [arith.extract_answer(r.text) for r in results]
     assert sum(a is not None for a in answers) >= len(QUESTIONS) - 1  # whole, sensible outputs
@@ -194,7 +196,7 @@ def test_the_cluster_reconfigures_live_without_losing_requests(tmp_path):
     with Cluster(config(control=ControlSpec(profile=str(path)))) as cluster:
         cluster.scheduler.reconfigurer = _Once()
         handles = submit_all(cluster, QUESTIONS + QUESTIONS, gap=0.1)
-        results = [h.result(120) for h in handles]
+        results = [h.result(HANG_GUARD_S) for h in handles]
         assert cluster.controller.stats["reconfigurations"] == 1
         assert set(cluster.scheduler.instances) == {"tp2"}
         shapes = [counts for _, counts in cluster.controller.instance_log]
@@ -216,7 +218,7 @@ def run_alone(backend, instance_id, requests):
     return [r.output_ids.tolist() for r in requests]
 
 
-def wait_for(backend, kind, timeout=60.0):
+def wait_for(backend, kind, timeout=HANG_GUARD_S):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for event in backend.poll(0.5):

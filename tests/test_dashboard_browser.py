@@ -21,6 +21,8 @@ from dilaserve.server.app import ServerSettings
 from dilaserve.server.main import build_app
 from dilaserve.tasks import arith
 
+from conftest import HANG_GUARD_S
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(
     CHROMIUM is None,
@@ -105,7 +107,7 @@ def server():
     server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + HANG_GUARD_S
     while not server.started:
         assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
         time.sleep(0.05)
@@ -126,7 +128,7 @@ def _load(address: str) -> list[int]:
             "priority": k % 2,
         }
         url = f"http://{address}/v1/chat/completions"
-        return httpx.post(url, json=body, headers=headers, timeout=300).status_code
+        return httpx.post(url, json=body, headers=headers, timeout=HANG_GUARD_S).status_code
 
     with ThreadPoolExecutor(CONCURRENCY) as pool:
         return list(pool.map(ask, range(NUM_REQUESTS)))

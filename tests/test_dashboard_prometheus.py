@@ -22,6 +22,8 @@ from dilaserve.server.app import ServerSettings
 from dilaserve.server.main import build_app
 from dilaserve.tasks import arith
 
+from conftest import HANG_GUARD_S
+
 PROMETHEUS = shutil.which("prometheus")
 pytestmark = pytest.mark.skipif(
     PROMETHEUS is None,
@@ -48,7 +50,7 @@ def server():
     server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + HANG_GUARD_S
     while not server.started:
         assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
         time.sleep(0.05)
@@ -80,7 +82,7 @@ def _load(server: str) -> list[int]:
     def ask(k: int) -> int:
         body = {"model": MODEL, "messages": [{"role": "user", "content": questions[k]}]}
         url = f"http://{server}/v1/chat/completions"
-        return httpx.post(url, json=body, timeout=300).status_code
+        return httpx.post(url, json=body, timeout=HANG_GUARD_S).status_code
 
     with ThreadPoolExecutor(4) as pool:
         return list(pool.map(ask, range(NUM_REQUESTS)))

@@ -25,6 +25,8 @@ from dilaserve.models.checkpoint import load_model
 from dilaserve.protocol import SequenceSpec, StepBatch, StepItem, StepKind
 from dilaserve.request import Request
 
+from conftest import HANG_GUARD_S
+
 BLOCK = 8
 
 
@@ -209,6 +211,6 @@ def test_it_calibrates_and_serves_through_the_cluster(path, tmp_path):
     assert inputs.label["source"] == "calibrated"
     prompts = ["w3 w5 w7", "w11 w2"]
     with Cluster(config) as cluster:
-        served = [cluster.submit(p, threshold=0.9).result(60).text for p in prompts]
+        served = [cluster.submit(p, threshold=0.9).result(HANG_GUARD_S).text for p in prompts]
     offline = LLM(path).generate(prompts, SamplingParams(0.9, 32))
     assert served == [c.text for c in offline]

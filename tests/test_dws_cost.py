@@ -1,11 +1,17 @@
 """The DWS cost kernel: the fit recovers a known kernel, W stays >= 0, expected cost of an
-executed grid equals the run's cost, and on the real engine recompute cells cost more."""
+executed grid equals the run's cost, and probes of the real engine put a recompute step's cost
+in a block's first cell."""
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from dilaserve.dws import profile
 from dilaserve.dws.cost import CostKernel, ProbeRun, fit_cost_kernel
 from dilaserve.dws.profile import run_probes
+from dilaserve.engine.engine import Engine
+from dilaserve.protocol import StepKind
 
 L = 32  # block_len
 
@@ -79,12 +85,33 @@ def test_expected_cost_of_an_executed_grid_is_the_runs_cost(tmp_path):
     assert CostKernel.load(tmp_path / "k.json").cost_of_run(probe) == pytest.approx(by_hand)
 
 
-def test_real_probes_show_recompute_cells_cost_more_than_cache_cells():
+class StepClock:
+    """The probes' clock: each engine step takes a fixed time by the kind of step it was (a
+    recompute twice a cache step, as on a quiet CPU), so the fit sees the real engine's steps
+    and cells without a busy machine's timing noise (a measured kernel is `profile --dws`'s)."""
+
+    MS = {StepKind.RECOMPUTE: 20.0, StepKind.CACHE: 10.0}
+
+    def __init__(self, monkeypatch):
+        self.now = 0.0
+        execute = Engine.execute
+
+        def timed(engine, batch):
+            output = execute(engine, batch)
+            self.now += sum(self.MS[r.kind] for r in output.results) / 1e3
+            return output
+
+        monkeypatch.setattr(Engine, "execute", timed)
+        monkeypatch.setattr(profile, "time", SimpleNamespace(perf_counter=lambda: self.now))
+
+
+def test_real_probes_show_recompute_cells_cost_more_than_cache_cells(monkeypatch):
     from dilaserve.config import BUNDLED_MODEL
     from dilaserve.engine.llm import LLM
     from dilaserve.tasks import arith
 
     llm = LLM(BUNDLED_MODEL)
+    StepClock(monkeypatch)
     problems = arith.generate(6, seed=0, split="test")
     prompts = [llm.encode_prompt(p.question, chat=True) for p in problems]
     natural = run_probes(llm, prompts[:3], gen_len=64)

@@ -30,6 +30,8 @@ from dilaserve.models.moe import Router, select_experts
 from dilaserve.protocol import SequenceSpec, StepBatch, StepItem, StepKind
 from dilaserve.request import Request
 
+from conftest import HANG_GUARD_S
+
 BLOCK = 8
 
 
@@ -290,7 +292,7 @@ def test_the_cluster_answers_as_the_offline_engine_with_the_exact_caches_steps(p
     with Cluster(served[1]) as cluster:
         assert cluster.scheduler.config.kv_cache.value == "block"
         handles = [cluster.submit(p, threshold=0.9) for p in PROMPTS]
-        answers = [h.result(60).text for h in handles]
+        answers = [h.result(HANG_GUARD_S).text for h in handles]
     offline = LLM(path).generate(PROMPTS, SamplingParams(0.9, 32))
     assert answers == [c.text for c in offline]
     kinds = set().union(*(h.request.steps_by_kind for h in handles))

@@ -1,4 +1,4 @@
-"""The Ray backend on a local, offline Ray cluster bound to 127.0.0.1.
+"""The Ray backend on a local, offline Ray cluster on the loopback interface only.
 
 One cluster and one backend serve the whole file; its instances load in parallel once (loading
 starts a Python process per rank, the slow part): `solo` (TP 1), `pair` (TP 2, gloo) and
@@ -30,21 +30,19 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 ray = pytest.importorskip("ray")
 
-from dilaserve.cluster.ray_backend import RayBackend  # noqa: E402
+from dilaserve.cluster.ray_backend import RayBackend, keep_token_private, start_local_ray  # noqa: E402
+
+from conftest import HANG_GUARD_S, LOOPBACK, listening_addresses  # noqa: E402
 
 CONFIG = EngineConfig()  # dual cache, 32-token blocks
 GEN_LEN = 64
-TIMEOUT = 120.0  # seconds to wait for any one event; loading on a busy 2-core machine is slow
 INSTANCES = {"solo": 1, "pair": 2, "victim": 1}  # instance id -> TP degree
 
 
 @pytest.fixture(scope="module")
 def backend():
-    ray.init(
-        address="local",  # a fresh cluster, even if RAY_ADDRESS or `ray start` names another
+    start_local_ray(  # what RayBackend starts without an address
         num_cpus=sum(INSTANCES.values()) + 2,  # + a failing load, + a whole cluster
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
         log_to_driver=False,
         configure_logging=False,
     )
@@ -62,7 +60,7 @@ def backend():
 
 def events(backend, instance_ids: set[str], kind: str = "up") -> list:
     """Poll until each instance has sent one event; all must be of `kind`."""
-    got, deadline = [], time.monotonic() + TIMEOUT
+    got, deadline = [], time.monotonic() + HANG_GUARD_S
     while len(got) < len(instance_ids):
         assert time.monotonic() < deadline, f"timed out; got {got}"
         got += backend.poll(1.0)
@@ -173,7 +171,7 @@ def test_killing_an_instance_reports_it_died_once(backend):
 def test_an_instance_that_cannot_load_fails_then_dies(backend, tmp_path):
     broken = RayBackend(WorkerConfig(model=str(tmp_path / "missing"), threads=1))
     broken.start(InstanceSpec("broken", node=0, tp=1, gpus=(0,)))
-    got, deadline = [], time.monotonic() + TIMEOUT
+    got, deadline = [], time.monotonic() + HANG_GUARD_S
     while len(got) < 2 and time.monotonic() < deadline:
         got += broken.poll(1.0)
     assert [e.kind for e in got] == ["failed", "died"]
@@ -186,8 +184,55 @@ def test_an_instance_that_cannot_load_fails_then_dies(backend, tmp_path):
 def test_wake_ends_a_poll_early(backend):
     threading.Timer(0.2, backend.wake).start()
     start = time.monotonic()
-    assert backend.poll(30.0) == []
-    assert time.monotonic() - start < 5.0
+    assert backend.poll(HANG_GUARD_S) == []
+    assert time.monotonic() - start < HANG_GUARD_S  # it ended before its timeout
+
+
+@pytest.mark.skipif(not Path("/proc/self/net/tcp").exists(), reason="reads Linux /proc")
+def test_the_local_ray_is_reachable_from_this_machine_only(backend):
+    assert ray.util.get_node_ip_address() == "127.0.0.1"
+    ray_processes = descendants(os.getpid())  # the GCS server, the raylet, its workers
+    assert len(ray_processes) >= 3
+    for pid in [os.getpid(), *ray_processes]:
+        try:
+            assert listening_addresses(pid) <= LOOPBACK, Path(f"/proc/{pid}/cmdline").read_text()
+        except FileNotFoundError:
+            pass  # (a worker that exited meanwhile)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux /proc)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (FileNotFoundError, ProcessLookupError):
+            pass  # (gone meanwhile)
+    found, todo = [], [pid]
+    while todo:
+        above = todo.pop()
+        children = [p for p, parent in parents.items() if parent == above]
+        found += children
+        todo += children
+    return found
+
+
+def test_ray_token_file_is_made_and_kept_private(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    token = tmp_path / ".ray" / "auth_token"
+    keep_token_private(create=False)  # joining a cluster: its token comes from elsewhere
+    assert not token.exists()
+    keep_token_private(create=True)  # a local Ray: made before Ray would write one 0644
+    assert token.stat().st_mode & 0o777 == 0o600 and len(token.read_text()) == 64
+    token.chmod(0o644)  # as Ray 2.60 writes it
+    keep_token_private(create=False)
+    assert token.stat().st_mode & 0o777 == 0o600
+    token.unlink()
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    keep_token_private(create=True)
+    assert not token.exists()
 
 
 def test_a_cluster_serves_through_ray_actors(backend):
@@ -196,6 +241,6 @@ def test_a_cluster_serves_through_ray_actors(backend):
     questions = [p.question for p in arith.generate(4, seed=5, split="test")]
     config = ClusterConfig(WorkerConfig(engine=CONFIG, threads=1), instances=(1,), backend="ray")
     with Cluster(config) as cluster:
-        results = [h.result(TIMEOUT) for h in [cluster.submit(q) for q in questions]]
+        results = [h.result(HANG_GUARD_S) for h in [cluster.submit(q) for q in questions]]
     assert all(r.num_steps >= 2 and r.text for r in results)
     assert ray.is_initialized()  # the cluster's backend did not own (or stop) Ray

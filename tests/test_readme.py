@@ -20,10 +20,12 @@ from dilaserve.control.policy import DEFAULT_CANDIDATES
 from dilaserve.engine.llm import LLM
 from dilaserve.protocol import StepBatch
 
+from conftest import HANG_GUARD_S
+
 ROOT = Path(__file__).resolve().parents[1]
 README_ADDRESS = "127.0.0.1:8000"
 FENCED_BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
-START_TIMEOUT_S = 300  # model and workers load, on a busy machine
+START_TIMEOUT_S = HANG_GUARD_S  # model and workers load, on a busy machine
 
 
 def readme_example() -> tuple[str, str]:
@@ -139,7 +141,7 @@ def test_the_readme_example_prints_what_the_readme_says(make_serve):
         [sys.executable, "-c", code.replace(README_ADDRESS, make_serve)],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_GUARD_S,
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout == printed

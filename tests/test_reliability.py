@@ -9,6 +9,7 @@ import signal
 import socket
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,7 +22,7 @@ from fastapi.testclient import TestClient
 from dilaserve.cluster.backends import LocalBackend
 from dilaserve.cluster.config import HUNG_STEP_FACTOR, MIN_STEP_TIMEOUT
 from dilaserve.cluster.runtime import Closed, Cluster, ClusterConfig, Overloaded
-from dilaserve.cluster.worker import WorkerConfig
+from dilaserve.cluster.worker import MAX_NICE, WORKER_NICE, WorkerConfig
 from dilaserve.control.admission import LOWEST_PRIORITY
 from dilaserve.control.build import ControlSpec
 from dilaserve.control.decisions import InstanceSpec, SchedulerConfig
@@ -34,7 +35,7 @@ from dilaserve.server.main import DrainingServer, build_app, serve
 from dilaserve.server.metrics import ServerMetrics
 from dilaserve.tasks import arith
 
-from conftest import make_request
+from conftest import HANG_GUARD_S, LOOPBACK, listening_addresses, make_request, wait_until
 
 WORKER = WorkerConfig(threads=1)
 QUESTIONS = [p.question for p in arith.generate(4, seed=5, split="test")]
@@ -44,14 +45,8 @@ def config(**kw) -> ClusterConfig:
     kw.setdefault("worker", WORKER)
     kw.setdefault("tick", 0.1)
     kw.setdefault("instances", (1,))
+    kw.setdefault("start_timeout", HANG_GUARD_S)
     return ClusterConfig(**kw)
-
-
-def wait_until(condition, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 # -- bug 1: a tiny or late SLO killed the controller at the next planner round ---------------
@@ -86,11 +81,11 @@ def test_no_extension_value_at_its_bounds_stops_the_controller():
     with Cluster(config(control=PLANNER, overload="deprioritize")) as cluster:
         handles = [cluster.submit(QUESTIONS[0], **kw) for kw in BOUNDARY_SUBMISSIONS]
         for handle in handles:
-            handle.result(60)  # each is served (late or not)
+            handle.result(HANG_GUARD_S)  # each is served (late or not)
         time.sleep(0.5)  # a planner round with every one of them in its window
         wait_until(lambda: cluster.scheduler.reconfigurer._rounds >= 1)
         assert cluster.accepting and cluster._thread.is_alive()
-        assert cluster.submit(QUESTIONS[1], slo=30).result(60).met_slo
+        assert cluster.submit(QUESTIONS[1], slo=30).result(HANG_GUARD_S).met_slo
 
 
 def test_an_error_handling_one_request_fails_it_alone():
@@ -104,9 +99,9 @@ def test_an_error_handling_one_request_fails_it_alone():
 
         cluster.scheduler.on_arrival = poisoned
         with pytest.raises(RuntimeError, match="bad"):
-            cluster.submit(QUESTIONS[0], request_id="bad").result(60)
+            cluster.submit(QUESTIONS[0], request_id="bad").result(HANG_GUARD_S)
         assert cluster.accepting
-        assert cluster.submit(QUESTIONS[1]).result(60).num_steps > 0
+        assert cluster.submit(QUESTIONS[1]).result(HANG_GUARD_S).num_steps > 0
         assert cluster.in_flight == 0
 
 
@@ -123,7 +118,7 @@ def test_an_error_in_a_tick_is_survived():
         cluster.scheduler.on_tick = failing
         wait_until(lambda: len(calls) >= 2)
         assert cluster.accepting
-        assert cluster.submit(QUESTIONS[1]).result(60).num_steps > 0
+        assert cluster.submit(QUESTIONS[1]).result(HANG_GUARD_S).num_steps > 0
         assert cluster.controller.stats["controller_errors"] == 1
 
 
@@ -143,11 +138,11 @@ class LiveServer:
         self.server = uvicorn.Server(uvicorn.Config(app, port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
-        wait_until(lambda: self.server.started, timeout=120)
+        wait_until(lambda: self.server.started)
 
     def stop(self):
         self.server.should_exit = True
-        self.thread.join(60)
+        self.thread.join(HANG_GUARD_S)
 
 
 MODEL = "tiny-llada"
@@ -186,9 +181,9 @@ def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenized(liv
     live.cluster.tokenizer.encode = lambda text: calls.append(len(text)) or encode(text)
     try:
         body = completion(prompt="7" * (limit + 1))
-        r = httpx.post(f"{live.url}/v1/completions", json=body, timeout=60)
+        r = httpx.post(f"{live.url}/v1/completions", json=body, timeout=HANG_GUARD_S)
         chat = {"model": MODEL, "messages": [{"role": "user", "content": "7" * (limit + 1)}]}
-        r_chat = httpx.post(f"{live.url}/v1/chat/completions", json=chat, timeout=60)
+        r_chat = httpx.post(f"{live.url}/v1/chat/completions", json=chat, timeout=HANG_GUARD_S)
     finally:
         live.cluster.tokenizer.encode = encode
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
@@ -205,8 +200,13 @@ def test_tokenizing_runs_off_the_event_loop(live):
     health = live.cluster.health
     live.cluster.health = lambda: threads.setdefault("loop", _me()) and health()
     try:
-        assert httpx.post(f"{live.url}/v1/completions", json=completion()).status_code == 200
-        assert httpx.get(f"{live.url}/health").status_code == 200
+        assert (
+            httpx.post(
+                f"{live.url}/v1/completions", json=completion(), timeout=HANG_GUARD_S
+            ).status_code
+            == 200
+        )
+        assert httpx.get(f"{live.url}/health", timeout=HANG_GUARD_S).status_code == 200
     finally:
         live.cluster.tokenizer.encode, live.cluster.health = encode, health
     assert threads["encode"] != threads["loop"]
@@ -218,11 +218,11 @@ def _me() -> int:
 
 def test_latency_counts_from_when_the_request_reached_the_server():
     with Cluster(config()) as cluster:
-        handle = cluster.submit(QUESTIONS[0], slo=60.0, received=time.perf_counter() - 5.0)
-        assert handle.result(60).latency >= 5.0
+        handle = cluster.submit(QUESTIONS[0], slo=HANG_GUARD_S, received=time.perf_counter() - 5.0)
+        assert handle.result(HANG_GUARD_S).latency >= 5.0
         late = cluster.submit(QUESTIONS[0], slo=1.0, received=time.perf_counter() - 5.0)
         with pytest.raises(Overloaded, match="s are left"):  # it cannot meet its SLO: refused
-            late.result(60)
+            late.result(HANG_GUARD_S)
         assert not cluster.is_full(0)  # (not for capacity: the next one is asked again)
 
 
@@ -258,7 +258,7 @@ def test_an_unknown_model_is_a_404_as_openai_answers(live):
 
 
 def test_models_show_the_calibration(live):
-    (card,) = httpx.get(f"{live.url}/v1/models").json()["data"]
+    (card,) = httpx.get(f"{live.url}/v1/models", timeout=HANG_GUARD_S).json()["data"]
     assert card["id"] == MODEL and card["dilaserve"]["calibration"] == CALIBRATION
 
 
@@ -316,10 +316,10 @@ def test_a_replacement_that_fails_is_retried_until_capacity_is_back(backend):
         assert cluster.health() == "unavailable"  # no instance serves: /health 503
         with pytest.raises(Closed):
             cluster.submit(QUESTIONS[0])
-        wait_until(lambda: cluster.scheduler.instances, timeout=60)
+        wait_until(lambda: cluster.scheduler.instances)
         assert set(cluster.scheduler.instances) == {"i0.2"}  # the second try
         assert cluster.health() == "ok" and cluster._thread.is_alive()
-        assert cluster.submit(QUESTIONS[0]).result(60).num_steps > 0
+        assert cluster.submit(QUESTIONS[0]).result(HANG_GUARD_S).num_steps > 0
 
 
 def test_health_says_degraded_while_a_lost_instance_is_replaced():
@@ -327,31 +327,12 @@ def test_health_says_degraded_while_a_lost_instance_is_replaced():
         cluster.backend.kill("i0")
         wait_until(lambda: "i0" not in cluster.scheduler.instances)
         assert cluster.health() == "degraded"
-        assert cluster.submit(QUESTIONS[0]).result(60).num_steps > 0  # i1 serves on
-        wait_until(lambda: "i0.1" in cluster.scheduler.instances, timeout=60)
+        assert cluster.submit(QUESTIONS[0]).result(HANG_GUARD_S).num_steps > 0  # i1 serves on
+        wait_until(lambda: "i0.1" in cluster.scheduler.instances)
         assert cluster.health() == "ok"
 
 
 # -- security: what listens, and where ------------------------------------------------------
-
-
-def listening_addresses(pid: int) -> set[str]:
-    """The local addresses of the TCP sockets process `pid` listens on (Linux /proc)."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        target = os.readlink(fd) if fd.is_symlink() else ""
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    found = set()
-    for table in ("tcp", "tcp6"):
-        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
-                found.add(fields[1].split(":")[0])
-    return found
-
-
-LOOPBACK = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1 as /proc spells
 
 
 @pytest.mark.skipif(not Path("/proc/self/net/tcp").exists(), reason="reads Linux /proc")
@@ -359,7 +340,7 @@ def test_a_tensor_parallel_gang_listens_on_no_network_interface():
     backend = LocalBackend(WORKER)
     try:
         backend.start(InstanceSpec("tp2", 0, 2, (0, 1)))
-        wait_until(lambda: any(e.kind == "up" for e in backend.poll(0.5)), timeout=120)
+        wait_until(lambda: any(e.kind == "up" for e in backend.poll(0.5)))
         for process in backend._gangs["tp2"].processes:
             assert listening_addresses(process.pid) <= LOOPBACK
     finally:
@@ -388,7 +369,7 @@ def answered(handles) -> list[str]:
         try:
             if handle is None:  # refused at submission: the cluster was already full
                 raise Overloaded("refused at submission")
-            handle.result(120)
+            handle.result(HANG_GUARD_S)
             outcomes.append("served")
         except Overloaded:
             outcomes.append("refused")
@@ -492,7 +473,7 @@ class DrainingLive(LiveServer):
         self.server = DrainingServer(uv, self.cluster, settings)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
-        wait_until(lambda: self.server.started, timeout=120)
+        wait_until(lambda: self.server.started)
 
     def terminate(self):
         self.server.handle_exit(signal.SIGTERM, None)
@@ -507,23 +488,27 @@ def test_shutdown_answers_503_while_draining_and_ends_what_is_left_in_openai_sha
 
     def stream():
         body = completion(**LONG, stream=True)
-        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        with httpx.stream(
+            "POST", f"{server.url}/v1/completions", json=body, timeout=HANG_GUARD_S
+        ) as r:
             lines.extend(r.iter_lines())
 
     def wait_plain():
-        plain["r"] = httpx.post(f"{server.url}/v1/completions", json=completion(**LONG), timeout=60)
+        plain["r"] = httpx.post(
+            f"{server.url}/v1/completions", json=completion(**LONG), timeout=HANG_GUARD_S
+        )
 
     readers = [threading.Thread(target=stream), threading.Thread(target=wait_plain)]
     for reader in readers:
         reader.start()
     wait_until(lambda: server.cluster.in_flight == 2)
     server.terminate()
-    refused = httpx.post(f"{server.url}/v1/completions", json=completion(), timeout=30)
+    refused = httpx.post(f"{server.url}/v1/completions", json=completion(), timeout=HANG_GUARD_S)
     assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1
-    assert httpx.get(f"{server.url}/health", timeout=30).status_code == 503
+    assert httpx.get(f"{server.url}/health", timeout=HANG_GUARD_S).status_code == 503
     for reader in readers:
-        reader.join(60)
-    server.thread.join(60)
+        reader.join(HANG_GUARD_S)
+    server.thread.join(HANG_GUARD_S)
     assert not server.thread.is_alive()
     events = [line for line in lines if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
@@ -531,19 +516,38 @@ def test_shutdown_answers_503_while_draining_and_ends_what_is_left_in_openai_sha
     assert plain["r"].status_code == 503 and "shut down" in plain["r"].json()["error"]["message"]
 
 
-def test_workers_ignore_terminal_signals_and_yield_the_cpu_to_the_server():
-    backend = LocalBackend(WORKER)
+def test_workers_ignore_terminal_signals_and_run_at_the_niceness_asked():
+    backend = LocalBackend(replace(WORKER, nice=7))
     try:
         backend.start(InstanceSpec("w", 0, 1, (0,)))
-        wait_until(lambda: any(e.kind == "up" for e in backend.poll(0.5)), timeout=120)
+        wait_until(lambda: any(e.kind == "up" for e in backend.poll(0.5)))
         (worker,) = backend._gangs["w"].processes
-        assert os.getpriority(os.PRIO_PROCESS, worker.pid) >= WORKER.nice  # the server first
+        ours = os.getpriority(os.PRIO_PROCESS, 0)
+        assert os.getpriority(os.PRIO_PROCESS, worker.pid) == min(ours + 7, MAX_NICE)
         for terminal in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             worker.send_signal(terminal)
         time.sleep(1.0)
         assert worker.poll() is None and backend.poll(0.1) == []
     finally:
         backend.shutdown()
+
+
+def test_worker_niceness_is_an_option_of_every_cluster_command():
+    from dilaserve.cli import build_parser
+    from dilaserve.cli_args import resolve_model
+    from dilaserve.cli_cluster import cluster_config
+
+    for command in ("serve", "run-trace"):
+        args = build_parser().parse_args([command, "--worker-nice", "3", "--no-measured-speed"])
+        resolve_model(args)
+        config, _ = cluster_config(args)
+        assert config.worker.nice == 3 and config.measured_speed is False
+    assert build_parser().parse_args(["serve"]).worker_nice == WORKER_NICE
+    assert build_parser().parse_args(["serve"]).measured_speed is True
+    with pytest.raises(SystemExit):  # a rank cannot raise its priority, nor go past 19
+        build_parser().parse_args(["serve", "--worker-nice", "-1"])
+    with pytest.raises(ValueError, match="nice=20"):
+        WorkerConfig(nice=20)
 
 
 def test_the_runtime_measures_how_much_slower_steps_run_than_profiled():
@@ -620,5 +624,5 @@ def test_a_loopback_server_answers_only_loopback_host_names():
 def test_a_failing_admission_check_admits_the_request():
     with Cluster(config()) as cluster:
         cluster.controller.admission.refusal = lambda request, now: 1 / 0  # a bug in the check
-        assert cluster.submit(QUESTIONS[0]).result(60).num_steps > 0
+        assert cluster.submit(QUESTIONS[0]).result(HANG_GUARD_S).num_steps > 0
         assert cluster.controller.stats["controller_errors"] == 1

@@ -16,10 +16,14 @@ runs its calls in submission order, so replies are read in that order too.
 
 from __future__ import annotations
 
+import logging
+import os
+import secrets
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 try:
     import ray
@@ -38,16 +42,21 @@ from dilaserve.cluster.worker import InstanceWorker, WorkerConfig, new_rendezvou
 from dilaserve.control.decisions import InstanceSpec
 from dilaserve.protocol import StepBatch, StepOutput
 
+log = logging.getLogger("dilaserve.cluster")
+
 # ray.wait cannot also wait on a threading.Event, so poll waits in slices this long and checks
 # for a wake between them.
 WAIT_SLICE = 0.01
 # An idle instance has no call in flight to fail if its actors die; poll pings its ranks once
 # this many seconds have passed without a reply, so that a death is still seen.
 HEARTBEAT = 1.0
-# Without an address, the Ray started here has this node address (and Ray's own token
-# authentication, on by default for a local Ray since Ray 2.5x): an open Ray head runs code for
-# anyone who reaches it. Ray's servers still listen on every interface; see docs/cluster-ray.md.
+# Without an address, the Ray started here runs on this machine alone and listens on the
+# loopback interface only (`start_local_ray`): an open Ray head runs code for anyone who reaches
+# it. Ray's servers bind its node address, which Ray 2.60 turns from 127.0.0.1 into the
+# machine's outward address unless multi-node clusters are off (this setting, read by Ray when
+# it is imported and by every Ray process it starts).
 LOCAL_ONLY = "127.0.0.1"
+SINGLE_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 class _Rank:
@@ -109,11 +118,12 @@ class RayBackend:
         self._gangs: dict[str, _Gang] = {}
         self._woken = threading.Event()
         self._owns_ray = not ray.is_initialized()
-        if self._owns_ray:
-            if address:
-                ray.init(address=address)
-            else:  # a Ray of our own, on this machine (Ray enables its token authentication)
-                ray.init(include_dashboard=False, _node_ip_address=LOCAL_ONLY)
+        address = address or os.environ.get("RAY_ADDRESS")
+        if self._owns_ray and address:
+            keep_token_private(create=False)
+            ray.init(address=address)
+        elif self._owns_ray:
+            start_local_ray()
 
     def start(self, spec: InstanceSpec) -> None:
         if spec.instance_id in self._gangs:
@@ -228,6 +238,55 @@ class RayBackend:
             self.stop(instance_id)
         if self._owns_ray:
             ray.shutdown()
+
+
+def start_local_ray(**options) -> None:
+    """A Ray of our own on this machine (`options` go to `ray.init` too), reachable from it only:
+    node address 127.0.0.1, every server on the loopback interface, no dashboard, and Ray's
+    token authentication (unless RAY_AUTH_MODE=disabled) with a token file only this user can
+    read. Raises, with Ray shut down again, if Ray put its node anywhere else."""
+    from ray._private import ray_constants
+
+    keep_token_private(create=True)
+    multi_node, saved = ray_constants.ENABLE_RAY_CLUSTER, os.environ.get(SINGLE_NODE_ENV)
+    ray_constants.ENABLE_RAY_CLUSTER, os.environ[SINGLE_NODE_ENV] = False, "0"
+    try:  # (the processes Ray starts now keep the setting)
+        ray.init(address="local", include_dashboard=False, _node_ip_address=LOCAL_ONLY, **options)
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = multi_node
+        if saved is None:
+            del os.environ[SINGLE_NODE_ENV]
+        else:
+            os.environ[SINGLE_NODE_ENV] = saved
+    node = ray.util.get_node_ip_address()
+    if node != LOCAL_ONLY:
+        ray.shutdown()
+        raise RuntimeError(
+            f"Ray {ray.__version__} put its node on {node}, not {LOCAL_ONLY}: its servers "
+            "would listen on the network (docs/cluster-ray.md, Security); give --ray-address "
+            "of a cluster on a private network instead"
+        )
+
+
+def keep_token_private(create: bool) -> None:
+    """Ray's token file readable by this user only: Ray 2.60 writes `~/.ray/auth_token` with the
+    umask's mode (0644: every local user could read it and drive the cluster), so a new local
+    Ray gets one made here first, mode 0600, which Ray then reads; an existing one readable by
+    others is narrowed to 0600. Nothing is made where token authentication is off
+    (RAY_AUTH_MODE=disabled) or the token comes from elsewhere (RAY_AUTH_TOKEN, _PATH)."""
+    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return
+    path = Path.home() / ".ray" / "auth_token"
+    if path.exists():
+        if path.stat().st_mode & 0o077:
+            log.warning("%s was readable by other users; it is now 0600", path)
+            path.chmod(0o600)
+        return
+    if create and os.environ.get("RAY_AUTH_MODE", "token").lower() == "token":
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))  # what Ray's own generator writes: 256 random bits
 
 
 def _tear_down(gang: _Gang) -> None:

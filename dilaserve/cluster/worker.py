@@ -23,6 +23,9 @@ from pathlib import Path
 from dilaserve.config import BUNDLED_MODEL, EngineConfig
 from dilaserve.protocol import StepBatch, StepOutput
 
+WORKER_NICE = 0  # ranks' default niceness: the server's (docs/cluster.md, Worker priority)
+MAX_NICE = 19  # the lowest CPU priority on Linux
+
 
 @dataclass(frozen=True)
 class WorkerConfig:
@@ -32,9 +35,16 @@ class WorkerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     threads: int | None = None  # torch intra-op threads per rank; None: torch's default
     tp_timeout: float = 120.0  # seconds a rank waits for its gang at start-up
-    # added to each rank's CPU niceness: where ranks and the server share cores, the server's
-    # HTTP front and controller get them first (a refusal waits for no step); 0 leaves it
-    nice: int = 10
+    # added to each rank's CPU niceness (`--worker-nice`): the rank then yields the cores to the
+    # HTTP front and the controller, and to every other process on the machine as well
+    # (docs/cluster.md, Worker priority); 0 leaves it
+    nice: int = WORKER_NICE
+
+    def __post_init__(self):
+        if not 0 <= self.nice <= MAX_NICE:
+            raise ValueError(
+                f"{self.nice=} must be 0 to {MAX_NICE} (a rank may not raise its CPU priority)"
+            )
 
 
 def init_tensor_parallel(rank: int, size: int, rendezvous: str, device: str, timeout: float):
