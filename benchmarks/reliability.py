@@ -19,7 +19,9 @@ process group of its own and runs these phases, each bounded in time:
 3. overload: Poisson arrivals at 3x that capacity for `--overload-seconds`: how fast refusals
    come (429 with Retry-After), the share of admitted requests within their SLO, requests left
    without an answer, and the served rate against the capacity.
-4. storm: `--storm-clients` closed-loop clients for `--storm-seconds`, the same figures.
+4. closed loop: `--storm-clients` closed-loop clients for `--storm-seconds`, each waiting a
+   refusal's Retry-After as OpenAI's client does, the same figures; then a storm: the same
+   clients waiting only 50 ms after a refusal (the same figures, judged only by what follows).
 5. neighbour: half the capacity, open loop, beside a CPU hog on every core.
 6. kill -9, then SIGSTOP, of a worker under load (half the capacity): requests that failed (a
    429 after the fault counts as failed), the longest wait, and how long until /health says
@@ -166,7 +168,9 @@ class Run:
         self.keep("overload", await overload_phase(url, 3 * capacity, capacity, args))
         await self.idle("overload")
         clients, seconds = args.storm_clients, args.storm_seconds
-        self.keep("storm", await storm(url, clients, seconds, capacity, args.slo_ms))
+        figures = await storm(url, clients, seconds, capacity, args.slo_ms, polite=True)
+        self.keep("closed_loop", figures)
+        self.keep("storm", await storm(url, clients, seconds, capacity, args.slo_ms, False))
         await self.idle("storm")
         self.keep("neighbour", await neighbour(url, capacity / 2, 20.0, args.slo_ms))
         await self.idle("neighbour")
@@ -246,7 +250,8 @@ def report(summary: dict, args) -> str:
         f"{o['served_within_slo_server']:.1%} as the server does), "
         f"{o['without_answer']} without an answer, "
         f"{o['served_per_s']}/s served vs {o['capacity_per_s']}/s at capacity",
-        f"- storm: {summary['storm']}",
+        f"- closed loop (waiting Retry-After): {summary['closed_loop']}",
+        f"- storm (50 ms after a refusal): {summary['storm']}",
         f"- neighbour: {summary['neighbour']}",
         f"- kill -9 of a worker: {summary['kill_9']}",
         f"- SIGSTOP of a worker (30 s): {summary['sigstop']}",

@@ -90,12 +90,14 @@ async def idle_admits(url: str, slo_ms: float, after: str) -> dict:
     }
 
 
-async def storm(url: str, clients: int, seconds: float, capacity: float, slo_ms: float) -> dict:
-    """`clients` closed-loop clients for `seconds` (each waits 50 ms after a refusal)."""
-    records = await closed_loop(url, clients, seconds, slo_ms)
-    return {"clients": clients, "seconds": seconds} | overload_summary(
-        records, seconds, capacity, slo_ms
-    )
+async def storm(
+    url: str, clients: int, seconds: float, capacity: float, slo_ms: float, polite: bool
+) -> dict:
+    """`clients` closed-loop clients for `seconds`, each waiting 50 ms after a refusal (a
+    storm) or, `polite`, the refusal's Retry-After (OpenAI's client)."""
+    records = await closed_loop(url, clients, seconds, slo_ms, polite)
+    figures = {"clients": clients, "seconds": seconds, "polite": polite}
+    return figures | overload_summary(records, seconds, capacity, slo_ms)
 
 
 async def neighbour(url: str, rate: float, seconds: float, slo_ms: float) -> dict:

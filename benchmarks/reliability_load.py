@@ -46,7 +46,11 @@ def pool_for(url: str) -> Pool:
     return Pool(host, int(port), max_connections=2000)
 
 
-async def closed_loop(url: str, clients: int, seconds: float, slo_ms: float) -> list[dict]:
+async def closed_loop(
+    url: str, clients: int, seconds: float, slo_ms: float, polite: bool = False
+) -> list[dict]:
+    """`clients` clients, each sending its next request when its last is answered: 50 ms after
+    a refusal, or, `polite`, after the refusal's Retry-After (as OpenAI's client waits)."""
     records: list[dict] = []
     end = time.monotonic() + seconds
     pool = pool_for(url)
@@ -56,7 +60,8 @@ async def closed_loop(url: str, clients: int, seconds: float, slo_ms: float) -> 
             record = await one(pool, slo_ms)
             records.append(record)
             if record["status"] != 200:
-                await asyncio.sleep(0.05)
+                wait = record.get("retry_after") if polite else None
+                await asyncio.sleep(float(wait) if wait else 0.05)
 
     await asyncio.gather(*(client() for _ in range(clients)))
     await pool.close()

@@ -12,7 +12,8 @@ HOSTILE_REQUESTS = 1500
 def verdicts(summary: dict, args) -> list[dict]:
     lines = [idle_verdict(i) for i in summary["idle_after"]]
     lines += overload_verdicts("3x capacity, open loop", summary["overload"])
-    lines += overload_verdicts(f"{args.storm_clients} closed-loop clients", summary["storm"])
+    clients = f"{args.storm_clients} closed-loop clients"
+    lines += overload_verdicts(clients, summary["closed_loop"])
     lines.append(fuzz_verdict(summary["fuzz"]))
     for name in ("header_flood", "many_message_chats"):
         lines.append(health_verdict(name, summary[name]))

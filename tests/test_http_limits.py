@@ -205,8 +205,9 @@ def rejected(live) -> float:
 # -- fields -----------------------------------------------------------------------------------
 
 
-def test_a_chat_over_the_message_cap_is_a_400_naming_messages(live):
-    messages = [{"role": "user", "content": ""}] * 9
+@pytest.mark.parametrize("count", [9, 25_000])  # parsed and counted; refused unparsed
+def test_a_chat_over_the_message_cap_is_a_400_naming_messages(live, count):
+    messages = [{"role": "user", "content": ""}] * count
     r = post(live, "/v1/chat/completions", {"messages": messages})
     error = r.json()["error"]
     assert r.status_code == 400 and error["param"] == "messages" and "at most 8" in error["message"]
