@@ -159,7 +159,7 @@ def test_connections_over_the_limit_get_a_503_with_retry_after():
 # -- refusing before the body -----------------------------------------------------------------
 
 
-def test_a_room_full_at_the_defaults_refuses_only_requests_that_name_none(live, monkeypatch):
+def test_the_front_asks_the_room_with_the_priority_and_slo_the_body_names(live, monkeypatch):
     def is_full(priority, slo=None):  # full for the server's SLO at priority 0 or below
         return priority <= 0 and slo is None
 

@@ -335,6 +335,7 @@ class Controller:
             return  # already handled (a failed load is reported, then its exit)
         self.stats["failures"] += 1
         log.error("instance %s failed: %s", iid, error)
+        self._forget_timings(iid)
         self._inflight.pop(iid, None)
         self._hung.discard(iid)
         self._spared.discard(iid)
@@ -346,6 +347,17 @@ class Controller:
         replacement = self.replacements.lost(spec, was_serving, now)
         if replacement is not None:
             self._replace(iid, replacement, now)
+
+    def _forget_timings(self, iid: str) -> None:
+        """The requests on a failed instance lost time to the fault, not to a prediction: their
+        times teach admission's on-time calibration nothing (a worker stopped for 30 s had
+        made it refuse work for half the load it then had room for)."""
+        inst = self.scheduler.instances.get(iid)
+        held = set(inst.holds) | set(inst.pending) if inst is not None else set()
+        _, batch = self._inflight.get(iid, (0.0, None))
+        running = {item.request_id for item in batch.items} if batch is not None else set()
+        for rid in held | running:
+            self.admission.dropped(rid)
 
     def _replace(self, iid: str, replacement: InstanceSpec, now: float) -> None:
         log.info("replacing instance %s with %s", iid, replacement.instance_id)

@@ -7,11 +7,12 @@ so that nothing of a refused request is read or parsed):
 - draining: while the server shuts down, every new request but the probes' (`/health`,
   `/metrics`) is answered 503 with Retry-After at once, whatever the load, and every answer
   carries `Connection: close`, so that no client reuses a connection the server is closing;
-- capacity: a generation request the controller's `Room` refuses is answered 429 before its
-  body is parsed, once its bytes show it names no priority, SLO or deadline (the server's
-  defaults, which the room refuses); what is left is asked in full by the API, which knows
-  its priority and SLO. Refusing so costs the front little enough that refusals cannot
-  starve the workers;
+- capacity: a generation request the controller's `Room` refuses is answered 429 before any
+  routing or validation: while the room refuses a request of the default priority and SLO,
+  a small body is read and its priority and SLO (`slo_ms`, `deadline`) taken from it with
+  json's parser alone, and the room asked for those; a body that is not a JSON object with
+  such fields, or a large one, is left to the API (its 400s name the field). Refusing so costs
+  the front little enough that refusals cannot starve the workers;
 - the body size: a declared Content-Length over the limit, or a body that grows past it, is
   refused with 413 in OpenAI's shape before it is parsed.
 
@@ -30,8 +31,7 @@ from dilaserve.cluster.requests import FULL
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers: no key, and answered while draining
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
-# a body naming any of these may ask for what the room does not refuse: asked in full
-NAMED_IN_FULL = (b'"priority"', b'"slo_ms"', b'"deadline"')
+EARLY_PARSE_BYTES = 64 * 1024  # larger bodies are parsed by the API, off the event loop
 CLOSED_RETRY_AFTER = 5  # seconds a client refused by a server shutting down should wait
 SHUTTING_DOWN = "the server is shutting down; retry on another replica or later"
 
@@ -94,7 +94,8 @@ class Guards:
             body = await limited.read()
             if body is None:  # too large (413 sent) or the client left
                 return None
-            if not any(name in body for name in NAMED_IN_FULL):  # the defaults: refused
+            asks = _priority_and_slo(body)
+            if asks is not None and self.cluster.is_full(*asks):
                 self.on_refusal()
                 return await respond(send, 429, FULL, self.retry_after)
             receive = limited.replay(body)
@@ -201,3 +202,31 @@ def allowed_hosts_for(host: str, given: Sequence[str] | None) -> tuple[str, ...]
     if given:
         return tuple(given)
     return LOCAL_HOSTS if host in LOCAL_HOSTS else ("*",)
+
+
+def _priority_and_slo(body: bytes) -> tuple[int, float | None] | None:
+    """(priority, SLO seconds or None: the server's) a small JSON body asks for; None when it
+    is large or not a well-formed request (the API reads and judges it)."""
+    if len(body) > EARLY_PARSE_BYTES:
+        return None
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    priority, slo_ms, deadline = (data.get(k) for k in ("priority", "slo_ms", "deadline"))
+    priority = 0 if priority is None else priority
+    if not _is_number(priority) or isinstance(priority, float):
+        return None
+    if deadline is not None:
+        slo = deadline - time.time() if _is_number(deadline) else None
+    elif slo_ms is not None:
+        slo = slo_ms / 1000 if _is_number(slo_ms) else None
+    else:
+        return priority, None
+    return (priority, slo) if slo is not None and slo > 0 else None  # (else the API's 400)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
