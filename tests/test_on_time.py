@@ -10,12 +10,11 @@ from dilaserve.control.on_time import OnTimeCalibration
 from conftest import make_request
 
 
-def finish(calibration, ratios, start=0.0, steps=1):
-    """Requests admitted at `start` predicted to take 1 s a step, finished at `start + ratio`
-    after `steps` steps."""
+def finish(calibration, ratios, start=0.0):
+    """Requests admitted at `start` with a 1 s prediction, finished at `start + ratio`."""
     for k, ratio in enumerate(ratios):
         calibration.admitted(f"r{start}-{k}", 1.0, start)
-        calibration.finished_at(f"r{start}-{k}", start + ratio, steps)
+        calibration.finished_at(f"r{start}-{k}", start + ratio)
 
 
 def test_the_factor_is_the_target_quantile_of_taken_over_predicted_time():
@@ -29,14 +28,6 @@ def test_a_prediction_that_holds_needs_no_margin():
     calibration = OnTimeCalibration()
     finish(calibration, [0.5] * 50)  # faster than predicted
     assert calibration.factor(0.5) == 1.0
-
-
-def test_steps_taken_by_choice_are_no_error_of_the_prediction():
-    """Requests that had room ran at higher thresholds: four times the steps, each as long as
-    predicted (their quality, not a late prediction)."""
-    calibration = OnTimeCalibration()
-    finish(calibration, [4.0] * 50, steps=4)
-    assert calibration.factor(4.0) == 1.0
 
 
 def test_few_finished_requests_leave_the_prediction_alone():
@@ -59,8 +50,8 @@ def test_requests_that_never_finish_teach_nothing():
     calibration = OnTimeCalibration(min_evidence=1)
     calibration.admitted("gone", 1.0, 0.0)
     calibration.forget("gone")
-    calibration.finished_at("gone", 50.0, 1)  # (a late report of it changes nothing)
-    calibration.finished_at("never-admitted", 50.0, 1)
+    calibration.finished_at("gone", 50.0)  # (a late report of it changes nothing)
+    calibration.finished_at("never-admitted", 50.0)
     assert calibration.finished == 0 and calibration.pending == 0
     assert calibration.factor(50.0) == 1.0
 

@@ -403,8 +403,8 @@ class Controller:
 
     def _finish(self, rid: str, now: float) -> None:
         handle = self.handles.pop(rid, None)
+        self.admission.finished(rid, now)
         if handle is not None:
-            self.admission.finished(rid, now, handle.request.num_steps)
             self.answers.finish(handle, now)
 
     def fail(self, handle: RequestHandle, error: BaseException) -> None:

@@ -105,7 +105,6 @@ class Admission:
         self._loads = scheduler.load_control  # None for fixed-threshold policies
         self.on_time = on_time or OnTimeCalibration()
         self._predicted = 0.0  # seconds the last request asked about needs (`refusal`)
-        self._steps = 1.0  # and its steps at the lowest threshold
 
     @property
     def enabled(self) -> bool:
@@ -143,12 +142,12 @@ class Admission:
         left = max(deadline - now, 0.0)
         alone = needed * self.scheduler.speed.slowdown
         if not self.scheduler.requests:  # a probe: priced at the profile, not the estimates
-            self._predicted, self._steps = alone, steps
+            self._predicted = alone
             return _too_late(needed, left)
         load, tokens, count = self._loads.lowest_load(request.priority)
         load += self._load([request], [steps])
         queued = load / self._throughput((tokens + request.num_tokens) / (count + 1))
-        self._predicted, self._steps = max(queued, alone), steps
+        self._predicted = max(queued, alone)
         factor = self.on_time.factor(now)
         if queued * factor > left:
             return Refusal(
@@ -159,16 +158,14 @@ class Admission:
         return _too_late(alone * factor, left)
 
     def admitted(self, request_id: str, now: float) -> None:
-        """The request last asked about was admitted: its predicted seconds per step are on
-        record for the on-time calibration (`finished`)."""
+        """The request last asked about was admitted: its predicted time is on record for the
+        on-time calibration (`finished`)."""
         if self.enabled:
-            per_step = self._predicted / max(self._steps, 1.0)
-            self.on_time.admitted(request_id, per_step, now)
+            self.on_time.admitted(request_id, self._predicted, now)
 
-    def finished(self, request_id: str, now: float, steps: int) -> None:
-        """A request admitted here finished at `now` after `steps` steps: it teaches the
-        on-time calibration."""
-        self.on_time.finished_at(request_id, now, steps)
+    def finished(self, request_id: str, now: float) -> None:
+        """A request admitted here finished at `now`: it teaches the on-time calibration."""
+        self.on_time.finished_at(request_id, now)
 
     def dropped(self, request_id: str) -> None:
         """A request admitted here ended without finishing (cancelled, failed)."""

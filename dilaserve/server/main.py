@@ -39,10 +39,8 @@ from dilaserve.server.metrics import ServerMetrics
 
 log = logging.getLogger("dilaserve.server")
 EXIT_SECONDS = 1.0  # after the drain timeout, the longest the process takes to exit
-# after the listener closes, for requests already sent to get a 503 (0.1 s left 182 of 35,331
-# unanswered beside 400 clients waiting 50 ms after each refusal; reliability.py)
-LAST_WORD_SECONDS = 0.3
-GRACEFUL_SECONDS = 0.2  # uvicorn's wait for the last answers to go out
+LAST_WORD_SECONDS = 0.1  # after the listener closes, for requests already sent to get a 503
+GRACEFUL_SECONDS = 0.3  # uvicorn's wait for the last answers to go out
 # of EXIT_SECONDS, uvicorn's shutdown's: its loop's tick (0.1 s), LAST_WORD_SECONDS, its own
 # pause (0.1 s) and GRACEFUL_SECONDS, with a margin for the interpreter's exit
 SHUTDOWN_SECONDS = 0.1 + LAST_WORD_SECONDS + 0.1 + GRACEFUL_SECONDS + 0.1

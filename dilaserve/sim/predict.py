@@ -41,7 +41,6 @@ class AdmittingScheduler:
         self.scheduler = scheduler
         self.admission = Admission(scheduler, overload)
         self.refused = 0
-        self._admitted: dict[str, Request] = {}  # in flight, by id
 
     def __getattr__(self, name: str):
         return getattr(self.scheduler, name)
@@ -54,7 +53,6 @@ class AdmittingScheduler:
         if refusal is not None:
             request.priority = LOWEST_PRIORITY
         self.admission.admitted(request.request_id, now)
-        self._admitted[request.request_id] = request
         return self._learn(self.scheduler.on_arrival(request, now), now)
 
     def on_step_done(self, instance_id: str, output, now: float) -> Decisions:
@@ -67,9 +65,7 @@ class AdmittingScheduler:
         """The requests that `decisions` finish teach admission's on-time calibration, as the
         cluster's controller does."""
         for rid in decisions.finished:
-            request = self._admitted.pop(rid, None)
-            if request is not None:
-                self.admission.finished(rid, now, request.num_steps)
+            self.admission.finished(rid, now)
         return decisions
 
 
