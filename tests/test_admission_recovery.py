@@ -234,6 +234,16 @@ def test_an_slo_no_idle_cluster_meets_is_invalid_not_overloaded():
     assert outcome(cluster, submit(cluster, "fine")) == "admitted"
 
 
+def test_an_slo_no_idle_cluster_meets_is_invalid_even_when_the_room_is_full():
+    """The front's room check leaves an SLO shorter than the server's to admission, which
+    alone tells the impossible (a 400) from the overloaded (a 429)."""
+    cluster, clock = virtual_cluster(slo=0.05)
+    for k in range(8):
+        outcome(cluster, submit(cluster, f"busy{k}", slo=60.0))
+    assert cluster.is_full(0) and not cluster.is_full(0, 1e-4)
+    assert outcome(cluster, submit(cluster, "tiny", slo=1e-4)) == "invalid"
+
+
 class _InvalidAtAdmission:
     """Just enough of a Cluster for the API: admission fails each request as invalid."""
 

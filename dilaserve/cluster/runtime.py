@@ -186,6 +186,11 @@ class Cluster:
         return self.scheduler.speed.stale_seconds()
 
     @property
+    def slo(self) -> float:
+        """The server's SLO, seconds: a request's that names none."""
+        return self.scheduler.config.slo
+
+    @property
     def on_time(self):
         """Admission's on-time calibration (`control/on_time.py`)."""
         return self.controller.admission.on_time
@@ -311,10 +316,14 @@ class Cluster:
     def is_full(self, priority: int, slo: float | None = None) -> bool:
         """Would a request of `priority` and `slo` seconds (default: the server's) be refused
         now? (`admission.Room`: it comes after everything in flight, and the capacity over its
-        SLO left as of the controller's last event is below the least a request adds.) A
-        refusal counts toward `health`."""
+        SLO left as of the controller's last event is below the least a request adds.) One
+        that asks for less than the server's SLO is left to admission, which alone can tell an
+        SLO no idle cluster meets (a 400) from one the load refuses (a 429). A refusal counts
+        toward `health`."""
         if slo is not None and not slo > 0:
             slo = None  # (not a positive number: `intake` names it)
+        if slo is not None and slo < self.slo:
+            return False
         if not isinstance(priority, int) or not self.controller.room.refuses(priority, slo):
             return False
         self.controller.refused_in_a_row += 1
