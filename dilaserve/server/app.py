@@ -25,7 +25,6 @@ in flight finish (up to `drain_timeout` seconds), then stops the instances.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import secrets
 from contextlib import asynccontextmanager
@@ -35,7 +34,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
@@ -48,6 +47,7 @@ from dilaserve.cluster.requests import (
     RequestHandle,
 )
 from dilaserve.cluster.runtime import Cluster
+from dilaserve.server.bodies import INLINE_BODY_BYTES, body_docs, param_of, validated
 from dilaserve.server.dashboard import add_dashboard, challenge, is_authorised, page_meta
 from dilaserve.server.guards import OPEN_PATHS, Guards, error_body, received
 from dilaserve.server.limits import HttpLimits
@@ -60,10 +60,6 @@ log = logging.getLogger("dilaserve.server")
 
 MAX_BODY_BYTES = 1 << 20  # default request body limit: 1 MiB (a 128k-token prompt as text)
 MAX_CONNECTIONS = 1024  # default cap on open connections (more are answered 503)
-INLINE_BODY_BYTES = 64 * 1024  # larger bodies are parsed and validated off the event loop
-# a chat's bytes may hold a few "role" keys besides its messages' (tool schemas); past this
-# many per message allowed it is refused unparsed
-ROLE_KEYS_PER_MESSAGE = 2
 
 
 @dataclass(frozen=True)
@@ -149,17 +145,26 @@ def create_app(
         api_key=settings.api_key,
         on_refusal=metrics.rejected,
     )
+    _add_generation_routes(app, api)
+    _add_status_routes(app, cluster, settings, metrics)
+    return app
 
-    @app.post("/v1/completions", openapi_extra=_body_docs(CompletionRequest))
+
+def _add_generation_routes(app: FastAPI, api: _Api) -> None:
+    @app.post("/v1/completions", openapi_extra=body_docs(CompletionRequest))
     async def completions(request: Request):
         body = await api.parse(request, CompletionRequest)
         return await api.guarded(api.generate(request, body, body.prompt, body.max_tokens, False))
 
-    @app.post("/v1/chat/completions", openapi_extra=_body_docs(ChatCompletionRequest))
+    @app.post("/v1/chat/completions", openapi_extra=body_docs(ChatCompletionRequest))
     async def chat_completions(request: Request):
         body = await api.parse(request, ChatCompletionRequest)
         return await api.guarded(api.chat(request, body))
 
+
+def _add_status_routes(
+    app: FastAPI, cluster: Cluster, settings: ServerSettings, metrics: ServerMetrics
+) -> None:
     @app.get("/v1/models")
     async def models():
         card = {"id": settings.model_name, "object": "model", "owned_by": "dilaserve"}
@@ -179,44 +184,6 @@ def create_app(
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    return app
-
-
-def _body_docs(schema: type[BaseModel]) -> dict:
-    """The OpenAPI description of a body the handler parses itself (`_Api.parse`)."""
-    described = schema.model_json_schema()
-    definitions = described.pop("$defs", {})
-
-    def inline(node):
-        if isinstance(node, dict):
-            ref = node.get("$ref", "")
-            if ref.startswith("#/$defs/"):
-                return inline(definitions[ref.removeprefix("#/$defs/")])
-            return {key: inline(value) for key, value in node.items()}
-        return [inline(item) for item in node] if isinstance(node, list) else node
-
-    content = {"application/json": {"schema": inline(described)}}
-    return {"requestBody": {"required": True, "content": content}}
-
-
-def _validated(schema: type[BaseModel], raw: bytes, max_messages: int):
-    """`raw` as `schema` (json's parser, not pydantic's: that one refuses a lone surrogate as
-    invalid JSON, where the 400 should name the field holding it). A chat whose bytes hold
-    far more `"role"` keys than `max_messages` allows is refused before it is parsed: parsing
-    25,000 empty messages holds the interpreter (and so every other request) for tens of ms."""
-    roles = raw.count(b'"role"') if schema is ChatCompletionRequest else 0
-    if roles > ROLE_KEYS_PER_MESSAGE * max_messages:
-        message = f"a chat of about {roles} messages; at most {max_messages}"
-        raise RequestValidationError([{"loc": ("messages",), "msg": message}])
-    try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested past the stack
-        raise RequestValidationError([{"type": "json_invalid", "loc": (), "msg": ""}]) from None
-    try:
-        return schema.model_validate(data, context={"max_messages": max_messages})
-    except ValidationError as e:
-        raise RequestValidationError(e.errors(include_url=False)) from None
-
 
 def _describe_calibration(calibration: dict | None) -> str:
     """The start-up log's line of what the control plane's inputs are."""
@@ -233,7 +200,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         first = exc.errors()[0]
         if first.get("type") == "json_invalid":
             return error(400, "the request body is not valid JSON")
-        param = _param(first.get("loc", ()))
+        param = param_of(first.get("loc", ()))
         if param is None:
             return error(400, f"the request body must be a JSON object: {first.get('msg')}")
         return error(400, f"{param}: {first.get('msg')}", param)
@@ -257,19 +224,6 @@ def _require_api_key(app: FastAPI, key: str) -> None:
         return await call_next(request)
 
 
-def _param(loc) -> str | None:
-    """The field a validation error's location names: `messages.0.content`, without the body
-    and pydantic's tags of union members (`str`, `list[int]`, ...)."""
-    names = [str(p) for p in loc if p != "body" and not _is_type_tag(p)]
-    return ".".join(names) or None
-
-
-def _is_type_tag(part) -> bool:
-    return isinstance(part, str) and (
-        part in ("str", "int", "float", "bool", "dict", "list") or "[" in part
-    )
-
-
 class _Api:
     """Submitting a request and shaping its answer, for both endpoints."""
 
@@ -287,8 +241,8 @@ class _Api:
         except ClientDisconnect:  # gone, or over the size limit (Guards sent the 413)
             raise HTTPException(400, "the client left before sending the whole body") from None
         if len(raw) <= INLINE_BODY_BYTES:
-            return _validated(schema, raw, self.settings.max_messages)
-        return await run_in_threadpool(_validated, schema, raw, self.settings.max_messages)
+            return validated(schema, raw, self.settings.max_messages)
+        return await run_in_threadpool(validated, schema, raw, self.settings.max_messages)
 
     async def guarded(self, answer):
         """The answer, or, if handling the request raised, a 500 in OpenAI's shape for it alone
