@@ -148,6 +148,8 @@ class _Cluster:
     step_slowdown_stale_seconds = 0.0
     on_time_factor = 1.0
     on_time = SimpleNamespace(finished=0, late=0)
+    deadline_factor = 1.25
+    deadline = SimpleNamespace(finished=4, late=1)
 
     def __init__(self):
         self.config = SimpleNamespace(
@@ -205,6 +207,7 @@ def test_the_live_feed_reads_priorities_events_and_gauges_from_the_cluster():
     assert data["totals"]["attainment_of_arrivals"] == 0.5
     assert data["series"]["attainment_of_arrivals"] == [0.5]
     assert data["current"]["slowdown"] == 1.0 and data["series"]["slowdown"] == [1.0]
+    assert data["current"]["deadline_factor"] == 1.25  # Alg. 1's calibration, now
     assert [e["kind"] for e in data["events"]] == ["reconfiguration", "instance failure"]
     assert data["events"][0]["text"] == "to 2 x TP-1, 0 x TP-2"
     assert data["current"]["queue"] == 3

@@ -182,6 +182,43 @@ def test_the_headroom_extension_policy_overrides_the_papers_rule():
         assert launch.batch.items[0].threshold == expected
 
 
+def learned_lateness(s, ratio, now, n=16):
+    """`n` finished requests that each took `ratio` times their estimate, by `now`."""
+    for i in range(n):
+        s.deadline.admitted(f"past{i}", 1.0, now - ratio)
+        s.deadline.finished_at(f"past{i}", now)
+
+
+def test_the_default_prices_the_time_left_at_how_late_requests_turned_out():
+    # the 50 ms budget fits 0.9 (33 ms) while nothing has finished; once requests took twice
+    # their estimate, 0.9 prices at 66 ms and 0.5 (42 ms) is chosen. The paper's reading
+    # (`dilaserve-paper`) keeps the point estimate.
+    picked = {}
+    for policy, lateness in (("dilaserve", None), ("dilaserve", 2.0), ("dilaserve-paper", 2.0)):
+        s = scheduler(policy, instances=(("b", 2),), slo=0.05)
+        if lateness is not None and s.deadline is not None:
+            learned_lateness(s, lateness, now=10.0)
+        req = make_request("r", gen_len=2 * BLOCK, arrival_time=10.0)
+        launch = only_launch(s.on_arrival(req, 10.0))
+        picked[policy, lateness] = launch.batch.items[0].threshold
+    assert picked == {
+        ("dilaserve", None): 0.9,
+        ("dilaserve", 2.0): 0.5,
+        ("dilaserve-paper", 2.0): 0.9,
+    }
+
+
+def test_a_requests_first_estimate_is_measured_when_it_finishes_and_dropped_if_not():
+    s = scheduler(instances=(("a", 1),))
+    kept, cancelled = make_request("r"), make_request("c")
+    s.on_arrival(kept, 0.0)
+    s.on_arrival(cancelled, 0.0)
+    assert "r" in s.deadline and "c" in s.deadline
+    s.cancel("c")
+    done(s, "a", result(kept, list(range(kept.gen_len)), block_done=True, finished=True), now=3.0)
+    assert s.deadline.finished == 1 and s.deadline.pending == 0
+
+
 def test_measured_slowdown_prices_the_remaining_steps_at_the_speed_steps_run():
     # the 50 ms budget fits 0.9 (33 ms at the profile's speed), not at 1.6x (53 ms); a faster
     # machine than profiled (0.5x) leaves the profile's prices

@@ -259,6 +259,8 @@ def test_metrics_expose_outcomes_thresholds_instances_and_steps(live):
         "dilaserve_slo_attainment",
         "dilaserve_admission_on_time_factor",
         "dilaserve_admission_on_time_measured_total",
+        "dilaserve_deadline_factor",
+        "dilaserve_deadline_measured_total",
         "dilaserve_migrations_total",
         "dilaserve_reconfigurations_total",
         "dilaserve_generated_tokens_total",
@@ -273,6 +275,7 @@ class _RefusingCluster:
     step_slowdown_stale_seconds = 0.0
     on_time_factor = 1.0
     on_time = SimpleNamespace(finished=0, late=0)
+    deadline = deadline_factor = None
 
     def __init__(self, error):
         self.error = error

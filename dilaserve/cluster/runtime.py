@@ -201,6 +201,16 @@ class Cluster:
         return self.on_time.factor(self.now())
 
     @property
+    def deadline(self):
+        """Alg. 1's on-time calibration (`control/on_time.py`), or None (the policy has none)."""
+        return self.scheduler.deadline
+
+    @property
+    def deadline_factor(self) -> float | None:
+        """How many times its estimated remaining time Alg. 1 prices a request at now."""
+        return None if self.deadline is None else self.deadline.factor(self.now())
+
+    @property
     def step_time_ratio(self) -> float:
         """Steps' measured time over the profile's, each summed over every step so far."""
         return self.scheduler.speed.run_ratio

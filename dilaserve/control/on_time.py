@@ -61,7 +61,8 @@ class OnTimeCalibration:
         self.late = 0  # of them, later than predicted times the factor then in force
 
     def admitted(self, request_id: str, predicted_seconds: float, now: float) -> None:
-        """A request was admitted at `now`, predicted to finish in `predicted_seconds`."""
+        """A request was admitted (or its threshold chosen) at `now`, predicted to finish in
+        `predicted_seconds`."""
         if predicted_seconds > 0 and len(self._pending) < MAX_PENDING:
             self._pending[request_id] = (now, predicted_seconds)
 
@@ -90,6 +91,9 @@ class OnTimeCalibration:
         excess = max(self._quantile - 1.0, 0.0)
         idle = max(now - self._last, 0.0)
         return 1.0 + excess * 0.5 ** (idle / self.half_life)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._pending
 
     @property
     def pending(self) -> int:

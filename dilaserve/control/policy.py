@@ -27,7 +27,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, replace
 
-DEFAULT_CANDIDATES = (0.5, 0.6, 0.7, 0.8, 0.9)
+from dilaserve.control.on_time import ON_TIME_TARGET
+
+DEFAULT_CANDIDATES = (0.7, 0.8, 0.9)  # where quality was measured (papers.md 1.1)
 DEFAULT_FIXED = 0.9
 
 
@@ -70,6 +72,9 @@ class Policy:
     aging_period: float = 30.0  # ... per this many seconds waited
     # Alg. 1's share of the remaining budget; None: the SchedulerConfig's (1.0, the paper's)
     slo_headroom: float | None = None
+    # Alg. 1 prices the remaining time at this quantile of how long requests took against
+    # their estimate (`on_time.py`, calibrated online); None: the point estimate, as written
+    on_time_target: float | None = None
 
     def __post_init__(self):
         if self.fixed_threshold is not None and not 0 < self.fixed_threshold <= 1:
@@ -78,13 +83,15 @@ class Policy:
             raise ValueError(f"{self.candidates=} must be thresholds in (0, 1]")
         if self.slo_headroom is not None and not 0 < self.slo_headroom <= 1:
             raise ValueError(f"{self.slo_headroom=} must be in (0, 1]")
+        if self.on_time_target is not None and not 0 < self.on_time_target < 1:
+            raise ValueError(f"{self.on_time_target=} must be in (0, 1)")
 
     @property
     def is_dynamic(self) -> bool:
         return self.fixed_threshold is None
 
 
-_DILASERVE = Policy("dilaserve")
+_DILASERVE = Policy("dilaserve", on_time_target=ON_TIME_TARGET)
 # the baselines: a fixed threshold, no load control, a request stays where it started
 _FCFS = Policy(
     "fcfs",
@@ -104,7 +111,10 @@ POLICIES = {
     "oracle-predictor": replace(_DILASERVE, name="oracle-predictor", predictor="oracle"),
     "no-reconfig": replace(_DILASERVE, name="no-reconfig", reconfigure=False),
     "migrate-any-step": replace(_DILASERVE, name="migrate-any-step", migration=Migration.ANY),
-    "dilaserve-headroom": replace(_DILASERVE, name="dilaserve-headroom", slo_headroom=0.5),
+    "dilaserve-paper": replace(_DILASERVE, name="dilaserve-paper", on_time_target=None),
+    "dilaserve-headroom": replace(
+        _DILASERVE, name="dilaserve-headroom", on_time_target=None, slo_headroom=0.5
+    ),
     "dilaserve-budget": replace(
         _DILASERVE, name="dilaserve-budget", load_window=LoadWindow.BUDGET_LEFT
     ),

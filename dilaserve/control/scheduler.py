@@ -30,6 +30,7 @@ from dilaserve.control.decisions import Decisions, SchedulerConfig, StepLaunch
 from dilaserve.control.instance import InstanceState
 from dilaserve.control.layout import InstanceSlot
 from dilaserve.control.load_control import LoadControl
+from dilaserve.control.on_time import OnTimeCalibration
 from dilaserve.control.placement import Placer
 from dilaserve.control.policy import Migration, Policy
 from dilaserve.control.profile import LatencyProfile
@@ -38,6 +39,7 @@ from dilaserve.control.speed import MeasuredSpeed
 from dilaserve.control.thresholds import (
     InstanceLoad,
     highest_fitting,
+    seconds_left,
     step_seconds,
 )
 from dilaserve.protocol import StepBatch, StepItem, StepKind, StepOutput
@@ -86,6 +88,12 @@ class Scheduler:
         )
         self._placer = Placer(policy, config, self.instances, self.requests, self._solo, self.speed)
         self._admitted = 0
+        # Alg. 1 at a quantile of taken over estimated time, learned from finished requests
+        self.deadline = (
+            OnTimeCalibration(policy.on_time_target)
+            if policy.on_time_target is not None and policy.is_dynamic
+            else None
+        )
         # predictions and load control (Alg. 2/4; admission asks it the same question): dynamic
         # thresholds only, a fixed one needs neither
         self.load_control = (
@@ -227,6 +235,8 @@ class Scheduler:
             if result.is_finished:
                 finished.append(rid)
                 inst.holds.discard(rid)
+                if self.deadline is not None:
+                    self.deadline.finished_at(rid, now)
                 self._forget(t)
                 continue
             self._ready.append(rid)
@@ -278,6 +288,8 @@ class Scheduler:
         self._solo.discard(rid)
         if self.load_control is not None:
             self.load_control.forget(rid)
+        if self.deadline is not None:
+            self.deadline.forget(rid)
 
     def on_tick(self, now: float) -> Decisions:
         """Periodic: retry deferred requests; every planning period, maybe reconfigure."""
@@ -350,7 +362,9 @@ class Scheduler:
 
     def _threshold(self, t: _Tracked, inst: InstanceState, now: float) -> float:
         """Alg. 1 over the thresholds load control allows and the request accepts; a request
-        whose bounds exclude all of them gets the nearest it accepts."""
+        whose bounds exclude all of them gets the nearest it accepts. With an on-time target
+        the remaining time is priced at the calibrated quantile (`self.deadline`), and each
+        request's first estimate joins the calibration."""
         r = t.request
         fixed = self.policy.fixed_threshold
         if fixed is not None:  # not a dynamic policy
@@ -361,21 +375,35 @@ class Scheduler:
         allowed = r.within_bounds(t.allowed)
         if not allowed:
             return r.clamp_threshold(t.allowed[0])
-        if len(allowed) == 1:  # load control left one choice (often, under load)
+        if len(allowed) == 1 and self.deadline is None:  # load control left one choice
             return allowed[0]
-        # the instance as the request's later steps will find it: everything assigned there
-        key = (inst.resident_tokens, inst.residents)
-        if inst.seconds_memo[0] != key:  # the same for every request placed there this round
-            load = InstanceLoad(inst.tp, *key)
-            inst.seconds_memo = (key, step_seconds(load, self.profile, self._costs))
         assert r.deadline is not None and self.load_control is not None  # set at arrival; dynamic
+        seconds = self._step_seconds(inst)
         slo_left = (r.deadline - now) * self._headroom
         steps = self.load_control.steps_left(r.request_id, allowed)
         if self._costs.exact and r.request_id not in inst.holds:  # it prefills there first
             slo_left -= self._prefill_extra(r, inst)
+        if self.deadline is None:
+            return highest_fitting(allowed, steps, r.num_blocks_to_recompute, slo_left, seconds)
+        chosen = highest_fitting(
+            allowed, steps, r.num_blocks_to_recompute, slo_left / self.deadline.factor(now), seconds
+        )
+        if r.request_id not in self.deadline:
+            estimate = seconds_left(
+                steps[allowed.index(chosen)], r.num_blocks_to_recompute, seconds
+            )
+            self.deadline.admitted(r.request_id, estimate, now)
+        return chosen
+
+    def _step_seconds(self, inst: InstanceState) -> tuple[float, float]:
+        """(inner, boundary) step seconds on `inst` as the request's later steps will find it:
+        everything assigned there, at the measured speed."""
+        key = (inst.resident_tokens, inst.residents)
+        if inst.seconds_memo[0] != key:  # the same for every request placed there this round
+            load = InstanceLoad(inst.tp, *key)
+            inst.seconds_memo = (key, step_seconds(load, self.profile, self._costs))
         slowdown = self.speed.slowdown
-        seconds = tuple(s * slowdown for s in inst.seconds_memo[1])
-        return highest_fitting(allowed, steps, r.num_blocks_to_recompute, slo_left, seconds)
+        return tuple(s * slowdown for s in inst.seconds_memo[1])
 
     def _prefill_extra(self, r: Request, inst: InstanceState) -> float:
         """What a prefill of `r` on `inst` costs beyond the block step it replaces."""

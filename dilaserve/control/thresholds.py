@@ -190,11 +190,12 @@ def predicted_time_left(
     `seconds` are the instance's `step_seconds`, when the caller already has them.
     """
     seconds = seconds or step_seconds(instance, profile, costs)
-    return _seconds_left(req.steps_left[threshold], req.recompute_steps_left, seconds)
+    return seconds_left(req.steps_left[threshold], req.recompute_steps_left, seconds)
 
 
-def _seconds_left(steps: float, recompute_left: int, seconds: tuple[float, float]) -> float:
-    """`steps` more steps, the first `recompute_left` of them (at most) boundary steps."""
+def seconds_left(steps: float, recompute_left: int, seconds: tuple[float, float]) -> float:
+    """Seconds of `steps` more steps, the first `recompute_left` of them (at most) boundary
+    steps, at (inner, boundary) step `seconds`."""
     inner_s, boundary_s = seconds
     recompute = min(recompute_left, steps)
     return (steps - recompute) * inner_s + recompute * boundary_s
@@ -228,6 +229,6 @@ def highest_fitting(
     """`select_threshold` on plain lists (the scheduler's hot path): `ladder` descending,
     `steps_left` the predicted steps at each, `seconds` the instance's `step_seconds`."""
     for threshold, steps in zip(ladder, steps_left):
-        if _seconds_left(steps, recompute_left, seconds) <= slo_left:
+        if seconds_left(steps, recompute_left, seconds) <= slo_left:
             return threshold
     return ladder[-1]

@@ -71,7 +71,7 @@ class Timeline:
         self.totals = dict.fromkeys(
             ("finished", "met", "failed", "rejected", "tokens", "migrations"), 0
         )
-        self.last = {"queue": 0, "in_flight": 0, "slowdown": None}
+        self.last = {"queue": 0, "in_flight": 0, "slowdown": None, "deadline_factor": None}
         self._by_tp: dict[int, int] = {}
 
     # -- what happened ----------------------------------------------------------------------
@@ -115,15 +115,28 @@ class Timeline:
         count_seconds[0] += 1
         count_seconds[1] += seconds
 
-    def sample(self, now: float, queue: int, in_flight: int, slowdown: float | None = None) -> None:
-        """The queue length, requests in flight and (a live server's) measured step slowdown
-        now, the one admission prices at (each interval keeps its largest)."""
+    def sample(
+        self,
+        now: float,
+        queue: int,
+        in_flight: int,
+        slowdown: float | None = None,
+        deadline_factor: float | None = None,
+    ) -> None:
+        """The queue length, requests in flight, (a live server's) measured step slowdown now,
+        the one admission prices at (each interval keeps its largest), and Alg. 1's calibrated
+        factor (`control/on_time.py`; None: the policy has none)."""
         w = self._at(now)
         w.queue = max(w.queue, queue)
         w.in_flight = max(w.in_flight, in_flight)
         if slowdown is not None:
             w.slowdown = slowdown if w.slowdown is None else max(w.slowdown, slowdown)
-        self.last = {"queue": queue, "in_flight": in_flight, "slowdown": slowdown}
+        self.last = {
+            "queue": queue,
+            "in_flight": in_flight,
+            "slowdown": slowdown,
+            "deadline_factor": deadline_factor,
+        }
 
     def set_instances(self, now: float, instance_tp: dict[str, int]) -> None:
         """The instances serving from `now` on, with their TP degrees."""

@@ -169,6 +169,7 @@ class _ClusterCollector:
             "Of those, requests that took longer than predicted times the factor then in force",
             value=c.on_time.late,
         )
+        yield from _deadline_metrics(c.deadline, c.deadline_factor)
         degraded = "1 while /health says degraded (lost capacity, or admission refusing all)"
         yield _gauge("dilaserve_degraded", degraded, float(c.health() == "degraded"))
         instances = GaugeMetricFamily(
@@ -195,6 +196,28 @@ class _ClusterCollector:
 
 def _gauge(name: str, text: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, text, value=value)
+
+
+def _deadline_metrics(calibration, factor: float | None):
+    """Alg. 1's on-time calibration (`control/on_time.py`), when the policy has one."""
+    if calibration is None:
+        return
+    text = (
+        "Alg. 1's deadline factor: how many times its estimated remaining time a request's "
+        "threshold is chosen for (the on-time target's quantile of finished requests' taken "
+        "over estimated time; decays toward 1 while none finishes)"
+    )
+    yield _gauge("dilaserve_deadline_factor", text, factor)
+    yield CounterMetricFamily(
+        "dilaserve_deadline_measured",
+        "Requests whose first threshold choice Alg. 1's calibration measured",
+        value=calibration.finished,
+    )
+    yield CounterMetricFamily(
+        "dilaserve_deadline_late",
+        "Of those, requests that took longer than estimated times the factor then in force",
+        value=calibration.late,
+    )
 
 
 class _Window:

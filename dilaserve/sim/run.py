@@ -151,6 +151,7 @@ def simulate(spec: SimulationSpec, progress=None, log: DecisionLog | None = None
         "events": result.events,
         "simulated_seconds": round(result.end_time, 2),
         "reconfigurations": len(result.reconfigurations),
+        **deadline_notes(scheduler, result.end_time),
         "decision_digest": result.decision_digest,
     }
     timing = {
@@ -160,6 +161,20 @@ def simulate(spec: SimulationSpec, progress=None, log: DecisionLog | None = None
     return SimulationRun(
         spec, slo, rows, summary, metrics.by_interval(rows, spec.interval), result, timing
     )
+
+
+def deadline_notes(scheduler: Scheduler, end: float) -> dict:
+    """Alg. 1's on-time calibration at the end (`control/on_time.py`), for a policy with one:
+    its factor, and how many of the requests it measured finished later than the factor then
+    in force allowed."""
+    calibration = scheduler.deadline
+    if calibration is None:
+        return {}
+    return {
+        "deadline_factor": round(calibration.factor(end), 4),
+        "deadline_measured": calibration.finished,
+        "deadline_late": calibration.late,
+    }
 
 
 def quality_notes(

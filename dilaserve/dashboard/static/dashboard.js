@@ -270,11 +270,14 @@ function drawHeader(data) {
   const t = data.totals;
   const share = (x) => (x === null || x === undefined ? "-" : `${(100 * x).toFixed(1)}%`);
   const slowdown = data.current.slowdown;
+  const factor = data.current.deadline_factor;
   const cards = [["within SLO (refused = missed)", share(t.attainment_of_arrivals)],
                  ["of finished, on time", share(t.attainment)],
                  ["finished", t.finished], ["failed", t.failed], ["rejected", t.rejected],
                  ["step slowdown", slowdown === null || slowdown === undefined ? "-"
                    : `${slowdown.toFixed(1)}x`],
+                 ["deadline factor", factor === null || factor === undefined ? "-"
+                   : `${factor.toFixed(2)}x`],
                  ["in flight", data.current.in_flight], ["queue", data.current.queue],
                  ["migrations", t.migrations], ["time", `${fmt(data.now)} s`]];
   const box = document.getElementById("totals");
