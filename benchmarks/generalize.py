@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -182,7 +183,9 @@ def main() -> None:
     results = {}
     with ProcessPoolExecutor(args.jobs) as pool:
         for set_name, trace_name, changes, seed in jobs:
-            scale = pressures.get(trace_name) or find_pressure(changes, seed)
+            if trace_name not in pressures:  # one search per trace, with the first seed
+                pressures[trace_name] = find_pressure(changes, seed)
+            scale = pressures[trace_name]
             specs = {
                 p: SimulationSpec(policy=p, seed=seed, rate_scale=scale, **changes)
                 for p in policies
@@ -194,19 +197,15 @@ def main() -> None:
                 "rows": rows, "effects": effects(rows),
             }  # fmt: skip
             print(markdown({key: results[key]}), flush=True)
-    (out / "summary.json").write_text(
-        json.dumps({"args": vars(args), "results": results}, indent=1)
-    )
-    (out / "report.md").write_text(
-        f"`python benchmarks/generalize.py {' '.join(_argv())}`\n\n{markdown(results)}\n"
-    )
+            write(out, args, results)  # after each trace: a run cut short keeps what it did
     print(f"run folder: {out}")
 
 
-def _argv() -> list[str]:
-    import sys
-
-    return sys.argv[1:]
+def write(out: Path, args: argparse.Namespace, results: dict) -> None:
+    summary = {"args": vars(args), "results": results}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    command = f"python benchmarks/generalize.py {' '.join(sys.argv[1:])}"
+    (out / "report.md").write_text(f"`{command}`\n\n{markdown(results)}\n")
 
 
 if __name__ == "__main__":
