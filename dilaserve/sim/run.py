@@ -151,6 +151,7 @@ def simulate(spec: SimulationSpec, progress=None, log: DecisionLog | None = None
         "events": result.events,
         "simulated_seconds": round(result.end_time, 2),
         "reconfigurations": len(result.reconfigurations),
+        "migrations": result.migrations,
         "decision_digest": result.decision_digest,
     }
     timing = {
