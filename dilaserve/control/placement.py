@@ -11,7 +11,10 @@ request the instance holds (running, gathered or between steps), in tokens, and 
 full-step curve of the instance's TP degree (ties go to an idle instance); with
 `SchedulerConfig.instance_speed` (an extension) it is taken times the instance's measured speed
 over the profile's (`speed.py`), so that a straggler the profile does not know is priced as it
-runs. With an exact cache (block diffusion, beyond the paper) a move costs a prefill, so there
+runs. A request that has a home moves to Alg. 3's pick only when the move pays (beyond the
+paper): its next step must end there, the wait for that instance's running step included, more
+than `SchedulerConfig.migration_price` seconds before it would at home (`_move_pays`). With an
+exact cache (block diffusion, beyond the paper) a move costs a prefill, so there
 the request goes where its step is predicted to finish first: a busy instance starts the
 gathered batch, its running step's requests included, when that step ends. Least-tokens
 placement (`llumnix`) picks the batch with the fewest tokens. A queue (first-free placement:
@@ -102,17 +105,55 @@ class Placer:
             inst = candidates[0]
             kind = home_kind if inst is home else away
             return (inst, kind) if self.has_room(inst, self.tokens(t, kind), kind, solo) else None
-        best, best_key = None, None
+        best, best_key, can_stay = None, None, False
         for inst in candidates:
             kind = home_kind if inst is home else away
             n = self.tokens(t, kind)
             if not self.has_room(inst, n, kind, solo):
                 continue
+            can_stay = can_stay or inst is home
             joining = 0 if inst is home else r.num_tokens
             key = (self._cost(inst, kind, n, joining, now), inst.busy, inst.instance_id)
             if best_key is None or key < best_key:
                 best, best_key = (inst, kind), key
+        if self._alg3 and can_stay and best is not None and best[0] is not home:
+            assert home is not None  # it has room, so it is a candidate
+            if not self._move_pays(t, best[0], best[1], home, home_kind, now):
+                return home, home_kind
         return best
+
+    def _move_pays(
+        self,
+        t,
+        to: InstanceState,
+        kind: StepKind,
+        home: InstanceState,
+        home_kind: StepKind,
+        now: float,
+    ) -> bool:
+        """Whether moving to Alg. 3's pick `to` beats staying at `home` by more than the move
+        costs: the request's next step must end there `config.migration_price` seconds before
+        it would at home, each instance's next batch with the request in it starting when its
+        running step ends (the home the request's last step just left is free now). Alg. 3's
+        price does not see that wait: with an approximate cache a request moves only at a
+        block's first step, a recompute at home or away alike (the sequence travels with the
+        step), so waiting for a busy instance's running step is what a move costs; unpriced,
+        it made `dilaserve` lose to `no-migration` (docs/control.md, "Migration that pays")."""
+        ends = self._step_end(to, kind, self.tokens(t, kind), now)
+        stays = self._step_end(home, home_kind, self.tokens(t, home_kind), now)
+        return ends + self.config.migration_price < stays
+
+    def _step_end(self, inst: InstanceState, kind: StepKind, n: int, now: float) -> float:
+        """When the instance's next step, with a step of `kind` processing `n` tokens in it,
+        ends: its next batch (the gathered one and, while a step runs, that step's requests,
+        which come back to it) starts when the running step ends."""
+        full, cache = inst.next_batch()
+        if kind in CACHED_KINDS:
+            cache += n
+        else:
+            full += n
+        start = inst.busy_until if inst.busy and inst.busy_until > now else now
+        return start + inst.latency(full, cache)
 
     def _cost(self, inst: InstanceState, kind: StepKind, n: int, joining: int, now: float) -> float:
         """What placement minimises on `inst` for a step of `kind` processing `n` tokens, the
@@ -122,15 +163,13 @@ class Placer:
             if self._speed is not None:  # the extension: at the instance's measured speed
                 price *= self._speed.instance_ratio(inst.instance_id)
             return price
-        fastest = self._fastest
-        full, cache = inst.next_batch() if fastest else (inst.pending_full, inst.pending_cache)
+        if self._fastest:  # an exact cache: where the step, a prefill away from home, ends first
+            return self._step_end(inst, kind, n, now)
+        full, cache = inst.pending_full, inst.pending_cache
         if kind in CACHED_KINDS:
             cache += n
         else:
             full += n
-        if fastest:  # an exact cache: where the step, a prefill away from home, ends first
-            start = inst.busy_until if inst.busy and inst.busy_until > now else now
-            return start + inst.latency(full, cache)
         return full + cache + self._running_tokens(inst)
 
     def bind(self, open_instances: Sequence[InstanceState]) -> str | None:

@@ -152,6 +152,7 @@ def simulate(spec: SimulationSpec, progress=None, log: DecisionLog | None = None
         "simulated_seconds": round(result.end_time, 2),
         "reconfigurations": len(result.reconfigurations),
         **deadline_notes(scheduler, result.end_time),
+        "migrations": result.migrations,
         "decision_digest": result.decision_digest,
     }
     timing = {

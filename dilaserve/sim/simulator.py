@@ -73,6 +73,9 @@ class SimResult:
     events: int
     end_time: float
     reconfigurations: list[dict] = field(default_factory=list)
+    # releases: a request's state dropped where it was because it moved on (migrations, as the
+    # cluster runtime counts them, `cluster/controller.py`), or after a failed step
+    migrations: int = 0
 
 
 class Simulator:
@@ -97,6 +100,7 @@ class Simulator:
         self.rollout = Rollout(scheduler, self, config.max_batch_tokens)
         self._heap: list = []
         self._seq = 0
+        self._releases = 0
         self._running: dict[str, tuple[StepBatch, float]] = {}  # instance -> (batch, seconds)
         self._done: list[Request] = []
         self.instance_log: list[tuple[float, dict[int, int]]] = []
@@ -149,6 +153,7 @@ class Simulator:
             events,
             now,
             self.rollout.log,
+            self._releases,
         )
 
     def _step_done(self, instance_id: str, now: float) -> None:
@@ -169,6 +174,7 @@ class Simulator:
 
     def apply(self, d: Decisions, now: float, event: str) -> None:
         self.log.record(now, event, d)
+        self._releases += len(d.releases)
         for launch in d.launches:
             seconds = self.durations(launch.instance_id, launch.batch, now)
             self._running[launch.instance_id] = (launch.batch, seconds)
