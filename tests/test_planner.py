@@ -12,7 +12,7 @@ from dilaserve.control.layout import InstanceSlot, launch_order, plan_layout
 from dilaserve.control.monitor import WorkloadClass, WorkloadMonitor
 from dilaserve.control.planner import CapacityPlan, plan_capacity
 from dilaserve.control.policy import get_policy
-from dilaserve.control.reconfigure import Reconfigurer, worth_applying
+from dilaserve.control.reconfigure import Reconfigurer, move_timeline, worth_applying
 from dilaserve.control.scheduler import Scheduler, SchedulerConfig
 from dilaserve.protocol import StepKind
 from dilaserve.request import Request
@@ -281,3 +281,49 @@ def test_switched_variables_are_the_rows_one_constraint_at_a_time_adds():
     h, z, w = model(True)
     h.maximize(w[1] - w[0] - w[2])
     assert h.val(z[1]) > 0.5 and h.val(w[1]) == 2.5 and h.val(w[0]) == h.val(w[2]) == 0
+
+
+def test_a_move_serves_with_fewer_gpus_for_a_start_up_per_wave_of_launches():
+    # 16 TP-1 to 4 TP-4 on four nodes: each TP-4 stops four TP-1 and waits for the one before
+    running = [InstanceSlot(f"i{k}", k // 4, 1, (k % 4,)) for k in range(16)]
+    layout = plan_layout({4: 4}, [4] * 4, running)
+    move = launch_order(layout, running, plan_with({4: 4}), "r")
+    timeline = move_timeline(move, running, 30.0)
+    assert [seconds for seconds, _ in timeline] == [30.0] * 4
+    for k, (_, serving) in enumerate(timeline):
+        assert sum(tp * n for (_, tp), n in serving.items()) == 12  # 4 GPUs always loading
+        assert sum(n for (_, tp), n in serving.items() if tp == 4) == k
+
+
+def plan_with(counts, slack=0.0, feasible=True):
+    return CapacityPlan(
+        instances={(0, tp): n for tp, n in counts.items()},
+        batch_tokens={},
+        cache_batch_tokens={},
+        mean_threshold=0.9 if feasible else 0.0,
+        slack=slack,
+        latency=(),
+        threshold_mix=(),
+        utilisation={},
+        feasible=feasible,
+    )
+
+
+@pytest.mark.parametrize("proposal_slack, applied", [(60.0, False), (80.0, True)])
+def test_a_move_must_pass_the_trigger_with_its_start_ups_paid(monkeypatch, proposal_slack, applied):
+    # 2 TP-1 to one TP-2: nothing serves for the 30 s start-up (scored 0), and a move to less
+    # throughput is undone when the load returns, so its cost counts twice: 60 s of a 300 s
+    # period. Slack 60 prices at 48, short of 1.1 x 50; slack 80 prices at 64
+    import dilaserve.control.reconfigure as reconfigure
+
+    monkeypatch.setattr(
+        reconfigure, "plan_capacity", lambda *a, **kw: plan_with({}, feasible=False)
+    )
+    r = Reconfigurer(PROFILE, config(period=300.0, startup_delay=30.0))
+    assert r._throughput({2: 1}) < r._throughput({1: 2})
+    running = [InstanceSlot("a", 0, 1, (0,)), InstanceSlot("b", 0, 1, (1,))]
+    move = launch_order(plan_layout({2: 1}, [2], running), running, plan_with({2: 1}), "r")
+    r.history.append({})
+    pays = r._move_pays(move, running, [], plan_with({2: 1}, proposal_slack), plan_with({1: 2}, 50))
+    assert pays is applied
+    assert r.history[-1]["trips"] == 2 and r.history[-1]["move_seconds"] == 30.0

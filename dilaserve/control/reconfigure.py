@@ -19,7 +19,11 @@ than the SLOs can absorb: an instance's start-up (`PlannerConfig.startup_delay`)
 smallest slack the current configuration leaves a class (SLO_k - t_k). Stopping instances to
 load others takes their GPUs away for a whole start-up: 4 TP-1 instances replaced by one TP-4
 serve nobody for 30 s, which at a 4.6 s SLO misses every request that comes meanwhile, while a
-2 s gap within a 27 s SLO costs little (docs/simulator.md).
+2 s gap within a 27 s SLO costs little (docs/simulator.md). With it (`PlannerConfig.price_moves`,
+`_move_pays`) a move must also pass the trigger once its start-ups are paid: each configuration
+serving while it is carried out (`move_timeline`, a start-up per wave of launches) scores for as
+long as it serves within the next period, twice over for a move to less throughput, which the
+next climb of the load undoes at the same cost (docs/control.md, "Start-ups priced").
 
 Two more of ours, for what the paper leaves open, each measured on its Table 4 trace
 (docs/simulator.md, Fig. 10): the monitor's buffer carries the load's rise
@@ -48,10 +52,18 @@ def worth_applying(proposal: CapacityPlan, current: CapacityPlan, gain: float) -
         return True  # a feasible plan, or the TP-1 fallback, beats a configuration that fails
     if not proposal.feasible:
         return False
-    return (
-        proposal.mean_threshold >= (1 + gain) * current.mean_threshold
-        or proposal.slack >= (1 + gain) * current.slack
-    )
+    return improves(objectives(proposal), objectives(current), gain)
+
+
+def objectives(plan: CapacityPlan) -> tuple[float, float]:
+    """(mean threshold, SLO slack) of a plan; a configuration that cannot meet the SLOs scores
+    0 on both, below every one that can."""
+    return (plan.mean_threshold, plan.slack) if plan.feasible else (0.0, 0.0)
+
+
+def improves(new: tuple[float, float], old: tuple[float, float], gain: float) -> bool:
+    """The trigger: the mean threshold or the SLO slack rises by at least `gain` (a share)."""
+    return any(n >= (1 + gain) * o for n, o in zip(new, old))
 
 
 def gpus_needed(
@@ -83,6 +95,35 @@ def fewest_serving_gpus(plan: Reconfiguration, running: Sequence[InstanceSlot]) 
         fewest = min(fewest, serving)
         serving += step.start.tp
     return fewest
+
+
+def move_timeline(
+    plan: Reconfiguration, running: Sequence[InstanceSlot], startup: float
+) -> list[tuple[float, dict[tuple[int, int], int]]]:
+    """What serves while `plan` is carried out, as `Rollout` carries it out: (seconds, instances
+    per (node, TP degree)) for each stretch until the last launch is up. A launch that stops nothing
+    starts at once; one that stops instances (or any, in a serial plan) waits until every
+    earlier launch is up, then stops them (draining is taken as instant) and loads for
+    `startup` seconds. The instances retired last serve until the end."""
+    live = {slot.instance_id: (slot.node, slot.tp) for slot in running}
+    changes: list[tuple[float, tuple[int, int], int]] = []  # (time, (node, tp), +1 up / -1 off)
+    now, loading = 0.0, []  # up times of the launches in flight
+    for step in plan.steps:
+        if loading and (plan.serial or step.stop):
+            now, loading = max(loading), []
+        changes += [(now, live.pop(i), -1) for i in step.stop if i in live]
+        loading.append(now + startup)
+        changes.append((now + startup, (step.start.node, step.start.tp), +1))
+    serving: dict[tuple[int, int], int] = {}
+    for slot in running:
+        serving[slot.node, slot.tp] = serving.get((slot.node, slot.tp), 0) + 1
+    timeline, last = [], 0.0
+    for time, key, sign in sorted(changes):
+        if time > last:
+            timeline.append((time - last, {k: n for k, n in sorted(serving.items()) if n}))
+            last = time
+        serving[key] = serving.get(key, 0) + sign
+    return timeline
 
 
 class Reconfigurer:
@@ -134,6 +175,7 @@ class Reconfigurer:
                 "mean_threshold": (current.mean_threshold, proposal.mean_threshold),
                 "slack": (current.slack, proposal.slack),
                 "applied": apply,
+                "utilisation": {d: round(u, 3) for d, u in proposal.utilisation.items()},
             }
         )
         limits = proposal.batch_limits() if self.config.batch_limits else None
@@ -150,10 +192,19 @@ class Reconfigurer:
             layout, running, proposal, f"r{self._rounds}", self.config.serial_launches
         )
         guarded = self.config.guard_moves and current.feasible
-        if guarded and self._move_hurts(plan, running, classes, current):
+        if guarded and not self._move_pays_off(plan, running, classes, proposal, current):
             self.history[-1]["applied"] = False
             return None
         return replace(plan, batch_limits=limits)
+
+    def _move_pays_off(self, plan, running, classes, proposal, current) -> bool:
+        """The guard: the move neither leaves too few GPUs serving too long nor, with
+        `price_moves`, falls short of the trigger once its start-ups are paid."""
+        if self._move_hurts(plan, running, classes, current):
+            return False
+        return not self.config.price_moves or self._move_pays(
+            plan, running, classes, proposal, current
+        )
 
     def _move_hurts(self, plan: Reconfiguration, running, classes, current) -> bool:
         """Whether the move leaves too few GPUs serving for longer than the SLOs' slack."""
@@ -164,3 +215,44 @@ class Reconfigurer:
             gpus_needed=round(needed, 2), fewest_serving=fewest, class_slack=round(slack, 3)
         )
         return fewest < needed and self.config.startup_delay > slack
+
+    def _move_pays(self, plan: Reconfiguration, running, classes, proposal, current) -> bool:
+        """Whether the move still passes the trigger once its start-ups are paid. Over the next
+        period (what a plan serves before the planner looks again) each configuration that
+        serves while the move is carried out (`move_timeline`; its counts pinned in Stage 1, 0
+        on both objectives if it cannot meet the SLOs) stands in for the proposal for as long
+        as it serves. A move to less throughput than runs now (wider instances, for slack) is
+        made for a load that will pass: when the load rises again it is undone by a move that
+        costs as much, so its cost counts twice."""
+        period, gained = self.config.period, objectives(proposal)
+        lost, left = [0.0, 0.0], period
+        scored: dict[tuple, tuple[float, float]] = {}  # counts per TP degree -> objectives
+        for seconds, serving in move_timeline(plan, running, self.config.startup_delay):
+            seconds = min(seconds, left)
+            if seconds <= 0:
+                break
+            key = tuple(sorted(counts_by_tp(serving).items()))
+            if key not in scored:
+                pinned = plan_capacity(classes, self.profile, self.config, fixed=serving)
+                scored[key] = objectives(pinned)
+            lost = [x + seconds * (g - v) for x, g, v in zip(lost, gained, scored[key])]
+            left -= seconds
+        before: dict[int, int] = {}
+        for slot in running:
+            before[slot.tp] = before.get(slot.tp, 0) + 1
+        trips = 2 if self._throughput(proposal.counts()) < self._throughput(before) else 1
+        priced = tuple(g - trips * x / period for g, x in zip(gained, lost))
+        self.history[-1].update(
+            move_seconds=round(period - left, 1),
+            trips=trips,
+            priced=(round(priced[0], 4), round(priced[1], 3)),
+        )
+        return improves(priced, objectives(current), self.config.improvement)
+
+    def _throughput(self, counts: dict[int, int]) -> float:
+        """Tokens per second the instances carry at their best batch (cache steps with a
+        cache, full steps without): what a layout can serve at the most."""
+        kind = self.config.costs.inner_kind if self.config.cache_block else None
+        kind = kind or self.config.costs.boundary_kind
+        curve = self.profile.curve
+        return sum(n * curve(tp, kind).best_throughput()[1] for tp, n in counts.items())

@@ -51,6 +51,7 @@ class SimulationRun:
     intervals: list[dict]
     result: object
     timing: dict  # wall-clock figures, kept out of the summary so that it is reproducible
+    planner_rounds: list[dict] = dataclasses.field(default_factory=list)  # Reconfigurer.history
 
 
 def check_profile(spec: SimulationSpec, profile: LatencyProfile) -> None:
@@ -159,9 +160,9 @@ def simulate(spec: SimulationSpec, progress=None, log: DecisionLog | None = None
         "wall_seconds": round(wall, 2),
         "events_per_second": round(result.events / wall, 1) if wall else None,
     }
-    return SimulationRun(
-        spec, slo, rows, summary, metrics.by_interval(rows, spec.interval), result, timing
-    )
+    rounds = reconfigurer.history if reconfigurer is not None else []
+    intervals = metrics.by_interval(rows, spec.interval)
+    return SimulationRun(spec, slo, rows, summary, intervals, result, timing, rounds)
 
 
 def deadline_notes(scheduler: Scheduler, end: float) -> dict:
@@ -230,7 +231,11 @@ def write_run(
     instances = metrics.instances_at(run.result.instance_log, times)
     write_json(
         folder / "summary.json",
-        {**run.summary, "reconfiguration_log": run.result.reconfigurations},
+        {
+            **run.summary,
+            "reconfiguration_log": run.result.reconfigurations,
+            "planner_rounds": run.planner_rounds,
+        },
     )
     write_json(folder / "timing.json", run.timing)
     columns = ["start", "requests", "slo_attainment", "latency_mean", "mean_threshold"]
