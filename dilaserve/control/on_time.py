@@ -19,6 +19,10 @@ too; per step instead (its choice taken out), at 3x capacity 85% of admitted req
 time, against 99% so (docs/control.md, "On-time factor"). `target` is the one number a user
 sets: an on-time probability (a service-level target), not a margin fitted to a trace.
 
+Alg. 1 (threshold selection) keeps a second instance, fed each request's first threshold
+choice (`Scheduler.deadline`, `Policy.on_time_target`); where it exists admission prices at its
+factor and keeps none of its own (`admission.py`).
+
 An estimate is not a fact (DESIGN.md 7): with no request finishing (nothing admitted, e.g.
 because the factor itself refuses everything) the factor decays toward 1 with a half-life, so
 admission returns to the plain prediction and the next requests measure again. Pure
