@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -156,7 +157,8 @@ def main() -> None:
     rows = report(tracks)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"spec": vars(args), **rows}, f, indent=1)
+            summary = {"attainment": run.summary["slo_attainment"], **rows}
+            json.dump({"command": " ".join(sys.argv), "spec": vars(args), **summary}, f, indent=1)
 
 
 if __name__ == "__main__":
