@@ -183,9 +183,9 @@ def main() -> None:
     results = {}
     with ProcessPoolExecutor(args.jobs) as pool:
         for set_name, trace_name, changes, seed in jobs:
-            if trace_name not in pressures:  # one search per trace, with the first seed
-                pressures[trace_name] = find_pressure(changes, seed)
-            scale = pressures[trace_name]
+            scale = pressures.get(trace_name)  # given for every seed, else searched per seed
+            if scale is None:
+                scale = find_pressure(changes, seed)
             specs = {
                 p: SimulationSpec(policy=p, seed=seed, rate_scale=scale, **changes)
                 for p in policies
