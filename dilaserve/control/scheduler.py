@@ -17,8 +17,8 @@ due at most once per `refresh_interval` (a new request is predicted at once), lo
 `load_control.py`), and the threshold is re-selected (Alg. 1/5) whenever a request moves or its
 predictions refresh, pricing the remaining steps at the load of everything assigned to its
 instance (at the measured speed, `speed.py`) and fitting them into `slo_headroom` of the budget
-left (the policy's, else the config's: 1.0, the paper's rule). Each instance's gathered batch
-keeps its own books (`instance.py`).
+left (the policy's, else the config's: 1.0, the paper's rule), or at a calibrated quantile of
+it (`selection.py`). Each instance's gathered batch keeps its own books (`instance.py`).
 """
 
 from __future__ import annotations
@@ -30,18 +30,12 @@ from dilaserve.control.decisions import Decisions, SchedulerConfig, StepLaunch
 from dilaserve.control.instance import InstanceState
 from dilaserve.control.layout import InstanceSlot
 from dilaserve.control.load_control import LoadControl
-from dilaserve.control.on_time import OnTimeCalibration
 from dilaserve.control.placement import Placer
 from dilaserve.control.policy import Migration, Policy
 from dilaserve.control.profile import LatencyProfile
 from dilaserve.control.reconfigure import Reconfigurer
+from dilaserve.control.selection import ThresholdSelection
 from dilaserve.control.speed import MeasuredSpeed
-from dilaserve.control.thresholds import (
-    InstanceLoad,
-    highest_fitting,
-    seconds_left,
-    step_seconds,
-)
 from dilaserve.protocol import StepBatch, StepItem, StepKind, StepOutput
 from dilaserve.request import Request, RequestStatus
 
@@ -78,7 +72,6 @@ class Scheduler:
         self._ready: list[str] = []
         self._solo: set[str] = set()  # requests whose steps run alone (after a failed batch)
         self._ladder = tuple(sorted(policy.candidates, reverse=True))
-        self._headroom = policy.slo_headroom or config.slo_headroom
         self._costs = config.costs
         self.speed = MeasuredSpeed(profile, self._costs, self.requests)  # the runtime reports
         # mid-block steps stay with an approximate cache, unless migration may happen anywhere
@@ -88,12 +81,6 @@ class Scheduler:
         )
         self._placer = Placer(policy, config, self.instances, self.requests, self._solo, self.speed)
         self._admitted = 0
-        # Alg. 1 at a quantile of taken over estimated time, learned from finished requests
-        self.deadline = (
-            OnTimeCalibration(policy.on_time_target)
-            if policy.on_time_target is not None and policy.is_dynamic
-            else None
-        )
         # predictions and load control (Alg. 2/4; admission asks it the same question): dynamic
         # thresholds only, a fixed one needs neither
         self.load_control = (
@@ -110,6 +97,10 @@ class Scheduler:
             if policy.is_dynamic
             else None
         )
+        self._selection = ThresholdSelection(
+            policy, profile, self._costs, config.slo_headroom, self.speed, self.load_control
+        )
+        self.deadline = self._selection.deadline  # Alg. 1's calibration (None: point estimate)
 
     # -- instances ---------------------------------------------------------------------------
 
@@ -361,56 +352,8 @@ class Scheduler:
         return releases
 
     def _threshold(self, t: _Tracked, inst: InstanceState, now: float) -> float:
-        """Alg. 1 over the thresholds load control allows and the request accepts; a request
-        whose bounds exclude all of them gets the nearest it accepts. With an on-time target
-        the remaining time is priced at the calibrated quantile (`self.deadline`), and each
-        request's first estimate joins the calibration."""
-        r = t.request
-        fixed = self.policy.fixed_threshold
-        if fixed is not None:  # not a dynamic policy
-            return r.clamp_threshold(fixed)
-        if not t.needs_threshold:
-            return r.threshold
-        t.needs_threshold = False
-        allowed = r.within_bounds(t.allowed)
-        if not allowed:
-            return r.clamp_threshold(t.allowed[0])
-        if len(allowed) == 1 and self.deadline is None:  # load control left one choice
-            return allowed[0]
-        assert r.deadline is not None and self.load_control is not None  # set at arrival; dynamic
-        seconds = self._step_seconds(inst)
-        slo_left = (r.deadline - now) * self._headroom
-        steps = self.load_control.steps_left(r.request_id, allowed)
-        if self._costs.exact and r.request_id not in inst.holds:  # it prefills there first
-            slo_left -= self._prefill_extra(r, inst)
-        if self.deadline is None:
-            return highest_fitting(allowed, steps, r.num_blocks_to_recompute, slo_left, seconds)
-        chosen = highest_fitting(
-            allowed, steps, r.num_blocks_to_recompute, slo_left / self.deadline.factor(now), seconds
-        )
-        if r.request_id not in self.deadline:
-            estimate = seconds_left(
-                steps[allowed.index(chosen)], r.num_blocks_to_recompute, seconds
-            )
-            self.deadline.admitted(r.request_id, estimate, now)
-        return chosen
-
-    def _step_seconds(self, inst: InstanceState) -> tuple[float, float]:
-        """(inner, boundary) step seconds on `inst` as the request's later steps will find it:
-        everything assigned there, at the measured speed."""
-        key = (inst.resident_tokens, inst.residents)
-        if inst.seconds_memo[0] != key:  # the same for every request placed there this round
-            load = InstanceLoad(inst.tp, *key)
-            inst.seconds_memo = (key, step_seconds(load, self.profile, self._costs))
-        slowdown = self.speed.slowdown
-        return tuple(s * slowdown for s in inst.seconds_memo[1])
-
-    def _prefill_extra(self, r: Request, inst: InstanceState) -> float:
-        """What a prefill of `r` on `inst` costs beyond the block step it replaces."""
-        costs = self._costs
-        prefill = inst.full_curve.at(costs.request_tokens(StepKind.PREFILL, r))
-        assert inst.cache_curve is not None  # an exact cache has its curve
-        return max(prefill - inst.cache_curve.at(costs.inner_tokens(r.num_tokens)), 0.0)
+        """The request's threshold for its next steps on `inst` (`selection.py`)."""
+        return self._selection.choose(t, inst, now)
 
     def _launch(self, now: float) -> list[StepLaunch]:
         launches = []
