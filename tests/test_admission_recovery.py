@@ -15,7 +15,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from dilaserve.cluster.backends import WorkerEvent
-from dilaserve.cluster.controller import LAST_INSTANCE_GRACE
+from dilaserve.cluster.hangs import LAST_INSTANCE_GRACE
 from dilaserve.cluster.requests import InvalidRequest, Overloaded
 from dilaserve.cluster.runtime import Cluster, ClusterConfig
 from dilaserve.cluster.worker import WorkerConfig

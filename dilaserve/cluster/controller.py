@@ -19,8 +19,8 @@ committed tokens (the step it was running is lost), the failure is counted and l
 replacement with the same GPUs is started (`replace_failed`); an instance whose step runs past
 its step timeout (`step_timeout_of`: the configured or derived timeout times the instance's
 measured slowdown) is taken for hung and killed, to the same end; the last instance serving
-only once past `LAST_INSTANCE_GRACE` times that: slowness alone never leaves the cluster with
-none. A replacement that cannot be started or dies loading is retried with backoff
+only once past `LAST_INSTANCE_GRACE` times that (`hangs.py`): slowness alone never leaves the
+cluster with none. A replacement that cannot be started or dies loading is retried with backoff
 (`replacements`). If the engine raises on a step (a batch too big for memory, a request that
 breaks it), the step's requests resume from their last committed tokens, each alone from then
 on; one whose step fails alone fails. An exception in the controller itself (a bug) fails only
@@ -38,6 +38,7 @@ from collections.abc import Callable
 
 from dilaserve.cluster.backends import Backend, WorkerEvent
 from dilaserve.cluster.config import ClusterConfig
+from dilaserve.cluster.hangs import HangWatch
 from dilaserve.cluster.replacements import Replacements
 from dilaserve.cluster.requests import (
     Answers,
@@ -56,10 +57,6 @@ from dilaserve.protocol import StepBatch, StepOutput
 
 log = logging.getLogger("dilaserve.cluster")
 STEP_TIMES_KEPT = 100_000  # steps whose timings a cluster keeps (the latest)
-# the last instance serving is killed only once a step has run this many times its timeout:
-# within it, it may be slow (spared: killing it would leave nothing serving); past it, it is
-# hung, and with nothing killed nothing would ever serve again
-LAST_INSTANCE_GRACE = 10.0
 
 
 class Controller:
@@ -84,7 +81,7 @@ class Controller:
         self.now = now
         self.rollout = Rollout(scheduler, self, config.max_batch_tokens)
         self.admission = Admission(scheduler, config.overload)
-        self.step_timeout = config.derived_step_timeout(scheduler.profile)
+        self.hangs = HangWatch(config.derived_step_timeout(scheduler.profile), scheduler.speed)
         self.log = DecisionLog(keep_lines=config.record)
         self.recording = Recording() if config.record else None
         self.stats = {
@@ -112,8 +109,6 @@ class Controller:
         self.refused_in_a_row = 0
         self._specs: dict[str, InstanceSpec] = {}  # starting or running
         self._inflight: dict[str, tuple[float, StepBatch]] = {}
-        self._hung: set[str] = set()  # killed for a step past `step_timeout`, death not yet seen
-        self._spared: set[str] = set()  # past it, but the last serving (logged; its step runs)
         self._events: deque[WorkerEvent] = deque()
         self._last = 0.0
         self._handling: tuple[str, object] = ("start", None)  # what the controller is handling
@@ -176,7 +171,7 @@ class Controller:
         elif kind == "cancel":
             self._drop(what, error)
         elif kind == "event" and what.instance_id in self._specs:
-            self._hung.add(what.instance_id)
+            self.hangs.hung.add(what.instance_id)
             self.backend.kill(what.instance_id)
 
     def _drop(self, rid: str, error: Exception) -> None:
@@ -195,37 +190,18 @@ class Controller:
         self.apply(self.scheduler.on_tick(now), now, "t")
         for replacement in self.replacements.due(now):
             self._replace("(retry)", replacement, now)
-        for iid, (launched, _) in list(self._inflight.items()):
-            if now - launched > self.step_timeout_of(iid) and iid not in self._hung:
-                self._kill_hung(iid, now - launched)
+        launched = {iid: start for iid, (start, _) in self._inflight.items()}
+        for iid in self.hangs.to_kill(launched, self.scheduler.instances, now):
+            self.backend.kill(iid)
+
+    @property
+    def step_timeout(self) -> float:
+        """Seconds a step may run at the profile's speed before it counts as hung."""
+        return self.hangs.step_timeout
 
     def step_timeout_of(self, instance_id: str) -> float:
-        """Seconds a step of the instance may run before it counts as hung: `step_timeout`
-        (profile-speed seconds) times the instance's measured slowdown, so that a machine
-        that is slow, not hung, keeps its instances (`speed.py`; a hung instance reports no
-        steps, and its slowdown decays back to the profile's)."""
-        return self.step_timeout * max(self.scheduler.speed.instance_ratio(instance_id), 1.0)
-
-    def _kill_hung(self, iid: str, seconds: float) -> None:
-        """Kill an instance whose step has run `seconds`, unless it is the last one serving
-        and the step is within `LAST_INSTANCE_GRACE` times its timeout: slowness alone never
-        leaves the cluster with none (logged once per step)."""
-        serving = set(self.scheduler.instances) - self._hung
-        last = serving <= {iid}
-        if last and seconds <= LAST_INSTANCE_GRACE * self.step_timeout_of(iid):
-            if iid not in self._spared:
-                self._spared.add(iid)
-                log.warning(
-                    "instance %s: a step has run %.0f s, past its timeout; not killed yet: it "
-                    "is the last instance serving (killed past %.0fx the timeout)",
-                    iid,
-                    seconds,
-                    LAST_INSTANCE_GRACE,
-                )
-            return
-        log.error("instance %s: a step has run %.0f s; killing it as hung", iid, seconds)
-        self._hung.add(iid)  # its death is reported, and handled, as any other
-        self.backend.kill(iid)
+        """The instance's step timeout: `step_timeout` times its measured slowdown (`hangs`)."""
+        return self.hangs.timeout_of(instance_id)
 
     def _admit(self, handle: RequestHandle, now: float) -> None:
         request = handle.request
@@ -291,7 +267,7 @@ class Controller:
         if iid not in self.scheduler.instances:
             return  # removed meanwhile; its requests already moved on
         launched, batch = self._inflight.pop(iid)
-        self._spared.discard(iid)
+        self.hangs.stepped(iid)
         self.step_times.append((now - launched, event.seconds))
         self.steps_run += 1
         tp = self.scheduler.instances[iid].tp
@@ -337,8 +313,7 @@ class Controller:
         log.error("instance %s failed: %s", iid, error)
         self._forget_timings(iid)
         self._inflight.pop(iid, None)
-        self._hung.discard(iid)
-        self._spared.discard(iid)
+        self.hangs.gone(iid)
         spec = self._specs.pop(iid, None)
         was_serving = iid in self.scheduler.instances  # not one that failed to load
         self.rollout.on_failed(iid, now)
