@@ -111,7 +111,7 @@ def main() -> None:
     parser.add_argument("--instances", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=64, help="every request's window")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--out", default="runs")
     args = parser.parse_args()
     folder = create_run_dir(args.out, "block-diffusion")
     write_json(folder / "config.json", {**vars(args), "environment": environment()})

@@ -37,7 +37,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--layout", default="1,1", help="TP degree of each instance")
     parser.add_argument("--slo", type=float, default=1.0)
-    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--out", default="runs")
     args = parser.parse_args()
     config = ClusterConfig(
         worker=WorkerConfig(threads=1),

@@ -105,7 +105,7 @@ def main() -> None:
     ap.add_argument("--requests", default="100,1000,5000")
     ap.add_argument("--instances", default="16,64")
     ap.add_argument("--events", type=int, default=300)
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default="runs")
     args = ap.parse_args()
     predictor, profile = load_gbm(BUNDLED_PREDICTOR), synthetic_profile()
     records = []

@@ -8,7 +8,7 @@ rather than refused, so that they stay in flight) on a free loopback port, opens
 asks for `/dashboard/data` and, as a baseline for the event loop, `/health` every 0.5 s for
 `--seconds`; where Chromium is installed, it also opens `/dashboard` headless and lets the page
 poll three times. Then the clients go away (their requests are cancelled) and the server stops.
-Prints and writes (run folder under benchmarks/results/) the latency of each kind of request,
+Prints and writes (run folder under runs/) the latency of each kind of request,
 the size of the data and the requests in flight it reported.
 """
 
@@ -33,7 +33,7 @@ import numpy as np
 from dilaserve.runs import create_run_dir, environment, markdown_table, write_json, write_records
 from dilaserve.tasks import arith
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "runs"
 POLL_SECONDS = 0.5
 CHROMIUM_FLAGS = (
     "--headless",

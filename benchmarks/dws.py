@@ -103,7 +103,7 @@ def parse_args(argv=None):
     parser.add_argument(
         "--skip", default="", help="parts to skip: chat-cost,chat,latency,minilm,cost,sim,prior"
     )
-    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--out", default="runs")
     args = parser.parse_args(argv)
     for name in ("rates", "live_rates", "chat_rates"):
         setattr(args, name, [float(r) for r in getattr(args, name).split(",")])

@@ -1,6 +1,6 @@
 """Plots of a `dws.py` run folder: chat cost error and chat SJF latency, as PNGs.
 
-    python benchmarks/dws_plots.py benchmarks/results/dws-YYYYMMDD-HHMMSS [--docs docs/img]
+    python benchmarks/dws_plots.py runs/dws-YYYYMMDD-HHMMSS [--docs docs/img]
 
 Writes `chat_cost.png` (mean and median relative cost error per predictor, one panel per
 profile) and `chat_sjf.png` (mean latency, time to first block p99 and the worst latency per

@@ -110,7 +110,7 @@ def main() -> None:
     ap.add_argument("--modes", default="none,prefix,dual")
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--budget", type=float, default=20.0, help="seconds per configuration")
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default="runs")
     args = ap.parse_args()
     base = Engine.from_checkpoint(args.model, EngineConfig(early_finish=False))
     tok = Tokenizer(args.model, base.model.config)

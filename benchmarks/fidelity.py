@@ -77,7 +77,7 @@ def parse_args():
     parser.add_argument(
         "--profile", help="a latency profile to use instead of the bundled calibration's"
     )
-    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--out", default="runs")
     return parser.parse_args()
 
 

@@ -88,7 +88,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--gpus", default="16,64,256")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default="runs")
     args = ap.parse_args()
     profile = synthetic_profile()
     records = []

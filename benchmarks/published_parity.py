@@ -137,7 +137,7 @@ def main() -> None:
     parser.add_argument("--dream-code", required=True)
     parser.add_argument("--llada2-code", required=True)
     parser.add_argument("--site", default=None, help="a folder holding transformers")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--out", default=str(ROOT / "runs"))
     args = parser.parse_args()
     if args.site:
         sys.path.insert(0, args.site)

@@ -93,7 +93,7 @@ def main() -> None:
     p.add_argument("--trace", default="poisson:4:20")
     p.add_argument("--slo-ms", type=float, default=2000.0)
     p.add_argument("--start-timeout", type=float, default=600.0)
-    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--out", default="runs")
     args = p.parse_args()
 
     folder = create_run_dir(args.out, "real-checkpoint")

@@ -45,7 +45,7 @@ put on the server in `reliability_load.py`, the hostile bodies and the check of 
 shape in `reliability_inputs.py`, and the figures made of the records in
 `reliability_summaries.py`.
 
-Writes benchmarks/results/reliability-TIMESTAMP/ (an ignored folder): config.json, summary.json
+Writes runs/reliability-TIMESTAMP/ (an ignored folder): config.json, summary.json
 (every figure and the verdict of each target), server.log (without its access lines) and
 report.md. Latency figures depend on the machine's load: the report says what else ran (the load
 average at start and end).

@@ -1,7 +1,7 @@
 """Reproduce the DiLaServe paper's experiments in the simulator, beside the paper's numbers.
 
     python benchmarks/reproduce.py [--only NAME,...  (default all of `EXPERIMENTS`)]
-                                   [--minutes-per-hour 1.25] [--out benchmarks/results]
+                                   [--minutes-per-hour 1.25] [--out runs]
 
 Every simulation writes its own run folder (config, per-request records, per-interval metrics,
 summary with the decision digest, report) under one experiment folder, which also gets
@@ -362,7 +362,7 @@ def main() -> None:
     ap.add_argument("--only", default=",".join(EXPERIMENTS))
     ap.add_argument("--peak-rps", type=float, default=14.0)
     ap.add_argument("--minutes-per-hour", type=float, default=1.25)
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default="runs")
     ap.add_argument("--shapes", default="", help="mechanisms: shapes naming one of these words")
     ap.add_argument("--seeds", default="0,1", help="mechanisms: the seeds of each shape")
     args = ap.parse_args()

@@ -186,7 +186,7 @@ def main() -> None:
     parser.add_argument(
         "--server-args", default="", help="more `dilaserve serve` options, e.g. '--slo-headroom 1'"
     )
-    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--out", default="runs")
     parser.add_argument("--report-only", default=None, help="rebuild a run folder's report")
     args = parser.parse_args()
     if args.report_only:

@@ -145,7 +145,7 @@ def main() -> None:
     ap.add_argument("--minutes-per-hour", type=float, default=5.0)
     ap.add_argument("--breakdown", action="store_true", help="time the parts of each run")
     ap.add_argument("--cpus", type=int, default=1, help="CPUs to run on (0: all)")
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default="runs")
     args = ap.parse_args()
     print(f"control plane compiled (make compile): {control_plane_compiled()}", flush=True)
     if args.breakdown and control_plane_compiled():

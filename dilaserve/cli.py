@@ -16,6 +16,7 @@ from dilaserve.cli_args import (
     show_defaults,
 )
 from dilaserve.cli_cluster import tp_list
+from dilaserve.cli_runs import add_run_commands
 from dilaserve.cli_serving import add_serving_commands
 from dilaserve.cli_sim import add_simulation_commands
 from dilaserve.config import DEFAULT_THRESHOLD
@@ -282,6 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_measurement_commands(sub)
     add_simulation_commands(sub)
     add_serving_commands(sub)
+    add_run_commands(sub)
     show_defaults(parser)
     return parser
 

@@ -1,0 +1,107 @@
+"""The repository stays a codebase, not a store of run output (docs/results/README.md).
+
+Run folders go to the ignored `runs/`; what a doc quotes is a summary under docs/results/ made
+by `dilaserve keep`. The run folders still tracked under benchmarks/results/ are the last of an
+older layout, named here so that none can be added; they leave the tree over the next
+submissions, which is what holds the tree's size above its target until then.
+"""
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from dilaserve.keep import keep_run
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_FILES = 1500
+MAX_BYTES = 30_000_000
+# removed a few at a time: a submission's diffs are bounded, and deleting a file counts its text
+LEGACY_RUN_FOLDERS = {
+    "reproduce-20261201-233219",
+    "reproduce-20261202-013308",
+    "reproduce-20261202-045620",
+    "reproduce-20261202-050557",
+    "reproduce-20261202-083929",
+}
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def tracked() -> list[Path]:
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(ROOT), "ls-files", "-z"], capture_output=True, check=True
+        )
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    return [Path(name) for name in done.stdout.decode().split("\0") if name]
+
+
+def test_no_run_folder_is_tracked_but_the_legacy_ones():
+    legacy = {p.parts[2] for p in tracked() if p.parts[:2] == ("benchmarks", "results")}
+    assert legacy <= LEGACY_RUN_FOLDERS, (
+        f"run folders belong in runs/: {legacy - LEGACY_RUN_FOLDERS}"
+    )
+    assert not [p for p in tracked() if p.parts[0] == "runs"]
+
+
+def outside_legacy() -> list[Path]:
+    return [p for p in tracked() if p.parts[:2] != ("benchmarks", "results")]
+
+
+def test_the_tree_stays_under_its_file_count_outside_the_legacy_run_folders():
+    assert len(outside_legacy()) < MAX_FILES
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="43 MB: the bundled models' float32 weights (28 MB) go to float16 on disk in the next "
+    "submission, which this one's diff budget leaves no room for",
+)
+def test_the_tree_stays_under_its_size_outside_the_legacy_run_folders():
+    size = sum((ROOT / p).stat().st_size for p in outside_legacy() if (ROOT / p).is_file())
+    assert size < MAX_BYTES, f"{size / 1e6:.1f} MB tracked"
+
+
+def markdown_files() -> list[Path]:
+    return [
+        ROOT / p for p in tracked() if p.suffix == ".md" and p.parts[0] in ("docs", "README.md")
+    ]
+
+
+def test_every_relative_link_in_the_docs_resolves():
+    broken = []
+    for doc in markdown_files():
+        for target in LINK.findall(doc.read_text()):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue
+            path = target.split("#")[0]
+            if path and not (doc.parent / path).exists():
+                broken.append(f"{doc.relative_to(ROOT)}: {target}")
+    assert not broken, "\n".join(broken)
+
+
+def test_keep_copies_the_small_files_and_names_the_command(tmp_path):
+    run = tmp_path / "simulate-20260101-000000"
+    (run / "sub-1").mkdir(parents=True)
+    (run / "config.json").write_text('{"environment": {"command": "dilaserve simulate"}}')
+    (run / "summary.json").write_text('{"attainment": 0.9}')
+    (run / "records.csv").write_text("x\n" * 60_000)  # per-request records stay behind
+    (run / "dashboard.html").write_text("<html></html>")
+    (run / "sub-1" / "summary.json").write_text('{"attainment": 0.8}')
+    (run / "sub-1" / "run.png").write_bytes(b"\x89PNG")
+
+    kept = keep_run(run, tmp_path / "kept")
+
+    names = sorted(p.name for p in kept.dest.iterdir())
+    assert names == ["KEPT.md", "config.json", "nested.json", "summary.json"]
+    assert '"sub-1/summary.json": {\n  "attainment": 0.8' in (kept.dest / "nested.json").read_text()
+    note = (kept.dest / "KEPT.md").read_text()
+    assert "`dilaserve simulate`" in note
+    assert "records.csv (1)" in note and "dashboard.html (1)" in note and "run.png (1)" in note
+
+
+def test_keep_refuses_a_missing_run(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no run folder"):
+        keep_run(tmp_path / "nothing")
