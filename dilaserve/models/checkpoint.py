@@ -55,8 +55,16 @@ def _weight_map(folder: Path) -> dict[str, str]:
 
 
 def _module_for(model: torch.nn.Module, key: str):
-    owner_name, _, attr = key.rpartition(".")
-    return model.get_submodule(owner_name), attr
+    """The module that loads checkpoint `key`, and the name it knows it by: the key's owner and
+    last part, or the nearest owner that loads the rest of the key itself (stacked experts)."""
+    parts = key.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            module = model.get_submodule(".".join(parts[:cut]))
+        except AttributeError:
+            continue
+        return module, ".".join(parts[cut:])
+    return model, key
 
 
 def check_device(device: str) -> None:

@@ -239,10 +239,18 @@ def run_layers(layers, x: torch.Tensor, angles, mask, context, keep_kv: bool):
 
 def init_normal(model: nn.Module, seed: int, std: float) -> None:
     """Random parameters for training from scratch and for tests: norm weights 1, every other
-    parameter (biases included) N(0, std). Buffers are left as they are."""
+    parameter (biases included) N(0, std). Buffers are left as they are. A module that stacks
+    several checkpoint tensors in one parameter (it has `slot`) draws them one checkpoint tensor
+    at a time, in its order, so that the weights do not depend on how they are stacked."""
     gen = torch.Generator(next(model.parameters()).device).manual_seed(seed)
+    stacked: set[nn.Module] = set()
     for name, p in model.named_parameters():
-        if isinstance(model.get_submodule(name.rpartition(".")[0]), RMSNorm):
+        owner = model.get_submodule(name.rpartition(".")[0])
+        if isinstance(owner, RMSNorm):
             p.data.fill_(1.0)
-        else:
+        elif not hasattr(owner, "slot"):
             p.data.normal_(0.0, std, generator=gen)
+        elif owner not in stacked:
+            stacked.add(owner)
+            for key in owner.full_shapes:
+                owner.slot(key).data.normal_(0.0, std, generator=gen)
