@@ -1,6 +1,6 @@
 """The dashboard: the timeline's series (bounded whatever the load), the page (self-contained,
-data embedded safely), the live feed over a cluster, /dashboard behind the API key, the
-simulator's static report, and the Grafana dashboard's queries against what /metrics exports."""
+data embedded safely), the live feed over a cluster, /dashboard behind the API key, a simulated
+run's dashboard-data.js, and the Grafana dashboard's queries against what /metrics exports."""
 
 import base64
 import json
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from dilaserve.dashboard.page import live_page, static_page
+from dilaserve.dashboard.page import live_page, read_data, static_page
 from dilaserve.dashboard.timeline import THRESHOLD_EDGES, Timeline
 from dilaserve.protocol import StepKind, StepOutput
 from dilaserve.server.app import ServerSettings, create_app
@@ -125,8 +125,7 @@ def test_a_bad_interval_or_history_names_the_field():
 def test_the_page_is_self_contained():
     page = live_page("/dashboard/data")
     assert 'window.DASHBOARD = {"url": "/dashboard/data", "refresh_ms": 2000}' in page
-    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", page)  # nothing fetched
-    assert "/*DASHBOARD_" not in page  # every part inlined
+    assert not re.search(r"""(src|href)\s*=""", page)  # nothing fetched: every part inlined
     assert "function lineChart" in page and "<style>" in page
 
 
@@ -277,18 +276,20 @@ def test_the_dashboard_token_expires():
     assert not is_authorised("/dashboard/data", b"Bearer \xb2.x", "sekret", now=1000.0)
 
 
-# -- the simulator's report -----------------------------------------------------------------
+# -- a simulated run's data --------------------------------------------------------------
 
 
-def test_a_simulation_run_folder_holds_the_same_page_with_its_data(tmp_path):
+def test_a_simulation_run_folder_holds_only_the_data_of_the_page(tmp_path):
     from dilaserve.sim.run import SimulationSpec, simulate, write_run
 
     spec = SimulationSpec(trace="poisson:2:20", gpus=2, predictor_prompts=20, seed=3)
     run = simulate(spec)
     folder = write_run(run, tmp_path)
-    page = (folder / "dashboard.html").read_text()
-    assert "function lineChart" in page and "dashboard.html" in (folder / "report.md").read_text()
-    data = json.loads(re.search(r"window\.DASHBOARD = (.*);\n", page).group(1))["data"]
+    assert not (folder / "dashboard.html").exists()  # the page is the package's, shared
+    script = (folder / "dashboard-data.js").read_text()
+    assert script.startswith("window.DASHBOARD = {") and "function lineChart" not in script
+    assert f"dilaserve dashboard {folder}" in (folder / "report.md").read_text()
+    data = read_data(folder)
     assert data["source"] == "simulation" and data["policy"] == spec.policy
     assert data["totals"]["finished"] == run.summary["requests"]
     assert data["totals"]["attainment"] == pytest.approx(run.summary["slo_attainment"], abs=1e-4)

@@ -88,7 +88,7 @@ def test_keep_copies_the_small_files_and_names_the_command(tmp_path):
     (run / "config.json").write_text('{"environment": {"command": "dilaserve simulate"}}')
     (run / "summary.json").write_text('{"attainment": 0.9}')
     (run / "records.csv").write_text("x\n" * 60_000)  # per-request records stay behind
-    (run / "dashboard.html").write_text("<html></html>")
+    (run / "dashboard-data.js").write_text("window.DASHBOARD = {};")
     (run / "sub-1" / "summary.json").write_text('{"attainment": 0.8}')
     (run / "sub-1" / "run.png").write_bytes(b"\x89PNG")
 
@@ -99,7 +99,7 @@ def test_keep_copies_the_small_files_and_names_the_command(tmp_path):
     assert '"sub-1/summary.json": {\n  "attainment": 0.8' in (kept.dest / "nested.json").read_text()
     note = (kept.dest / "KEPT.md").read_text()
     assert "`dilaserve simulate`" in note
-    assert "records.csv (1)" in note and "dashboard.html (1)" in note and "run.png (1)" in note
+    assert "records.csv (1)" in note and "dashboard-data.js (1)" in note and "run.png (1)" in note
 
 
 def test_keep_refuses_a_missing_run(tmp_path):

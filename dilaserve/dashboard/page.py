@@ -1,6 +1,12 @@
-"""The dashboard as one self-contained HTML document: the page, its CSS and its JavaScript
-(`static/`) inlined, plus either where to poll for data (live) or the data itself (a report).
-Nothing is fetched from anywhere else."""
+"""The dashboard page (`static/`), and a run's data for it.
+
+`static/dashboard.html` is one shared page: it links its CSS and JavaScript and loads its data
+from `dashboard-data.js` (`window.DASHBOARD = {...};`) beside it. A run folder holds only that
+data file (`write_data`); `dilaserve dashboard RUN` serves the page with it (`serve.py`). For
+the live server and for sharing, `live_page` and `static_page` inline the CSS, the JavaScript and
+the config (where to poll for data, or the data itself) into one document that fetches nothing
+else.
+"""
 
 from __future__ import annotations
 
@@ -9,21 +15,37 @@ from importlib.resources import files
 from pathlib import Path
 
 REFRESH_SECONDS = 2.0  # how often a live page asks for new data
+DATA_FILE = "dashboard-data.js"  # a run's data, beside the page
+DATA_PREFIX = "window.DASHBOARD = "
+# the page's references to its parts, and what a self-contained page puts in their place
+_CSS_TAG = '<link rel="stylesheet" href="dashboard.css">'
+_DATA_TAG = f'<script src="{DATA_FILE}"></script>'
+_JS_TAG = '<script src="dashboard.js"></script>'
 
 
-def _asset(name: str) -> str:
+def asset(name: str) -> str:
+    """The text of `static/<name>`: the page, its CSS or its JavaScript."""
     return files("dilaserve.dashboard").joinpath("static", name).read_text(encoding="utf-8")
 
 
-def _page(config: dict) -> str:
-    # JSON is JavaScript; "</" is escaped so that no string in it can close the script element
+def config_script(config: dict) -> str:
+    """`window.DASHBOARD = <config>;` as JavaScript that no string in it can end early."""
+    # JSON is JavaScript; "</" is escaped so that no string in it can close a script element
     literal = json.dumps(config, allow_nan=False).replace("</", "<\\/")
-    return (
-        _asset("dashboard.html")
-        .replace("/*DASHBOARD_CSS*/", _asset("dashboard.css"))
-        .replace("/*DASHBOARD_CONFIG*/", f"window.DASHBOARD = {literal};")
-        .replace("/*DASHBOARD_JS*/", _asset("dashboard.js"))
-    )
+    return f"{DATA_PREFIX}{literal};\n"
+
+
+def _inline(page: str, tag: str, content: str) -> str:
+    if page.count(tag) != 1:
+        raise RuntimeError(f"static/dashboard.html must hold {tag!r} once")
+    return page.replace(tag, content)
+
+
+def _page(config: dict) -> str:
+    page = asset("dashboard.html")
+    page = _inline(page, _CSS_TAG, f"<style>\n{asset('dashboard.css')}</style>")
+    page = _inline(page, _DATA_TAG, f"<script>\n{config_script(config)}</script>")
+    return _inline(page, _JS_TAG, f"<script>\n{asset('dashboard.js')}</script>")
 
 
 def live_page(
@@ -44,3 +66,30 @@ def write_report(data: dict, path: str | Path) -> Path:
     path = Path(path)
     path.write_text(static_page(data), encoding="utf-8")
     return path
+
+
+def write_data(data: dict, folder: str | Path) -> Path:
+    """`folder`/dashboard-data.js: `data` (a `Timeline.to_json`) for the shared page."""
+    path = Path(folder) / DATA_FILE
+    path.write_text(config_script({"data": data}), encoding="utf-8")
+    return path
+
+
+def read_data(folder: str | Path) -> dict:
+    """The data a run folder's dashboard-data.js holds (what `write_data` wrote)."""
+    path = Path(folder) / DATA_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no {DATA_FILE} in {folder}: not a simulated run's folder (an older one holds "
+            "dashboard.html, which opens on its own)"
+        )
+    text = path.read_text(encoding="utf-8").strip()
+    if not (text.startswith(DATA_PREFIX) and text.endswith(";")):
+        raise ValueError(f"{path} is not `{DATA_PREFIX}{{...}};`")
+    try:
+        config = json.loads(text[len(DATA_PREFIX) : -1])
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: its data is not JSON: {err}") from None
+    if not isinstance(config, dict) or not isinstance(config.get("data"), dict):
+        raise ValueError(f'{path} holds no {{"data": {{...}}}}')
+    return config["data"]

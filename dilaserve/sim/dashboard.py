@@ -1,4 +1,4 @@
-"""A simulation run as the dashboard's data, and its static HTML report (`dashboard.html`).
+"""A simulation run as the dashboard's data (`dashboard-data.js` in its run folder).
 
 The run's events are replayed, in time order, into the same `Timeline` the live server feeds:
 arrivals and finishes (requests in flight, attainment, latency, thresholds per step), the queue
@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from dilaserve.dashboard.page import write_report
+from dilaserve.dashboard.page import write_data
 from dilaserve.dashboard.timeline import Timeline
 
 NICE_INTERVALS = (0.5, 1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 1800, 3600)
@@ -85,5 +85,6 @@ def _mix_text(by_tp: dict[int, int]) -> str:
 
 
 def write_dashboard(run, folder: str | Path) -> Path:
-    """`folder`/dashboard.html: the run as the live page would show it, no server needed."""
-    return write_report(run_data(run), Path(folder) / "dashboard.html")
+    """`folder`/dashboard-data.js: the run as the live page would show it, for the shared page
+    (`dilaserve dashboard FOLDER` serves both)."""
+    return write_data(run_data(run), folder)

@@ -248,7 +248,8 @@ def write_run(
     lines += [f"- {k}: {v}" for k, v in {**run.summary, **run.timing}.items()]
     lines += ["", markdown_table(table, columns + ["queue", "instances"]) if table else ""]
     lines += [f"\n![run]({p.name})" for p in plots.plot_run(run, folder)]
-    page = write_dashboard(run, folder)  # the live server's page, with this run's data
-    lines += [f"\nThe run as the live dashboard shows it: [{page.name}]({page.name})"]
+    data = write_dashboard(run, folder)  # the data of the live server's page
+    lines += [f"\nThe run as the live dashboard shows it: `dilaserve dashboard {folder}`"]
+    lines += [f"(its data: [{data.name}]({data.name}))"]
     (folder / "report.md").write_text("\n".join(lines) + "\n")
     return folder

@@ -1,5 +1,6 @@
 // The dashboard: draws the data shape of dilaserve/dashboard/timeline.py as SVG.
-// window.DASHBOARD is {url, refresh_ms} (live: poll the server) or {data} (a static report).
+// window.DASHBOARD is {url, refresh_ms} (live: poll the server) or {data} (a run's
+// dashboard-data.js, or a self-contained report).
 "use strict";
 
 const SVG = "http://www.w3.org/2000/svg";
@@ -331,7 +332,8 @@ async function poll(config) {
 
 function start() {
   const config = window.DASHBOARD;
-  if (config.data) draw(config.data);
+  if (!config) showStatus("no data: dashboard-data.js did not load");
+  else if (config.data) draw(config.data);
   else poll(config);
 }
 
