@@ -28,7 +28,7 @@ def asset(name: str) -> str:
     return files("dilaserve.dashboard").joinpath("static", name).read_text(encoding="utf-8")
 
 
-def config_script(config: dict) -> str:
+def _script(config: dict) -> str:
     """`window.DASHBOARD = <config>;` as JavaScript that no string in it can end early."""
     # JSON is JavaScript; "</" is escaped so that no string in it can close a script element
     literal = json.dumps(config, allow_nan=False).replace("</", "<\\/")
@@ -44,7 +44,7 @@ def _inline(page: str, tag: str, content: str) -> str:
 def _page(config: dict) -> str:
     page = asset("dashboard.html")
     page = _inline(page, _CSS_TAG, f"<style>\n{asset('dashboard.css')}</style>")
-    page = _inline(page, _DATA_TAG, f"<script>\n{config_script(config)}</script>")
+    page = _inline(page, _DATA_TAG, f"<script>\n{_script(config)}</script>")
     return _inline(page, _JS_TAG, f"<script>\n{asset('dashboard.js')}</script>")
 
 
@@ -71,7 +71,7 @@ def write_report(data: dict, path: str | Path) -> Path:
 def write_data(data: dict, folder: str | Path) -> Path:
     """`folder`/dashboard-data.js: `data` (a `Timeline.to_json`) for the shared page."""
     path = Path(folder) / DATA_FILE
-    path.write_text(config_script({"data": data}), encoding="utf-8")
+    path.write_text(_script({"data": data}), encoding="utf-8")
     return path
 
 
