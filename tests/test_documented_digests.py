@@ -1,4 +1,4 @@
-"""The decision digests docs/simulator.md pins still come out of the code.
+"""The decision digests docs/simulator/fidelity.md pins still come out of the code.
 
 The docs' table "Pinned decision digests" lists short deterministic simulations (policy, trace,
 GPUs, planner period) and the first 16 hex digits of their decision digests. When a change
@@ -13,7 +13,7 @@ import pytest
 
 from dilaserve.sim.run import SimulationSpec, simulate
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "simulator.md"
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "simulator" / "fidelity.md"
 ROW = re.compile(r"^\| `([\w-]+)` \| `([\w:.]+)` \| (\d+) \| ([\d.e]+) \| `([0-9a-f]{16})` \|$")
 
 
