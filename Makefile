@@ -42,7 +42,7 @@ test-under-load: setup
 	$(PY) -m pytest -q
 
 # The control plane's hot path and the simulator's event loop, compiled by mypyc from the very
-# source the server runs: the same decisions, simulations ~14% faster (docs/simulator/fidelity.md, Speed).
+# source the server runs: the same decisions, simulations ~14% faster (docs/simulator/speed.md).
 # Optional; `make uncompile` goes back to the plain modules.
 COMPILED := dilaserve/request.py dilaserve/sim/simulator.py \
 	dilaserve/sim/behaviour.py $(addprefix dilaserve/control/,scheduler.py placement.py \

@@ -34,8 +34,8 @@ FIG13_PROMPT, FIG13_OUTPUTS = 256, (256, 512, 1024)  # papers.md 1.7
 SHAREGPT_MEAN = (140, 264)  # papers.md 1.11, Table 2: the trace's mean prompt and output
 THRESHOLDS = (0.9, 0.8, 0.7, 0.6, 0.5)
 # Fig. 10's x-axis is 1.88-2.25 requests/s per GPU on the paper's system; our presets serve about
-# half its tokens per GPU-second (docs/simulator/), and this sweep spans our knee instead:
-# fixed 0.9 from all requests on time to a collapse
+# half its tokens per GPU-second (docs/simulator/overview.md), and this sweep spans our knee
+# instead: fixed 0.9 from all requests on time to a collapse
 FIG10_RPS_PER_GPU = (0.625, 0.6875, 0.75, 0.8125, 0.875)
 SECONDS = 600  # of Poisson arrivals: long enough that a backlog a policy lets grow shows
 FIG10_POLICIES = (

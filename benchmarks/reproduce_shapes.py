@@ -45,7 +45,7 @@ SHAPES = {
     "code-like: bursty 6/s": {"trace": "code:6:150:3", "planner_period": 50.0},
     "bursty ShareGPT 3/s": {"trace": "bursty:3:150:3", "planner_period": 50.0},
     # one of the node's GPUs at half the profile's speed, which the control plane is not told
-    # (a throttled GPU, a noisy neighbour): what migration is for (docs/simulator/, Fig. 13)
+    # (a throttled GPU, a noisy neighbour): what migration is for (docs/simulator/paper-lengths.md)
     STRAGGLER: {
         "trace": "poisson:3:150",
         "stragglers": "1:2",

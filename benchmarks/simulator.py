@@ -154,7 +154,7 @@ def main() -> None:
         print(f"pinned to CPUs {pin_to_cpus(args.cpus)}", flush=True)
     records, breakdown = [], []
     # each policy in a fresh process (pinned and told its OpenMP threads as this one is): in
-    # one process the policies after the first ran 4-11% slower than alone (docs/simulator/)
+    # one process the policies after the first ran 4-11% slower than alone (docs/simulator/speed.md)
     spawn = multiprocessing.get_context("spawn")
     for policy in args.policies.split(","):
         with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as fresh:

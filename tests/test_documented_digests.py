@@ -1,9 +1,8 @@
-"""The decision digests docs/simulator/fidelity.md pins still come out of the code.
+"""The decision digests docs/simulator/digests.md pins still come out of the code.
 
-The docs' table "Pinned decision digests" lists short deterministic simulations (policy, trace,
-GPUs, planner period) and the first 16 hex digits of their decision digests. When a change
-moves decisions, this fails until the table (and every number quoted from runs made before the
-change) is brought up to date.
+Its table lists short deterministic simulations (policy, trace, GPUs, planner period) and the
+first 16 hex digits of their decision digests. When a change moves decisions, this fails until
+the table (and every number quoted from runs made before the change) is brought up to date.
 """
 
 import re
@@ -13,14 +12,12 @@ import pytest
 
 from dilaserve.sim.run import SimulationSpec, simulate
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "simulator" / "fidelity.md"
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "simulator" / "digests.md"
 ROW = re.compile(r"^\| `([\w-]+)` \| `([\w:.]+)` \| (\d+) \| ([\d.e]+) \| `([0-9a-f]{16})` \|$")
 
 
 def pinned() -> list[tuple[str, str, int, float, str]]:
-    text = DOCS.read_text()
-    section = text.split("## Pinned decision digests", 1)[1].split("\n## ", 1)[0]
-    rows = [ROW.match(line.strip()) for line in section.splitlines()]
+    rows = [ROW.match(line.strip()) for line in DOCS.read_text().splitlines()]
     return [(m[1], m[2], int(m[3]), float(m[4]), m[5]) for m in rows if m]
 
 

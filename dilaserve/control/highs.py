@@ -38,7 +38,7 @@ def add_switched(h, bound: float, switches) -> list:
     switches[i]). The same columns and rows, in the same order, as `addVariable` and `addConstr`
     once per variable, but in one call each, without highspy's expression layer: building the
     paper-sized simulation's 42 Stage-1 models took 2.9 s instead of 6.2 (under cProfile;
-    docs/simulator/, Speed)."""
+    docs/simulator/speed.md)."""
     import highspy
     import numpy as np
 

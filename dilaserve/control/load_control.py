@@ -15,7 +15,7 @@ The cluster's capacity is its throughput times a window: one SLO, as Alg. 2/4 wr
 (`LoadWindow.BUDGET_LEFT`, an extension) the mean budget the requests in flight have left.
 Under continuous batching every request in flight shares the throughput, so the work in
 flight fits one SLO window until the *mean* request has a whole SLO of work ahead of it: the
-written bound binds only once most requests already miss (docs/simulator/ measures it).
+written bound binds only once most requests already miss (docs/simulator/mechanisms.md measures it).
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ The paper gives the buffer no value ("slightly above observed"). With `trend` (t
 default, `PlannerConfig.rate_trend`) it also carries the load's rise: a plan made now serves
 until the next round, so a rate observed over the last window is low all through a climb, and a
 cluster moved to a few wide instances in the morning met the day's peak before the planner saw
-it (docs/simulator/). The rise is the second half-window's arrivals over the first's,
-projected to the middle of the next window; a steady or falling load keeps the flat buffer.
+it (docs/simulator/paper-figures.md). The rise is the second half-window's arrivals over the
+first's, projected to the middle of the next window; a steady or falling load keeps the flat
+buffer.
 """
 
 from __future__ import annotations

@@ -19,14 +19,15 @@ than the SLOs can absorb: an instance's start-up (`PlannerConfig.startup_delay`)
 smallest slack the current configuration leaves a class (SLO_k - t_k). Stopping instances to
 load others takes their GPUs away for a whole start-up: 4 TP-1 instances replaced by one TP-4
 serve nobody for 30 s, which at a 4.6 s SLO misses every request that comes meanwhile, while a
-2 s gap within a 27 s SLO costs little (docs/simulator/). With it (`PlannerConfig.price_moves`,
-`_move_pays`) a move must also pass the trigger once its start-ups are paid: each configuration
-serving while it is carried out (`move_timeline`, a start-up per wave of launches) scores for as
-long as it serves within the next period, twice over for a move to less throughput, which the
-next climb of the load undoes at the same cost (docs/control.md, "Start-ups priced").
+2 s gap within a 27 s SLO costs little (docs/simulator/mechanisms.md). With it
+(`PlannerConfig.price_moves`, `_move_pays`) a move must also pass the trigger once its start-ups are
+paid: each configuration serving while it is carried out (`move_timeline`, a start-up per wave of
+launches) scores for as long as it serves within the next period, twice over for a move to less
+throughput, which the next climb of the load undoes at the same cost (docs/control.md, "Start-ups
+priced").
 
 Two more of ours, for what the paper leaves open, each measured on its Table 4 trace
-(docs/simulator/, Fig. 10): the monitor's buffer carries the load's rise
+(docs/simulator/paper-figures.md, Fig. 10): the monitor's buffer carries the load's rise
 (`PlannerConfig.rate_trend`, `monitor.py`), so the planner leaves a few wide instances before
 the day's peak rather than after it; and a move's launches whose GPUs are free load together
 (`control/rollout.py`; `PlannerConfig.serial_launches` waits for each in turn).

@@ -126,14 +126,14 @@ class MeasuredSpeed:
         any): the host's slowdown over a whole run, which a simulator's prediction of this host
         takes as its `SimConfig.step_slowdown`: a ratio of sums, so that the prediction's steps
         add up to the time the run's did (a mean of the steps' ratios weighs slow steps less;
-        docs/simulator/, "Predictive fidelity")."""
+        docs/simulator/fidelity.md)."""
         return self._measured / self._predicted if self._predicted else 1.0
 
     def run_ratio_by_batch(self) -> dict[int, float]:
         """`run_ratio` per batch size (`batch_bin`: the steps of 1, 2-3, 4-7, ... requests).
         On a host whose cores the workers share with the controller the slowdown grows with
         the batch (fcfs at its knee: 0.66 at 8-15 requests, 0.82 at 64-127), which one ratio
-        for every step misprices; a prediction takes this table (docs/simulator/)."""
+        for every step misprices; a prediction takes this table (docs/simulator/fidelity.md)."""
         return {b: m / p for b, (m, p) in sorted(self._by_batch.items()) if p > 0}
 
     def instance_ratio(self, instance_id: str) -> float:
