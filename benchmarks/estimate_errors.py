@@ -1,5 +1,6 @@
 """Where Alg. 1's point estimate is optimistic: one simulation, each request's first threshold
-decision against what followed (issue 39 item 0; docs/control/, "Where the estimate misses").
+decision against what followed (issue 39 item 0; docs/control/thresholds.md, "Where the point
+estimate misses").
 
 At a request's first threshold selection Alg. 1 predicts its remaining time as predicted steps
 (at the chosen threshold) x the profile's step seconds at its instance's batch then. Whatever

@@ -10,8 +10,9 @@ beside the paper's numbers. The cluster is the paper's 16 GPUs (4 nodes x 4) on 
 hardware per experiment: Table 4 and the ablations (§5.2, §5.4) ran on GH200s, the benchmarks
 (§5.3) on H100s; the SLO is 5x the isolated TP-1 latency unless an experiment varies it.
 `dilaserve` is the paper's algorithms as written; `dilaserve-headroom` and `dilaserve-budget`
-are our named extensions (docs/control/), shown beside it. `dws` is the Denoising Surface
-paper's setting instead (LLaDA2.0-mini, block diffusion with its exact cache, threshold 0.95).
+are our named extensions (docs/control/thresholds.md), shown beside it. `dws` is the Denoising
+Surface paper's setting instead (LLaDA2.0-mini, block diffusion with its exact cache, threshold
+0.95).
 
 Scale. Our presets are calibrated to Fast-dLLM's research implementation (54 tok/s for one
 request), slower per GPU than the paper's system, so loads are given per GPU relative to what

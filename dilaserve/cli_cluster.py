@@ -210,7 +210,7 @@ def _layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--policy",
         default="dilaserve",
-        help="dilaserve, fcfs, infaas, llumnix, or an ablation (see docs/control/)",
+        help="dilaserve, fcfs, infaas, llumnix, or an ablation (see docs/control/scheduling.md)",
     )
 
 
@@ -241,20 +241,21 @@ def _control_args(p: argparse.ArgumentParser) -> None:
         "--slo-headroom",
         type=float,
         default=1.0,
-        help="share of a request's remaining SLO its predicted time must fit (docs/control/)",
+        help="share of a request's remaining SLO its predicted time must fit "
+        "(docs/control/thresholds.md)",
     )
     p.add_argument(
         "--measured-speed",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="price steps at the measured slowdown of the instances' steps against the latency "
-        "profile; --no-measured-speed: at the profile alone (docs/control/)",
+        "profile; --no-measured-speed: at the profile alone (docs/control/thresholds.md)",
     )
     p.add_argument(
         "--instance-speed",
         action="store_true",
         help="extension: place each step by the instance's own measured speed, so that a slow "
-        "GPU takes less work (needs the measured speed; docs/control/)",
+        "GPU takes less work (needs the measured speed; docs/control/thresholds.md)",
     )
     p.add_argument(
         "--candidates",

@@ -16,8 +16,8 @@ requests fared lately. The ratio is of the whole time against the least admissio
 (the lowest threshold): a request that had room ran at higher thresholds and took longer by
 choice, and that counts, since threshold selection sizes its choice with a point estimate
 too; per step instead (its choice taken out), at 3x capacity 85% of admitted requests were on
-time, against 99% so (docs/control/, "On-time factor"). `target` is the one number a user
-sets: an on-time probability (a service-level target), not a margin fitted to a trace.
+time, against 99% so (docs/control/thresholds.md, "On-time factor"). `target` is the one number a
+user sets: an on-time probability (a service-level target), not a margin fitted to a trace.
 
 Alg. 1 (threshold selection) keeps a second instance, fed each request's first threshold
 choice (`Scheduler.deadline`, `Policy.on_time_target`); where it exists admission prices at its

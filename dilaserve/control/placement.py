@@ -138,7 +138,8 @@ class Placer:
         price does not see that wait: with an approximate cache a request moves only at a
         block's first step, a recompute at home or away alike (the sequence travels with the
         step), so waiting for a busy instance's running step is what a move costs; unpriced,
-        it made `dilaserve` lose to `no-migration` (docs/control/, "Migration that pays")."""
+        it made `dilaserve` lose to `no-migration` (docs/control/scheduling.md, "Migration that
+        pays")."""
         ends = self._step_end(to, kind, self.tokens(t, kind), now)
         stays = self._step_end(home, home_kind, self.tokens(t, home_kind), now)
         return ends + self.config.migration_price < stays

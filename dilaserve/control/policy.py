@@ -16,7 +16,7 @@ A policy is a small frozen value; the one `Scheduler` reads it. DESIGN section 3
   for it: `dilaserve-headroom` (Alg. 1 fits the predicted time into half the remaining
   budget, not all of it: `slo_headroom` 0.5) and `dilaserve-budget` (load control's capacity
   covers the mean budget the requests in flight have left, not a whole SLO window; see
-  docs/control/);
+  docs/control/thresholds.md);
 - `dws-sjf`: `fcfs` whose waiting requests are served in order of their DWS expected cost
   (papers.md 2.8): shortest first, non-preemptive (a request that has started goes ahead of
   every waiting one), each waiting request's cost aged by 10% per 30 s waited.

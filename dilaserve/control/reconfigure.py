@@ -7,9 +7,10 @@ objectives depend on instances per TP degree only). The proposal is carried out 
 raises the mean threshold or the SLO slack by at least `improvement` (10%), or if the current
 configuration can no longer meet the SLOs at all. Stage 2 then places the proposal keeping as
 many running instances as it can, and `launch_order` sequences the moves. Called from
-`Scheduler.on_tick(now)`. With `PlannerConfig.batch_limits` (off by default; docs/control/) a
-plan also carries its batch sizes as Alg. 3's maxBatchSize, and a round whose proposal keeps the
-running instances sets them alone (the same instances, new limits: nothing to weigh).
+`Scheduler.on_tick(now)`. With `PlannerConfig.batch_limits` (off by default;
+docs/control/reconfiguration.md) a plan also carries its batch sizes as Alg. 3's maxBatchSize, and
+a round whose proposal keeps the running instances sets them alone (the same instances, new
+limits: nothing to weigh).
 
 Our addition, on by default (`PlannerConfig.guard_moves`; the paper says nothing of the cost of
 a move): a move from a configuration that meets the SLOs is skipped when, at some step of it,
@@ -23,8 +24,8 @@ serve nobody for 30 s, which at a 4.6 s SLO misses every request that comes mean
 (`PlannerConfig.price_moves`, `_move_pays`) a move must also pass the trigger once its start-ups are
 paid: each configuration serving while it is carried out (`move_timeline`, a start-up per wave of
 launches) scores for as long as it serves within the next period, twice over for a move to less
-throughput, which the next climb of the load undoes at the same cost (docs/control/, "Start-ups
-priced").
+throughput, which the next climb of the load undoes at the same cost
+(docs/control/reconfiguration.md, "Start-ups priced").
 
 Two more of ours, for what the paper leaves open, each measured on its Table 4 trace
 (docs/simulator/paper-figures.md, Fig. 10): the monitor's buffer carries the load's rise
