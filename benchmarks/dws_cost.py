@@ -1,4 +1,4 @@
-"""DWS as a cost predictor: `dws.py`'s minilm and cost parts (see its docstring and docs/dws.md).
+"""DWS as a cost predictor: `dws.py`'s minilm and cost parts (see its docstring and docs/dws/).
 
 `minilm_dws` trains a DWS predictor with the packaged MiniLM encoder on the `--labels`, for the
 parts after it. `cost_error` judges each DWS predictor of the target (`dws_target.py`) on

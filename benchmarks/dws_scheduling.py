@@ -1,4 +1,4 @@
-"""DWS in scheduling: `dws.py`'s sim, prior and live parts (see its docstring and docs/dws.md).
+"""DWS in scheduling: `dws.py`'s sim, prior and live parts (see its docstring and docs/dws/).
 
 `simulated_sjf` replays the target's (`dws_target.py`) measured steps in the simulator, ordered
 by each DWS predictor's costs, by none (FCFS) and by the true costs (`oracle-sjf`); `live_sjf`
