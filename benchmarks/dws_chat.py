@@ -1,4 +1,4 @@
-"""DWS on chat: `dws.py`'s chat parts (see its docstring and docs/dws/).
+"""DWS on chat: `dws.py`'s chat parts (see its docstring and docs/dws/results.md).
 
 The workload (`chat_workload`): ShareGPT first turns, filtered as the paper does. MEASURED: each
 prompt's text and its real answer's length (`first_response_chars`), which fixes its output
