@@ -135,7 +135,7 @@ def test_stale_or_mismatched_files_are_refused(exported, tmp_path):
 def test_sentence_transformers_graph_holds_the_transformer(tmp_path, monkeypatch):
     pytest.importorskip("sentence_transformers")
     import huggingface_hub.constants
-    from test_dws import SYN_WORDS, _tiny_sentence_transformer
+    from dws_helpers import SYN_WORDS, _tiny_sentence_transformer
 
     from dilaserve.dws.encoders import SentenceTransformerEncoder
     from dilaserve.dws.model import DWSModel

@@ -3,15 +3,7 @@ request runs, when it migrates, what a failure, a cancel or a drain does, how a 
 Thresholds and load control are in tests/test_scheduler_thresholds.py."""
 
 import pytest
-from scheduler_helpers import (
-    BLOCK,
-    PROFILE,
-    FakePredictor,
-    done,
-    only_launch,
-    result,
-    scheduler,
-)
+from scheduler_helpers import BLOCK, PROFILE, FakePredictor, done, only_launch, result, scheduler
 
 from dilaserve.control.instance import InstanceState
 from dilaserve.control.profile import Curve

@@ -4,15 +4,7 @@ at the profile or at the measured speed, and what load control allows each reque
 from dataclasses import replace
 
 import pytest
-from scheduler_helpers import (
-    BLOCK,
-    PROFILE,
-    FakePredictor,
-    done,
-    only_launch,
-    result,
-    scheduler,
-)
+from scheduler_helpers import BLOCK, PROFILE, FakePredictor, done, only_launch, result, scheduler
 
 from dilaserve.control.scheduler import SchedulerConfig
 from dilaserve.control.speed import batch_bin, batch_seconds
