@@ -34,6 +34,14 @@ from dilaserve.training.tokenizer import train_tokenizer
 # Test tensors are tiny: one thread is as fast and never oversubscribes a busy machine.
 torch.set_num_threads(1)
 
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Each test starts on one thread, whatever an earlier one ran (`generate --threads`,
+    `train()` and others set torch's threads for the whole process)."""
+    torch.set_num_threads(1)
+
+
 # Waits on real work (a process loading the model, a step on a busy machine) are hang guards,
 # never speed checks: a test asserts what happened, and this bound only stops one that hangs.
 # It is long enough for a 2-core machine at load 9 (`make test-under-load`); a slower one can

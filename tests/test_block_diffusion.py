@@ -93,7 +93,7 @@ def test_noisy_copy_masks_answers_only():
 
 
 def test_train_model_llada2_writes_a_generating_llada2_checkpoint(tmp_path):
-    small = dict(max_steps=2, batch_size=4, vocab_size=200, **TINY)
+    small = dict(max_steps=2, batch_size=4, vocab_size=200, threads=1, **TINY)
     folder = train(TrainConfig(out=str(tmp_path / "m"), arch="llada2", **small))
     model = load_model(folder)
     assert family_of(model.config).name == "LLaDA2"
@@ -113,8 +113,12 @@ def test_cli_train_model_takes_the_arch(monkeypatch):
     assert seen["c"].arch == "llada2"
 
 
-def test_continuing_a_checkpoint_of_another_family_is_refused(tmp_path):
-    small = dict(max_steps=1, batch_size=2, vocab_size=200, **TINY)
-    first = train(TrainConfig(out=str(tmp_path / "a"), arch="llada2", **small))
-    with pytest.raises(ValueError, match="LLaDA2 checkpoint"):
-        train(TrainConfig(out=str(tmp_path / "b"), init_from=str(first), **small))
+def test_continuing_a_checkpoint_of_another_family_is_refused(tiny_checkpoint, tmp_path):
+    # a random LLaDA checkpoint: the family is read before any training step
+    small = dict(max_steps=1, batch_size=2, vocab_size=200, threads=1, **TINY)
+    cfg = TrainConfig(
+        out=str(tmp_path / "b"), arch="llada2", init_from=str(tiny_checkpoint), **small
+    )
+    with pytest.raises(ValueError, match="is a LLaDA checkpoint, not cfg.arch='llada2'"):
+        train(cfg)
+    assert not (tmp_path / "b").exists()

@@ -5,7 +5,14 @@ from dilaserve.models.tokenizer import Tokenizer
 from dilaserve.training.train_model import TrainConfig, _mask_response, train
 
 SMALL = dict(
-    max_steps=2, batch_size=4, d_model=32, n_heads=2, n_layers=1, mlp_hidden_size=64, vocab_size=200
+    max_steps=2,
+    batch_size=4,
+    d_model=32,
+    n_heads=2,
+    n_layers=1,
+    mlp_hidden_size=64,
+    vocab_size=200,
+    threads=1,  # train() sets torch's threads for the process: keep the tests' one
 )
 
 
