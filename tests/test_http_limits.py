@@ -8,7 +8,6 @@ import logging
 import signal
 import socket
 import threading
-import time
 from types import SimpleNamespace
 
 import httpx
@@ -23,23 +22,17 @@ from dilaserve.server.limits import HttpLimits
 from dilaserve.server.main import DrainingServer, build_app, server_config
 from dilaserve.tasks import arith
 
+from conftest import HANG_GUARD_S, wait_until
+
 MODEL = "tiny-llada"
 QUESTIONS = [p.question for p in arith.generate(4, seed=7, split="test")]
 LIMITS = HttpLimits(max_header_bytes=8192, max_headers=20, header_timeout=1.0, body_timeout=1.0)
-HANG_GUARD = 60  # seconds: a wait that long means the server hung, not that it is slow
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_until(condition, timeout=HANG_GUARD):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.05)
 
 
 class Live:
@@ -59,11 +52,11 @@ class Live:
         self.server = server_class(uv, *args)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
-        wait_until(lambda: self.server.started, timeout=120)
+        wait_until(lambda: self.server.started)
 
     def stop(self):
         self.server.should_exit = True
-        self.thread.join(HANG_GUARD)
+        self.thread.join(HANG_GUARD_S)
         self.cluster.close()
 
 
@@ -78,7 +71,7 @@ def raw_exchange(port: int, *parts: bytes) -> bytes:
     """What the server sends back on one connection given `parts`, until it closes it (a
     reset counts as closed)."""
     chunks = []
-    with socket.create_connection(("127.0.0.1", port), timeout=HANG_GUARD) as s:
+    with socket.create_connection(("127.0.0.1", port), timeout=HANG_GUARD_S) as s:
         try:
             for part in parts:
                 s.sendall(part)
@@ -90,7 +83,9 @@ def raw_exchange(port: int, *parts: bytes) -> bytes:
 
 
 def post(live, path: str, body: dict, **kw) -> httpx.Response:
-    return httpx.post(f"{live.url}{path}", json={"model": MODEL, **body}, timeout=HANG_GUARD, **kw)
+    return httpx.post(
+        f"{live.url}{path}", json={"model": MODEL, **body}, timeout=HANG_GUARD_S, **kw
+    )
 
 
 # -- request heads ----------------------------------------------------------------------------
@@ -100,7 +95,7 @@ def test_a_head_over_the_limit_is_a_431_and_health_still_answers(live):
     head = b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Big: "
     answer = raw_exchange(live.port, head, *[b"a" * 4096] * 16)
     assert answer == b"" or answer.startswith(b"HTTP/1.1 431")  # answered, or closed
-    assert httpx.get(f"{live.url}/health", timeout=HANG_GUARD).status_code == 200
+    assert httpx.get(f"{live.url}/health", timeout=HANG_GUARD_S).status_code == 200
 
 
 def test_too_many_header_fields_are_a_431(live):
@@ -110,7 +105,7 @@ def test_too_many_header_fields_are_a_431(live):
 
 
 def test_a_head_within_the_limit_is_served(live):
-    r = httpx.get(f"{live.url}/health", headers={"X-Pad": "a" * 4000}, timeout=HANG_GUARD)
+    r = httpx.get(f"{live.url}/health", headers={"X-Pad": "a" * 4000}, timeout=HANG_GUARD_S)
     assert r.status_code == 200
 
 
@@ -131,7 +126,7 @@ def test_an_under_sent_body_is_answered_408_and_its_connection_closed(live):
     head = b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: 100\r\n\r\n"
     answer = raw_exchange(live.port, head, b'{"model": ')
     assert answer.startswith(b"HTTP/1.1 408")
-    assert httpx.get(f"{live.url}/health", timeout=HANG_GUARD).status_code == 200
+    assert httpx.get(f"{live.url}/health", timeout=HANG_GUARD_S).status_code == 200
 
 
 def test_connections_over_the_limit_get_a_503_with_retry_after():
@@ -153,7 +148,7 @@ def test_connections_over_the_limit_get_a_503_with_retry_after():
         assert answer.startswith(b"HTTP/1.1 204")  # under the limit again
     finally:
         server.should_exit = True
-        thread.join(HANG_GUARD)
+        thread.join(HANG_GUARD_S)
 
 
 # -- refusing before the body -----------------------------------------------------------------
@@ -195,7 +190,7 @@ def test_only_a_client_with_the_key_is_refused_before_the_api():
 
 def rejected(live) -> float:
     """The server's count of refused requests (`/metrics`)."""
-    lines = httpx.get(f"{live.url}/metrics", timeout=HANG_GUARD).text.splitlines()
+    lines = httpx.get(f"{live.url}/metrics", timeout=HANG_GUARD_S).text.splitlines()
     line = next(
         (x for x in lines if x.startswith('dilaserve_requests_total{outcome="rejected"}')), ""
     )
@@ -263,7 +258,7 @@ def test_a_key_in_a_query_string_stays_out_of_the_access_log(live):
     access = logging.getLogger("uvicorn.access")
     access.addHandler(handler)
     try:
-        httpx.get(f"{live.url}/health?api_key=sekret-123", timeout=HANG_GUARD)
+        httpx.get(f"{live.url}/health?api_key=sekret-123", timeout=HANG_GUARD_S)
         wait_until(lambda: any("/health" in line for line in lines))
     finally:
         access.removeHandler(handler)
@@ -284,7 +279,7 @@ def test_a_draining_server_answers_503_with_connection_close_even_when_full():
     server.cluster.is_full = lambda priority, slo=None: (
         True
     )  # over capacity too: the drain's 503 wins
-    with httpx.Client(base_url=server.url, timeout=HANG_GUARD) as client:
+    with httpx.Client(base_url=server.url, timeout=HANG_GUARD_S) as client:
         assert client.get("/health").status_code == 200  # (a connection opened before)
         server.server.handle_exit(signal.SIGTERM, None)  # what SIGTERM does
         for _ in range(2):  # the second on a new connection: the first was closed
@@ -294,8 +289,8 @@ def test_a_draining_server_answers_503_with_connection_close_even_when_full():
             assert r.json()["error"]["type"] == "service_unavailable"
         health = client.get("/health")
         assert health.status_code == 503 and health.headers["connection"] == "close"
-    in_flight.join(HANG_GUARD)
-    server.thread.join(HANG_GUARD)
+    in_flight.join(HANG_GUARD_S)
+    server.thread.join(HANG_GUARD_S)
     assert not server.thread.is_alive()  # it exited
     server.cluster.close()
 

@@ -241,7 +241,7 @@ def test_requests_over_capacity_are_refused_and_the_rest_served():
         )
         assert cluster.in_flight == 0
         assert not cluster.is_full(0)  # requests finished since the last refusal
-        assert cluster.submit(QUESTIONS[0]).result(60).num_steps > 0  # room again
+        assert cluster.submit(QUESTIONS[0]).result(HANG_GUARD_S).num_steps > 0  # room again
 
 
 def test_over_capacity_may_be_served_last_instead():
