@@ -19,7 +19,7 @@ from dilaserve.cluster.hangs import LAST_INSTANCE_GRACE
 from dilaserve.cluster.requests import InvalidRequest, Overloaded
 from dilaserve.cluster.runtime import Cluster, ClusterConfig
 from dilaserve.cluster.worker import WorkerConfig
-from dilaserve.control.admission import Admission, Room
+from dilaserve.control.admission import LOWEST_PRIORITY, Admission, Room
 from dilaserve.control.build import ControlSpec, build_scheduler
 from dilaserve.control.decisions import SchedulerConfig
 from dilaserve.control.speed import HALF_LIFE, STALE_STEPS, MeasuredSpeed, batch_seconds
@@ -242,6 +242,18 @@ def test_an_slo_no_idle_cluster_meets_is_invalid_even_when_the_room_is_full():
         outcome(cluster, submit(cluster, f"busy{k}", slo=60.0))
     assert cluster.is_full(0) and not cluster.is_full(0, 1e-4)
     assert outcome(cluster, submit(cluster, "tiny", slo=1e-4)) == "invalid"
+
+
+def test_over_capacity_is_served_last_instead_when_deprioritized():
+    """`--overload deprioritize`: what admission would refuse is served, after everything else
+    (tests/test_reliability_cluster.py does it with real workers, slow)."""
+    cluster, clock = virtual_cluster(slo=0.3, overload="deprioritize")
+    handles = [submit(cluster, f"d{k}") for k in range(30)]
+    run_until(cluster, lambda: not cluster.controller.handles)
+    assert all(h.result().num_steps > 0 for h in handles)  # none refused
+    last = [h.request_id for h in handles if h.request.priority == LOWEST_PRIORITY]
+    assert 0 < len(last) == cluster.controller.stats["deprioritized"]
+    assert cluster.controller.stats["refused"] == 0
 
 
 class _InvalidAtAdmission:
