@@ -113,17 +113,16 @@ class HangsOnce(LocalBackend):
 def test_an_instance_whose_step_hangs_is_killed_and_its_request_served_elsewhere():
     expected = LLM().generate(QUESTIONS[:1], SamplingParams(0.9, 64))[0].text
     # two instances: the hung one is not the last serving, so it is killed at its step timeout
-    # (the last one's longer grace is tests/test_admission_recovery.py's)
+    # (the last one's longer grace is tests/test_admission_recovery.py's; a replacement's start,
+    # tests/test_reliability_cluster.py's)
     cfg = config(
         control=ControlSpec(policy="fcfs"), instances=(1, 1), step_timeout=MIN_STEP_TIMEOUT
     )
     with Cluster(cfg, backend=HangsOnce(WORKER)) as cluster:
         result = cluster.submit(QUESTIONS[0]).result(HANG_GUARD_S)
         failures = cluster.controller.stats["failures"]
-        wait_until(lambda: cluster.instances_by_tp() == {1: 2})  # killed, and replaced
-        replacements = [i for i in cluster.scheduler.instances if "." in i]
     assert result.text == expected  # nothing was committed before the hang: a clean restart
-    assert failures == 1 and len(replacements) == 1
+    assert failures == 1  # the hung instance was killed; the other served the request
 
 
 def test_a_recorded_run_replays_in_the_simulator_to_the_same_decisions():
