@@ -92,6 +92,7 @@ def test_noisy_copy_masks_answers_only():
     assert not b.is_masked[~b.is_noisy].any()
 
 
+@pytest.mark.slow
 def test_train_model_llada2_writes_a_generating_llada2_checkpoint(tmp_path):
     small = dict(max_steps=2, batch_size=4, vocab_size=200, threads=1, **TINY)
     folder = train(TrainConfig(out=str(tmp_path / "m"), arch="llada2", **small))

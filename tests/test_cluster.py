@@ -162,6 +162,7 @@ def test_pinned_thresholds_cancellation_and_admission_control():
         assert cluster.in_flight == 0
 
 
+@pytest.mark.slow
 def test_every_request_completes_when_a_worker_is_killed_mid_trace():
     with Cluster(config()) as cluster:
         handles = submit_all(cluster, QUESTIONS, gap=0.0)
@@ -193,6 +194,7 @@ class _Once:
         return Reconfiguration((LaunchStep(("i0", "i1"), start),), (), {2: 1})
 
 
+@pytest.mark.slow
 def test_the_cluster_reconfigures_live_without_losing_requests(tmp_path):
     profile = json.loads(BUNDLED_PROFILE.read_text())
     tp2 = [{**e, "tp": 2, "ms": e["ms"] * 0.8} for e in profile["entries"]]

@@ -157,6 +157,7 @@ def test_a_batch_mixing_thresholds_and_step_kinds_is_invariant_to_its_batch_mate
     assert kinds == {"recompute", "cache"}
 
 
+@pytest.mark.slow
 def test_tensor_parallel_two_ranks_commit_the_same_tokens_as_one(path):
     config = EngineConfig("dual", block_len=BLOCK)
     eng = Engine.from_checkpoint(path, config)
@@ -193,6 +194,7 @@ def test_dilaserve_generate_runs_it(path, capsys):
     assert "### w1 w2" in out and "recompute" in out
 
 
+@pytest.mark.slow
 def test_it_calibrates_and_serves_through_the_cluster(path, tmp_path):
     """The user's path: calibrate (through the cluster's workers), then a cluster built from the
     calibration answers as the offline engine does at a pinned threshold."""

@@ -108,6 +108,7 @@ def drive(backend, work: dict[str, list[Request]], max_steps: int = 200) -> dict
     return outputs
 
 
+@pytest.mark.slow
 def test_steps_match_an_in_process_engine(backend):
     remote, local = make_requests("eq", 3, seed=3), make_requests("eq", 3, seed=3)
     outputs = drive(backend, {"solo": remote}, max_steps=4)["solo"]
@@ -133,6 +134,7 @@ def test_steps_match_an_in_process_engine(backend):
     backend.release("solo", [r.request_id for r in remote])
 
 
+@pytest.mark.slow
 def test_tensor_parallel_pair_commits_what_a_single_rank_does(backend):
     single, pair = make_requests("tp", 3, seed=5), make_requests("tp", 3, seed=5)
     drive(backend, {"solo": single, "pair": pair})
@@ -143,6 +145,7 @@ def test_tensor_parallel_pair_commits_what_a_single_rank_does(backend):
         assert a.num_steps == b.num_steps
 
 
+@pytest.mark.slow
 def test_a_bad_step_fails_and_the_instance_serves_on(backend):
     (request,) = make_requests("bad", 1, seed=7)
     item = request.step_item(CONFIG.kv_cache, on_instance=False)
@@ -160,6 +163,7 @@ def test_a_bad_step_fails_and_the_instance_serves_on(backend):
     backend.release("solo", ["bad0"])
 
 
+@pytest.mark.slow
 def test_killing_an_instance_reports_it_died_once(backend):
     backend.kill("victim")
     (died,) = events(backend, {"victim"}, kind="died")
@@ -168,6 +172,7 @@ def test_killing_an_instance_reports_it_died_once(backend):
     assert backend.poll(0.2) == []
 
 
+@pytest.mark.slow
 def test_an_instance_that_cannot_load_fails_then_dies(backend, tmp_path):
     broken = RayBackend(WorkerConfig(model=str(tmp_path / "missing"), threads=1))
     broken.start(InstanceSpec("broken", node=0, tp=1, gpus=(0,)))
@@ -181,6 +186,7 @@ def test_an_instance_that_cannot_load_fails_then_dies(backend, tmp_path):
     assert ray.is_initialized()
 
 
+@pytest.mark.slow
 def test_wake_ends_a_poll_early(backend):
     threading.Timer(0.2, backend.wake).start()
     start = time.monotonic()
@@ -188,6 +194,7 @@ def test_wake_ends_a_poll_early(backend):
     assert time.monotonic() - start < HANG_GUARD_S  # it ended before its timeout
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/net/tcp").exists(), reason="reads Linux /proc")
 def test_the_local_ray_is_reachable_from_this_machine_only(backend):
     assert ray.util.get_node_ip_address() == "127.0.0.1"
@@ -235,6 +242,7 @@ def test_ray_token_file_is_made_and_kept_private(tmp_path, monkeypatch):
     assert not token.exists()
 
 
+@pytest.mark.slow
 def test_a_cluster_serves_through_ray_actors(backend):
     from dilaserve.cluster.runtime import Cluster, ClusterConfig
 

@@ -134,6 +134,7 @@ def make_serve(tmp_path_factory):
         stop(process)
 
 
+@pytest.mark.slow
 def test_the_readme_example_prints_what_the_readme_says(make_serve):
     code, printed = readme_example()
     assert code.count(README_ADDRESS) == 1, "the example's base_url is make serve's address"
@@ -147,6 +148,7 @@ def test_the_readme_example_prints_what_the_readme_says(make_serve):
     assert run.stdout == printed
 
 
+@pytest.mark.slow
 def test_the_readme_question_gets_that_answer_at_every_candidate_threshold(make_serve):
     _, printed = readme_example()
     client = openai.OpenAI(base_url=f"http://{make_serve}/v1", api_key="unused", max_retries=0)

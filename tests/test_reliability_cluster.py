@@ -145,6 +145,7 @@ class SpawnFailsOnce(LocalBackend):
         return super().start(spec)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", [LoadFailsOnce, SpawnFailsOnce])
 def test_a_replacement_that_fails_is_retried_until_capacity_is_back(backend):
     with Cluster(config(), backend=backend(WORKER)) as cluster:
@@ -244,6 +245,7 @@ def test_requests_over_capacity_are_refused_and_the_rest_served():
         assert cluster.submit(QUESTIONS[0]).result(HANG_GUARD_S).num_steps > 0  # room again
 
 
+@pytest.mark.slow
 def test_over_capacity_may_be_served_last_instead():
     with Cluster(config(control=TIGHT, overload="deprioritize")) as cluster:
         handles = [cluster.submit(q, max_tokens=128) for q in QUESTIONS * 10]

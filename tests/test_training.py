@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from dilaserve.models.checkpoint import load_model
@@ -24,6 +25,7 @@ def test_block_structured_masks_keep_earlier_blocks_and_hide_later_ones():
     assert all(s.all() or not f.any() for f, s in zip(first, second))
 
 
+@pytest.mark.slow
 def test_a_short_training_run_writes_a_loadable_checkpoint(tmp_path):
     folder = train(TrainConfig(out=str(tmp_path / "m"), num_shards=2, **SMALL))
     model = load_model(folder)
@@ -34,6 +36,7 @@ def test_a_short_training_run_writes_a_loadable_checkpoint(tmp_path):
     assert len(list(folder.glob("model-*.safetensors"))) == 2
 
 
+@pytest.mark.slow
 def test_training_can_continue_from_a_checkpoint(tmp_path):
     first = train(TrainConfig(out=str(tmp_path / "a"), **SMALL))
     second = train(TrainConfig(out=str(tmp_path / "b"), init_from=str(first), **SMALL))
