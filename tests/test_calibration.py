@@ -198,6 +198,7 @@ def mixed_server(calibrated):
     server.wait(60)
 
 
+@pytest.mark.slow
 def test_a_mixed_layout_serves_the_openai_client(mixed_server):
     model, url = mixed_server
     health = httpx.get(f"{url}/health").json()

@@ -235,6 +235,7 @@ def test_a_batch_mixing_thresholds_and_step_kinds_is_invariant_to_its_batch_mate
     assert same_logs(together, alone)
 
 
+@pytest.mark.slow
 def test_tensor_parallel_two_ranks_commit_the_same_tokens_as_one(path):
     config = EngineConfig("dual", block_len=BLOCK)
     eng = Engine.from_checkpoint(path, config)
