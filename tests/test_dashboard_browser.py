@@ -57,7 +57,7 @@ def chromium(url: str, user_data_dir, *args: str, virtual_ms: int = 8000) -> str
         *args,
         url,
     ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
 

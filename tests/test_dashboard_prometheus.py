@@ -94,24 +94,30 @@ def query(prometheus: str, expr: str) -> dict:
     return answer.raise_for_status().json()
 
 
-def _wait_for_samples(prometheus: str, count: int) -> None:
-    """Until Prometheus holds `count` scrapes of the server (or a minute has passed)."""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            result = query(prometheus, "count_over_time(up[5m])")["data"]["result"]
-        except (httpx.TransportError, httpx.HTTPStatusError):  # not listening, or not ready
-            result = []
-        if result and float(result[0]["value"][1]) >= count:
-            return
+def _value(prometheus: str, expr: str) -> float:
+    """`expr`'s one value now; 0 while it has none or Prometheus does not answer yet."""
+    try:
+        result = query(prometheus, expr)["data"]["result"]
+    except (httpx.TransportError, httpx.HTTPStatusError):  # not listening, or not ready
+        return 0.0
+    return float(result[0]["value"][1]) if result else 0.0
+
+
+def _wait_for(prometheus: str, expr: str, at_least: float) -> None:
+    """Until `expr` reaches `at_least`: a hang guard, not a speed bound (on a busy machine
+    scrapes come late)."""
+    deadline = time.monotonic() + HANG_GUARD_S
+    while _value(prometheus, expr) < at_least:
+        assert time.monotonic() < deadline, f"{expr} stayed under {at_least}"
         time.sleep(1)
 
 
 def test_every_grafana_query_evaluates_on_the_scraped_metrics(server, prometheus):
-    _wait_for_samples(prometheus, 2)
+    _wait_for(prometheus, "count_over_time(up[5m])", 2)
     assert _load(server) == [200] * NUM_REQUESTS
-    _wait_for_samples(prometheus, 10)
-    time.sleep(2)  # a scrape after the last request finished
+    finished = time.time()
+    _wait_for(prometheus, "count_over_time(up[5m])", 10)
+    _wait_for(prometheus, "max(timestamp(up))", finished)  # a scrape after the last request
     dashboard = json.loads(GRAFANA.read_text())
     panels = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
     [steps_by_instance] = [
