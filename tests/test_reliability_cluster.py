@@ -255,6 +255,9 @@ def test_over_capacity_may_be_served_last_instead():
         assert len(last) == cluster.controller.stats["deprioritized"]
 
 
+# -- bug 6, the workers' side: terminal signals, and their CPU priority ------------------------
+
+
 def test_workers_ignore_terminal_signals_and_run_at_the_niceness_asked():
     backend = LocalBackend(replace(WORKER, nice=7))
     try:
@@ -287,6 +290,9 @@ def test_worker_niceness_is_an_option_of_every_cluster_command():
         build_parser().parse_args(["serve", "--worker-nice", "-1"])
     with pytest.raises(ValueError, match="nice=20"):
         WorkerConfig(nice=20)
+
+
+# -- bug 5, what admission prices at: the measured speed, the room between events --------------
 
 
 def test_the_runtime_measures_how_much_slower_steps_run_than_profiled():
