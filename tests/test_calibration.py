@@ -195,7 +195,7 @@ def mixed_server(calibrated):
         time.sleep(0.2)
     yield model, url
     server.terminate()
-    server.wait(60)
+    server.wait(HANG_GUARD_S)
 
 
 @pytest.mark.slow

@@ -73,7 +73,7 @@ def prometheus(server, tmp_path_factory):
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     yield f"http://127.0.0.1:{port}"
     process.terminate()
-    process.wait(30)
+    process.wait(HANG_GUARD_S)
 
 
 def _load(server: str) -> list[int]:
@@ -90,7 +90,7 @@ def _load(server: str) -> list[int]:
 
 def query(prometheus: str, expr: str) -> dict:
     expr = expr.replace("$__rate_interval", WINDOW).replace("$__interval", WINDOW)
-    answer = httpx.get(f"{prometheus}/api/v1/query", params={"query": expr}, timeout=30)
+    answer = httpx.get(f"{prometheus}/api/v1/query", params={"query": expr}, timeout=HANG_GUARD_S)
     return answer.raise_for_status().json()
 
 
