@@ -19,7 +19,7 @@ from dilaserve.cli_cluster import tp_list
 from dilaserve.cli_runs import add_run_commands
 from dilaserve.cli_serving import add_serving_commands
 from dilaserve.cli_sim import add_simulation_commands
-from dilaserve.config import DEFAULT_THRESHOLD
+from dilaserve.config import DEFAULT_BLOCK_LEN, DEFAULT_THRESHOLD, MEASURED_THRESHOLDS
 
 
 def cmd_generate(args) -> None:
@@ -164,7 +164,7 @@ def _add_calibrate_command(sub) -> None:
         "calibration_prompts.jsonl, else the shipped GSM8K + ShareGPT set",
     )
     ca.add_argument("--num-prompts", type=int, default=64, help="prompts recorded per threshold")
-    ca.add_argument("--thresholds", type=parse_thresholds, default=(0.5, 0.6, 0.7, 0.8, 0.9))
+    ca.add_argument("--thresholds", type=parse_thresholds, default=MEASURED_THRESHOLDS)
     ca.add_argument(
         "--max-tokens",
         type=int,
@@ -215,7 +215,7 @@ def _add_measurement_commands(sub) -> None:
     model_arg(tp)
     tp.add_argument("--out", required=True, help="folder for the trained predictor")
     tp.add_argument("--num", type=int, default=120, help="prompts, each run at every threshold")
-    tp.add_argument("--thresholds", type=parse_thresholds, default=(0.5, 0.6, 0.7, 0.8, 0.9))
+    tp.add_argument("--thresholds", type=parse_thresholds, default=MEASURED_THRESHOLDS)
     tp.add_argument("--runs", default="runs", help="folder for run folders")
     tp.add_argument(
         "--trajectories",
@@ -271,7 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ev.add_argument("--num", type=int, default=500, help="number of problems")
     ev.add_argument("--max-batch", type=int, default=128)
-    ev.add_argument("--block-len", type=int, default=32, help="semi-autoregressive block size")
+    ev.add_argument(
+        "--block-len", type=int, default=DEFAULT_BLOCK_LEN, help="semi-autoregressive block size"
+    )
     ev.add_argument(
         "--data",
         default="../shared/data/eval/gsm8k_test.jsonl",

@@ -59,7 +59,7 @@ def _tokens_per_step(text: str) -> dict[float, float]:
 
 
 def _add_plan_command(sub) -> None:
-    from dilaserve.config import BUNDLED_PREDICTOR
+    from dilaserve.config import BUNDLED_PREDICTOR, DEFAULT_BLOCK_LEN
 
     pl = sub.add_parser("plan", help="which cluster configuration serves a trace at an SLO")
     pl.add_argument(
@@ -78,7 +78,7 @@ def _add_plan_command(sub) -> None:
         default="dual",
         help="block: a block-diffusion model's exact cache (an llada2-* profile)",
     )
-    pl.add_argument("--block", type=int, default=32)
+    pl.add_argument("--block", type=int, default=DEFAULT_BLOCK_LEN)
     pl.add_argument("--window", type=float, default=300.0, help="seconds of the busiest window")
     pl.add_argument("--safety", type=float, default=1.1, help="rate buffer above the observed")
     pl.add_argument(

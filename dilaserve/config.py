@@ -15,8 +15,10 @@ BUNDLED_PREDICTOR = BUNDLED_CALIBRATION / "predictor"  # its step predictor
 BUNDLED_PROFILE = BUNDLED_CALIBRATION / "profile.json"  # its latency on a 2-core CPU
 BUNDLED_DWS = ASSETS / "tiny-llada-dws"  # its DWS cost predictor (dilaserve train-dws)
 BUNDLED_DWS_COST = ASSETS / "tiny-llada-dws-cost.json"  # the DWS cost kernel on that CPU
-DEFAULT_BLOCK_LEN = 32
-DEFAULT_THRESHOLD = 0.9
+DEFAULT_BLOCK_LEN = 32  # tokens per semi-autoregressive block (DESIGN section 1)
+DEFAULT_THRESHOLD = 0.9  # a request's confidence threshold when nothing else sets it
+# the thresholds calibration records trajectories at and step predictors are trained on
+MEASURED_THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9)
 DTYPES = ("float32", "bfloat16", "float16")
 
 

@@ -30,6 +30,10 @@ class StepKind(str, enum.Enum):
 
 # steps that run one or two blocks against stored K/V (the rest run the whole sequence)
 CACHED_KINDS = frozenset((StepKind.CACHE, StepKind.BLOCK, StepKind.COMMIT))
+# the kinds a bidirectional model's steps take (none, prefix or dual cache) ...
+APPROXIMATE_KINDS = (StepKind.FULL, StepKind.RECOMPUTE, StepKind.CACHE)
+# ... and a block-causal model's (none, or its exact block cache)
+EXACT_KINDS = (StepKind.FULL, StepKind.PREFILL, StepKind.BLOCK, StepKind.COMMIT)
 
 
 class KVCacheMode(str, enum.Enum):

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from dilaserve.config import DEFAULT_BLOCK_LEN
 from dilaserve.protocol import KVCacheMode, SequenceSpec, StepBatch, StepItem, StepKind
 
 KINDS = {
@@ -49,7 +50,7 @@ class ProfileGrid:
     max_spread: float = 0.2
     max_inversion: float = 2.0
     retries: int = 2
-    block_len: int = 32
+    block_len: int = DEFAULT_BLOCK_LEN
 
     def __post_init__(self):
         if not 0 < self.gen_len < self.seq_len:

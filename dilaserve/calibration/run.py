@@ -32,13 +32,13 @@ from dilaserve.calibration.store import (
     processor_name,
     writable_folder,
 )
-from dilaserve.config import ASSETS, EngineConfig, SamplingParams
+from dilaserve.config import ASSETS, MEASURED_THRESHOLDS, EngineConfig, SamplingParams
 from dilaserve.protocol import KVCacheMode, StepKind
 from dilaserve.runs import create_run_dir, environment, markdown_table, write_json, write_records
 
 SHIPPED_PROMPTS = ASSETS / "prompts" / "calibration.jsonl"
 MODEL_PROMPTS = "calibration_prompts.jsonl"
-DEFAULT_THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9)
+DEFAULT_THRESHOLDS = MEASURED_THRESHOLDS
 
 
 @dataclass(frozen=True, slots=True)

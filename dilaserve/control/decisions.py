@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dilaserve.config import DEFAULT_BLOCK_LEN
 from dilaserve.control.step_costs import StepCosts
 from dilaserve.protocol import KVCacheMode, StepBatch
 
@@ -11,7 +12,7 @@ from dilaserve.protocol import KVCacheMode, StepBatch
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     kv_cache: KVCacheMode = KVCacheMode.DUAL
-    block_len: int = 32
+    block_len: int = DEFAULT_BLOCK_LEN
     slo: float = 10.0  # seconds, for requests that carry no deadline
     refresh_every_tokens: int = 8
     max_requests_per_instance: int = 64  # the load model's batch size (Alg. 2/4 capacity)

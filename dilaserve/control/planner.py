@@ -52,6 +52,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dilaserve.config import DEFAULT_BLOCK_LEN
 from dilaserve.control.highs import add_switched, new_model, qsum, solution_reader, solved
 from dilaserve.control.monitor import WorkloadClass
 from dilaserve.control.profile import LatencyProfile
@@ -68,7 +69,7 @@ class PlannerConfig:
     gpus_per_node: tuple[int, ...]  # G_n for each node
     tokens_per_step: Mapping[float, float]  # T_c: mean tokens committed per step at threshold c
     tp_degrees: tuple[int, ...] = (1, 2, 4, 8)
-    cache_block: int | None = 32  # B; None without a KV cache
+    cache_block: int | None = DEFAULT_BLOCK_LEN  # B; None without a KV cache
     exact_cache: bool = False  # block diffusion: a block's first step commits (2B tokens)
     batch_sizes: tuple[int, ...] | None = None  # batch tokens; None: the profile's points
     cache_batch_sizes: tuple[int, ...] | None = None

@@ -27,10 +27,11 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, replace
 
+from dilaserve.config import DEFAULT_THRESHOLD
 from dilaserve.control.on_time import ON_TIME_TARGET
 
 DEFAULT_CANDIDATES = (0.7, 0.8, 0.9)  # where quality was measured (papers.md 1.1)
-DEFAULT_FIXED = 0.9
+DEFAULT_FIXED = DEFAULT_THRESHOLD
 
 
 class Migration(str, enum.Enum):

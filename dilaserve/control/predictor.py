@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dilaserve.config import MEASURED_THRESHOLDS
 from dilaserve.control.features import FEATURE_NAMES, feature_matrix
 
 MIN_STEPS = 1.0
@@ -191,7 +192,7 @@ def create_predictor(name: str, folder: Path | None = None, truth=None):
         if truth is None:
             raise ValueError("the oracle predictor needs the true remaining steps (simulation)")
         meta = json.loads((Path(folder) / "gbm-full.json").read_text()) if folder else {}
-        return OraclePredictor(meta.get("thresholds", (0.5, 0.6, 0.7, 0.8, 0.9)), truth)
+        return OraclePredictor(meta.get("thresholds", MEASURED_THRESHOLDS), truth)
     if folder is None:
         raise ValueError(f"step predictor {name!r} needs a trained predictor folder")
     if name == "one-shot":

@@ -21,6 +21,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dilaserve.config import DEFAULT_BLOCK_LEN
 from dilaserve.protocol import StepKind
 
 SCHEMA = 1
@@ -75,7 +76,7 @@ class Curve:
 @dataclass(frozen=True, slots=True)
 class LatencyProfile:
     curves: dict[tuple[int, StepKind], Curve]
-    block_len: int = 32
+    block_len: int = DEFAULT_BLOCK_LEN
     meta: dict = field(default_factory=dict)
 
     @property

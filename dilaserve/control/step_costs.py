@@ -21,13 +21,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dilaserve.config import DEFAULT_BLOCK_LEN
 from dilaserve.protocol import CACHED_KINDS, KVCacheMode, StepKind
 
 
 @dataclass(frozen=True, slots=True)
 class StepCosts:
     mode: KVCacheMode = KVCacheMode.DUAL
-    block_len: int = 32
+    block_len: int = DEFAULT_BLOCK_LEN
 
     @classmethod
     def of(cls, spec: StepCosts | int | None) -> StepCosts:

@@ -26,6 +26,7 @@ from dilaserve.models import registry
 from dilaserve.models.family import ModelFamily
 from dilaserve.models.tokenizer import SpecialIds
 from dilaserve.protocol import (
+    APPROXIMATE_KINDS,
     CACHED_KINDS,
     KVCacheMode,
     RequestStepResult,
@@ -36,7 +37,6 @@ from dilaserve.protocol import (
 )
 
 STORING_KINDS = (StepKind.RECOMPUTE, StepKind.PREFILL, StepKind.COMMIT)  # store K/V
-APPROXIMATE_KINDS = (StepKind.FULL, StepKind.RECOMPUTE, StepKind.CACHE)
 
 
 @dataclass

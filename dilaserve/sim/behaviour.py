@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dilaserve.config import DEFAULT_BLOCK_LEN
 from dilaserve.protocol import RequestStepResult, StepKind
 from dilaserve.request import Request
 from dilaserve.trajectory import Trajectory
@@ -281,7 +282,9 @@ class BlockStepsBehaviour:
 
     def tokens_per_step(self, threshold: float) -> float:
         total = sum(int(s.sum()) for s in self.steps.values())
-        return 32.0 * sum(int((s > 0).sum()) for s in self.steps.values()) / max(total, 1)
+        return (
+            DEFAULT_BLOCK_LEN * sum(int((s > 0).sum()) for s in self.steps.values()) / max(total, 1)
+        )
 
     def forget(self, request_id: str) -> None:
         self._done_in_block.pop(request_id, None)

@@ -134,9 +134,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dilaserve.config import ASSETS
+from dilaserve.config import ASSETS, DEFAULT_BLOCK_LEN
 from dilaserve.control.profile import Curve, LatencyProfile
-from dilaserve.protocol import CACHED_KINDS, StepKind
+from dilaserve.protocol import APPROXIMATE_KINDS, CACHED_KINDS, EXACT_KINDS, StepKind
 from dilaserve.sim.behaviour import TOKENS_PER_STEP_09
 from dilaserve.sim.hardware import (
     BYTES_BF16,
@@ -151,7 +151,7 @@ from dilaserve.sim.hardware import (
     ModelShape,
 )
 
-BLOCK_LEN = 32
+BLOCK_LEN = DEFAULT_BLOCK_LEN
 REF_CONTEXT = 768  # reference sequence length for attention (tokens)
 
 # Calibration targets.
@@ -180,8 +180,6 @@ BLOCK_PRESETS: dict[str, tuple[ModelShape, GPUSpec]] = {
     "llada2-flash-h100": (LLADA2_FLASH, H100_SXM),
     "llada2-flash-h200": (LLADA2_FLASH, H200_SXM),
 }
-APPROXIMATE_KINDS = (StepKind.FULL, StepKind.RECOMPUTE, StepKind.CACHE)
-EXACT_KINDS = (StepKind.FULL, StepKind.PREFILL, StepKind.BLOCK, StepKind.COMMIT)
 WEIGHT_SHARE_OF_HBM = 0.9  # ASSUMED: a TP degree serves a model whose weights fit in 90% of HBM
 # Measured profiles shipped with the package (benchmarks/gpu_profile.py; TP-1 only).
 MEASURED = {"llada-8b-h200": ASSETS / "llada-8b-h200-profile.json"}

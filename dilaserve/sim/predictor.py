@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dilaserve.config import DEFAULT_BLOCK_LEN
 from dilaserve.control.features import FEATURE_NAMES
 from dilaserve.control.predictor import GBMPredictor, fit_gbm
 from dilaserve.protocol import KVCacheMode, block_offset
@@ -49,7 +50,7 @@ def simulated_trajectories(
     behaviour,
     shapes: Sequence[tuple[int, int]],
     thresholds: Sequence[float],
-    block_len: int = 32,
+    block_len: int = DEFAULT_BLOCK_LEN,
     mode: KVCacheMode = KVCacheMode.DUAL,
 ) -> list[Trajectory]:
     """Every (prompt length, output length) shape run at every threshold; shape i is prompt
@@ -70,7 +71,7 @@ def train_sim_predictor(
     behaviour,
     shapes: Sequence[tuple[int, int]],
     thresholds: Sequence[float],
-    block_len: int = 32,
+    block_len: int = DEFAULT_BLOCK_LEN,
     seed: int = 0,
     features: Sequence[str] = FEATURE_NAMES,
     mode: KVCacheMode = KVCacheMode.DUAL,

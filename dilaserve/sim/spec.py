@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DEFAULT_THRESHOLD = 0.9
-THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9)
+from dilaserve.config import DEFAULT_BLOCK_LEN, DEFAULT_THRESHOLD
 
 
 @dataclass(frozen=True)
@@ -37,7 +36,7 @@ class SimulationSpec:
     slo: float | None = None  # seconds; None: slo_multiple x isolated TP-1 latency
     slo_multiple: float = 5.0
     kv_cache: str = "dual"  # none | dual | block (a block-causal model's exact cache)
-    block_len: int = 32
+    block_len: int = DEFAULT_BLOCK_LEN
     # the default threshold: requests start at it, fixed-threshold policies keep it, the SLO's
     # isolated latency is taken at it (a dynamic policy's range is `candidates`)
     threshold: float = DEFAULT_THRESHOLD

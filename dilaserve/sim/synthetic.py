@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dilaserve.config import DEFAULT_BLOCK_LEN
 from dilaserve.sim.traces import (
     SHAREGPT_FIRST_TURNS,
     Trace,
@@ -283,7 +284,7 @@ def paper_trace(
     hourly_rates: Sequence[float] | str | Path = DEFAULT_HOURLY_PROFILE,
     minutes_per_hour: float = 5.0,
     max_total: int = 4096,
-    block_len: int = 32,
+    block_len: int = DEFAULT_BLOCK_LEN,
     slo: float | None = None,
 ) -> Trace:
     """The evaluation workload of DiLaServe §5.1, rebuilt from the data we have.

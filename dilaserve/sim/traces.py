@@ -32,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dilaserve.config import DEFAULT_BLOCK_LEN
+
 LAYOUTS = (  # (arrival, prompt, output) column names
     ("arrival_time", "prompt_tokens", "output_tokens"),
     ("TIMESTAMP", "ContextTokens", "GeneratedTokens"),
@@ -250,7 +252,7 @@ def length_pairs(prompt, output) -> tuple[np.ndarray, np.ndarray]:
 
 
 def filter_lengths(
-    prompt, output, max_total: int = 4096, block_len: int = 32
+    prompt, output, max_total: int = 4096, block_len: int = DEFAULT_BLOCK_LEN
 ) -> tuple[np.ndarray, np.ndarray]:
     """The paper's filtering of (prompt, output) pairs; returns the kept pairs.
 
@@ -264,12 +266,14 @@ def filter_lengths(
     return prompt[keep], rounded_outputs(output[keep], block_len)
 
 
-def rounded_outputs(output, block_len: int = 32) -> np.ndarray:
+def rounded_outputs(output, block_len: int = DEFAULT_BLOCK_LEN) -> np.ndarray:
     """Outputs rounded up to whole blocks (an output of 0 still denoises one)."""
     return np.maximum(-(-np.asarray(output) // block_len), 1) * block_len
 
 
-def kept_pairs(prompt, output, max_total: int = 4096, block_len: int = 32) -> np.ndarray:
+def kept_pairs(
+    prompt, output, max_total: int = 4096, block_len: int = DEFAULT_BLOCK_LEN
+) -> np.ndarray:
     """Indices of the pairs `filter_lengths` keeps."""
     if max_total <= 0 or block_len <= 0:
         raise ValueError(f"max_total and block_len must be positive, got {max_total}, {block_len}")

@@ -18,6 +18,7 @@ import dataclasses
 
 import numpy as np
 
+from dilaserve.config import DEFAULT_THRESHOLD, MEASURED_THRESHOLDS
 from dilaserve.control.features import FEATURE_NAMES, PROGRESS_FEATURES
 from dilaserve.control.policy import Order
 from dilaserve.control.profile import LatencyProfile
@@ -26,7 +27,7 @@ from dilaserve.protocol import KVCacheMode, block_offset
 from dilaserve.request import Request
 from dilaserve.sim import synthetic, traces
 from dilaserve.sim.behaviour import ParametricBehaviour, ReplayBehaviour, tokens_per_step_for
-from dilaserve.sim.spec import DEFAULT_THRESHOLD, THRESHOLDS, SimulationSpec
+from dilaserve.sim.spec import SimulationSpec
 
 
 def make_trace(spec: SimulationSpec) -> traces.Trace:
@@ -180,19 +181,19 @@ def workload(spec: SimulationSpec, trace: traces.Trace, policy, model: str | Non
             Request(f"r{i}", (3,) * t.prompt_len, t.gen_len, t.block_len, 1, 0.9, arrival)
         )
     if policy.predictor == "oracle":
-        return behaviour, requests, OraclePredictor(THRESHOLDS, behaviour.remaining_steps)
+        return behaviour, requests, OraclePredictor(MEASURED_THRESHOLDS, behaviour.remaining_steps)
     folder = spec.predictor_path or BUNDLED_PREDICTOR
     return behaviour, requests, create_predictor(policy.predictor, folder)
 
 
 def make_predictor(spec: SimulationSpec, policy, trace: traces.Trace, rate=None):
     """The policy's step predictor for parametric behaviour (at `rate` tokens per step):
-    trained on simulated runs of sample requests of the trace at THRESHOLDS and the policy's
-    candidates (full or progress features), or the one-shot rates."""
+    trained on simulated runs of sample requests of the trace at MEASURED_THRESHOLDS and the
+    policy's candidates (full or progress features), or the one-shot rates."""
     from dilaserve.sim.predictor import simulated_trajectories, train_sim_predictor
 
     name = policy.predictor
-    thresholds = tuple(sorted(set(THRESHOLDS) | set(policy.candidates)))
+    thresholds = tuple(sorted(set(MEASURED_THRESHOLDS) | set(policy.candidates)))
     rng = np.random.default_rng(spec.seed + 3)
     picks = rng.integers(0, len(trace), min(spec.predictor_prompts, len(trace)))
     shapes = [

@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dilaserve.config import EngineConfig, SamplingParams
+from dilaserve.config import DEFAULT_BLOCK_LEN, EngineConfig, SamplingParams
 from dilaserve.engine.llm import LLM
 from dilaserve.runs import (
     create_run_dir,
@@ -42,7 +42,7 @@ class EvalConfig:
     dtype: str = "float32"
     device: str = "cpu"
     cuda_graphs: int = 0  # EngineConfig.cuda_graphs
-    block_len: int = 32  # semi-autoregressive block size (the output window is whole blocks)
+    block_len: int = DEFAULT_BLOCK_LEN  # the output window is whole blocks
     max_batch: int = 128
     data: str | None = None  # GSM8K jsonl
     out: str = "runs"

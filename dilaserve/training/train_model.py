@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from dilaserve.config import DEFAULT_BLOCK_LEN
 from dilaserve.models.checkpoint import load_model, save_checkpoint
 from dilaserve.models.config import LLaDAConfig
 from dilaserve.models.llada import LLaDAModelLM
@@ -61,7 +62,7 @@ class TrainConfig:
     mlp_hidden_size: int = 512
     vocab_size: int = 300
     gen_len: int = 64
-    block_len: int = 32
+    block_len: int = DEFAULT_BLOCK_LEN
     block_mask_fraction: float = 0.5
     seed: int = 0
     threads: int = 2

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dilaserve.config import MEASURED_THRESHOLDS
 from dilaserve.control.features import FEATURE_NAMES, PROGRESS_FEATURES, state_matrix
 from dilaserve.control.predictor import OneShotPredictor, fit_gbm, save_gbm
 from dilaserve.runs import create_run_dir, environment, markdown_table, write_json
@@ -30,7 +31,7 @@ class PredictorConfig:
     model: str
     out: str  # folder for the trained predictor
     num_prompts: int = 120
-    thresholds: tuple[float, ...] = (0.5, 0.6, 0.7, 0.8, 0.9)
+    thresholds: tuple[float, ...] = MEASURED_THRESHOLDS
     max_tokens: int = 64
     held_out_fraction: float = 0.2
     runs: str = "runs"
