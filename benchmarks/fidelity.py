@@ -6,7 +6,7 @@
 For each policy and Poisson rate, `run-trace`'s load (bundled model, held-out problems, every
 request with the same SLO) runs on an in-process cluster of local workers, and the simulator
 predicts the same arrivals from the latency profile, the bundled model's recorded trajectories
-of other prompts and the step predictor (`sim/predict.py`), with no replayed outcome or
+of other prompts and the step predictor (`sim/run_prediction.py`), with no replayed outcome or
 duration. `--profile`: a profile measured now (`dilaserve profile`), for both the live control
 plane and the prediction (the bundled calibration's was measured on another day).
 

@@ -39,8 +39,9 @@ import torch
 from dilaserve.config import EngineConfig
 from dilaserve.control.profile import SCHEMA
 from dilaserve.engine.engine import Engine
+from dilaserve.models.common import KVContext
 from dilaserve.models.config import LLaDAConfig
-from dilaserve.models.llada import KVContext, LLaDAModelLM
+from dilaserve.models.llada import LLaDAModelLM
 from dilaserve.models.tokenizer import SpecialIds
 from dilaserve.protocol import StepBatch, StepKind
 from dilaserve.request import Request

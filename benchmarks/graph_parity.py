@@ -30,7 +30,7 @@ from gpu_profile import BLOCK, SHAPES, build_model, write_result
 
 from dilaserve.engine.graphs import CacheStepGraphs
 from dilaserve.engine.sequence import CachedKV
-from dilaserve.models.llada import KVContext
+from dilaserve.models.common import KVContext
 
 MAX_CONTEXT = 2048
 

@@ -284,10 +284,10 @@ def _add_bench_command(sub) -> None:
 
 
 def cmd_train_dws(args) -> None:
-    from dilaserve.dws.train import TrainDWSConfig, train_dws_command
+    from dilaserve.dws.train import DWSCommandConfig, train_dws_command
 
-    names = TrainDWSConfig.__dataclass_fields__
-    train_dws_command(TrainDWSConfig(**{k: v for k, v in vars(args).items() if k in names}))
+    names = DWSCommandConfig.__dataclass_fields__
+    train_dws_command(DWSCommandConfig(**{k: v for k, v in vars(args).items() if k in names}))
 
 
 def _add_train_dws_command(sub) -> None:

@@ -24,8 +24,9 @@ from dilaserve.control.planner import PlannerConfig
 from dilaserve.control.profile import LatencyProfile
 from dilaserve.engine.engine import Engine
 from dilaserve.models.checkpoint import save_checkpoint
+from dilaserve.models.common import ForwardResult
 from dilaserve.models.config import LLaDAConfig
-from dilaserve.models.llada import ForwardResult, LLaDAModelLM
+from dilaserve.models.llada import LLaDAModelLM
 from dilaserve.models.tokenizer import SpecialIds, Tokenizer
 from dilaserve.request import Request
 from dilaserve.tasks import arith

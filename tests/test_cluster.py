@@ -14,7 +14,7 @@ from dilaserve.cluster.runtime import Closed, Cluster, ClusterConfig, Overloaded
 from dilaserve.cluster.worker import WorkerConfig
 from dilaserve.config import BUNDLED_MODEL, BUNDLED_PROFILE, SamplingParams
 from dilaserve.control.build import ControlSpec
-from dilaserve.control.decisions import InstanceSpec, LaunchStep, Reconfiguration
+from dilaserve.control.decisions import InstanceSpec, Reconfiguration, RolloutStep
 from dilaserve.engine.llm import LLM
 from dilaserve.protocol import StepBatch
 from dilaserve.sim.replay import replay
@@ -191,7 +191,7 @@ class _Once:
             return None
         self.asked = True
         start = InstanceSpec("tp2", 0, 2, (0, 1), 8192)
-        return Reconfiguration((LaunchStep(("i0", "i1"), start),), (), {2: 1})
+        return Reconfiguration((RolloutStep(("i0", "i1"), start),), (), {2: 1})
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ from dilaserve.dws.cost import CostKernel
 from dilaserve.dws.estimate import DWSEstimator
 from dilaserve.dws.model import DWSPredictor
 from dilaserve.dws.surface import Labels
-from dilaserve.dws.train import TrainDWSConfig, train_dws_command
+from dilaserve.dws.train import DWSCommandConfig, train_dws_command
 from dilaserve.protocol import StepKind
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -33,7 +33,7 @@ def trained(tmp_path_factory) -> tuple[Path, Path]:
     """train-dws on 12 bundled-task prompts of tiny-llada2: (its run folder, the predictor)."""
     torch.set_num_threads(1)
     tmp = tmp_path_factory.mktemp("llada2-dws")
-    cfg = TrainDWSConfig(
+    cfg = DWSCommandConfig(
         str(BUNDLED_LLADA2_MODEL), str(tmp / "dws"), num=12, encoder="hashed", runs=str(tmp)
     )
     return train_dws_command(cfg, log=lambda _: None), tmp / "dws"

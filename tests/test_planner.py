@@ -7,7 +7,7 @@ One class: 64-token prompts, 64-token outputs (128 tokens per full step). Thresh
 
 import pytest
 
-from dilaserve.control.decisions import LaunchStep
+from dilaserve.control.decisions import RolloutStep
 from dilaserve.control.layout import InstanceSlot, launch_order, plan_layout
 from dilaserve.control.monitor import WorkloadClass, WorkloadMonitor
 from dilaserve.control.planner import CapacityPlan, plan_capacity
@@ -103,7 +103,7 @@ def test_launches_go_one_at_a_time_stopping_only_what_is_in_the_way():
     layout = plan_layout({1: 4}, (2, 2), RUNNING)
     move = launch_order(layout, RUNNING, plan_of({1: 4}), "r1")
     assert [s.stop for s in move.steps] == [("c",), ()]  # c's GPUs host both new instances
-    assert all(isinstance(s, LaunchStep) and s.start.tp == 1 for s in move.steps)
+    assert all(isinstance(s, RolloutStep) and s.start.tp == 1 for s in move.steps)
     assert {s.start.node for s in move.steps} == {1} and move.stop_after == ()
 
 

@@ -1,6 +1,6 @@
 """Carrying out a reconfiguration: which launches load together and what stays serving."""
 
-from dilaserve.control.decisions import Decisions, InstanceSpec, LaunchStep, Reconfiguration
+from dilaserve.control.decisions import Decisions, InstanceSpec, Reconfiguration, RolloutStep
 from dilaserve.control.rollout import Rollout
 
 
@@ -50,7 +50,7 @@ def tp1(name: str, gpu: int) -> InstanceSpec:
 
 def tp4_to_four_tp1(serial: bool) -> Reconfiguration:
     specs = [tp1(f"n{g}", g) for g in range(4)]
-    steps = [LaunchStep(("old",), specs[0])] + [LaunchStep((), s) for s in specs[1:]]
+    steps = [RolloutStep(("old",), specs[0])] + [RolloutStep((), s) for s in specs[1:]]
     return Reconfiguration(tuple(steps), (), {1: 4}, serial)
 
 
@@ -76,7 +76,7 @@ def test_serial_launches_wait_for_each_other():
 def test_nothing_more_is_stopped_while_a_launch_is_loading():
     scheduler, driver = IdleScheduler("a", "b"), Driver()
     rollout = Rollout(scheduler, driver, 4096)
-    steps = (LaunchStep(("a",), tp1("x", 0)), LaunchStep(("b",), tp1("y", 1)))
+    steps = (RolloutStep(("a",), tp1("x", 0)), RolloutStep(("b",), tp1("y", 1)))
     rollout.begin(Reconfiguration(steps, (), {1: 2}), 0.0)
     assert driver.loading == ["x"] and "b" in scheduler.instances  # b serves while x loads
     rollout.on_up(tp1("x", 0), 7.5)
@@ -86,7 +86,7 @@ def test_nothing_more_is_stopped_while_a_launch_is_loading():
 def test_retired_instances_stop_once_every_launch_is_up():
     scheduler, driver = IdleScheduler("a", "spare"), Driver()
     rollout = Rollout(scheduler, driver, 4096)
-    rollout.begin(Reconfiguration((LaunchStep((), tp1("x", 3)),), ("spare",), {1: 2}), 0.0)
+    rollout.begin(Reconfiguration((RolloutStep((), tp1("x", 3)),), ("spare",), {1: 2}), 0.0)
     assert "spare" in scheduler.instances
     rollout.on_up(tp1("x", 3), 7.5)
     assert "spare" not in scheduler.instances and not rollout.active

@@ -94,8 +94,8 @@ def test_the_prediction_refuses_what_admission_control_would():
     from dilaserve.config import BUNDLED_CALIBRATION
     from dilaserve.control.build import ControlSpec
     from dilaserve.control.decisions import SchedulerConfig
-    from dilaserve.sim.predict import predict as simulate
-    from dilaserve.sim.predict import prediction_summary
+    from dilaserve.sim.run_prediction import predict as simulate
+    from dilaserve.sim.run_prediction import prediction_summary
 
     config = ClusterConfig(control=ControlSpec(scheduler=SchedulerConfig(slo=0.3)))
     burst = [make_request(f"r{i}", gen_len=64, arrival_time=0.0, deadline=0.3) for i in range(300)]
@@ -109,7 +109,7 @@ def test_the_prediction_runs_every_step_at_the_hosts_slowdown():
     """`step_slowdown` (a calibration run's measured ratio) scales every simulated step."""
     from dilaserve.cluster.runtime import ClusterConfig
     from dilaserve.config import BUNDLED_CALIBRATION
-    from dilaserve.sim.predict import predict as simulate
+    from dilaserve.sim.run_prediction import predict as simulate
 
     config = ClusterConfig()
     spaced = [
@@ -131,7 +131,7 @@ def test_a_slowdown_per_batch_size_prices_each_step_by_its_batch():
     slowdown by its request count; batch sizes it lacks take `slowdown`."""
     from dilaserve.cluster.runtime import ClusterConfig
     from dilaserve.config import BUNDLED_CALIBRATION
-    from dilaserve.sim.predict import predict as simulate
+    from dilaserve.sim.run_prediction import predict as simulate
 
     config = ClusterConfig()
     spaced = [

@@ -7,7 +7,7 @@ latency percentiles, accuracy, step round-trip overhead, migrations, failures, r
 by admission control, which count as missed) go to a run folder. With `parity`, the run is
 also replayed in the simulator from its recorded step outcomes and durations, and the summary
 says whether the decision logs are identical. With `predict` (recorded trajectories of the
-model), the simulator also predicts the run from its own models (`sim/predict.py`: the
+model), the simulator also predicts the run from its own models (`sim/run_prediction.py`: the
 profile's durations, other prompts' trajectories), and the summary sets its SLO attainment and
 latency beside the real ones.
 """
@@ -36,7 +36,7 @@ class TraceRunSpec:
     parity: bool = False
     predict: str | None = None  # recorded trajectories: also write the simulator's prediction
     predict_slowdown: float = 1.0  # the host's step slowdown the prediction assumes (a
-    # calibration run's `step_time_ratio`; `sim/predict.py`)
+    # calibration run's `step_time_ratio`; `sim/run_prediction.py`)
     # or per batch size (a calibration run's `step_time_ratio_by_batch`; None: the one above)
     predict_slowdown_by_batch: dict[int, float] | None = None
 
@@ -162,7 +162,7 @@ def _parity(cluster: Cluster, config: ClusterConfig) -> dict:
 
 
 def _prediction(cluster: Cluster, config: ClusterConfig, spec: TraceRunSpec, real: dict) -> dict:
-    """The simulator's prediction of this run from its own models (`sim/predict.py`), and how
+    """The simulator's prediction of this run from its own models (`sim/run_prediction.py`), and how
     far it is from what happened; `at_run_speed`: the same, given the slowdown the host turned
     out to run at (`step_time_ratio`), which separates the models' error from the host's drift
     between the calibration and the run."""
@@ -179,7 +179,7 @@ def _prediction(cluster: Cluster, config: ClusterConfig, spec: TraceRunSpec, rea
 def _predicted(
     arrived, config: ClusterConfig, spec: TraceRunSpec, slowdown: float, by_batch, real: dict
 ):
-    from dilaserve.sim.predict import predict, prediction_summary
+    from dilaserve.sim.run_prediction import predict, prediction_summary
 
     result = predict(
         arrived,

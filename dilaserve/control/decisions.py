@@ -52,6 +52,8 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, slots=True)
 class StepLaunch:
+    """A step batch the scheduler launches on an instance."""
+
     instance_id: str
     batch: StepBatch
 
@@ -68,7 +70,9 @@ class InstanceSpec:
 
 
 @dataclass(frozen=True, slots=True)
-class LaunchStep:
+class RolloutStep:
+    """One step of a reconfiguration's rollout: stop these instances, then start one."""
+
     stop: tuple[str, ...]  # running instances to stop first (their GPUs are needed)
     start: InstanceSpec
 
@@ -79,7 +83,7 @@ class Reconfiguration:
     instance; a step that stops something waits until every earlier launch is up (`serial`:
     every step does); `stop_after` go last (`control/rollout.py`)."""
 
-    steps: tuple[LaunchStep, ...]
+    steps: tuple[RolloutStep, ...]
     stop_after: tuple[str, ...]
     target: dict[int, int]  # instances per TP degree once done
     serial: bool = False

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from dilaserve.control.decisions import InstanceSpec, LaunchStep, Reconfiguration
+from dilaserve.control.decisions import InstanceSpec, Reconfiguration, RolloutStep
 from dilaserve.control.highs import new_model, qsum, solution_reader, solved
 from dilaserve.control.planner import CapacityPlan
 
@@ -125,5 +125,5 @@ def launch_order(
         spec = InstanceSpec(
             f"{name_prefix}-n{nxt.node}-tp{nxt.tp}-g{nxt.gpus[0]}", nxt.node, nxt.tp, nxt.gpus
         )
-        steps.append(LaunchStep(stop, spec))
+        steps.append(RolloutStep(stop, spec))
     return Reconfiguration(tuple(steps), tuple(sorted(retiring)), plan.counts(), serial)

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Protocol
 
-from dilaserve.control.decisions import Decisions, InstanceSpec, LaunchStep, Reconfiguration
+from dilaserve.control.decisions import Decisions, InstanceSpec, Reconfiguration, RolloutStep
 from dilaserve.control.scheduler import Scheduler
 
 
@@ -47,7 +47,7 @@ class Rollout:
         self.default_batch_tokens = default_batch_tokens
         self._serial = False  # the plan in progress launches one instance at a time
         self.log: list[dict] = []  # one entry per reconfiguration begun
-        self._steps: deque[LaunchStep] = deque()
+        self._steps: deque[RolloutStep] = deque()
         self._stop_after: tuple[str, ...] = ()
         self._blocked: set[str] = set()  # instances to remove before the next launch
         self._next_start: InstanceSpec | None = None
@@ -87,7 +87,7 @@ class Rollout:
 
     def replace(self, spec: InstanceSpec, now: float) -> None:
         """Start `spec` again (its instance failed), after whatever is in progress."""
-        self._steps.append(LaunchStep((), spec))
+        self._steps.append(RolloutStep((), spec))
         self._advance(now)
 
     def on_up(self, spec: InstanceSpec, now: float) -> None:

@@ -16,7 +16,7 @@ load control and admission divide capacity by it. The same ratio is kept per ins
 so that a straggler (a throttled GPU, a noisy neighbour) looks as slow as it runs. The
 simulator reports nothing (its steps
 take what its latency model says, times `SimConfig.step_slowdown`, and `slowdown` stays 1)
-unless it predicts a cluster run (`sim/predict.py`: the control plane then learns the
+unless it predicts a cluster run (`sim/run_prediction.py`: the control plane then learns the
 host's slowdown as the cluster's does) or replays a cluster run's recorded durations
 (`SimConfig.measured_speed`), so that the replay makes the run's decisions.
 

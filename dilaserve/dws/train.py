@@ -44,6 +44,8 @@ from dilaserve.dws.surface import (
 
 @dataclass(frozen=True)
 class DWSTrainConfig:
+    """The predictor's training hyperparameters (`train_dws`)."""
+
     encoder: str | None = None  # MINILM or a sentence-transformers folder; None: hashed
     stage_a_epochs: int = 30
     stage_b_epochs: int = 12  # the first half with the encoder frozen
@@ -271,7 +273,9 @@ def train_scalar(
 
 
 @dataclass(frozen=True)
-class TrainDWSConfig:
+class DWSCommandConfig:
+    """`dilaserve train-dws`: label prompts on the engine, then train (`DWSTrainConfig`)."""
+
     model: str
     out: str
     num: int = 1500
@@ -283,7 +287,7 @@ class TrainDWSConfig:
     seed: int = 5
 
 
-def load_prompts(cfg: TrainDWSConfig) -> list[str]:
+def load_prompts(cfg: DWSCommandConfig) -> list[str]:
     if cfg.prompts is None:
         from dilaserve.tasks import arith
 
@@ -295,7 +299,7 @@ def load_prompts(cfg: TrainDWSConfig) -> list[str]:
     return texts[: cfg.num]
 
 
-def train_dws_command(cfg: TrainDWSConfig, log=print) -> Path:
+def train_dws_command(cfg: DWSCommandConfig, log=print) -> Path:
     """Collect labels on the engine, train, save the predictor; a run folder with the labels,
     the validation figures and the predictor's latency per prompt."""
     from dilaserve.runs import create_run_dir, environment, write_json

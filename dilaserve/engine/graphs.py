@@ -24,7 +24,7 @@ import weakref
 
 import torch
 
-from dilaserve.models.llada import KVContext
+from dilaserve.models.common import KVContext
 
 CONTEXT_STEP = 256  # cached-length bucket (tokens)
 

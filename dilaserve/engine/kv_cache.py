@@ -22,7 +22,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from dilaserve.engine.sequence import CachedKV, Sequence
-from dilaserve.models.llada import KVContext
+from dilaserve.models.common import KVContext
 from dilaserve.protocol import KVCacheMode
 
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dilaserve.models.common import ForwardResult, KVContext
 from dilaserve.models.family import ModelFamily, build_config, check_divisible, config_dict
 from dilaserve.models.layers import (
     ColumnParallelLinear,
@@ -30,7 +31,6 @@ from dilaserve.models.layers import (
     init_normal,
     run_layers,
 )
-from dilaserve.models.llada import ForwardResult, KVContext
 
 REQUIRED = (
     "hidden_size",

@@ -9,12 +9,11 @@ which positions to cache is the engine's business, not the model's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dilaserve.models.common import ForwardResult, KVContext
 from dilaserve.models.config import LLaDAConfig
 from dilaserve.models.family import ModelFamily
 from dilaserve.models.layers import (
@@ -26,25 +25,6 @@ from dilaserve.models.layers import (
     TPGroup,
     run_layers,
 )
-
-
-@dataclass
-class KVContext:
-    """Cached keys/values (after rotary) the queried tokens also attend to.
-
-    keys[layer], values[layer]: [batch, kv_heads, ctx_len, head_dim]; valid: [batch, ctx_len].
-    """
-
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-    valid: torch.Tensor
-
-
-@dataclass
-class ForwardResult:
-    hidden: torch.Tensor  # [batch, seq, d_model], after the final norm
-    keys: list[torch.Tensor] | None  # per layer [batch, kv_heads, seq, head_dim], if requested
-    values: list[torch.Tensor] | None
 
 
 class LLaDABlock(nn.Module):

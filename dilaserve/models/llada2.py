@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dilaserve.models.common import ForwardResult, KVContext
 from dilaserve.models.family import (
     Attention,
     ModelFamily,
@@ -42,7 +43,6 @@ from dilaserve.models.layers import (
     init_normal,
     run_layers,
 )
-from dilaserve.models.llada import ForwardResult, KVContext
 from dilaserve.models.moe import SparseMoeBlock
 
 PUBLISHED_BLOCK_LEN = 32  # the block length LLaDA2's published generate uses

@@ -47,7 +47,7 @@ class SimConfig:
     # (`control/speed.py`), as the cluster runtime does (replay: its durations are measured)
     # every step takes the latency model's time times this: a host's measured slowdown while
     # serving (its drift since it was profiled, the controller's share of shared cores), for a
-    # prediction of that host (`sim/predict.py`; a calibration run's `step_time_ratio`)
+    # prediction of that host (`sim/run_prediction.py`; a calibration run's `step_time_ratio`)
     step_slowdown: float = 1.0
     # batch_bin -> the slowdown of a step of that many requests instead (`run_ratio_by_batch`;
     # bins it lacks take `step_slowdown`)
@@ -81,7 +81,7 @@ class SimResult:
 class Simulator:
     def __init__(
         self,
-        scheduler: Any,  # a Scheduler, or one behind admission control (`sim/predict.py`)
+        scheduler: Any,  # a Scheduler, or one behind admission control (`sim/run_prediction.py`)
         profile: LatencyProfile,
         behaviour,
         instances: list[InstanceSpec],
