@@ -31,7 +31,8 @@ class EngineConfig:
     committed an end-of-sequence token and everything before it. cuda_graphs: dual-cache steps of
     up to this many requests, each with at most `cuda_graph_context` cached tokens, replay CUDA
     graphs (engine/graphs.py; 0: off; tensor-parallel instances and CPUs run the same steps without
-    graphs).
+    graphs). max_forward_tokens: a step batch runs as forward passes of at most this many tokens
+    each (memory, not scheduling: the scheduler's batch limit is `ClusterConfig.max_batch_tokens`).
     """
 
     kv_cache: KVCacheMode = KVCacheMode.DUAL
@@ -39,7 +40,7 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     early_finish: bool = True
-    max_batch_tokens: int = 65_536
+    max_forward_tokens: int = 65_536
     cuda_graphs: int = 0
     cuda_graph_context: int = 2048
 
@@ -49,8 +50,8 @@ class EngineConfig:
             raise ValueError(f"{self.dtype=} must be one of {DTYPES}")
         if self.block_len <= 0:
             raise ValueError(f"{self.block_len=} must be positive")
-        if self.max_batch_tokens <= 0:
-            raise ValueError(f"{self.max_batch_tokens=} must be positive")
+        if self.max_forward_tokens <= 0:
+            raise ValueError(f"{self.max_forward_tokens=} must be positive")
         if self.cuda_graphs < 0 or self.cuda_graph_context <= 0:
             raise ValueError(
                 f"{self.cuda_graphs=} must be >= 0 and {self.cuda_graph_context=} positive"

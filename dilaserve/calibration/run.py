@@ -157,7 +157,7 @@ def measure_profile(worker, tps, grid: ProfileGrid, mask_id: int, progress, kind
                 tp,
                 grid,
                 mask_id,
-                worker.engine.max_batch_tokens,
+                worker.engine.max_forward_tokens,
                 lambda what, tp=tp: progress.advance(f"tp={tp} {what}"),
                 kinds,
             )
@@ -197,7 +197,7 @@ class _Plan:
 
     def num_points(self, tps) -> int:
         """Profile points to measure at TP degrees `tps`: each step kind at each batch size."""
-        sizes = batch_sizes(self.grid, self.engine.max_batch_tokens)
+        sizes = batch_sizes(self.grid, self.engine.max_forward_tokens)
         return len(tps) * len(sizes) * len(self.kinds)
 
 

@@ -189,7 +189,7 @@ class Engine:
         chunk, tokens = [], 0
         for row in rows:
             size = row.q_end - row.q_start
-            if chunk and tokens + size > self.config.max_batch_tokens:
+            if chunk and tokens + size > self.config.max_forward_tokens:
                 yield chunk
                 chunk, tokens = [], 0
             chunk.append(row)
