@@ -11,6 +11,7 @@ import sys
 
 def cmd_plan(args) -> None:
     from dilaserve.control.planner import PlannerConfig
+    from dilaserve.control.step_costs import StepCosts
     from dilaserve.runs import create_run_dir, write_json, write_records
     from dilaserve.sim import capacity
     from dilaserve.sim.latency import load_profile
@@ -25,8 +26,7 @@ def cmd_plan(args) -> None:
         capacity.nodes_for(args.gpus, args.gpus_per_node),
         tokens_per_step,
         tp_degrees=args.tp,
-        cache_block=None if args.kv_cache == "none" else args.block,
-        exact_cache=args.kv_cache == "block",
+        costs=StepCosts(args.kv_cache, args.block),
         period=args.window,
     )
     classes = capacity.workload_classes(trace, args.slo, args.block, args.window, args.safety)

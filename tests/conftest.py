@@ -22,12 +22,14 @@ import torch
 from dilaserve.config import EngineConfig
 from dilaserve.control.planner import PlannerConfig
 from dilaserve.control.profile import LatencyProfile
+from dilaserve.control.step_costs import StepCosts
 from dilaserve.engine.engine import Engine
 from dilaserve.models.checkpoint import save_checkpoint
 from dilaserve.models.common import ForwardResult
 from dilaserve.models.config import LLaDAConfig
 from dilaserve.models.llada import LLaDAModelLM
 from dilaserve.models.tokenizer import SpecialIds, Tokenizer
+from dilaserve.protocol import KVCacheMode
 from dilaserve.request import Request
 from dilaserve.tasks import arith
 from dilaserve.training.tokenizer import train_tokenizer
@@ -198,6 +200,6 @@ TOKENS_PER_STEP = {0.5: 4.0, 0.9: 2.0}
 
 
 def planner_config(gpus_per_node=(2,), **kw) -> PlannerConfig:
-    kw.setdefault("cache_block", None)
+    kw.setdefault("costs", StepCosts(KVCacheMode.NONE))
     kw.setdefault("tolerance", 1e-7)  # hold objective 1 exactly, so hand numbers hold
     return PlannerConfig(gpus_per_node, TOKENS_PER_STEP, tp_degrees=(1, 2), **kw)

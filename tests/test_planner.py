@@ -14,7 +14,8 @@ from dilaserve.control.planner import CapacityPlan, plan_capacity
 from dilaserve.control.policy import get_policy
 from dilaserve.control.reconfigure import Reconfigurer, move_timeline, worth_applying
 from dilaserve.control.scheduler import Scheduler, SchedulerConfig
-from dilaserve.protocol import StepKind
+from dilaserve.control.step_costs import StepCosts
+from dilaserve.protocol import KVCacheMode, StepKind
 from dilaserve.request import Request
 
 from conftest import PLANNER_PROFILE as PROFILE
@@ -71,7 +72,7 @@ def test_overload_is_infeasible_too():
 def test_cache_aware_variant_counts_one_recompute_step_per_block():
     # 2 blocks of 32: 2 recompute steps (0.1 s) + 30 cache steps (0.02 s) = 0.8 s at 0.9;
     # demand 0.5 x (2 x 0.1 + 30 x 32 x 0.02 / 32) = 0.4 instance
-    cfg = config(gpus_per_node=(1,), cache_block=32)
+    cfg = config(gpus_per_node=(1,), costs=StepCosts(KVCacheMode.DUAL, 32))
     plan = plan_capacity(one_class(rate=0.5, slo=1.0), PROFILE, cfg)
     assert plan.counts() == {1: 1} and plan.mean_threshold == pytest.approx(0.9, abs=1e-3)
     assert plan.latency[0] == pytest.approx(0.8, abs=1e-3)

@@ -62,8 +62,7 @@ def build_scheduler(spec: ControlSpec) -> Scheduler:
             spec.nodes,
             tokens_per_step(spec.predictor),
             tp_degrees=profile.tp_degrees,
-            cache_block=spec.scheduler.cache_block,
-            exact_cache=spec.scheduler.costs.exact,
+            costs=spec.scheduler.costs,
             period=spec.planner_period,
             batch_limits=spec.plan_batch_limits,
         )

@@ -40,13 +40,9 @@ class SchedulerConfig:
             raise ValueError(f"{self.refresh_every_tokens=} must be positive")
 
     @property
-    def cache_block(self) -> int | None:
-        """The block length Alg. 4/5 need, or None without a KV cache."""
-        return None if self.kv_cache is KVCacheMode.NONE else self.block_len
-
-    @property
     def costs(self) -> StepCosts:
-        """The kinds, tokens and curves of a request's steps under this cache mode."""
+        """The kinds, tokens and curves of a request's steps under this cache mode: what the
+        control plane reads the cache mode through."""
         return StepCosts(self.kv_cache, self.block_len)
 
 

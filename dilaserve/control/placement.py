@@ -91,12 +91,12 @@ class Placer:
         self, t, now: float, open_instances: Sequence[InstanceState]
     ) -> tuple[InstanceState, StepKind] | None:
         """The instance for the request's next step and that step's kind; None: no room."""
-        r, mode = t.request, self.config.kv_cache
+        r, costs = t.request, self._costs
         home = self.instances.get(t.instance) if t.instance is not None else None
-        away = r.next_kind(mode, has_cache=False)
-        home_kind = r.next_kind(mode, r.request_id in home.holds) if home is not None else away
+        away = costs.next_kind(r, has_cache=False)
+        home_kind = costs.next_kind(r, r.request_id in home.holds) if home is not None else away
         if home is not None and home.draining:
-            stays = self._costs.stays_with_cache(home_kind)
+            stays = costs.stays_with_cache(home_kind)
             if not stays or self.policy.migration is Migration.ANY:
                 home = None  # leave now; a cache step stays with its cache
         candidates = self._candidates(t, home, home_kind, open_instances)

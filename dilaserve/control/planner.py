@@ -33,14 +33,14 @@ chosen b / L_db, which is positive, giving the equivalent
 sum_k RPS_k (P_k + O_k) sum_b (L_db / b) w_kdb <= sum_n x_nd:
 "GPU-seconds per second demanded <= instances", linear again, with no product of z and x.
 
-*With a KV cache* (`cache_block` B set; papers.md 1.9): a class's steps are
+*With a KV cache* (`costs.cache_block` B set; papers.md 1.9): a class's steps are
 recompute steps r_kd (one per block: sum_d r_kd = O_k / B) over the whole sequence and cache steps
 q_kd over one block, each with its own batch-size choice (z_db from the recompute curve, z'_db
 from the cache curve), so that sum_c s_kc = sum_d (r_kd + q_kd), t_k = sum (z L r + z' L' q),
 and stability is sum_k RPS_k [(P_k + O_k) r_kd alpha_d + B q_kd beta_d] <= sum_n x_nd with
 alpha_d = sum_b z_db L_db / b and beta_d = sum_b z'_db L'_db / b; both linearise as above.
 With an exact (block-diffusion) cache the boundary step is a commit of 2B tokens on the commit
-curve instead of a recompute of P + O (`exact_cache`; a request's one prefill is not planned).
+curve instead of a recompute of P + O (`costs.exact`; a request's one prefill is not planned).
 
 If no configuration can meet the SLOs, the plan falls back to TP-1 instances on every GPU.
 Stage 2 (where the instances go, and the order of the moves) is in `control/layout.py`.
@@ -52,12 +52,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dilaserve.config import DEFAULT_BLOCK_LEN
 from dilaserve.control.highs import add_switched, new_model, qsum, solution_reader, solved
 from dilaserve.control.monitor import WorkloadClass
 from dilaserve.control.profile import LatencyProfile
 from dilaserve.control.step_costs import StepCosts
-from dilaserve.protocol import KVCacheMode
 
 # stability terms below HiGHS's matrix tolerance (instance-seconds per second per step) are
 # dropped, as HiGHS would drop them; a request class that small adds no measurable load
@@ -69,8 +67,9 @@ class PlannerConfig:
     gpus_per_node: tuple[int, ...]  # G_n for each node
     tokens_per_step: Mapping[float, float]  # T_c: mean tokens committed per step at threshold c
     tp_degrees: tuple[int, ...] = (1, 2, 4, 8)
-    cache_block: int | None = DEFAULT_BLOCK_LEN  # B; None without a KV cache
-    exact_cache: bool = False  # block diffusion: a block's first step commits (2B tokens)
+    # the cache's step kinds and block length B (`costs.cache_block`: None without a cache);
+    # an exact cache (block diffusion): a block's first step commits (2B tokens)
+    costs: StepCosts = StepCosts()
     batch_sizes: tuple[int, ...] | None = None  # batch tokens; None: the profile's points
     cache_batch_sizes: tuple[int, ...] | None = None
     tolerance: float = 1e-3  # relative slack when an objective is held at its optimum
@@ -83,13 +82,6 @@ class PlannerConfig:
     serial_launches: bool = False  # each launch waits for the last (rollout.py; the paper's)
     rate_trend: bool = True  # plan for the load's growth over the window (monitor.py)
     batch_limits: bool = False  # the plan's batch sizes bound instances (Alg. 3's maxBatchSize)
-
-    @property
-    def costs(self) -> StepCosts:
-        if self.cache_block is None:
-            return StepCosts(KVCacheMode.NONE)
-        mode = KVCacheMode.BLOCK if self.exact_cache else KVCacheMode.DUAL
-        return StepCosts(mode, self.cache_block)
 
     def __post_init__(self):
         if not self.gpus_per_node or min(self.gpus_per_node) <= 0:
@@ -186,6 +178,7 @@ class _Stage1:
         """A class's steps over thresholds and (TP degree, batch size); returns t_k."""
         h, cfg, tps = self.h, self.cfg, self.cfg.tokens_per_step
         costs = cfg.costs
+        block = costs.cache_block
         most_steps = cls.output_len / min(tps.values())  # the big-M: a true bound on steps
         for c in cfg.thresholds:
             self.thr_steps[k, c] = h.addVariable(lb=0, ub=most_steps)
@@ -194,13 +187,13 @@ class _Stage1:
         by_family: dict[str, list] = {}
         latency_terms = []
         bound = {"full": most_steps, "cache": 0.0}  # the big-M of each family's w_kdb
-        if cfg.cache_block is not None:  # exactly one recompute step per block; the rest cache
-            bound["full"] = cls.output_len / cfg.cache_block
+        if block is not None:  # exactly one recompute step per block; the rest cache
+            bound["full"] = cls.output_len / block
             bound["cache"] = max(most_steps - bound["full"], 0.0)
         boundary = costs.boundary_batch_tokens(cls.num_tokens)
         for d in self.degrees:
             for fam, _, sizes in self.families[d]:
-                tokens = boundary if fam == "full" else cfg.cache_block or 0  # cached: set
+                tokens = boundary if fam == "full" else block or 0  # cached: set
                 switches = [self.z[fam, d, b] for b in sizes]
                 for b, w in zip(sizes, add_switched(h, bound[fam], switches)):  # w_kdb
                     by_family.setdefault(fam, []).append(w)
@@ -210,8 +203,8 @@ class _Stage1:
                     if coefficient > NEGLIGIBLE:
                         self.demand[d].append(coefficient * w)
         h.addConstr(qsum(steps) == qsum(w for ws in by_family.values() for w in ws))
-        if cfg.cache_block is not None:  # one recompute step per block
-            h.addConstr(qsum(by_family["full"]) == cls.output_len / cfg.cache_block)
+        if block is not None:  # one recompute step per block
+            h.addConstr(qsum(by_family["full"]) == cls.output_len / block)
         t_k = qsum(latency_terms)
         h.addConstr(t_k <= cls.slo)
         return t_k

@@ -74,7 +74,8 @@ def gpus_needed(
     """GPUs the classes keep busy at the least: every class at the lowest threshold (the most
     tokens per step), every step at TP-1's best token throughput."""
     most_per_step = max(config.tokens_per_step.values())
-    costs, block = config.costs, config.cache_block
+    costs = config.costs
+    block = costs.cache_block
     full_rate = profile.curve(1, costs.boundary_kind).best_throughput()[1]
     cache_rate = profile.curve(1, costs.inner_kind).best_throughput()[1] if block else 1.0
     total = 0.0
@@ -254,7 +255,8 @@ class Reconfigurer:
     def _throughput(self, counts: dict[int, int]) -> float:
         """Tokens per second the instances carry at their best batch (cache steps with a
         cache, full steps without): what a layout can serve at the most."""
-        kind = self.config.costs.inner_kind if self.config.cache_block else None
+        costs = self.config.costs
+        kind = costs.inner_kind if costs.cached else None
         kind = kind or self.config.costs.boundary_kind
         curve = self.profile.curve
         return sum(n * curve(tp, kind).best_throughput()[1] for tp, n in counts.items())

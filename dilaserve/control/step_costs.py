@@ -1,10 +1,11 @@
 """What a request's steps cost under each KV-cache mode: their kinds, tokens and latency curves.
 
-A family declares its cache semantics (DESIGN section 1); the control plane reads them here, and
-nowhere else branches on the cache mode. Every step falls in one of two groups that an instance
-batches and a latency profile prices on separate curves: *sequence* steps run the prompt and
-the output window up to (at least) the current block, *block* steps run one or two blocks
-against stored K/V (`protocol.CACHED_KINDS`).
+A family declares its cache semantics (DESIGN section 1); the control plane, the planner and the
+simulator read them here (`SchedulerConfig.costs`, `PlannerConfig.costs`, `SimulationSpec.costs`)
+and nowhere else branch on the cache mode; only the engine, which runs the steps, does too.
+Every step falls in one of two groups that an instance batches and a latency profile prices on
+separate curves: *sequence* steps run the prompt and the output window up to (at least) the
+current block, *block* steps run one or two blocks against stored K/V (`protocol.CACHED_KINDS`).
 
 | mode | new to an instance | a block's first step | other steps | moving mid-block |
 | --- | --- | --- | --- | --- |
@@ -30,6 +31,15 @@ class StepCosts:
     mode: KVCacheMode = KVCacheMode.DUAL
     block_len: int = DEFAULT_BLOCK_LEN
 
+    def __post_init__(self):
+        try:
+            object.__setattr__(self, "mode", KVCacheMode(self.mode))
+        except ValueError:
+            modes = [m.value for m in KVCacheMode]
+            raise ValueError(f"{self.mode=} must be one of {modes}") from None
+        if self.block_len <= 0:
+            raise ValueError(f"{self.block_len=} must be positive")
+
     @classmethod
     def of(cls, spec: StepCosts | int | None) -> StepCosts:
         """`spec` itself, or the approximate cache of block `spec` (None: no cache)."""
@@ -44,6 +54,15 @@ class StepCosts:
     @property
     def exact(self) -> bool:
         return self.mode is KVCacheMode.BLOCK
+
+    @property
+    def cache_block(self) -> int | None:
+        """The block length Alg. 4/5 count steps by, or None without a cache."""
+        return self.block_len if self.cached else None
+
+    def next_kind(self, request, has_cache: bool) -> StepKind:
+        """The kind of `request`'s next step on an instance that holds its cache or not."""
+        return request.next_kind(self.mode, has_cache)
 
     @property
     def sequence_kind(self) -> StepKind:

@@ -63,13 +63,13 @@ def check_profile(spec: SimulationSpec, profile: LatencyProfile) -> None:
             f"the starting instances' TP degrees {missing} are not among {spec.profile}'s "
             f"TP degrees {profile.tp_degrees}"
         )
-    block_causal = bool(profile.meta.get("block_causal"))
-    if block_causal and spec.kv_cache not in ("block", "none"):
+    block_causal, costs = bool(profile.meta.get("block_causal")), spec.costs
+    if block_causal and costs.cached and not costs.exact:
         raise ValueError(
             f"{spec.kv_cache=}: {profile.meta.get('model')} is block-causal; its cache is "
             "exact (kv_cache='block') or none"
         )
-    if spec.kv_cache == "block" and not block_causal:
+    if costs.exact and not block_causal:
         raise ValueError(f"{spec.kv_cache=} needs a block-causal model's profile (llada2-*)")
 
 
@@ -93,8 +93,7 @@ def _reconfigurer(spec: SimulationSpec, policy, profile, behaviour, config):
         nodes_for(spec.gpus, spec.gpus_per_node),
         {c: behaviour.tokens_per_step(c) for c in policy.candidates},
         tp_degrees=tuple(d for d in (1, 2, 4, 8) if d in profile.tp_degrees),
-        cache_block=config.cache_block,
-        exact_cache=config.costs.exact,
+        costs=config.costs,
         period=spec.planner_period,
         startup_delay=spec.startup_delay,
         serial_launches=spec.serial_launches,
@@ -113,8 +112,8 @@ def simulate(spec: SimulationSpec, progress=None, log: DecisionLog | None = None
     behaviour, requests, predictor = workload(spec, trace, policy, profile.meta.get("model"))
     slo = slo_for(spec, profile, requests, behaviour.tokens_per_step(spec.threshold))
     config = SchedulerConfig(
-        kv_cache=spec.kv_cache,
-        block_len=spec.block_len,
+        kv_cache=spec.costs.mode,
+        block_len=spec.costs.block_len,
         slo=slo,
         refresh_every_tokens=spec.refresh_every_tokens,
         max_requests_per_instance=spec.max_requests_per_instance,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dilaserve.config import DEFAULT_BLOCK_LEN, DEFAULT_THRESHOLD
+from dilaserve.control.step_costs import StepCosts
 
 
 @dataclass(frozen=True)
@@ -65,12 +66,18 @@ class SimulationSpec:
             raise ValueError(f"{self.gpus=} must be a positive multiple of {self.initial_tp=}")
         self.layout()  # a malformed layout or straggler count fails here, not mid-run
         self.parsed_stragglers()
+        StepCosts(self.kv_cache, self.block_len)  # a bad cache mode or block fails here
         if self.rate_scale <= 0:
             raise ValueError(f"{self.rate_scale=} must be positive")
         if self.slo is not None and self.slo <= 0:
             raise ValueError(f"{self.slo=} must be positive")
         if self.slo_multiple <= 0:
             raise ValueError(f"{self.slo_multiple=} must be positive")
+
+    @property
+    def costs(self) -> StepCosts:
+        """The cache mode and block length: what the simulator reads the cache through."""
+        return StepCosts(self.kv_cache, self.block_len)
 
     def layout(self) -> list[int]:
         """The starting instances' TP degrees, in the order they are packed onto nodes."""

@@ -108,7 +108,7 @@ def slo_for(
     the spec's threshold (`rate` tokens committed per step)."""
     if spec.slo is not None:
         return spec.slo
-    costs = StepCosts(KVCacheMode(spec.kv_cache), spec.block_len)
+    costs = spec.costs
     isolated = [
         isolated_latency(profile, r.prompt_len, r.gen_len, spec.block_len, rate, costs)
         for r in requests
@@ -163,7 +163,7 @@ def workload(spec: SimulationSpec, trace: traces.Trace, policy, model: str | Non
     if not spec.behaviour.startswith("replay:"):
         rate = tokens_per_step_for(model)
         behaviour = ParametricBehaviour(seed=spec.seed + 2, tokens_per_step=rate)
-        aligned = spec.kv_cache == KVCacheMode.BLOCK.value
+        aligned = spec.costs.exact
         requests = requests_from(trace, spec.block_len, aligned, spec.threshold)
         if policy.order is Order.COST:
             with_unit_costs(requests, rate)
@@ -206,7 +206,7 @@ def make_predictor(spec: SimulationSpec, policy, trace: traces.Trace, rate=None)
     if name in ("full", "progress"):
         features = FEATURE_NAMES if name == "full" else PROGRESS_FEATURES
         behaviour = ParametricBehaviour(seed=spec.seed + 4, tokens_per_step=rate)
-        mode = KVCacheMode(spec.kv_cache)
+        mode = spec.costs.mode
         return train_sim_predictor(behaviour, shapes, thresholds, features=features, mode=mode)
     if name == "oracle":
         raise ValueError(
@@ -218,7 +218,6 @@ def make_predictor(spec: SimulationSpec, policy, trace: traces.Trace, rate=None)
         from dilaserve.training.train_predictor import one_shot_rates
 
         behaviour = ParametricBehaviour(seed=spec.seed + 4, tokens_per_step=rate)
-        mode = KVCacheMode(spec.kv_cache)
-        trajs = simulated_trajectories(behaviour, shapes, thresholds, mode=mode)
+        trajs = simulated_trajectories(behaviour, shapes, thresholds, mode=spec.costs.mode)
         return OneShotPredictor(thresholds, one_shot_rates(trajs))
     raise ValueError(f"no simulated step predictor {name!r}")
