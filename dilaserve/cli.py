@@ -7,6 +7,7 @@ import os
 import sys
 
 from dilaserve.cli_args import (
+    apply_config_file,
     engine_args,
     model_arg,
     parse_ints,
@@ -321,8 +322,8 @@ def _resolve_defaults(args) -> None:
         args.max_tokens = default_max_tokens(args.model)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def _set_threads(args) -> None:
+    """Torch's CPU threads for the commands that run a model in this process."""
     if getattr(args, "threads", None) and args.command not in (
         "run-trace",
         "serve",
@@ -332,7 +333,14 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
+        args = apply_config_file(parser, args, argv)
+        _set_threads(args)
         _resolve_defaults(args)
         args.func(args)
     except (ValueError, FileNotFoundError, KeyError, OSError, RuntimeError) as err:

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import types
+import typing
+from pathlib import Path
 
 
 def model_arg(p: argparse.ArgumentParser) -> None:
@@ -72,6 +77,93 @@ def parse_ints(text: str) -> tuple[int, ...]:
         return tuple(int(x) for x in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from None
+
+
+def spec_options(p: argparse.ArgumentParser, cls) -> None:
+    """An option for every field of the dataclass `cls` (`field_option`)."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        field_option(p, f, hints[f.name])
+
+
+def field_option(p: argparse.ArgumentParser, f: dataclasses.Field, hint) -> None:
+    """`--NAME` for the field `f` of type `hint`: its default, the help and argparse keywords
+    declared beside it (`config.setting`); a bool is `--NAME/--no-NAME`, a tuple of numbers is
+    comma-separated."""
+    meta = dict(f.metadata)
+    if "help" not in meta:
+        raise TypeError(f"field {f.name!r} declares no help (use dilaserve.config.setting)")
+    flag = "--" + f.name.replace("_", "-")
+    kind = _option_type(hint)
+    if kind is bool:
+        p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, **meta)
+        return
+    p.add_argument(flag, type=kind, default=f.default, **meta)
+
+
+def _option_type(hint):
+    """The argparse type of a field annotated `hint` (X | None takes X's)."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        (hint,) = [h for h in typing.get_args(hint) if h is not type(None)]
+    if typing.get_origin(hint) is tuple:
+        return parse_thresholds if typing.get_args(hint)[0] is float else parse_ints
+    if hint not in (bool, int, float, str):
+        raise TypeError(f"no command-line option for a field of type {hint}")
+    return hint
+
+
+def config_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="settings from a TOML or JSON file, keyed by option name (kv_cache or kv-cache); "
+        "options given on the command line win (docs/configuration.md)",
+    )
+
+
+def read_config_file(path: str | Path) -> dict:
+    """A TOML or JSON file's settings, keys with dashes or underscores; lists become tuples."""
+    path = Path(path)
+    text = path.read_text()
+    if path.suffix == ".toml":
+        import tomllib
+
+        values = tomllib.loads(text)
+    else:
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: not JSON ({err}); TOML files end in .toml") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: expected a table of settings, got {type(values).__name__}")
+    return {k.replace("-", "_"): tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+
+
+def apply_config_file(parser: argparse.ArgumentParser, args, argv) -> argparse.Namespace:
+    """`args` re-parsed with the --config file's settings as the command's defaults, so that
+    options given on the command line win; an unknown setting is an error naming it."""
+    path = getattr(args, "config", None)
+    if path is None:
+        return args
+    command = _subparser(parser, args.command)
+    values = read_config_file(path)
+    known = {a.dest for a in command._actions} - {"help", "config"}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(
+            f"{path}: {unknown} are not settings of `{args.command}`; "
+            f"its settings are {sorted(known - {'func'})}"
+        )
+    command.set_defaults(**values)
+    return parser.parse_args(argv)
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[name]
+    raise ValueError(f"no command {name!r}")
 
 
 def show_defaults(parser: argparse.ArgumentParser) -> None:

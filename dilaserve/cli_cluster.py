@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dilaserve.cli_args import engine_args, model_arg, parse_thresholds
+from dilaserve.cli_args import config_option, engine_args, model_arg, parse_thresholds
 
 INSTANCES_DEFAULT = "2"
 
@@ -187,6 +187,7 @@ def _dws_args(args, calibrated_cost: str | None) -> dict:
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    config_option(p)
     model_arg(p)
     engine_args(p, threads=1, threads_help="torch CPU threads per worker rank")
     _layout_args(p)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dilaserve.cli_args import config_option, spec_options
+
 
 def cmd_plan(args) -> None:
     from dilaserve.control.planner import PlannerConfig
@@ -138,108 +140,15 @@ def _progress(folder, show: bool, every: float = 30.0):
 
 
 def _add_simulate_command(sub) -> None:
+    """Every field of `SimulationSpec` is an option (its help declared beside the field)."""
+    from dilaserve.sim.spec import SimulationSpec
+
     si = sub.add_parser("simulate", help="trace-driven cluster simulation (same control plane)")
-    si.add_argument("--policy", default="dilaserve")
-    si.add_argument(
-        "--profile",
-        default="llada-8b-h100",
-        help="preset name (llada-8b-h100, ..., llada2-mini-h200) or profile JSON",
-    )
-    si.add_argument(
-        "--trace",
-        default="paper",
-        help="paper | poisson:RPS:SECONDS | bursty/code:RPS:SECONDS[:CV] | "
-        "fixed:RPS:SECONDS:PROMPT:OUTPUT[/OUTPUT...] | CSV path",
-    )
-    si.add_argument("--peak-rps", type=float, default=20.0, help="peak of the paper trace")
-    si.add_argument(
-        "--minutes-per-hour", type=float, default=5.0, help="paper trace: minutes per hour"
-    )
-    si.add_argument(
-        "--behaviour", default="parametric", help="parametric | replay:TRAJECTORIES.npz"
-    )
-    si.add_argument("--predictor-path", default=None, help="replay: trained predictor folder")
-    si.add_argument("--quality", default=None, help="eval summary.json for the quality model")
-    si.add_argument("--duration", type=float, default=None, help="first N seconds only")
-    si.add_argument("--rate-scale", type=float, default=1.0, help="speed arrivals up this much")
-    si.add_argument("--slo", type=float, default=None, help="seconds (default: a multiple)")
-    si.add_argument("--slo-multiple", type=float, default=5.0)
-    si.add_argument(
-        "--kv-cache",
-        choices=["none", "dual", "block"],
-        default="dual",
-        help="block: a block-causal model's exact cache (with an llada2-* profile)",
-    )
-    si.add_argument(
-        "--threshold",
-        type=float,
-        default=0.9,
-        help="fixed-threshold policies' threshold and the SLO's reference (DWS: 0.95)",
-    )
-    si.add_argument(
-        "--candidates",
-        type=lambda t: tuple(float(x) for x in t.split(",")),
-        default=None,
-        help="a dynamic policy's thresholds, e.g. 0.5,0.6,0.7,0.8,0.9,0.95 (default 0.5-0.9)",
-    )
-    _add_cluster_arguments(si)
-    si.add_argument("--latency-noise", type=float, default=0.0)
-    si.add_argument("--interval", type=float, default=300.0, help="seconds per metrics row")
-    si.add_argument("--seed", type=int, default=0)
+    config_option(si)
+    spec_options(si, SimulationSpec)
     si.add_argument("--out", default="runs", help="folder for run folders")
     si.add_argument("--quiet", action="store_true", help="no progress line")
     si.set_defaults(func=cmd_simulate)
-
-
-def _add_cluster_arguments(si) -> None:
-    """The simulated cluster: its GPUs, batches and planner."""
-    si.add_argument("--gpus", type=int, default=16)
-    si.add_argument("--gpus-per-node", type=int, default=4)
-    si.add_argument("--initial-tp", type=int, default=1)
-    si.add_argument(
-        "--initial-layout",
-        default=None,
-        help="start from a mix of TP degrees instead, TPxCOUNT,...: e.g. 4x2,1x8",
-    )
-    si.add_argument(
-        "--stragglers",
-        default=None,
-        help="COUNT:FACTOR: the first COUNT starting instances run each step FACTOR times slower",
-    )
-    si.add_argument(
-        "--measured-speed",
-        action="store_true",
-        help="report step times to the control plane as the live cluster does",
-    )
-    si.add_argument(
-        "--instance-speed",
-        action="store_true",
-        help="extension: Alg. 3 prices each instance at its measured speed (a straggler's too)",
-    )
-    si.add_argument(
-        "--max-batch-requests",
-        type=int,
-        default=None,
-        help="requests one step batch may hold (default: no limit but the batch tokens)",
-    )
-    si.add_argument("--planner-period", type=float, default=300.0)
-    si.add_argument("--startup-delay", type=float, default=30.0)
-    si.add_argument(
-        "--plan-batch-limits",
-        action="store_true",
-        help="the planner's batch sizes bound each instance's batch (Alg. 3's maxBatchSize)",
-    )
-    si.add_argument(
-        "--serial-launches",
-        action="store_true",
-        help="a reconfiguration launches each instance only once the one before it is up",
-    )
-    si.add_argument(
-        "--no-rate-trend",
-        dest="rate_trend",
-        action="store_false",
-        help="the planner plans for the last window's rates, without the load's rise",
-    )
 
 
 def add_simulation_commands(sub) -> None:

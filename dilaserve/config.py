@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dilaserve.protocol import KVCacheMode
@@ -20,6 +20,12 @@ DEFAULT_THRESHOLD = 0.9  # a request's confidence threshold when nothing else se
 # the thresholds calibration records trajectories at and step predictors are trained on
 MEASURED_THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9)
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+def setting(default, help: str, **option):
+    """A dataclass field whose command-line option is generated (`cli_args.field_option`):
+    its default, its help, and any further argparse keywords (choices, metavar)."""
+    return field(default=default, metadata={"help": help, **option})
 
 
 @dataclass(frozen=True, slots=True)

@@ -223,7 +223,7 @@ def write_run(
     from dilaserve.sim.dashboard import write_dashboard
 
     folder = folder or create_run_dir(root, name)
-    write_json(folder / "config.json", {**asdict(run.spec), "slo_s": run.slo})
+    write_json(folder / "config.json", asdict(run.spec))  # the SLO it resolved: summary.json
     write_records(folder / "records.csv", run.rows)
     write_records(folder / "intervals.csv", run.intervals)
     times = [row["start"] for row in run.intervals]

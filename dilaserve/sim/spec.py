@@ -5,61 +5,105 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dilaserve.config import DEFAULT_BLOCK_LEN, DEFAULT_THRESHOLD
+from dilaserve.config import DEFAULT_BLOCK_LEN, DEFAULT_THRESHOLD, setting
 from dilaserve.control.step_costs import StepCosts
 
 
 @dataclass(frozen=True)
 class SimulationSpec:
-    policy: str = "dilaserve"
-    profile: str = "llada-8b-h100"  # a preset name or a profile JSON path
-    trace: str = "paper"  # paper | poisson/bursty/code/fixed:RPS:SECONDS[:...] (workload.py) | CSV
-    peak_rps: float = 20.0  # the paper trace's peak
-    minutes_per_hour: float = 5.0  # the paper trace: each hour of the day becomes this long
-    duration: float | None = None  # keep only the first N seconds of the trace
-    rate_scale: float = 1.0  # arrivals this many times as fast (a real trace, scaled)
-    gpus: int = 16
-    gpus_per_node: int = 4
-    initial_tp: int = 1  # the cluster starts as gpus / initial_tp instances of this degree
-    # or as this mix, "TPxCOUNT,...": "4x2,1x8" is two TP-4 then eight TP-1 instances, packed
-    # onto the nodes in that order (the state a reconfiguration leaves)
-    initial_layout: str | None = None
-    # "COUNT:FACTOR": the first COUNT starting instances take FACTOR times as long per step as
-    # the profile says (a throttled GPU, a noisy neighbour); the control plane is not told
-    stragglers: str | None = None
-    # the simulator reports step times to the control plane as the live cluster does, which
-    # then prices steps at the cluster's measured slowdown (`control/speed.py`; with no
-    # straggler and no noise it stays exactly 1) ...
-    measured_speed: bool = False
-    # ... and, an extension, Alg. 3 prices each instance at its own (SchedulerConfig's
-    # `instance_speed`; it implies `measured_speed`)
-    instance_speed: bool = False
-    slo: float | None = None  # seconds; None: slo_multiple x isolated TP-1 latency
-    slo_multiple: float = 5.0
-    kv_cache: str = "dual"  # none | dual | block (a block-causal model's exact cache)
-    block_len: int = DEFAULT_BLOCK_LEN
-    # the default threshold: requests start at it, fixed-threshold policies keep it, the SLO's
-    # isolated latency is taken at it (a dynamic policy's range is `candidates`)
-    threshold: float = DEFAULT_THRESHOLD
-    max_batch_tokens: int = 65536
-    max_requests_per_instance: int = 64
-    max_batch_requests: int | None = None  # requests one step batch may hold (None: no limit)
-    refresh_every_tokens: int = 8
-    slo_headroom: float = 1.0  # the paper's Alg. 1; see SchedulerConfig
-    refresh_interval: float = 0.05  # see SchedulerConfig
-    planner_period: float = 300.0
-    startup_delay: float = 30.0
-    serial_launches: bool = False  # a reconfiguration's launches wait for one another
-    rate_trend: bool = True  # the planner plans for the load's growth (monitor.py)
-    plan_batch_limits: bool = False  # the plan's batch sizes bound instances (Alg. 3)
-    latency_noise: float = 0.0
-    interval: float = 300.0  # seconds per row of the per-interval metrics
-    predictor_prompts: int = 100  # sample requests the simulated predictor trains on
-    behaviour: str = "parametric"  # or "replay:TRAJECTORIES.npz" (recorded engine steps)
-    predictor_path: str | None = None  # replay: a trained predictor folder (default: bundled)
-    quality: str | None = None  # an eval summary.json (default: LLaDA-8B's GSM8K curve)
-    candidates: tuple[float, ...] | None = None  # a dynamic policy's thresholds (None: 0.5-0.9)
-    seed: int = 0
+    """Every field is a `dilaserve simulate` option of the same name (`cli_args.spec_options`),
+    its help the text given here."""
+
+    policy: str = setting("dilaserve", "dilaserve, fcfs, infaas, llumnix, dws-sjf or an ablation")
+    profile: str = setting(
+        "llada-8b-h100", "latency profile: a preset (llada-8b-h100, ..., llada2-mini-h200) or JSON"
+    )
+    trace: str = setting(
+        "paper",
+        "paper | poisson:RPS:SECONDS | bursty/code:RPS:SECONDS[:CV] | "
+        "fixed:RPS:SECONDS:PROMPT:OUTPUT[/OUTPUT...] | CSV path (sim/workload.py)",
+    )
+    peak_rps: float = setting(20.0, "the paper trace's peak requests per second")
+    minutes_per_hour: float = setting(
+        5.0, "the paper trace: each hour of the day becomes this many minutes"
+    )
+    duration: float | None = setting(None, "keep only the first N seconds of the trace")
+    rate_scale: float = setting(1.0, "arrivals this many times as fast (a real trace, scaled)")
+    gpus: int = setting(16, "GPUs of the simulated cluster")
+    gpus_per_node: int = setting(4, "GPUs per node (a TP group never spans two)")
+    initial_tp: int = setting(1, "the cluster starts as GPUS / INITIAL_TP instances of this degree")
+    initial_layout: str | None = setting(
+        None,
+        "or starts as this mix, TPxCOUNT,...: 4x2,1x8 is two TP-4 then eight TP-1 instances, "
+        "packed onto the nodes in that order (the state a reconfiguration leaves)",
+    )
+    stragglers: str | None = setting(
+        None,
+        "COUNT:FACTOR: the first COUNT starting instances take FACTOR times as long per step as "
+        "the profile says (a throttled GPU, a noisy neighbour); the control plane is not told",
+    )
+    measured_speed: bool = setting(
+        False,
+        "report step times to the control plane as the live cluster does, which then prices "
+        "steps at the cluster's measured slowdown (control/speed.py)",
+    )
+    instance_speed: bool = setting(
+        False,
+        "extension: Alg. 3 prices each instance at its own measured speed, a straggler's too "
+        "(implies the measured speed)",
+    )
+    slo: float | None = setting(None, "seconds per request; default: SLO_MULTIPLE x isolated")
+    slo_multiple: float = setting(5.0, "the SLO as a multiple of a request's isolated TP-1 latency")
+    kv_cache: str = setting(
+        "dual",
+        "none | dual | block (a block-causal model's exact cache, with an llada2-* profile)",
+        choices=("none", "dual", "block"),
+    )
+    block_len: int = setting(DEFAULT_BLOCK_LEN, "tokens per semi-autoregressive block")
+    threshold: float = setting(
+        DEFAULT_THRESHOLD,
+        "the default threshold: requests start at it, fixed-threshold policies keep it, the "
+        "SLO's isolated latency is taken at it (DWS: 0.95)",
+    )
+    max_batch_tokens: int = setting(65536, "tokens one step batch of an instance may hold (Alg. 3)")
+    max_requests_per_instance: int = setting(64, "the load model's batch size (Alg. 2/4)")
+    max_batch_requests: int | None = setting(
+        None, "requests one step batch may hold; default: no limit but the batch tokens"
+    )
+    refresh_every_tokens: int = setting(8, "a request's prediction is refreshed every K commits")
+    slo_headroom: float = setting(
+        1.0, "Alg. 1 fits the predicted time into this share of the budget left (1: the paper's)"
+    )
+    refresh_interval: float = setting(0.05, "seconds between batched prediction refreshes")
+    planner_period: float = setting(300.0, "seconds between ILP planner rounds")
+    startup_delay: float = setting(30.0, "seconds a new instance loads before it takes work")
+    serial_launches: bool = setting(
+        False, "a reconfiguration launches each instance only once the one before it is up"
+    )
+    rate_trend: bool = setting(
+        True, "the planner plans for the load's growth (no: the last window's rates)"
+    )
+    plan_batch_limits: bool = setting(
+        False, "the planner's batch sizes bound each instance's batch (Alg. 3's maxBatchSize)"
+    )
+    latency_noise: float = setting(
+        0.0, "sigma of a log-normal factor on each simulated step's duration (0: none)"
+    )
+    interval: float = setting(300.0, "seconds per row of the per-interval metrics")
+    predictor_prompts: int = setting(100, "sample requests the simulated step predictor trains on")
+    behaviour: str = setting("parametric", "parametric | replay:TRAJECTORIES.npz (engine steps)")
+    predictor_path: str | None = setting(
+        None, "replay: a trained step predictor folder; default: the bundled one"
+    )
+    quality: str | None = setting(
+        None, "an eval summary.json for the quality model; default: LLaDA-8B's GSM8K curve"
+    )
+    candidates: tuple[float, ...] | None = setting(
+        None,
+        "a dynamic policy's thresholds, e.g. 0.5,0.6,0.7,0.8,0.9,0.95; default: the policy's",
+        metavar="C,C,...",
+    )
+    seed: int = setting(0, "random seed of the trace, behaviour and predictor")
 
     def __post_init__(self):
         if self.gpus <= 0 or self.gpus % self.initial_tp:
