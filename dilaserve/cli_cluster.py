@@ -115,16 +115,42 @@ def _device_name(args) -> str:
 
 def control_inputs(args, tps: set[int]):
     """The latency profile and step predictor the control plane is built from: the
-    calibration that matches the model, device, dtype and TP degrees (made now with
-    --calibrate), or the --profile and --predictor given."""
+    calibration that matches the model, device, dtype and TP degrees, or the --profile and
+    --predictor given. Never calibrates (`calibrate_if_missing` does, when asked)."""
     import logging
 
+    inputs = _resolve_inputs(args, tps)
+    log = logging.getLogger("dilaserve.calibration")
+    for warning in inputs.warnings:
+        log.warning(warning)
+    return inputs
+
+
+def calibrate_if_missing(args) -> None:
+    """--calibrate: calibrate the model now if no calibration matches its layout's TP degrees;
+    called before the configuration is built, which never calibrates."""
     from dilaserve.calibration.run import CalibrateConfig, calibrate
-    from dilaserve.calibration.store import (
-        CalibrationMissing,
-        model_key,
-        resolve_control_inputs,
-    )
+    from dilaserve.calibration.store import CalibrationMissing
+
+    if not args.calibrate:
+        return
+    tps = set(layout(args))
+    try:
+        _resolve_inputs(args, tps)
+    except CalibrationMissing:
+        cfg = CalibrateConfig(
+            args.model,
+            args.device,
+            args.dtype,
+            tuple(sorted(tps)),
+            threads=args.threads,
+            calibration=args.calibration,
+        )
+        calibrate(cfg)
+
+
+def _resolve_inputs(args, tps: set[int]):
+    from dilaserve.calibration.store import model_key, resolve_control_inputs
     from dilaserve.control.policy import get_policy
 
     policy = get_policy(args.policy)
@@ -135,27 +161,7 @@ def control_inputs(args, tps: set[int]):
         "predictor": args.predictor,
         "needs_predictor": policy.is_dynamic or policy.reconfigure or bool(args.dws),
     }
-    try:
-        inputs = resolve_control_inputs(args.model, key, tps, args.device, **options)
-    except CalibrationMissing:
-        if not args.calibrate:
-            raise
-        tp = tuple(sorted(tps))
-        calibrate(
-            CalibrateConfig(
-                args.model,
-                args.device,
-                args.dtype,
-                tp,
-                threads=args.threads,
-                calibration=args.calibration,
-            )
-        )
-        inputs = resolve_control_inputs(args.model, key, tps, args.device, **options)
-    log = logging.getLogger("dilaserve.calibration")
-    for warning in inputs.warnings:
-        log.warning(warning)
-    return inputs
+    return resolve_control_inputs(args.model, key, tps, args.device, **options)
 
 
 def _nodes(text: str | None, instances: tuple[int, ...]) -> tuple[int, ...]:
@@ -226,7 +232,8 @@ def _control_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--calibrate",
         action="store_true",
-        help="calibrate the model now if no calibration matches",
+        help="calibrate the model first if no calibration matches (before the configuration "
+        "is built)",
     )
     p.add_argument(
         "--profile",

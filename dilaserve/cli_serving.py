@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from dilaserve.cli_args import model_arg
-from dilaserve.cli_cluster import add_cluster_args, cluster_config
+from dilaserve.cli_cluster import add_cluster_args, calibrate_if_missing, cluster_config
 
 
 def cmd_run_trace(args) -> None:
@@ -20,6 +20,7 @@ def cmd_run_trace(args) -> None:
     from dilaserve.cluster.trace_run import TraceRunSpec, run_trace, write_trace_run
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    calibrate_if_missing(args)
     config, inputs = cluster_config(args, record=True)
     logging.getLogger("dilaserve.calibration").info("control inputs: %s", inputs.label)
     spec = TraceRunSpec(
@@ -104,6 +105,7 @@ def cmd_serve(args) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     bind(args.host, args.port).close()  # a port in use stops us before calibration or loading
+    calibrate_if_missing(args)
     config, inputs = cluster_config(args)
     serve(
         config,

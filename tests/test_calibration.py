@@ -113,13 +113,14 @@ def test_an_uncalibrated_model_or_tp_degree_says_what_to_run(calibrated, tmp_pat
 
 
 def test_calibrate_at_start_up_when_none_matches(tmp_path, monkeypatch):
-    """`serve --calibrate` (here through run-trace's same path) calibrates, then serves."""
+    """`serve --calibrate` calibrates first, explicitly; building the configuration never does."""
     import dataclasses
 
     import dilaserve.calibration.run as run
+    from dilaserve.calibration.store import CalibrationMissing
     from dilaserve.cli import build_parser
     from dilaserve.cli_args import resolve_model
-    from dilaserve.cli_cluster import control_inputs
+    from dilaserve.cli_cluster import calibrate_if_missing, cluster_config, control_inputs
 
     real, seen = run.calibrate, []
 
@@ -131,8 +132,14 @@ def test_calibrate_at_start_up_when_none_matches(tmp_path, monkeypatch):
     model = write_random_llada(tmp_path / "fresh", seed=3)
     args = build_parser().parse_args(["serve", str(model), "--calibrate"])
     resolve_model(args)
+    with pytest.raises(CalibrationMissing):
+        cluster_config(args)
+    assert seen == []
+    calibrate_if_missing(args)
     inputs = control_inputs(args, {1})
     assert [c.tp for c in seen] == [(1,)]
+    calibrate_if_missing(args)  # now one matches: nothing to do
+    assert len(seen) == 1
     assert inputs.label["source"] == "calibrated" and inputs.label["tp"] == [1]
     assert inputs.profile == str(model / "dilaserve-calibration" / "cpu-float32" / "profile.json")
 
