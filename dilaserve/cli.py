@@ -16,7 +16,7 @@ from dilaserve.cli_args import (
     resolve_model,
     show_defaults,
 )
-from dilaserve.cli_cluster import tp_list
+from dilaserve.cli_cluster_args import tp_list
 from dilaserve.cli_runs import add_run_commands
 from dilaserve.cli_serving import add_serving_commands
 from dilaserve.cli_sim import add_simulation_commands

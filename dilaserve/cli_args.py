@@ -112,6 +112,11 @@ def _option_type(hint):
     return hint
 
 
+def field_default(cls, name: str):
+    """The default of dataclass `cls`'s field `name`: an option that sets the field takes it."""
+    return cls.__dataclass_fields__[name].default
+
+
 def config_option(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--config",

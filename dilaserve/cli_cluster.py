@@ -1,16 +1,14 @@
-"""The options that build a cluster (`serve`, `run-trace`): the model and its instances'
+"""Building a cluster (`serve`, `run-trace`) from its options: the model and its instances'
 layout, the control plane's inputs (the model's calibration, or a profile and predictor), the
-scheduler's knobs and the backend, turned into a `ClusterConfig`.
+scheduler's knobs and the backend, turned into a `ClusterConfig`. The options themselves are
+in `cli_cluster_args.py`; building never calibrates (`calibrate_if_missing` does, first).
 """
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
-from dilaserve.cli_args import config_option, engine_args, model_arg, parse_thresholds
-
-INSTANCES_DEFAULT = "2"
+from dilaserve.cli_cluster_args import INSTANCES_DEFAULT
 
 
 def cluster_config(args, record: bool = False):
@@ -30,15 +28,24 @@ def cluster_config(args, record: bool = False):
     meta = Path(inputs.predictor or "") / "gbm-full.json"
     k = json.loads(meta.read_text()).get("refresh_every_tokens", 8) if meta.is_file() else 8
     engine = EngineConfig(
-        args.kv_cache, dtype=args.dtype, device=args.device, cuda_graphs=args.cuda_graphs
+        args.kv_cache,
+        dtype=args.dtype,
+        device=args.device,
+        max_forward_tokens=args.max_forward_tokens,
+        cuda_graphs=args.cuda_graphs,
+        cuda_graph_context=args.cuda_graph_context,
     )
     scheduler = SchedulerConfig(
         kv_cache=args.kv_cache,
         slo=args.slo,
         refresh_every_tokens=k,
-        slo_headroom=args.slo_headroom,
+        max_requests_per_instance=args.max_requests_per_instance,
         max_batch_requests=args.max_batch_requests,
+        load_control_interval=args.load_control_interval,
+        refresh_interval=args.refresh_interval,
+        slo_headroom=args.slo_headroom,
         instance_speed=args.instance_speed,
+        migration_price=args.migration_price,
     )
     nodes = _nodes(args.nodes, instances)
     control = ControlSpec(
@@ -52,13 +59,15 @@ def cluster_config(args, record: bool = False):
         candidates=args.candidates,
     )
     config = ClusterConfig(
-        worker=WorkerConfig(args.model, engine, args.threads, nice=args.worker_nice),
+        worker=WorkerConfig(args.model, engine, args.threads, args.tp_timeout, args.worker_nice),
         control=control,
         instances=instances,
         backend=args.backend,
         ray_address=args.ray_address,
         tick=args.tick,
         max_tokens=args.max_tokens,
+        max_batch_tokens=args.max_batch_tokens,
+        start_timeout=args.start_timeout,
         max_in_flight=args.max_in_flight,
         overload=args.overload,
         measured_speed=args.measured_speed,
@@ -67,17 +76,6 @@ def cluster_config(args, record: bool = False):
         **_dws_args(args, inputs.dws_cost),
     )
     return with_family_cache(config, family_of(load_config(args.model))), inputs
-
-
-def tp_list(text: str) -> tuple[int, ...]:
-    """TP degrees such as "1,2,4"."""
-    try:
-        degrees = tuple(int(t) for t in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a list of TP degrees: {text!r}") from None
-    if not degrees or min(degrees) < 1:
-        raise argparse.ArgumentTypeError(f"TP degrees must be >= 1: {text!r}")
-    return degrees
 
 
 def layout(args) -> tuple[int, ...]:
@@ -190,156 +188,3 @@ def _dws_args(args, calibrated_cost: str | None) -> dict:
     bundled = str(BUNDLED_DWS_COST) if dws == str(BUNDLED_DWS) else None
     cost = args.dws_cost or calibrated_cost or bundled
     return {"dws": dws, "dws_cost": cost, "dws_prior": args.dws_prior}
-
-
-def add_cluster_args(p: argparse.ArgumentParser) -> None:
-    config_option(p)
-    model_arg(p)
-    engine_args(p, threads=1, threads_help="torch CPU threads per worker rank")
-    _layout_args(p)
-    _control_args(p)
-    _protection_args(p)
-    _planner_args(p)
-    _dws_options(p)
-    _backend_args(p)
-
-
-def _layout_args(p: argparse.ArgumentParser) -> None:
-    """How many instances of which TP degree start."""
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of each instance")
-    p.add_argument("--instances", default=INSTANCES_DEFAULT, help="number of instances at start")
-    p.add_argument(
-        "--layout",
-        type=tp_list,
-        default=None,
-        help="instead of --tp/--instances: the TP degree of each instance, e.g. 2,1",
-    )
-    p.add_argument(
-        "--policy",
-        default="dilaserve",
-        help="dilaserve, fcfs, infaas, llumnix, or an ablation (see docs/control/scheduling.md)",
-    )
-
-
-def _control_args(p: argparse.ArgumentParser) -> None:
-    """The control plane: its inputs (calibration, or profile and predictor) and its knobs."""
-    p.add_argument(
-        "--calibration",
-        default=None,
-        help="the model's calibration folder (dilaserve calibrate); default: the one that "
-        "matches, next to the model or in ~/.cache/dilaserve",
-    )
-    p.add_argument(
-        "--calibrate",
-        action="store_true",
-        help="calibrate the model first if no calibration matches (before the configuration "
-        "is built)",
-    )
-    p.add_argument(
-        "--profile",
-        default=None,
-        help="latency profile JSON or preset name (e.g. llada-8b-h200) instead of the "
-        "calibration's",
-    )
-    p.add_argument(
-        "--predictor", default=None, help="step predictor folder instead of the calibration's"
-    )
-    p.add_argument("--slo", type=float, default=1.0, help="seconds; requests' default SLO")
-    p.add_argument(
-        "--slo-headroom",
-        type=float,
-        default=1.0,
-        help="share of a request's remaining SLO its predicted time must fit "
-        "(docs/control/thresholds.md)",
-    )
-    p.add_argument(
-        "--measured-speed",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="price steps at the measured slowdown of the instances' steps against the latency "
-        "profile; --no-measured-speed: at the profile alone (docs/control/thresholds.md)",
-    )
-    p.add_argument(
-        "--instance-speed",
-        action="store_true",
-        help="extension: place each step by the instance's own measured speed, so that a slow "
-        "GPU takes less work (needs the measured speed; docs/control/thresholds.md)",
-    )
-    p.add_argument(
-        "--candidates",
-        type=parse_thresholds,
-        default=None,
-        help="the thresholds a dynamic policy chooses from (default 0.5,0.6,0.7,0.8,0.9)",
-    )
-
-
-def _protection_args(p: argparse.ArgumentParser) -> None:
-    """What keeps the service up: admission, the step timeout."""
-    p.add_argument(
-        "--max-in-flight",
-        type=int,
-        default=1024,
-        help="requests waiting or running, at most (a backstop: admission is by capacity)",
-    )
-    p.add_argument(
-        "--overload",
-        choices=["reject", "deprioritize"],
-        default="reject",
-        help="a request the cluster cannot serve within its SLO now: refused (429, "
-        "Retry-After), or served after everything else",
-    )
-    p.add_argument(
-        "--step-timeout",
-        type=float,
-        default=None,
-        help="seconds a step may run before its instance counts as hung (killed and replaced); "
-        "default: 10x the slowest step the latency profile predicts, at least 10",
-    )
-
-
-def _planner_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--nodes",
-        default=None,
-        help="GPUs (CPU slots) per node for the ILP planner, e.g. 8,8; default: the instances' "
-        "total on one node; 0: no reconfiguration",
-    )
-    p.add_argument("--planner-period", type=float, default=300.0, help="seconds between rounds")
-    p.add_argument(
-        "--plan-batch-limits",
-        action="store_true",
-        help="the planner's batch sizes bound each instance's batch (Alg. 3's maxBatchSize)",
-    )
-    p.add_argument(
-        "--max-batch-requests", type=int, default=None, help="requests per step batch (no limit)"
-    )
-
-
-def _dws_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dws", default=None, help="DWS predictor folder (dws-sjf: the bundled one)")
-    p.add_argument("--dws-cost", default=None, help="DWS cost kernel JSON (profile --dws)")
-    p.add_argument(
-        "--dws-prior", action="store_true", help="DWS expected steps as the step predictor's prior"
-    )
-
-
-def _backend_args(p: argparse.ArgumentParser) -> None:
-    from dilaserve.cluster.worker import MAX_NICE, WORKER_NICE
-
-    p.add_argument("--backend", choices=["local", "ray"], default="local")
-    p.add_argument(
-        "--worker-nice",
-        type=int,
-        default=WORKER_NICE,
-        choices=range(MAX_NICE + 1),
-        metavar="N",
-        help=f"CPU niceness each worker rank adds (0 to {MAX_NICE}): how far the instances "
-        "yield the cores to the HTTP front and the controller (docs/cluster.md, Worker priority)",
-    )
-    p.add_argument(
-        "--ray-address",
-        default=None,
-        help="a running Ray cluster (HEAD:PORT; auto: one started here with ray start); default: "
-        "$RAY_ADDRESS, else a Ray of our own on the loopback interface (docs/cluster-ray.md)",
-    )
-    p.add_argument("--tick", type=float, default=0.5, help="seconds between scheduler ticks")

@@ -10,8 +10,9 @@ import os
 import sys
 from pathlib import Path
 
-from dilaserve.cli_args import model_arg
-from dilaserve.cli_cluster import add_cluster_args, calibrate_if_missing, cluster_config
+from dilaserve.cli_args import field_default, model_arg
+from dilaserve.cli_cluster import calibrate_if_missing, cluster_config
+from dilaserve.cli_cluster_args import add_cluster_args
 
 
 def cmd_run_trace(args) -> None:
@@ -121,6 +122,7 @@ def cmd_serve(args) -> None:
         docs=args.docs,
         max_messages=args.max_messages,
         max_connections=args.max_connections,
+        retry_after=args.retry_after,
         http=HttpLimits(
             args.max_header_bytes, args.max_headers, args.header_timeout, args.body_timeout
         ),
@@ -128,6 +130,8 @@ def cmd_serve(args) -> None:
 
 
 def _add_serve_command(sub) -> None:
+    from dilaserve.server.app import ServerSettings
+
     sv = sub.add_parser(
         "serve", help="serve the model over an OpenAI-compatible HTTP API (FastAPI)"
     )
@@ -139,6 +143,12 @@ def _add_serve_command(sub) -> None:
     )
     sv.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds to finish requests at shutdown"
+    )
+    sv.add_argument(
+        "--retry-after",
+        type=int,
+        default=field_default(ServerSettings, "retry_after"),
+        help="seconds a refused client is told to wait (429's Retry-After)",
     )
     _add_api_key(sv, "clients must send it as 'Authorization: Bearer KEY'")
     sv.add_argument(
