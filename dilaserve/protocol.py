@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -124,8 +124,10 @@ class StepOutput:
         return {r.request_id: r for r in self.results}
 
 
+@runtime_checkable
 class Executor(Protocol):
-    """A model instance: the real engine, a worker process, or the simulator's stand-in."""
+    """A model instance's step runner: the engine (`engine.Engine`), which a worker rank runs
+    steps through (`cluster.worker.InstanceWorker`)."""
 
     def execute(self, batch: StepBatch) -> StepOutput: ...
 

@@ -3,7 +3,14 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from dilaserve.protocol import KVCacheMode, StepBatch, StepItem, StepKind, next_step_kind
+from dilaserve.protocol import (
+    Executor,
+    KVCacheMode,
+    StepBatch,
+    StepItem,
+    StepKind,
+    next_step_kind,
+)
 
 from conftest import BLOCK_LEN, FakeModel, fake_engine, make_request, tiny_engine
 
@@ -35,6 +42,12 @@ PROMPT_LEN = 5
 
 def conf_by_output_index(table):
     return lambda p: table.get(p - PROMPT_LEN, 0.3) if p >= PROMPT_LEN else 0.99
+
+
+def test_the_engine_is_an_executor():
+    engine, _ = fake_engine(lambda p: 0.99)
+    assert isinstance(engine, Executor)
+    assert not isinstance(object(), Executor)
 
 
 def test_commits_exactly_the_block_positions_above_threshold():

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dilaserve.config import BUNDLED_MODEL, EngineConfig
-from dilaserve.protocol import StepBatch, StepOutput
+from dilaserve.protocol import Executor, StepBatch, StepOutput
 
 WORKER_NICE = 0  # ranks' default niceness: the server's (docs/cluster.md, Worker priority)
 MAX_NICE = 19  # the lowest CPU priority on Linux
@@ -88,7 +88,8 @@ def new_rendezvous() -> str:
 
 
 class InstanceWorker:
-    """One rank: loads its shard of the model and executes steps."""
+    """One rank: loads its shard of the model into an engine, the rank's `Executor`, and
+    runs steps through it."""
 
     def __init__(self, config: WorkerConfig, rank: int = 0, size: int = 1, rendezvous: str = ""):
         import torch
@@ -106,17 +107,17 @@ class InstanceWorker:
         self.rank = rank
         model = load_model(config.model, engine.dtype, tp, device=engine.device)
         special = Tokenizer(Path(config.model), model.config).special
-        self.engine = Engine(model, special, engine)
+        self.executor: Executor = Engine(model, special, engine)
 
     def step(self, batch: StepBatch) -> tuple[StepOutput, float]:
         """Run one step; the output and the seconds the engine took."""
         start = time.perf_counter()
-        output = self.engine.execute(batch)
+        output = self.executor.execute(batch)
         return output, time.perf_counter() - start
 
     def release(self, request_ids: list[str]) -> None:
         for rid in request_ids:
-            self.engine.release(rid)
+            self.executor.release(rid)
 
 
 def serve_pipe(conn) -> None:
