@@ -69,8 +69,9 @@ def step_prices(config, profile_path: str, seq_tokens: float) -> dict:
 def run_model(model: Path, args) -> tuple[list[dict], list[dict], dict]:
     from dilaserve.cluster.trace_run import TraceRunSpec, run_trace
 
-    options = [str(model), "--instances", str(args.instances), "--slo", str(args.slo)]
-    config, inputs = run_trace_config([*options, "--max-tokens", str(args.max_tokens)])
+    config, inputs = run_trace_config(
+        model=str(model), instances=args.instances, slo=args.slo, max_tokens=args.max_tokens
+    )
     rows, records = [], []
     for rate in args.rates:
         spec = TraceRunSpec(f"poisson:{rate}:{args.seconds}", slo=args.slo, seed=args.seed)

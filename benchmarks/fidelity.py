@@ -35,12 +35,11 @@ from dilaserve.config import BUNDLED_CALIBRATION, BUNDLED_PREDICTOR
 from dilaserve.runs import write_table_run
 
 
-def options(policy: str, args) -> list[str]:
-    """`run-trace`'s options for one policy's runs."""
-    out = ["--policy", policy, "--instances", str(args.instances), "--slo", str(args.slo)]
-    out += ["--max-tokens", "64"]
+def settings(policy: str, args) -> dict:
+    """`run-trace`'s settings for one policy's runs."""
+    out = {"policy": policy, "instances": args.instances, "slo": args.slo, "max_tokens": 64}
     if args.profile:  # measured now (`dilaserve profile`), for the live run and the prediction
-        out += ["--profile", args.profile, "--predictor", str(BUNDLED_PREDICTOR)]
+        out |= {"profile": args.profile, "predictor": str(BUNDLED_PREDICTOR)}
     return out
 
 
@@ -119,7 +118,7 @@ def main() -> None:
     args = parse_args()
     records = []
     for policy in args.policies.split(","):
-        config, _ = run_trace_config(options(policy, args), record=True)
+        config, _ = run_trace_config(record=True, **settings(policy, args))
         once = args.calibration_rate != "run"
         if once:
             slowdown, by_batch = calibrate(config, args, float(args.calibration_rate))

@@ -151,17 +151,27 @@ def apply_config_file(parser: argparse.ArgumentParser, args, argv) -> argparse.N
     path = getattr(args, "config", None)
     if path is None:
         return args
-    command = _subparser(parser, args.command)
-    values = read_config_file(path)
-    known = {a.dest for a in command._actions} - {"help", "config"}
-    unknown = sorted(set(values) - known)
+    _set_defaults(parser, args.command, read_config_file(path), str(path))
+    return parser.parse_args(argv)
+
+
+def command_args(parser: argparse.ArgumentParser, command: str, settings: dict):
+    """What `command` parses with no options, `settings` (keyed by option name) in place of
+    its defaults: how code builds what a command builds."""
+    _set_defaults(parser, command, settings, "settings")
+    return parser.parse_args([command])
+
+
+def _set_defaults(parser, command: str, settings: dict, source: str) -> None:
+    sub = _subparser(parser, command)
+    known = {a.dest for a in sub._actions} - {"help", "config"}
+    unknown = sorted(set(settings) - known)
     if unknown:
         raise ValueError(
-            f"{path}: {unknown} are not settings of `{args.command}`; "
+            f"{source}: {unknown} are not settings of `{command}`; "
             f"its settings are {sorted(known - {'func'})}"
         )
-    command.set_defaults(**values)
-    return parser.parse_args(argv)
+    sub.set_defaults(**settings)
 
 
 def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:

@@ -80,16 +80,17 @@ def cluster_config(args, record: bool = False):
 
 def layout(args) -> tuple[int, ...]:
     """The TP degree of each instance at start: --layout, else --instances of --tp."""
-    if "," in args.instances:
+    instances = str(args.instances)  # a count (or, from code, an int)
+    if "," in instances:
         raise ValueError(
-            f"--instances is a count; for a layout of TP degrees use --layout {args.instances}"
+            f"--instances is a count; for a layout of TP degrees use --layout {instances}"
         )
     try:
-        count = int(args.instances)
+        count = int(instances)
     except ValueError:
-        raise ValueError(f"--instances {args.instances!r} must be a number of instances") from None
+        raise ValueError(f"--instances {instances!r} must be a number of instances") from None
     if args.layout is not None:
-        if args.instances != INSTANCES_DEFAULT or args.tp != 1:
+        if instances != INSTANCES_DEFAULT or args.tp != 1:
             raise ValueError("give --layout, or --tp and --instances, not both")
         return args.layout
     if count < 1:

@@ -47,13 +47,14 @@ def cmd_run_trace(args) -> None:
     print(f"run folder: {folder}")
 
 
-def run_trace_config(options: list[str], record: bool = False):
-    """(ClusterConfig, control inputs) that `dilaserve run-trace OPTIONS...` would build: for
-    scripts that drive `run_trace` themselves."""
+def run_trace_config(record: bool = False, **settings):
+    """(ClusterConfig, control inputs) that `dilaserve run-trace` would build with `settings`
+    (named as its options: model=..., slo=2.0, instances=2): for scripts that drive `run_trace`
+    themselves, with no argv strings. An unknown setting is an error naming it."""
     from dilaserve.cli import build_parser
-    from dilaserve.cli_args import resolve_model
+    from dilaserve.cli_args import command_args, resolve_model
 
-    args = build_parser().parse_args(["run-trace", *options])
+    args = command_args(build_parser(), "run-trace", settings)
     resolve_model(args)
     return cluster_config(args, record=record)
 

@@ -277,8 +277,8 @@ def served(path, tmp_path_factory):
     folder = tmp_path_factory.mktemp("calibration")
     argv = ["calibrate", str(path), "--requests", "1,2", "--repeats", "1", "--num-prompts", "6"]
     assert main([*argv, "--max-tokens", "32", "--calibration", str(folder)]) == 0
-    options = [str(path), "--calibration", str(folder), "--instances", "2", "--max-tokens", "32"]
-    return folder, run_trace_config(options)[0]
+    settings = {"calibration": str(folder), "instances": 2, "max_tokens": 32}
+    return folder, run_trace_config(model=str(path), **settings)[0]
 
 
 PROMPTS = ["w3 w5 w7", "w11 w2", "w1 + w4 ="]

@@ -120,3 +120,14 @@ def test_a_config_file_sets_serve_options(tmp_path):
     argv = ["serve", "--config", str(path), "--slo", "4"]
     args = apply_config_file(parser, parser.parse_args(argv), argv)
     assert (args.kv_cache, args.slo, args.retry_after) == ("none", 4.0, 3)
+
+
+def test_code_builds_a_cluster_configuration_from_settings_not_argv():
+    from dilaserve.cli_serving import run_trace_config
+
+    config, inputs = run_trace_config(instances=1, slo=2.5, kv_cache="none", max_tokens=32)
+    assert config.instances == (1,) and config.control.scheduler.slo == 2.5
+    assert config.worker.engine.kv_cache.value == "none" and config.max_tokens == 32
+    assert inputs.profile == config.control.profile
+    with pytest.raises(ValueError, match=r"\['gpus'\] are not settings of `run-trace`"):
+        run_trace_config(gpus=4)
