@@ -132,8 +132,10 @@ def read_config_file(path: str | Path) -> dict:
     path = Path(path)
     text = path.read_text()
     if path.suffix == ".toml":
-        import tomllib
-
+        try:
+            import tomllib
+        except ModuleNotFoundError:  # Python 3.10
+            raise ValueError(f"{path}: TOML needs Python 3.11 or later; give JSON") from None
         values = tomllib.loads(text)
     else:
         try:
@@ -164,12 +166,11 @@ def command_args(parser: argparse.ArgumentParser, command: str, settings: dict):
 
 def _set_defaults(parser, command: str, settings: dict, source: str) -> None:
     sub = _subparser(parser, command)
-    known = {a.dest for a in sub._actions} - {"help", "config"}
+    known = {a.dest for a in sub._actions} - {"help", "config", "func"}
     unknown = sorted(set(settings) - known)
     if unknown:
         raise ValueError(
-            f"{source}: {unknown} are not settings of `{command}`; "
-            f"its settings are {sorted(known - {'func'})}"
+            f"{source}: {unknown} are not settings of `{command}`; its settings are {sorted(known)}"
         )
     sub.set_defaults(**settings)
 

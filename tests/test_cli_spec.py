@@ -113,3 +113,10 @@ def test_a_runs_config_json_gives_back_its_spec(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(dataclasses.asdict(spec)))  # as `simulate` writes it
     assert spec_of(["--config", str(path)]) == spec
+
+
+def test_a_config_file_cannot_set_what_is_no_setting(tmp_path):
+    path = tmp_path / "sim.json"
+    path.write_text(json.dumps({"func": "x"}))
+    with pytest.raises(ValueError, match=r"\['func'\] are not settings"):
+        spec_of(["--config", str(path)])
