@@ -89,6 +89,26 @@ def test_each_cache_mode_names_its_step_kinds(mode, sequence, boundary, inner):
     )
 
 
+@pytest.mark.parametrize(
+    "mode, kinds",
+    [
+        ("none", ("full",)),
+        ("prefix", ("recompute", "cache")),
+        ("dual", ("recompute", "cache")),
+        ("block", ("prefill", "block", "commit")),
+    ],
+)
+def test_each_cache_mode_lists_the_kinds_its_profile_prices(mode, kinds):
+    assert tuple(k.value for k in StepCosts(KVCacheMode(mode)).kinds) == kinds
+
+
+def test_a_bad_cache_mode_or_block_is_refused_naming_it():
+    with pytest.raises(ValueError, match="self.mode='paged' must be one of"):
+        StepCosts("paged")
+    with pytest.raises(ValueError, match="block_len=0 must be positive"):
+        StepCosts(KVCacheMode.DUAL, 0)
+
+
 def test_a_step_processes_the_tokens_its_kind_runs():
     assert [EXACT.tokens(k, 100) for k in (StepKind.PREFILL, StepKind.BLOCK, StepKind.COMMIT)] == [
         100,

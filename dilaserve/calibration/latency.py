@@ -22,14 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dilaserve.config import DEFAULT_BLOCK_LEN
+from dilaserve.control.step_costs import StepCosts
 from dilaserve.protocol import KVCacheMode, SequenceSpec, StepBatch, StepItem, StepKind
 
-KINDS = {
-    KVCacheMode.NONE: (StepKind.FULL,),
-    KVCacheMode.PREFIX: (StepKind.RECOMPUTE, StepKind.CACHE),
-    KVCacheMode.DUAL: (StepKind.RECOMPUTE, StepKind.CACHE),
-    KVCacheMode.BLOCK: (StepKind.PREFILL, StepKind.BLOCK, StepKind.COMMIT),
-}
+KINDS = {mode: StepCosts(mode).kinds for mode in KVCacheMode}  # what each cache's profile prices
 # the untimed step that brings a fresh request to the state a kind needs: a commit step follows
 # a prefill that finished the first block (its fresh output has that block committed but for
 # the last position, which the prefill's one-token fallback commits at threshold 1)

@@ -65,6 +65,12 @@ class StepCosts:
         return request.next_kind(self.mode, has_cache)
 
     @property
+    def kinds(self) -> tuple[StepKind, ...]:
+        """Every kind a request's steps take, the sequence step's first: what a latency
+        profile of this cache must price."""
+        return tuple(dict.fromkeys((self.sequence_kind, self.inner_kind, self.boundary_kind)))
+
+    @property
     def sequence_kind(self) -> StepKind:
         """The kind of a step of a request new to an instance (the sequence group's curve)."""
         if self.exact:
