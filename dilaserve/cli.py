@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from dilaserve import runs
 from dilaserve.cli_args import (
     apply_config_file,
     engine_args,
@@ -338,6 +339,7 @@ def _set_threads(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    runs.loaded_from()  # the checkout as the command starts, which its run folder records
     try:
         args = apply_config_file(parser, args, argv)
         _set_threads(args)

@@ -7,6 +7,7 @@ a summary (`summary.json`) and, where there is one, a markdown report.
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import platform
 import subprocess
@@ -39,7 +40,7 @@ def environment() -> dict:
         "threads": torch.get_num_threads(),
         "command": " ".join(sys.argv),
         "compiled": control_plane_compiled(),
-        **_LOADED_FROM,
+        **loaded_from(),
     }
 
 
@@ -67,9 +68,12 @@ def source_commit() -> dict:
     return {"commit": head, "dirty": bool(head and git("status", "--porcelain", "-uno"))}
 
 
-# what `environment()` records: the checkout as this module was first imported, near when the
-# process loaded its code, not as it stands when a long run ends and writes its folder
-_LOADED_FROM = source_commit()
+@functools.cache
+def loaded_from() -> dict:
+    """What `environment()` records: the checkout as first asked, not at import (importing
+    runs no subprocess). A long run that wants the checkout as it started calls this early,
+    as the CLI does, so that edits made while it runs are not recorded as its code."""
+    return source_commit()
 
 
 def write_json(path: Path, data) -> None:

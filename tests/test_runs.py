@@ -3,6 +3,7 @@
 import subprocess
 from pathlib import Path
 
+import dilaserve
 from dilaserve import runs
 
 
@@ -30,3 +31,17 @@ def test_the_environment_says_whether_the_control_plane_is_compiled(monkeypatch)
     assert runs.environment()["compiled"] is True
     monkeypatch.setattr(scheduler, "__file__", "/x/scheduler.py")
     assert runs.environment()["compiled"] is False
+
+
+def test_importing_runs_starts_no_process(monkeypatch):
+    """The checkout is read when first asked for, not at import (import stays cheap)."""
+    import importlib
+    import sys
+
+    calls = []
+    for name in ("run", "Popen", "check_output"):
+        monkeypatch.setattr(subprocess, name, lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(dilaserve, "runs", runs)  # put back after the test, with sys.modules
+    monkeypatch.delitem(sys.modules, "dilaserve.runs")
+    importlib.import_module("dilaserve.runs")
+    assert calls == []
