@@ -181,10 +181,11 @@ class Request:
             return self.threshold
         return sum(g * n for g, n in zip(self.threshold_steps, self.step_tokens)) / tokens
 
-    def generated_ids(self, stop_ids: frozenset[int]) -> list[int]:
-        """Committed output tokens before the first stop token."""
+    def generated_ids(self, stop_ids: frozenset[int], start: int = 0) -> list[int]:
+        """Committed output tokens before the first stop token, from output position `start`
+        on (`start` at most their number: a stream asks only for what it has not seen)."""
         out = []
-        for token in self.output_ids.tolist():
+        for token in self.output_ids[start:].tolist():
             if token in stop_ids or token == self.mask_id:
                 break
             out.append(token)

@@ -136,8 +136,10 @@ class RequestHandle:
         self._async: asyncio.Queue | None = None
         if self._loop is not None:
             self._async = asyncio.Queue()
-        self.sent_tokens = 0  # committed-prefix tokens already streamed
-        self.sent_text = ""
+        self.sent_tokens = 0  # committed-prefix tokens already decoded
+        self.committed_text = ""  # their text
+        self.text_stream = None  # their decoder (`Tokenizer.decode_stream()`), once one comes
+        self.sent_text = ""  # the part of it streamed (not a possible start of a stop string)
 
     @property
     def request_id(self) -> str:
@@ -196,11 +198,15 @@ class Answers:
     def stream(self, handle: RequestHandle) -> bool:
         """Send the text whose tokens, and all before them, are committed (when it grew).
         Returns whether it has reached a stop string: the request is done."""
-        prefix = handle.request.generated_ids(self.tokenizer.special.stop_ids)
-        if len(prefix) <= handle.sent_tokens:
+        stop_ids = self.tokenizer.special.stop_ids
+        new = handle.request.generated_ids(stop_ids, start=handle.sent_tokens)
+        if not new:
             return False
-        handle.sent_tokens = len(prefix)
-        return handle.extend_text(self.tokenizer.decode(prefix))
+        if handle.text_stream is None:
+            handle.text_stream = self.tokenizer.decode_stream()
+        handle.sent_tokens += len(new)  # only the new tokens are decoded: linear in the answer
+        handle.committed_text += handle.text_stream.add(new)
+        return handle.extend_text(handle.committed_text)
 
     def finish(self, handle: RequestHandle, now: float) -> None:
         r = handle.request

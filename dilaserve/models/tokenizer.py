@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 MASK_TOKEN = "<|mdm_mask|>"
 EOT_TOKEN = "<|eot_id|>"
@@ -86,6 +87,11 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
+    def decode_stream(self) -> TextStream:
+        """A decoder for a growing token sequence, which `decode` would otherwise re-read from
+        its start each time it grows."""
+        return TextStream(self._tok)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         bos = self.config.get("bos_token") or ""
         if isinstance(bos, dict):
@@ -122,6 +128,21 @@ class Tokenizer:
 
     def encode_chat(self, user_text: str) -> list[int]:
         return self.encode(self.apply_chat_template([{"role": "user", "content": user_text}]))
+
+
+class TextStream:
+    """Incremental detokenization (the `tokenizers` library's `DecodeStream`): `add(ids)` gives
+    the text that the tokens add to those added before, the same text that `decode` of the
+    whole sequence gives, for a constant amount of work a token. A character whose bytes are
+    split across tokens comes out whole once its last token arrives, never as U+FFFD."""
+
+    def __init__(self, tokenizer: HFTokenizer):
+        self._tok = tokenizer
+        self._stream = DecodeStream(skip_special_tokens=True)
+
+    def add(self, ids: list[int]) -> str:
+        pieces = (self._stream.step(self._tok, i) for i in ids)
+        return "".join(p for p in pieces if p is not None)
 
 
 def _token_names(model_config) -> tuple[str, str | None]:

@@ -1,0 +1,68 @@
+"""What a request's handle streams as its committed prefix grows (`Answers.stream`): the text of
+the whole prefix, decoded one new token at a time."""
+
+import pytest
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+
+from dilaserve.cluster.requests import Answers, RequestHandle
+from dilaserve.models.tokenizer import Tokenizer
+from dilaserve.request import Request
+
+TEXT = "Zoë pays 5 € for 3 crêpes."  # ë and ê take two tokens each, € three
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer(tmp_path_factory) -> Tokenizer:
+    """A byte-level tokenizer with no merges: every byte of UTF-8 is a token of its own."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    hf = HFTokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.add_special_tokens(["<|mdm_mask|>", "<|eot_id|>"])
+    folder = tmp_path_factory.mktemp("byte-tokenizer")
+    hf.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text('{"eos_token": "<|eot_id|>"}')
+    return Tokenizer(folder)
+
+
+def stream_in_steps(tokenizer: Tokenizer, ids: list[int], per_step: int) -> list[str]:
+    """The deltas a handle streams when `per_step` more of `ids` commit at each step, left to
+    right, then the request finishes."""
+    mask = tokenizer.special.mask
+    request = Request("r", (1,), len(ids) + 1, len(ids) + 1, mask, 0.9, deadline=1.0)
+    handle, answers = RequestHandle(request, 0.0), Answers(tokenizer)
+    for end in range(per_step, len(ids) + per_step, per_step):
+        request.output_ids[:end] = ids[:end]
+        answers.stream(handle)
+    request.output_ids[len(ids)] = tokenizer.special.eos
+    answers.finish(handle, 0.5)
+    return list(handle)
+
+
+def test_split_characters_stream_whole(byte_tokenizer):
+    ids = byte_tokenizer.encode(TEXT)
+    assert len(ids) > len(TEXT)  # some characters are split across tokens
+    for per_step in (1, 2, 3):
+        deltas = stream_in_steps(byte_tokenizer, ids, per_step)
+        assert "".join(deltas) == TEXT
+        assert all("\ufffd" not in d for d in deltas)
+    # one token a step: the two bytes of ë come out as one delta, after the second
+    assert stream_in_steps(byte_tokenizer, ids, 1)[:3] == ["Z", "o", "ë"]
+
+
+def test_the_stream_is_the_whole_prefix_decoded(tiny_tokenizer):
+    ids = tiny_tokenizer.encode("Tom has 12 apples. Tom buys 5 more.\n#### 17")
+    for per_step in (1, 4):
+        deltas = stream_in_steps(tiny_tokenizer, ids, per_step)
+        assert "".join(deltas) == tiny_tokenizer.decode(ids)
+        assert len(deltas) > 1
+
+
+def test_a_decode_stream_gives_decode_text(tiny_tokenizer, byte_tokenizer):
+    for tokenizer in (tiny_tokenizer, byte_tokenizer):
+        ids = tokenizer.encode(TEXT + " Tom has 12 apples.")
+        stream = tokenizer.decode_stream()
+        assert "".join(stream.add(ids[i : i + 3]) for i in range(0, len(ids), 3)) == (
+            tokenizer.decode(ids)
+        )
