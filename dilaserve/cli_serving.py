@@ -247,8 +247,7 @@ def _api_key(args) -> str | None:
 
 
 def cmd_bench(args) -> None:
-    import httpx
-
+    from dilaserve.bench.client import NoAnswer
     from dilaserve.bench.loadgen import BenchSpec, run_bench, write_bench_run
 
     extra = {} if args.threshold is None else {"threshold": args.threshold}
@@ -269,7 +268,7 @@ def cmd_bench(args) -> None:
     )
     try:
         records, summary = run_bench(spec, progress=sys.stderr)
-    except httpx.HTTPError as err:
+    except NoAnswer as err:
         raise ValueError(f"cannot reach the server at {args.url}: {err}") from None
     folder = write_bench_run(records, summary, spec, args.out)
     for key, value in summary.items():

@@ -6,7 +6,8 @@ slow down with the server and hide exactly the overload an SLO benchmark is afte
 held-out problems of the bundled arithmetic task, so every answer is scored by exact match.
 
 Every request streams (`stream: true` with `stream_options.include_usage`), which is what makes
-time to first committed text measurable; latency is send to `data: [DONE]`. A request that gets
+time to first committed text measurable; latency is send to `data: [DONE]`. Requests go through
+the load client (`bench/client.py`, aiohttp), which sends each once. A request that gets
 an error status, a broken stream or no answer within `timeout` counts as a missed SLO and a
 wrong answer, so overload cannot improve either number by failing requests fast.
 """
@@ -21,9 +22,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-import httpx
 import numpy as np
 
+from dilaserve.bench.client import LoadClient, NoAnswer
 from dilaserve.bench.plots import plot_bench
 from dilaserve.cluster.trace_run import TraceRunSpec, trace_arrivals
 from dilaserve.runs import create_run_dir, environment, markdown_table, write_json, write_records
@@ -133,12 +134,9 @@ async def bench(spec: BenchSpec, progress: TextIO | None = None) -> tuple[list[d
     arrivals = spec.arrivals().tolist()
     problems = bench_problems(len(arrivals), spec.seed)
     # One connection per request: an open loop must never queue behind the client's own pool.
-    limits = httpx.Limits(max_connections=len(arrivals), max_keepalive_connections=64)
-    timeout = httpx.Timeout(spec.timeout)
     headers = {} if spec.api_key is None else {"Authorization": f"Bearer {spec.api_key}"}
-    async with httpx.AsyncClient(
-        base_url=spec.url, limits=limits, timeout=timeout, headers=headers
-    ) as client:
+    client = LoadClient(spec.url, spec.timeout, max_connections=len(arrivals), headers=headers)
+    async with client:
         model = spec.model or await _first_model(client, spec.url)
         bar = ProgressBar(len(arrivals), progress)
         loop = asyncio.get_running_loop()
@@ -161,13 +159,14 @@ async def bench(spec: BenchSpec, progress: TextIO | None = None) -> tuple[list[d
     return records, summarize(records, wall)
 
 
-async def _first_model(client: httpx.AsyncClient, url: str) -> str:
+async def _first_model(client: LoadClient, url: str) -> str:
     """The server's first model id, so that `--model` is only needed on multi-model servers."""
     try:
-        response = await client.get("/v1/models")
-        response.raise_for_status()
-        return response.json()["data"][0]["id"]
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
+        answer = await client.get("/v1/models")
+        if answer.status != 200:
+            raise ValueError(f"status {answer.status}")
+        return answer.json()["data"][0]["id"]
+    except (NoAnswer, asyncio.TimeoutError, ValueError, KeyError, IndexError, TypeError) as e:
         raise ValueError(
             f"url={url!r}: GET /v1/models gave no model id ({type(e).__name__}: {e}); "
             "is the server up? (or set model, --model on the command line)"
@@ -192,7 +191,7 @@ def _request_body(spec: BenchSpec, model: str, question: str) -> dict:
 
 
 async def _send(
-    client: httpx.AsyncClient,
+    client: LoadClient,
     spec: BenchSpec,
     body: dict,
     start: float,
@@ -203,32 +202,29 @@ async def _send(
     stream = _Stream()
     try:
         await asyncio.wait_for(_stream(client, spec, body, start, stream), spec.timeout)
-    except TimeoutError:
+    except asyncio.TimeoutError:
         stream.error = f"no [DONE] within timeout={spec.timeout} s"
-    except (httpx.HTTPError, ValueError) as e:
+    except (NoAnswer, ValueError) as e:
         stream.error = f"{type(e).__name__}: {e}"
     bar.update(done=1, error=not (stream.status == 200 and not stream.error))
     return sent, stream
 
 
 async def _stream(
-    client: httpx.AsyncClient, spec: BenchSpec, body: dict, start: float, stream: _Stream
+    client: LoadClient, spec: BenchSpec, body: dict, start: float, stream: _Stream
 ) -> None:
     loop = asyncio.get_running_loop()
-    async with client.stream("POST", ENDPOINTS[spec.endpoint], json=body) as response:
-        stream.status = response.status_code
-        if response.status_code != 200:
-            stream.error = _error_message(response, await response.aread())
+    async with client.stream(ENDPOINTS[spec.endpoint], body) as events:
+        stream.status = events.status
+        if events.status != 200:
+            stream.error = _error_message(events.headers, await events.body())
             return
-        async for line in response.aiter_lines():
-            if not line.startswith("data:"):
-                continue  # blank separators, comments, event names
-            payload = line[len("data:") :].strip()
-            if payload == "[DONE]":
-                stream.done = loop.time() - start
-                return
-            _take_chunk(json.loads(payload), spec.endpoint, stream, loop.time() - start)
-    stream.error = stream.error or "stream ended without data: [DONE]"
+        async for chunk in events:
+            _take_chunk(chunk, spec.endpoint, stream, loop.time() - start)
+    if events.done:
+        stream.done = loop.time() - start
+    else:
+        stream.error = stream.error or "stream ended without data: [DONE]"
 
 
 def _take_chunk(chunk: dict, endpoint: str, stream: _Stream, now: float) -> None:
@@ -243,13 +239,13 @@ def _take_chunk(chunk: dict, endpoint: str, stream: _Stream, now: float) -> None
             stream.pieces.append(text)
 
 
-def _error_message(response: httpx.Response, content: bytes) -> str:
+def _error_message(headers: dict[str, str], content: bytes) -> str:
     """OpenAI's `error.message` when the body has one, else the start of the body."""
     try:
         message = json.loads(content)["error"]["message"]
     except (ValueError, KeyError, TypeError):
         message = content.decode(errors="replace")[:200]
-    retry = response.headers.get("retry-after")
+    retry = headers.get("retry-after")
     return f"{message} (Retry-After {retry})" if retry else message
 
 

@@ -1,0 +1,117 @@
+"""The load client sends every request once, reads whole answers and event streams, and names
+what went wrong: against a raw asyncio server on a real 127.0.0.1 socket."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import pytest
+
+from dilaserve.bench.client import LoadClient, NoAnswer
+
+from conftest import HANG_GUARD_S
+
+OK = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 12\r\n\r\n{"ok": true}'
+EVENTS = b'data: {"n": 1}\n\n: a comment\n\ndata: {"n": 2}\n\ndata: [DONE]\n\n'
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes | None:
+    """One request's head (its body read and dropped), or None at the end of the connection."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError:
+        return None
+    length = re.search(rb"content-length: *(\d+)", head.lower())
+    await reader.readexactly(int(length.group(1)) if length else 0)
+    return head
+
+
+async def start(handler) -> tuple[asyncio.Server, str]:
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+def run(coroutine):
+    return asyncio.run(asyncio.wait_for(coroutine, HANG_GUARD_S))
+
+
+def test_a_request_on_a_connection_the_server_closes_is_not_sent_again():
+    """The server answers a connection's first request, then reads the second and closes: the
+    client says so, and the server has seen the second request once (the hand-written client
+    this replaced sent it again on a new connection, so the server saw 3 requests)."""
+    seen: list[bytes] = []
+
+    async def handler(reader, writer):
+        for answered in range(2):
+            if (head := await read_request(reader)) is None:
+                break
+            seen.append(head)
+            if answered:  # a reused connection: closed without an answer
+                break
+            writer.write(OK)
+            await writer.drain()
+        writer.close()
+
+    async def scenario():
+        server, url = await start(handler)
+        async with server, LoadClient(url, timeout=HANG_GUARD_S, max_connections=1) as client:
+            first = await client.post("/v1/completions", {"prompt": "a"})
+            with pytest.raises(NoAnswer, match="closed") as closed:
+                await client.post("/v1/completions", {"prompt": "b"})
+        return first, closed.value
+
+    first, closed = run(scenario())
+    assert (first.status, first.json()) == (200, {"ok": True})
+    assert not closed.refused
+    assert len(seen) == 2
+
+
+def test_an_event_stream_gives_each_data_object_up_to_done():
+    async def handler(reader, writer):
+        await read_request(reader)
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n"
+        writer.write(head + EVENTS)
+        await writer.drain()
+        writer.close()
+
+    async def scenario():
+        server, url = await start(handler)
+        async with server, LoadClient(url, timeout=HANG_GUARD_S) as client:
+            async with client.stream("/v1/completions", b'{"stream": true}') as events:
+                chunks = [chunk async for chunk in events]
+        return events, chunks
+
+    events, chunks = run(scenario())
+    assert (events.status, chunks, events.done) == (200, [{"n": 1}, {"n": 2}], True)
+
+
+def test_a_stream_cut_short_is_not_done():
+    async def handler(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + b'data: {"n": 1}\n\n')
+        await writer.drain()
+        writer.close()
+
+    async def scenario():
+        server, url = await start(handler)
+        async with server, LoadClient(url, timeout=HANG_GUARD_S) as client:
+            async with client.stream("/x", {}) as events:
+                chunks = [chunk async for chunk in events]
+        return events, chunks
+
+    events, chunks = run(scenario())
+    assert chunks == [{"n": 1}] and not events.done
+
+
+def test_a_closed_port_is_refused():
+    async def scenario():
+        server, url = await start(lambda reader, writer: writer.close())
+        server.close()
+        await server.wait_closed()
+        async with LoadClient(url, timeout=HANG_GUARD_S) as client:
+            await client.get("/health")
+
+    with pytest.raises(NoAnswer, match="cannot connect") as refused:
+        run(scenario())
+    assert refused.value.refused
