@@ -30,6 +30,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from dilaserve.bench.client import Answer, LoadClient, NoAnswer
 from dilaserve.runs import create_run_dir, environment, markdown_table, write_json, write_records
 from dilaserve.tasks import arith
 
@@ -69,31 +70,30 @@ def start_server(port: int, args) -> subprocess.Popen:
     raise RuntimeError(f"the server did not come up: {server.stderr.read().decode()[-2000:]}")
 
 
-async def hold_requests(client: httpx.AsyncClient, count: int) -> list:
+async def hold_requests(client: LoadClient, count: int) -> list:
     """`count` chat requests, all at once; they are cancelled when the client closes."""
     questions = [p.question for p in arith.generate(50, seed=5, split="test")]
 
     async def ask(k: int):
         body = {"model": "tiny-llada", "messages": [{"role": "user", "content": questions[k % 50]}]}
         try:
-            return (await client.post("/v1/chat/completions", json=body)).status_code
-        except httpx.TransportError as e:
+            return (await client.post("/v1/chat/completions", body)).status
+        except (NoAnswer, asyncio.TimeoutError) as e:
             return type(e).__name__
 
     return [asyncio.create_task(ask(k)) for k in range(count)]
 
 
-async def timed_get(client: httpx.AsyncClient, path: str) -> tuple[float, httpx.Response]:
+async def timed_get(client: LoadClient, path: str) -> tuple[float, Answer]:
     start = time.perf_counter()
     response = await client.get(path)
     return time.perf_counter() - start, response
 
 
 async def poll(base: str, args) -> tuple[list[dict], float | None]:
-    limits = httpx.Limits(max_connections=args.requests + 10)
     async with (
-        httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as load,
-        httpx.AsyncClient(base_url=base, timeout=60) as probe,
+        LoadClient(base, timeout=600, max_connections=args.requests + 10) as load,
+        LoadClient(base, timeout=60) as probe,
     ):
         tasks = await hold_requests(load, args.requests)
         rows, start = [], time.monotonic()
@@ -106,7 +106,7 @@ async def poll(base: str, args) -> tuple[list[dict], float | None]:
                     "t": round(time.monotonic() - start, 2),
                     "in_flight": body["current"]["in_flight"],
                     "data_ms": round(1000 * data_s, 2),
-                    "data_bytes": len(data.content),
+                    "data_bytes": len(data.body),
                     "health_ms": round(1000 * health_s, 2),
                     "finished": body["totals"]["finished"],
                 }

@@ -36,8 +36,8 @@ process group of its own and runs these phases, each bounded in time:
 
 `--beside-hog` runs all of it beside a CPU hog on every core (a busy machine).
 
-The load comes from `lean_http.Pool`, a lean HTTP client: httpx's own CPU time, on the cores the
-server uses, was counted as the server's latency at these rates.
+The load comes from the load client of `dilaserve bench` (`dilaserve/bench/client.py`, aiohttp),
+which sends every request once: a connection the server closes unanswered is a failed request.
 
 This file starts the server, runs the phases in order, judges the targets and writes the run
 folder; the phases are in `reliability_phases.py` and `reliability_hostile.py`, the load they
@@ -75,7 +75,7 @@ from reliability_hostile import (
     storm,
     streams_past_the_drain,
 )
-from reliability_load import closed_loop, one, pool_for
+from reliability_load import client_for, closed_loop, one
 from reliability_phases import fuzz, health_under_large_bodies, kill_phase, overload_phase
 from reliability_summaries import served_rate
 from reliability_targets import verdicts
@@ -149,9 +149,8 @@ class Run:
         figures = await fuzz(url, args.fuzz, args.seed, t + args.fuzz_seconds)
         self.keep("fuzz", figures | {"seconds": round(time.monotonic() - t, 1)})
         health = httpx.get(f"{url}/health", timeout=10).json()
-        pool = pool_for(url)
-        served = await one(pool, args.slo_ms)
-        await pool.close()
+        async with client_for(url) as client:
+            served = await one(client, args.slo_ms)
         self.keep("after_fuzz", {"health": health["status"], "in_flight": health["in_flight"],
                                  "normal_request": served["status"]})  # fmt: skip
         self.keep("large_bodies", await health_under_large_bodies(url, 15.0))

@@ -15,10 +15,11 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 from reliability_inputs import MODEL, PROMPT
-from reliability_load import closed_loop, one, open_loop, pool_for, stream_one
+from reliability_load import client_for, closed_loop, one, open_loop, stream_one
 from reliability_summaries import overload_summary, percentile, tally
+
+from dilaserve.bench.client import NoAnswer
 
 IDLE_REQUESTS = 25  # sent one at a time to an idle server after each fault or storm
 
@@ -48,11 +49,11 @@ class CpuHog:
 async def wait_idle(url: str, limit: float = 120.0) -> int:
     """Wait (at most `limit` s) until the server has nothing in flight; what is left."""
     end = time.monotonic() + limit
-    async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+    async with client_for(url, timeout=10) as client:
         while True:
             try:
-                left = (await http.get("/health")).json().get("in_flight", 0)
-            except (httpx.HTTPError, ValueError):
+                left = (await client.get("/health")).json().get("in_flight", 0)
+            except (NoAnswer, asyncio.TimeoutError, ValueError):
                 left = -1
             if left == 0 or time.monotonic() > end:
                 return left
@@ -61,8 +62,8 @@ async def wait_idle(url: str, limit: float = 120.0) -> int:
 
 async def metric(url: str, name: str) -> float | None:
     """One unlabelled gauge or counter of `/metrics`."""
-    async with httpx.AsyncClient(base_url=url, timeout=10) as http:
-        text = (await http.get("/metrics")).text
+    async with client_for(url, timeout=10) as client:
+        text = (await client.get("/metrics")).body.decode()
     for line in text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
@@ -74,11 +75,10 @@ async def idle_admits(url: str, slo_ms: float, after: str) -> dict:
     admit every one (issue 38: after a fault or a storm, 25 of 25 were refused)."""
     left = await wait_idle(url)
     slowdown = await metric(url, "dilaserve_step_slowdown")
-    async with httpx.AsyncClient(base_url=url, timeout=10) as http:
-        health = (await http.get("/health")).json().get("status")
-    pool = pool_for(url)
-    records = [await one(pool, slo_ms) for _ in range(IDLE_REQUESTS)]
-    await pool.close()
+    async with client_for(url, timeout=10) as client:
+        health = (await client.get("/health")).json().get("status")
+    async with client_for(url) as client:
+        records = [await one(client, slo_ms) for _ in range(IDLE_REQUESTS)]
     return {
         "after": after,
         "in_flight_before": left,
@@ -141,10 +141,10 @@ async def health_while(url: str, server_pid: int, attack, clients: int, seconds:
         while time.monotonic() < end:
             start = time.perf_counter()
             try:
-                async with httpx.AsyncClient(base_url=url, timeout=30) as http:
-                    await http.get("/health")
+                async with client_for(url, timeout=30) as client:
+                    await client.get("/health")
                 waits.append(time.perf_counter() - start)
-            except httpx.HTTPError:
+            except (NoAnswer, asyncio.TimeoutError):
                 failed_polls += 1
             rss.append(rss_mib(server_pid) or 0.0)
             await asyncio.sleep(0.02)
@@ -200,16 +200,11 @@ async def many_message_chat(host: str, port: int, end: float, messages: int = 25
         {"model": MODEL, "messages": [{"role": "user", "content": ""}] * messages}
     ).encode()
     seen = []
-    async with httpx.AsyncClient(base_url=f"http://{host}:{port}", timeout=60) as http:
+    async with client_for(f"http://{host}:{port}") as client:
         while time.monotonic() < end:
             try:
-                r = await http.post(
-                    "/v1/chat/completions",
-                    content=body,
-                    headers={"content-type": "application/json"},
-                )
-                seen.append(str(r.status_code))
-            except httpx.HTTPError as e:
+                seen.append(str((await client.post("/v1/chat/completions", body)).status))
+            except (NoAnswer, asyncio.TimeoutError) as e:
                 seen.append(f"no answer ({type(e).__name__})")
     return seen
 
@@ -266,9 +261,9 @@ async def streams_past_the_drain(
     """SIGTERM while `streams` long streams run, more than the drain lets finish: each must end
     with an error event or its text, then `[DONE]`, and the server must exit within the drain
     timeout plus one second."""
-    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+    async with client_for(url, timeout=120) as client:
         tasks = [
-            asyncio.ensure_future(stream_one(http, slo_ms, max_tokens=256, prompt=PROMPT * 4))
+            asyncio.ensure_future(stream_one(client, slo_ms, max_tokens=256, prompt=PROMPT * 4))
             for _ in range(streams)
         ]
         await asyncio.sleep(0.5)

@@ -1,7 +1,8 @@
-"""The reliability suite's load on the server, over the lean client (`lean_http`): one
-completion, closed and open loops of them, and one streamed completion. Each request gives a
-record (`status`, `latency`, ...) for `reliability_summaries.py`; what the load is for, and the
-faults injected under it, are `reliability_phases.py`'s."""
+"""The reliability suite's load on the server, over the load client (`dilaserve/bench/client.py`,
+aiohttp, which sends each request once): one completion, closed and open loops of them, and one
+streamed completion. Each request gives a record (`status`, `latency`, ...) for
+`reliability_summaries.py`; what the load is for, and the faults injected under it, are
+`reliability_phases.py`'s."""
 
 from __future__ import annotations
 
@@ -10,25 +11,25 @@ import json
 import random
 import time
 
-import httpx
-from lean_http import NoAnswer, Pool
 from reliability_inputs import MODEL, PROMPT, is_openai_answer
 
+from dilaserve.bench.client import LoadClient, NoAnswer
 
-async def one(pool: Pool, slo_ms: float) -> dict:
-    """One completion over the lean client (`lean_http`: httpx's own CPU time, on the 2 cores
-    the server uses, would be measured as the server's latency at these rates)."""
+
+async def one(client: LoadClient, slo_ms: float) -> dict:
+    """One completion; its status is the HTTP status, "refused" (no connection), or "no answer
+    (closed)" / "no answer (timeout)"."""
     start = time.perf_counter()
     record = {"sent": start}
     try:
-        answer = await pool.post("/v1/completions", completion_body(slo_ms))
+        answer = await client.post("/v1/completions", completion_body(slo_ms))
         record["status"], record["retry_after"] = answer.status, answer.headers.get("retry-after")
         record["connection"] = answer.headers.get("connection")
         record["openai_shape"] = is_openai_answer(answer.status, answer.body)
         if answer.status == 200:  # the latency the server counts, from when it got the request
             record["server_latency"] = answer.json()["dilaserve"]["latency_s"]
     except NoAnswer as e:
-        record["status"] = "refused" if "cannot connect" in str(e) else "no answer (closed)"
+        record["status"] = "refused" if e.refused else "no answer (closed)"
     except asyncio.TimeoutError:
         record["status"] = "no answer (timeout)"
     record["latency"] = time.perf_counter() - start
@@ -41,9 +42,8 @@ def completion_body(slo_ms: float) -> bytes:
     return json.dumps(body).encode()
 
 
-def pool_for(url: str) -> Pool:
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    return Pool(host, int(port), max_connections=2000)
+def client_for(url: str, timeout: float = 60.0) -> LoadClient:
+    return LoadClient(url, timeout, max_connections=2000)
 
 
 async def closed_loop(
@@ -53,51 +53,53 @@ async def closed_loop(
     a refusal, or, `polite`, after the refusal's Retry-After (as OpenAI's client waits)."""
     records: list[dict] = []
     end = time.monotonic() + seconds
-    pool = pool_for(url)
 
-    async def client():
+    async def loop(client: LoadClient):
         while time.monotonic() < end:
-            record = await one(pool, slo_ms)
+            record = await one(client, slo_ms)
             records.append(record)
             if record["status"] != 200:
                 wait = record.get("retry_after") if polite else None
                 await asyncio.sleep(float(wait) if wait else 0.05)
 
-    await asyncio.gather(*(client() for _ in range(clients)))
-    await pool.close()
+    async with client_for(url) as client:
+        await asyncio.gather(*(loop(client) for _ in range(clients)))
     return records
 
 
 async def open_loop(url: str, rate: float, seconds: float, slo_ms: float, seed: int, during=None):
     """Poisson arrivals at `rate` for `seconds`; `during(t0)` runs alongside (a fault)."""
     rng = random.Random(seed)
-    pool = pool_for(url)
-    tasks, t0 = [], time.monotonic()
-    fault = asyncio.ensure_future(during(t0)) if during else None
-    next_at = t0
-    while next_at < t0 + seconds:
-        await asyncio.sleep(max(0.0, next_at - time.monotonic()))
-        tasks.append(asyncio.ensure_future(one(pool, slo_ms)))
-        next_at += rng.expovariate(rate)
-    records = await asyncio.gather(*tasks)
-    if fault is not None:
-        await fault
-    await pool.close()
+    async with client_for(url) as client:
+        tasks, t0 = [], time.monotonic()
+        fault = asyncio.ensure_future(during(t0)) if during else None
+        next_at = t0
+        while next_at < t0 + seconds:
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+            tasks.append(asyncio.ensure_future(one(client, slo_ms)))
+            next_at += rng.expovariate(rate)
+        records = await asyncio.gather(*tasks)
+        if fault is not None:
+            await fault
     return list(records)
 
 
 async def stream_one(
-    http: httpx.AsyncClient, slo_ms: float, max_tokens: int = 32, prompt: str = PROMPT
+    client: LoadClient, slo_ms: float, max_tokens: int = 32, prompt: str = PROMPT
 ) -> dict:
+    """One streamed completion: its status, whether it ended with `[DONE]`, and whether an
+    error event came."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "slo_ms": slo_ms,
             "stream": True}  # fmt: skip
     try:
-        async with http.stream("POST", "/v1/completions", json=body) as r:
-            lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
-    except httpx.HTTPError as e:
-        return {"status": f"no answer ({type(e).__name__})"}
+        async with client.stream("/v1/completions", body) as events:
+            chunks = [chunk async for chunk in events] if events.status == 200 else []
+    except NoAnswer as e:
+        return {"status": "refused" if e.refused else "no answer (closed)"}
+    except asyncio.TimeoutError:
+        return {"status": "no answer (timeout)"}
     return {
-        "status": r.status_code,
-        "done": bool(lines) and lines[-1].endswith("[DONE]"),
-        "error_event": any('"error"' in line for line in lines),
+        "status": events.status,
+        "done": events.done,
+        "error_event": any("error" in chunk for chunk in chunks),
     }

@@ -14,10 +14,11 @@ import subprocess
 import time
 from pathlib import Path
 
-import httpx
 from reliability_inputs import MODEL, hostile_body, is_openai_answer
-from reliability_load import open_loop
+from reliability_load import client_for, open_loop
 from reliability_summaries import fault_summary, overload_summary, percentile
+
+from dilaserve.bench.client import NoAnswer
 
 # -- fuzz ----------------------------------------------------------------------------------
 
@@ -31,21 +32,21 @@ async def fuzz(url: str, count: int, seed: int, deadline: float) -> dict:
     for item in bodies:
         queue.put_nowait(item)
 
-    async def client():
-        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
-            while not queue.empty() and time.monotonic() < deadline:
-                path, raw, headers = queue.get_nowait()
-                try:
-                    r = await http.post(path, content=raw, headers=headers)
-                except httpx.HTTPError as e:
-                    statuses["no answer"] = statuses.get("no answer", 0) + 1
-                    bad.append(f"{path} {raw[:80]!r}: {type(e).__name__}")
-                    continue
-                statuses[str(r.status_code)] = statuses.get(str(r.status_code), 0) + 1
-                if r.status_code >= 500 or not is_openai_answer(r.status_code, r.content):
-                    bad.append(f"{path} {raw[:80]!r}: {r.status_code} {r.text[:120]!r}")
+    async def sender(client):
+        while not queue.empty() and time.monotonic() < deadline:
+            path, raw, headers = queue.get_nowait()
+            try:
+                r = await client.post(path, raw, headers)
+            except (NoAnswer, asyncio.TimeoutError) as e:
+                statuses["no answer"] = statuses.get("no answer", 0) + 1
+                bad.append(f"{path} {raw[:80]!r}: {type(e).__name__}")
+                continue
+            statuses[str(r.status)] = statuses.get(str(r.status), 0) + 1
+            if r.status >= 500 or not is_openai_answer(r.status, r.body):
+                bad.append(f"{path} {raw[:80]!r}: {r.status} {r.body[:120]!r}")
 
-    await asyncio.gather(*(client() for _ in range(16)))
+    async with client_for(url) as client:
+        await asyncio.gather(*(sender(client) for _ in range(16)))
     sent = sum(statuses.values())
     return {"bodies": sent, "statuses": statuses, "bad": len(bad), "bad_examples": bad[:10]}
 
@@ -57,22 +58,20 @@ async def health_under_large_bodies(url: str, seconds: float) -> dict:
     long = json.dumps({"model": MODEL, "prompt": "7 " * 200, "max_tokens": 32}).encode()
     end, waits, statuses = time.monotonic() + seconds, [], {}
 
-    async def sender(body: bytes):
-        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
-            while time.monotonic() < end:
-                r = await http.post("/v1/completions", content=body,
-                                    headers={"content-type": "application/json"})  # fmt: skip
-                statuses[str(r.status_code)] = statuses.get(str(r.status_code), 0) + 1
+    async def sender(client, body: bytes):
+        while time.monotonic() < end:
+            status = str((await client.post("/v1/completions", body)).status)
+            statuses[status] = statuses.get(status, 0) + 1
 
-    async def poller():
-        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
-            while time.monotonic() < end:
-                start = time.perf_counter()
-                await http.get("/health")
-                waits.append(time.perf_counter() - start)
-                await asyncio.sleep(0.02)
+    async def poller(client):
+        while time.monotonic() < end:
+            start = time.perf_counter()
+            await client.get("/health")
+            waits.append(time.perf_counter() - start)
+            await asyncio.sleep(0.02)
 
-    await asyncio.gather(poller(), *(sender(b) for b in [huge] * 4 + [long] * 4))
+    async with client_for(url) as load, client_for(url) as probe:
+        await asyncio.gather(poller(probe), *(sender(load, b) for b in [huge] * 4 + [long] * 4))
     return {
         "seconds": seconds,
         "large_requests": statuses,
@@ -107,12 +106,12 @@ async def overload_phase(url: str, rate: float, capacity: float, args) -> dict:
 
 async def slowdown_watch(url: str, until: float, seen: list) -> None:
     """Record the server's measured step slowdown (`/metrics`) every second."""
-    async with httpx.AsyncClient(base_url=url, timeout=5) as http:
+    async with client_for(url, timeout=5) as client:
         while time.monotonic() < until:
             await asyncio.sleep(1.0)
             try:
-                text = (await http.get("/metrics")).text
-            except httpx.HTTPError:
+                text = (await client.get("/metrics")).body.decode()
+            except (NoAnswer, asyncio.TimeoutError):
                 continue
             for line in text.splitlines():
                 if line.startswith("dilaserve_step_slowdown "):
@@ -138,12 +137,12 @@ def worker_pids(server_pid: int) -> list[int]:
 
 async def health_watch(url: str, t0: float, until: float, seen: list) -> None:
     """Record (seconds since t0, /health status) every 0.2 s."""
-    async with httpx.AsyncClient(base_url=url, timeout=5) as http:
+    async with client_for(url, timeout=5) as client:
         while time.monotonic() < until:
             try:
-                r = await http.get("/health")
+                r = await client.get("/health")
                 seen.append((round(time.monotonic() - t0, 2), r.json()["status"]))
-            except (httpx.HTTPError, ValueError):
+            except (NoAnswer, asyncio.TimeoutError, ValueError):
                 seen.append((round(time.monotonic() - t0, 2), "no answer"))
             await asyncio.sleep(0.2)
 

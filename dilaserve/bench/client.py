@@ -99,9 +99,12 @@ class LoadClient:
     async def get(self, path: str) -> Answer:
         return await self._whole("GET", path, None)
 
-    async def post(self, path: str, body: dict | bytes) -> Answer:
-        """POST `body` (a dict as JSON, or bytes of JSON already encoded) once."""
-        return await self._whole("POST", path, body)
+    async def post(
+        self, path: str, body: dict | bytes, headers: dict[str, str] | None = None
+    ) -> Answer:
+        """POST `body` (a dict as JSON, or bytes already encoded) once; `headers` replace the
+        JSON content type."""
+        return await self._whole("POST", path, body, headers)
 
     @contextlib.asynccontextmanager
     async def stream(self, path: str, body: dict | bytes) -> AsyncIterator[EventStream]:
@@ -110,15 +113,16 @@ class LoadClient:
             async with self._send("POST", path, body) as response:
                 yield EventStream(response)
 
-    async def _whole(self, method: str, path: str, body) -> Answer:
+    async def _whole(self, method: str, path: str, body, headers=None) -> Answer:
         async with _no_answer_on_close():
-            async with self._send(method, path, body) as response:
+            async with self._send(method, path, body, headers) as response:
                 return Answer(response.status, _headers(response), await response.read())
 
-    def _send(self, method: str, path: str, body):
+    def _send(self, method: str, path: str, body, headers=None):
         if isinstance(body, dict):
             body = json.dumps(body).encode()
-        headers = None if body is None else {"Content-Type": "application/json"}
+        if headers is None and body is not None:
+            headers = {"Content-Type": "application/json"}
         return self._session.request(method, path, data=body, headers=headers)
 
 
