@@ -39,3 +39,23 @@ def test_never_commits_a_non_candidate_even_if_confident():
     conf = torch.tensor([[0.99, 0.1]])
     commit = select_unmask(conf, torch.tensor([[False, True]]), torch.tensor([0.5]))
     assert commit.tolist() == [[False, True]]
+
+
+def test_a_row_short_of_its_minimum_commits_its_most_confident_candidates():
+    conf = torch.tensor([[0.2, 0.6, 0.4, 0.95], [0.2, 0.6, 0.4, 0.95], [0.2, 0.6, 0.4, 0.3]])
+    candidates = torch.tensor([[True] * 4, [True] * 4, [True, False, True, True]])
+    mins = torch.tensor([3, 1, 5])
+    commit = select_unmask(conf, candidates, torch.tensor([0.9, 0.5, 0.9]), mins)
+    assert commit.tolist() == [
+        [False, True, True, True],  # only 0.95 clears 0.9: the top 3 instead
+        [False, True, False, True],  # two clear 0.5, more than its minimum of 1
+        [True, False, True, True],  # a minimum past its candidates takes them all
+    ]
+
+
+def test_ties_go_to_the_earlier_position():
+    conf = torch.tensor([[0.3, 0.5, 0.5, 0.5]])
+    commit = select_unmask(
+        conf, torch.ones(1, 4, dtype=torch.bool), torch.tensor([0.9]), torch.tensor([2])
+    )
+    assert commit.tolist() == [[False, True, True, False]]

@@ -6,20 +6,35 @@ import torch
 
 
 def select_unmask(
-    conf: torch.Tensor, candidates: torch.Tensor, thresholds: torch.Tensor
+    conf: torch.Tensor,
+    candidates: torch.Tensor,
+    thresholds: torch.Tensor,
+    min_commits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Which candidate positions to commit this step.
 
     conf: [rows, n] top-1 probabilities; candidates: [rows, n] bool, the still-masked positions
-    of each row's current block; thresholds: [rows]. A candidate is committed when its confidence
-    exceeds its row's threshold; a row with candidates but none above the threshold commits its
-    single most confident candidate, so every step makes progress.
+    of each row's current block; thresholds: [rows]; min_commits: [rows] int (None: ones). A
+    candidate is committed when its confidence exceeds its row's threshold; a row with fewer
+    such candidates than its `min_commits` commits its `min_commits` most confident candidates
+    instead (all of them, if it has fewer), so every step makes progress.
     """
     commit = candidates & (conf > thresholds[:, None])
-    stuck = candidates.any(dim=1) & ~commit.any(dim=1)
-    if stuck.any():
-        best = conf.masked_fill(~candidates, float("-inf")).argmax(dim=1)
-        fallback = torch.zeros_like(commit)
-        fallback[torch.arange(conf.shape[0], device=conf.device), best] = True
-        commit = commit | (fallback & stuck[:, None])
+    if min_commits is None:
+        min_commits = torch.ones(conf.shape[0], dtype=torch.long)
+    min_commits = min_commits.to(conf.device)
+    short = commit.sum(dim=1) < min_commits
+    if short.any():
+        top = candidates & (
+            _rank(conf.masked_fill(~candidates, float("-inf"))) < min_commits[:, None]
+        )
+        commit = torch.where(short[:, None], top, commit)
     return commit
+
+
+def _rank(conf: torch.Tensor) -> torch.Tensor:
+    """Each position's rank in its row, most confident first (ties: the earlier position)."""
+    order = conf.argsort(dim=1, descending=True, stable=True)
+    rank = torch.empty_like(order)
+    positions = torch.arange(conf.shape[1], device=conf.device).expand_as(order)
+    return rank.scatter_(1, order, positions)
