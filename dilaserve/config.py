@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dilaserve.protocol import KVCacheMode
+from dilaserve.protocol import EosStop, KVCacheMode
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 BUNDLED_MODEL = ASSETS / "tiny-llada"  # the small dLLM this project trains and ships
@@ -33,8 +33,12 @@ class EngineConfig:
     """One model instance.
 
     kv_cache: "none" (every step a full forward), "prefix" or "dual" (Fast-dLLM-style approximate
-    cache, refreshed at each block's first step). early_finish: a request ends once it has
-    committed an end-of-sequence token and everything before it. cuda_graphs: dual-cache steps of
+    cache, refreshed at each block's first step). early_finish: a request may end before its
+    window is decoded, by the `eos_stop` rule (None: the model family's published one, e.g.
+    LLaDA2's stop after a block holding EOS; LLaDA's and Dream's: once a stop token and all
+    before it are committed); off, the whole window is decoded. steps: a family with a per-block
+    step schedule (LLaDA2's `steps`) gives each block this many steps (None: `block_len`, the
+    published default); others ignore it. cuda_graphs: dual-cache steps of
     up to this many requests, each with at most `cuda_graph_context` cached tokens, replay CUDA
     graphs (engine/graphs.py; 0: off; tensor-parallel instances and CPUs run the same steps without
     graphs). max_forward_tokens: a step batch runs as forward passes of at most this many tokens
@@ -46,12 +50,18 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     early_finish: bool = True
+    eos_stop: EosStop | None = None
+    steps: int | None = None
     max_forward_tokens: int = 65_536
     cuda_graphs: int = 0
     cuda_graph_context: int = 2048
 
     def __post_init__(self):
         object.__setattr__(self, "kv_cache", KVCacheMode(self.kv_cache))
+        if self.eos_stop is not None:
+            object.__setattr__(self, "eos_stop", EosStop(self.eos_stop))
+        if self.steps is not None and self.steps <= 0:
+            raise ValueError(f"{self.steps=} must be positive (or None: block_len)")
         if self.dtype not in DTYPES:
             raise ValueError(f"{self.dtype=} must be one of {DTYPES}")
         if self.block_len <= 0:
@@ -69,17 +79,23 @@ class SamplingParams:
     """Per-request generation settings.
 
     threshold: commit every masked position whose confidence exceeds it (at least one per step).
-    max_tokens: the output window; rounded up to a whole number of blocks by the engine.
+    max_tokens: the answer's length at most. The output window is whole blocks: max_tokens
+    rounded up, or, where blocks sit at absolute positions (LLaDA2), up to the first block
+    boundary after prompt + max_tokens; the answer is cut to max_tokens.
+    steps: steps per block of a family's step schedule (LLaDA2's `steps`; None: the engine's).
     """
 
     threshold: float = DEFAULT_THRESHOLD
     max_tokens: int = 64
+    steps: int | None = None
 
     def __post_init__(self):
         if not 0.0 < self.threshold <= 1.0:
             raise ValueError(f"{self.threshold=} must be in (0, 1]")
         if self.max_tokens <= 0:
             raise ValueError(f"{self.max_tokens=} must be positive")
+        if self.steps is not None and self.steps <= 0:
+            raise ValueError(f"{self.steps=} must be positive (or None: the engine's)")
 
     def gen_len(self, block_len: int) -> int:
         return -(-self.max_tokens // block_len) * block_len

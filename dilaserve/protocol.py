@@ -43,6 +43,16 @@ class KVCacheMode(str, enum.Enum):
     BLOCK = "block"  # exact: block-causal models' prompt and finished blocks
 
 
+class EosStop(str, enum.Enum):
+    """When a request may end before its output window is fully committed."""
+
+    COMMITTED = "committed"  # after any step, once a stop token and all before it are committed
+    BLOCK = "block"  # after a step that completes a block, if a stop token is committed so far
+    STEP = "step"  # as BLOCK, and after a step that commits a stop token with nothing masked
+    # before the first stop token (LLaDA2's `eos_early_stop`)
+    NONE = "none"  # never: the whole window is decoded
+
+
 def next_step_kind(mode: KVCacheMode, starts_block: bool, has_cache: bool) -> StepKind:
     """The kind of a request's next step: recompute at a block's first step or without a cache;
     with an exact block cache, prefill without one and commit when a block has just finished."""
@@ -61,6 +71,15 @@ def block_offset(prompt_len: int, block_len: int, aligned: bool) -> int:
     return prompt_len % block_len if aligned else 0
 
 
+def window_len(prompt_len: int, max_tokens: int, block_len: int, aligned: bool) -> int:
+    """The output window of a request for `max_tokens`: whole blocks. With blocks at absolute
+    positions (`aligned`) it ends on the first block boundary at or after prompt + max_tokens,
+    as LLaDA2's published `generate` decodes; otherwise it is max_tokens rounded up to blocks."""
+    if aligned:
+        return -(-(prompt_len + max_tokens) // block_len) * block_len - prompt_len
+    return -(-max_tokens // block_len) * block_len
+
+
 @dataclass(frozen=True, slots=True)
 class SequenceSpec:
     """A request's whole token state, sent when it first runs on an instance.
@@ -73,6 +92,7 @@ class SequenceSpec:
     prompt_ids: Sequence[int]
     output_ids: Sequence[int] | np.ndarray
     output_conf: Sequence[float] | np.ndarray | None = None
+    block_step: int = 0  # steps already run in the current block (a per-block step schedule)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +101,7 @@ class StepItem:
     threshold: float
     kind: StepKind
     spec: SequenceSpec | None = None  # required the first time a request runs on an instance
+    steps: int | None = None  # steps per block of a family's step schedule (None: the engine's)
 
 
 @dataclass(frozen=True, slots=True)

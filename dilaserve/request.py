@@ -47,12 +47,16 @@ class Request:
     # block-causal models: blocks start at absolute multiples of block_len, so the first block
     # of the window is `block_len - block_offset` long (block_offset = prompt_len % block_len)
     block_offset: int = 0
+    # a family with a per-block step schedule (LLaDA2): steps per block (None: the engine's)
+    steps: int | None = None
+    max_tokens: int | None = None  # the answer's length at most (None: the whole window)
     status: RequestStatus = RequestStatus.WAITING
     output_ids: np.ndarray = field(init=False)
     confidences: np.ndarray = field(init=False)
     num_committed: int = field(init=False)
     current_block: int = field(init=False)  # the first block with a masked position
     starts_block: bool = True  # the next step is the first step of a block
+    block_step: int = 0  # steps run in the current block so far
     num_steps: int = 0
     steps_by_kind: dict[StepKind, int] = field(default_factory=dict)
     threshold_steps: list[float] = field(default_factory=list)  # the threshold of each step
@@ -64,11 +68,13 @@ class Request:
     num_blocks: int = field(init=False)
 
     def __post_init__(self):
-        if self.gen_len <= 0 or self.gen_len % self.block_len:
+        if self.gen_len <= 0 or (self.gen_len % self.block_len and not self.block_offset):
             raise ValueError(
                 f"request {self.request_id}: {self.gen_len=} must be a positive "
-                f"multiple of {self.block_len=}"
+                f"multiple of {self.block_len=} (any length if blocks are at absolute positions)"
             )
+        if self.steps is not None and self.steps <= 0:
+            raise ValueError(f"request {self.request_id}: {self.steps=} must be positive")
         self.num_committed = 0
         self.current_block = 0
         self.output_ids = np.full(self.gen_len, self.mask_id, dtype=np.int32)
@@ -105,6 +111,8 @@ class Request:
             self.cost,
             self.prior_steps,
             self.block_offset,
+            self.steps,
+            self.max_tokens,
         )
 
     def block_span(self, block: int) -> tuple[int, int]:
@@ -129,7 +137,9 @@ class Request:
     def spec(self) -> SequenceSpec:
         """The whole state an instance needs to take this request on (copies: the request
         goes on changing)."""
-        return SequenceSpec(self.prompt_ids, self.output_ids.copy(), self.confidences.copy())
+        return SequenceSpec(
+            self.prompt_ids, self.output_ids.copy(), self.confidences.copy(), self.block_step
+        )
 
     def within_bounds(self, thresholds: tuple[float, ...]) -> tuple[float, ...]:
         """The thresholds this request accepts, in the given order."""
@@ -150,9 +160,8 @@ class Request:
     def step_item(self, mode: KVCacheMode, on_instance: bool) -> StepItem:
         """This request's next step on an instance; the sequence travels only if it is new there."""
         kind = self.next_kind(mode, has_cache=on_instance)
-        return StepItem(
-            self.request_id, self.threshold, kind, spec=None if on_instance else self.spec()
-        )
+        spec = None if on_instance else self.spec()
+        return StepItem(self.request_id, self.threshold, kind, spec=spec, steps=self.steps)
 
     def apply(self, result: RequestStepResult, now: float = 0.0) -> None:
         """Record one step's outcome: `positions` were masked until this step, and blocks
@@ -169,6 +178,7 @@ class Request:
         if self.first_block_time is None and (self.current_block > 0 or result.is_finished):
             self.first_block_time = now
         self.starts_block = result.is_block_done
+        self.block_step = 0 if result.is_block_done else self.block_step + 1
         if result.is_finished:
             self.status = RequestStatus.FINISHED
             self.finish_time = now
@@ -182,10 +192,11 @@ class Request:
         return sum(g * n for g, n in zip(self.threshold_steps, self.step_tokens)) / tokens
 
     def generated_ids(self, stop_ids: frozenset[int], start: int = 0) -> list[int]:
-        """Committed output tokens before the first stop token, from output position `start`
-        on (`start` at most their number: a stream asks only for what it has not seen)."""
+        """Committed output tokens before the first stop token, at most `max_tokens`, from output
+        position `start` on (`start` at most their number: a stream asks only for what it has
+        not seen)."""
         out = []
-        for token in self.output_ids[start:].tolist():
+        for token in self.output_ids[start : self.max_tokens].tolist():
             if token in stop_ids or token == self.mask_id:
                 break
             out.append(token)

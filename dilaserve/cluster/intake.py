@@ -1,5 +1,7 @@
 """A submission checked before it is queued: prompt ids (through the chat template or plain),
-the output window in whole blocks within the model's context, threshold bounds, the SLO, stop
+the output window in whole blocks within the model's context (ending on an absolute block
+boundary where blocks sit at absolute positions; the answer is cut to max_tokens), the steps
+per block of a family's step schedule, threshold bounds, the SLO, stop
 strings, and DWS's expected cost and step prior. Every check raises `InvalidRequest` naming the
 argument, so one bad request is refused alone; `Cluster.submit` then queues what passed.
 """
@@ -11,7 +13,8 @@ from dataclasses import dataclass
 
 from dilaserve.cluster.requests import InvalidRequest
 from dilaserve.config import DEFAULT_THRESHOLD
-from dilaserve.protocol import block_offset
+from dilaserve.models.family import DecodingRule
+from dilaserve.protocol import block_offset, window_len
 from dilaserve.request import Request
 
 
@@ -27,6 +30,8 @@ class Submission:
     cost: float | None  # DWS's expected cost (None without DWS)
     prior_steps: dict[float, float] | None  # DWS's expected steps, when the prior is on
     stop: tuple[str, ...] = ()  # the answer ends before the first of these strings
+    max_tokens: int | None = None  # the answer's length at most (None: the whole window)
+    steps: int | None = None  # steps per block of the family's step schedule
 
     def request(
         self, request_id: str, submitted: float, block_len: int, mask_id: int, aligned: bool = False
@@ -45,6 +50,8 @@ class Submission:
             cost=self.cost,
             prior_steps=self.prior_steps,
             block_offset=block_offset(len(self.prompt_ids), block_len, aligned),
+            steps=self.steps,
+            max_tokens=self.max_tokens,
         )
 
 
@@ -58,6 +65,9 @@ class Intake:
     dws: object | None = None  # dws.estimate.DWSEstimator
     dws_prior: bool = False  # pass DWS's expected steps on as the step predictor's prior
     max_token_chars: int = 64  # characters of the longest token: bounds a prompt's text cheaply
+    aligned: bool = False  # blocks at absolute positions (block diffusion)
+    decoding: DecodingRule = DecodingRule()  # the model family's
+    engine_steps: int | None = None  # EngineConfig.steps
 
     @property
     def max_prompt_chars(self) -> int:
@@ -90,7 +100,9 @@ class Intake:
         bounds = threshold_bounds(threshold, min_threshold, max_threshold)
         stop = stop_strings(stop)
         ids = self._prompt_ids(prompt, chat)
+        max_tokens = max_tokens if max_tokens is not None else self.default_max_tokens
         gen_len = self._window(max_tokens, len(ids))
+        steps = self.decoding.steps_for(self.engine_steps or self.block_len, max_tokens)
         if slo is not None and not slo > 0:  # (NaN is not)
             raise InvalidRequest("slo", f"slo={slo} must be positive")
         if not isinstance(priority, int) or not PRIORITIES[0] <= priority <= PRIORITIES[1]:
@@ -101,7 +113,9 @@ class Intake:
             text or (prompt if isinstance(prompt, str) else None), ids, gen_len
         )
         prior = prior if self.dws_prior else None
-        return Submission(tuple(ids), gen_len, slo, priority, bounds, cost, prior, stop)
+        return Submission(
+            tuple(ids), gen_len, slo, priority, bounds, cost, prior, stop, max_tokens, steps
+        )
 
     def _prompt_ids(self, prompt: str | list[int], chat: bool) -> list[int]:
         if isinstance(prompt, str):
@@ -126,12 +140,11 @@ class Intake:
             )
         return ids
 
-    def _window(self, max_tokens: int | None, prompt_tokens: int) -> int:
-        """The output window: `max_tokens` rounded up to whole blocks, within the context."""
-        window = max_tokens if max_tokens is not None else self.default_max_tokens
+    def _window(self, window: int, prompt_tokens: int) -> int:
+        """The output window for `max_tokens` (`protocol.window_len`), within the context."""
         if window <= 0:
             raise InvalidRequest("max_tokens", f"max_tokens={window} must be positive")
-        gen_len = -(-window // self.block_len) * self.block_len
+        gen_len = window_len(prompt_tokens, window, self.block_len, self.aligned)
         if gen_len >= self.context:
             raise InvalidRequest(
                 "max_tokens",

@@ -82,7 +82,7 @@ class Cluster:
         self.scheduler = build_scheduler(config.control)
         self.block_len = config.control.scheduler.block_len
         self.backend = backend or make_backend(config)
-        self.intake = self._intake(model_config)
+        self.intake = self._intake(model_config, family)
         answers = Answers(self.tokenizer, observer)
         self.controller = Controller(
             config, self.scheduler, self.backend, answers, observer, self.now
@@ -93,7 +93,7 @@ class Cluster:
         self._t0 = 0.0
         self._next_id = 0
 
-    def _intake(self, model_config) -> Intake:
+    def _intake(self, model_config, family) -> Intake:
         config = self.config
         return Intake(
             self.tokenizer,
@@ -104,6 +104,9 @@ class Cluster:
             config.dws_estimator(),
             config.dws_prior,
             longest_token_chars(self.tokenizer),
+            aligned=family.is_block_causal,
+            decoding=family.decoding,
+            engine_steps=config.worker.engine.steps,
         )
 
     # -- lifecycle ---------------------------------------------------------------------------

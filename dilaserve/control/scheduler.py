@@ -363,7 +363,11 @@ class Scheduler:
             holds, requests = inst.holds, [self.requests[rid].request for rid in inst.pending]
             items = [
                 StepItem(
-                    r.request_id, r.threshold, kind, None if r.request_id in holds else r.spec()
+                    r.request_id,
+                    r.threshold,
+                    kind,
+                    None if r.request_id in holds else r.spec(),
+                    steps=r.steps,
                 )
                 for r, kind in zip(requests, inst.pending_kinds)
             ]

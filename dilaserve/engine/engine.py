@@ -3,9 +3,10 @@
 Requests in one batch may differ in prompt length, output window, current block, threshold and
 step kind. Rows are grouped into forwards without a cache (FULL, RECOMPUTE and PREFILL steps) and
 forwards against cached K/V (CACHE, BLOCK and COMMIT steps); each group runs as padded, batched
-forward passes. What a step runs and stores follows the model family's semantics
-(`models/family.py`): its logit shift, and an approximate cache (bidirectional attention) or an
-exact one (block-causal attention). The engine owns its requests' token state and K/V caches;
+forward passes. What a step runs, stores and commits follows the model family's semantics
+(`models/family.py`): its logit shift, an approximate cache (bidirectional attention) or an
+exact one (block-causal attention), and its decoding rule (fewest commits a step, per row, and
+when a request stops early). The engine owns its requests' token state and K/V caches;
 it knows nothing about SLOs, other instances or the wall clock.
 """
 
@@ -28,6 +29,7 @@ from dilaserve.models.tokenizer import SpecialIds
 from dilaserve.protocol import (
     APPROXIMATE_KINDS,
     CACHED_KINDS,
+    EosStop,
     KVCacheMode,
     RequestStepResult,
     StepBatch,
@@ -78,6 +80,9 @@ class Engine:
         self.family = family or registry.family_of(model.config)
         self.special = special
         self.config = replace(config, kv_cache=self.family.cache_mode(config.kv_cache))
+        self.decoding = self.family.decoding
+        self.eos_stop = _eos_stop(config, self.decoding.eos_stop)
+        self.stop_ids = frozenset((special.eos,)) if self.decoding.eos_only else special.stop_ids
         self.device = torch.device(config.device)
         self.shift = self.family.logit_shift
         block_causal = self.family.is_block_causal
@@ -92,10 +97,10 @@ class Engine:
     @classmethod
     def from_checkpoint(cls, path: str | Path, config: EngineConfig = EngineConfig()) -> Engine:
         from dilaserve.models.checkpoint import load_model
-        from dilaserve.models.tokenizer import Tokenizer
+        from dilaserve.models.tokenizer import special_ids
 
         model = load_model(path, config.dtype, device=config.device)
-        return cls(model, Tokenizer(Path(path), model.config).special, config)
+        return cls(model, special_ids(path, model.config), config)
 
     @property
     def num_requests(self) -> int:
@@ -147,6 +152,7 @@ class Engine:
                 self.config.block_len,
                 self.special.mask,
                 aligned_blocks=self.family.is_block_causal,
+                block_step=item.spec.block_step,
             )
         seq = self._seqs[item.request_id]
         kind = self._actual_kind(item.kind, seq)
@@ -249,8 +255,13 @@ class Engine:
         index = index.to(hidden.device)
         picked = hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[-1]))
         logits = self.model.logits(picked).float()
-        logits[..., self.special.mask] = float("-inf")
-        conf, top = torch.softmax(logits, dim=-1).max(dim=-1)
+        if self.decoding.mask_in_softmax:
+            probs = torch.softmax(logits, dim=-1)
+            probs[..., self.special.mask] = 0.0
+        else:
+            logits[..., self.special.mask] = float("-inf")
+            probs = torch.softmax(logits, dim=-1)
+        conf, top = probs.max(dim=-1)
         return conf.cpu(), top.cpu()
 
     def _decide(self, rows, conf, top) -> dict[str, RequestStepResult]:
@@ -264,11 +275,22 @@ class Engine:
             lo, hi = max(b_start, w0), min(b_end, w0 + r.window_len)
             candidates[i, lo - w0 : hi - w0] = torch.from_numpy(r.seq.is_masked[lo:hi])
         thresholds = torch.tensor([r.item.threshold for r in rows], dtype=conf.dtype)
-        commit = select_unmask(conf, candidates, thresholds)
+        commit = select_unmask(conf, candidates, thresholds, self._min_commits(rows))
         return {
             r.item.request_id: self._apply(r, blocks[i], conf[i], top[i], commit[i])
             for i, r in enumerate(rows)
         }
+
+    def _min_commits(self, rows: list[_Row]) -> torch.Tensor:
+        """Each row's fewest commits this step, by the family's rule and the row's steps."""
+        block_len = self.config.block_len
+        default = self.config.steps or block_len
+        return torch.tensor(
+            [
+                self.decoding.min_commits(block_len, r.item.steps or default, r.seq.block_step)
+                for r in rows
+            ]
+        )
 
     def _apply(self, row: _Row, block: int, conf, top, commit) -> RequestStepResult:
         seq, w0, n = row.seq, row.window_start, row.window_len
@@ -279,7 +301,10 @@ class Engine:
         positions = (picked + w0).astype(np.int32)
         tokens = top[:n].numpy()[picked].astype(np.int32)
         seq.commit(positions, tokens, window_conf[picked])
-        finished = seq.is_finished(self.special.stop_ids, self.config.early_finish)
+        block_done = seq.block != block
+        seq.block_step = 0 if block_done else seq.block_step + 1
+        committed_stop = bool(np.isin(tokens, list(self.stop_ids)).any())
+        finished = seq.is_finished(self.stop_ids, self.eos_stop, committed_stop, block_done)
         result = RequestStepResult(
             request_id=seq.request_id,
             kind=row.kind,
@@ -287,12 +312,20 @@ class Engine:
             tokens=tokens,
             confidences=seq.conf.copy(),
             block_index=block,
-            is_block_done=finished or seq.block != block,
+            is_block_done=finished or block_done,
             is_finished=finished,
         )
         if finished:
             self.release(seq.request_id)
         return result
+
+
+def _eos_stop(config: EngineConfig, family_default: EosStop) -> EosStop:
+    """The early-stop rule an engine runs: none without early finish, else the configured one,
+    else the family's published one."""
+    if not config.early_finish:
+        return EosStop.NONE
+    return config.eos_stop or family_default
 
 
 def _single_gpu(model: torch.nn.Module) -> bool:

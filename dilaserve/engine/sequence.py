@@ -4,8 +4,9 @@ Positions are absolute (prompt first, then the output window). The output window
 blocks of `block_len`; the current block is the first one with a masked position. Blocks start
 at the output window (`block_offset` 0), or, for block-causal models, at absolute multiples of
 `block_len` (`block_offset` = prompt_len % block_len: the first block then also holds the
-prompt's tail, and the window's first and last blocks are shorter). This module does the
-bookkeeping of a step's outcome (commit, block progress, early finish); it runs no model.
+prompt's tail; the window then ends on an absolute block boundary, or anywhere: its last block
+holds what is left). This module does the bookkeeping of a step's outcome (commit, block
+progress, early finish by an `EosStop` rule); it runs no model.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dilaserve.protocol import block_offset
+from dilaserve.protocol import EosStop, block_offset
 
 
 @dataclass
@@ -39,13 +40,9 @@ class Sequence:
         block_len: int,
         mask_id: int,
         aligned_blocks: bool = False,
+        block_step: int = 0,
     ):
         gen_len = len(output_ids)
-        if gen_len == 0 or gen_len % block_len:
-            raise ValueError(
-                f"request {request_id}: output window of {gen_len} tokens is not a "
-                f"positive multiple of block_len={block_len}"
-            )
         if len(prompt_ids) == 0:
             raise ValueError(f"request {request_id}: prompt is empty")
         self.request_id = request_id
@@ -53,6 +50,12 @@ class Sequence:
         self.gen_len = gen_len
         self.block_len = block_len
         self.block_offset = block_offset(self.prompt_len, block_len, aligned_blocks)
+        if gen_len == 0 or (gen_len % block_len and not self.block_offset):
+            raise ValueError(
+                f"request {request_id}: output window of {gen_len} tokens is not a "
+                f"positive multiple of block_len={block_len}"
+            )
+        self.block_step = block_step  # steps run in the current block so far
         self.ids = torch.from_numpy(
             np.concatenate(
                 (np.asarray(prompt_ids, dtype=np.int64), np.asarray(output_ids, dtype=np.int64))
@@ -106,11 +109,21 @@ class Sequence:
         self.is_masked[positions] = False
         self.conf[positions] = conf
 
-    def is_finished(self, stop_ids: frozenset[int], early_finish: bool) -> bool:
+    def is_finished(
+        self, stop_ids: frozenset[int], rule: EosStop, committed_stop: bool, block_done: bool
+    ) -> bool:
+        """Whether the request ends after a step: the window is decoded, or the `rule` stops
+        it early (`committed_stop`: the step committed a stop token; `block_done`: it completed
+        a block)."""
         if not self.is_masked.any():
             return True
-        if not early_finish:
+        if rule is EosStop.NONE:
             return False
         out = self.output_ids().numpy()
         stops = np.flatnonzero(np.isin(out, list(stop_ids)) & ~self.is_masked)
-        return bool(stops.size) and not self.is_masked[: stops[0]].any()
+        if not stops.size:
+            return False
+        prefix_done = not self.is_masked[: stops[0]].any()
+        if rule is EosStop.COMMITTED:
+            return prefix_done
+        return block_done or (rule is EosStop.STEP and committed_stop and prefix_done)

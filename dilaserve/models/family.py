@@ -6,7 +6,9 @@ model classes, where its special tokens come from, and its decoding and cache se
 - `logit_shift`: the token at position i is read from the model's output at i - shift (Dream: 1);
 - `attention`: bidirectional (LLaDA, Dream: the K/V of a cache are approximate, refreshed at each
   block's first step) or block-causal (LLaDA2: bidirectional inside a block, causal across
-  blocks, so the K/V of the prompt and of finished blocks are exact).
+  blocks, so the K/V of the prompt and of finished blocks are exact);
+- `decoding`: its decoding rule (`DecodingRule`): how many tokens a step commits at least, and
+  when a request may stop early, with the published defaults.
 
 The engine reads these; the registry (`models/registry.py`) maps a checkpoint to its family.
 """
@@ -16,7 +18,7 @@ from __future__ import annotations
 import enum
 from dataclasses import asdict, dataclass
 
-from dilaserve.protocol import KVCacheMode
+from dilaserve.protocol import EosStop, KVCacheMode
 
 
 class Attention(str, enum.Enum):
@@ -25,6 +27,42 @@ class Attention(str, enum.Enum):
 
 
 APPROXIMATE_MODES = (KVCacheMode.NONE, KVCacheMode.PREFIX, KVCacheMode.DUAL)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodingRule:
+    """A family's threshold rule: a step commits every masked position of the current block
+    whose confidence exceeds the threshold, and at least `min_commits` of them (the most
+    confident).
+
+    step_schedule: False, at least one a step; True, LLaDA2's published schedule, where `steps`
+    steps share a block's `block_len` commits as evenly as they can, the earlier steps taking
+    the remainder (so a block always ends within `steps` steps).
+    eos_stop: when a request may stop early (the published default).
+    eos_only: the stop rule watches the EOS token only (the published generate's `eos_id`), not
+    the chat template's end-of-turn token; the answer still ends at the first of either.
+    mask_in_softmax: a confidence is a probability over the whole vocabulary, the mask token
+    included (LLaDA2's published softmax), rather than over the tokens a step may commit; the
+    committed token is never the mask.
+    """
+
+    step_schedule: bool = False
+    eos_stop: EosStop = EosStop.COMMITTED
+    eos_only: bool = False
+    mask_in_softmax: bool = False
+
+    def min_commits(self, block_len: int, steps: int, block_step: int) -> int:
+        """Fewest commits of a block's step number `block_step` (0-based); never below one,
+        which changes nothing reachable: the schedule's first steps commit the whole block."""
+        if not self.step_schedule:
+            return 1
+        base, extra = divmod(block_len, steps)
+        return max(base + (block_step < extra), 1)
+
+    def steps_for(self, steps: int, max_tokens: int) -> int:
+        """The steps per block a request gets: the published generate caps them at its
+        `gen_length` (its `minimal_topk` left at 1)."""
+        return min(steps, max_tokens) if self.step_schedule else steps
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +76,7 @@ class ModelFamily:
     logit_shift: int = 0
     mask_token: str = "<|mdm_mask|>"  # the tokenizer's mask token, if config.json has no id
     eot_token: str | None = None  # the chat template's end-of-turn token, if any
+    decoding: DecodingRule = DecodingRule()
 
     @property
     def is_block_causal(self) -> bool:

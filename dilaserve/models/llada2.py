@@ -26,6 +26,7 @@ from torch import nn
 from dilaserve.models.common import ForwardResult, KVContext
 from dilaserve.models.family import (
     Attention,
+    DecodingRule,
     ModelFamily,
     build_config,
     check_divisible,
@@ -44,6 +45,7 @@ from dilaserve.models.layers import (
     run_layers,
 )
 from dilaserve.models.moe import SparseMoeBlock
+from dilaserve.protocol import EosStop
 
 PUBLISHED_BLOCK_LEN = 32  # the block length LLaDA2's published generate uses
 REQUIRED = (
@@ -301,4 +303,8 @@ FAMILY = ModelFamily(
     attention=Attention.BLOCK_CAUSAL,
     mask_token="<|mask|>",
     eot_token="<|role_end|>",
+    # the published `generate`: a steps schedule, stop after a block holding EOS
+    decoding=DecodingRule(
+        step_schedule=True, eos_stop=EosStop.BLOCK, eos_only=True, mask_in_softmax=True
+    ),
 )
