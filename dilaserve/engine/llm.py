@@ -1,25 +1,30 @@
 """Offline facade: `LLM(model_path).generate(prompts, SamplingParams(...))`.
 
 Runs the engine's step loop for a list of prompts with continuous batching (a finished request's
-slot is refilled at the next step). Useful for scripts, evaluation and benchmarks; serving goes
-through the control plane instead.
+slot is refilled at the next step). A prompt is text (through the chat template, or plain) or a
+sequence of token ids, used as they are; a checkpoint without tokenizer.json takes token ids only
+and answers with token ids (empty text). Useful for scripts, evaluation and benchmarks; serving
+goes through the control plane instead.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from dilaserve.config import BUNDLED_MODEL, EngineConfig, SamplingParams
 from dilaserve.engine.engine import Engine
-from dilaserve.models.tokenizer import Tokenizer
-from dilaserve.protocol import StepBatch, StepKind, block_offset
+from dilaserve.models.tokenizer import Tokenizer, has_tokenizer
+from dilaserve.protocol import StepBatch, StepKind, block_offset, window_len
 from dilaserve.request import Request
+
+Prompt = str | Sequence[int]  # text, or token ids
 
 
 @dataclass(frozen=True, slots=True)
 class Completion:
-    prompt: str
+    prompt: Prompt
     text: str
     token_ids: tuple[int, ...]
     num_steps: int
@@ -29,51 +34,78 @@ class Completion:
 class LLM:
     def __init__(self, model: str | Path = BUNDLED_MODEL, config: EngineConfig = EngineConfig()):
         self.engine = Engine.from_checkpoint(model, config)
-        self.tokenizer = Tokenizer(Path(model), self.engine.model.config)
+        model_config = self.engine.model.config
+        self.tokenizer = Tokenizer(Path(model), model_config) if has_tokenizer(model) else None
+        self.special = self.engine.special
         self.config = self.engine.config  # its kv_cache as the model's family resolved it
 
-    def encode_prompt(self, prompt: str, chat: bool) -> list[int]:
+    def encode_prompt(self, prompt: Prompt, chat: bool) -> list[int]:
+        """Text through the tokenizer (and the chat template if `chat`); token ids as given."""
+        if not isinstance(prompt, str):
+            return self._check_ids(prompt)
+        if self.tokenizer is None:
+            raise ValueError(
+                "this checkpoint has no tokenizer.json: give prompts as token ids (int sequences)"
+            )
         return self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode(prompt)
 
+    def _check_ids(self, prompt: Sequence[int]) -> list[int]:
+        vocab = self.engine.model.config.vocab_size
+        ids = list(prompt)
+        bad = [
+            t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
+        ]
+        if bad or not ids:
+            raise ValueError(
+                f"a token-id prompt must be a non-empty sequence of ints in [0, {vocab}); "
+                f"got {bad[:3] if bad else 'none'}"
+            )
+        return ids
+
     def make_requests(
-        self, prompts: list[str], params: SamplingParams, chat: bool = True
+        self, prompts: list[Prompt], params: SamplingParams, chat: bool = True
     ) -> list[Request]:
-        gen_len = params.gen_len(self.config.block_len)
+        block_len = self.config.block_len
         context = self.engine.model.config.max_sequence_length
-        mask = self.tokenizer.special.mask
         aligned = self.engine.family.is_block_causal  # blocks at absolute positions
+        steps = self.engine.decoding.steps_for(
+            params.steps or self.config.steps or block_len, params.max_tokens
+        )
         requests = []
         for i, prompt in enumerate(prompts):
             ids = tuple(self.encode_prompt(prompt, chat))
+            gen_len = window_len(len(ids), params.max_tokens, block_len, aligned)
             if len(ids) + gen_len > context:
                 raise ValueError(
                     f"prompt {i} ({len(ids)} tokens) + max_tokens ({gen_len}, whole blocks) "
                     f"exceeds the model's context of {context} tokens"
                 )
-            offset = block_offset(len(ids), self.config.block_len, aligned)
             requests.append(
                 Request(
                     str(i),
                     ids,
                     gen_len,
-                    self.config.block_len,
-                    mask,
+                    block_len,
+                    self.special.mask,
                     params.threshold,
-                    block_offset=offset,
+                    block_offset=block_offset(len(ids), block_len, aligned),
+                    steps=steps,
+                    max_tokens=params.max_tokens,
                 )
             )
         return requests
 
     def generate(
         self,
-        prompts: str | list[str],
+        prompts: Prompt | list[Prompt],
         params: SamplingParams = SamplingParams(),
         chat: bool = True,
         max_batch: int = 64,
         on_step=None,
     ) -> list[Completion]:
-        """Each prompt generated to completion; `on_step` as in `run`."""
-        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        """Each prompt generated to completion; `on_step` as in `run`. One prompt is a string or
+        a sequence of token ids; a list of them is many."""
+        prompts = _prompt_list(prompts)
         requests = self.make_requests(prompts, params, chat)
         self.run(requests, max_batch, on_step)
         return [self._completion(p, r) for p, r in zip(prompts, requests)]
@@ -98,7 +130,16 @@ class LLM:
                     on_step(request, result)
             active = [r for r in active if not r.is_finished]
 
-    def _completion(self, prompt: str, request: Request) -> Completion:
-        ids = request.generated_ids(self.tokenizer.special.stop_ids)
+    def _completion(self, prompt: Prompt, request: Request) -> Completion:
+        ids = request.generated_ids(self.special.stop_ids)
         kinds = {StepKind(k).value: n for k, n in request.steps_by_kind.items()}
-        return Completion(prompt, self.tokenizer.decode(ids), tuple(ids), request.num_steps, kinds)
+        text = self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+        return Completion(prompt, text, tuple(ids), request.num_steps, kinds)
+
+
+def _prompt_list(prompts) -> list[Prompt]:
+    """A string, or a sequence of token ids (its first item an int), is one prompt."""
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    return [items] if items and isinstance(items[0], int) else items

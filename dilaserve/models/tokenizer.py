@@ -5,6 +5,8 @@ tokens and the Jinja chat template), the files LLaDA, Dream and LLaDA2 checkpoin
 ids (mask, EOS, end-of-turn, pad) are resolved here, from the model config first and the
 tokenizer second, with the token names the model's family declares (`models/family.py`).
 Without a model config, the folder's config.json (if any) names the family; else LLaDA's names.
+A checkpoint without tokenizer.json takes token ids only: `special_ids` then reads the special
+ids from config.json alone.
 """
 
 from __future__ import annotations
@@ -135,6 +137,26 @@ class TextStream:
     def add(self, ids: list[int]) -> str:
         pieces = (self._stream.step(self._tok, i) for i in ids)
         return "".join(p for p in pieces if p is not None)
+
+
+def has_tokenizer(folder: str | Path) -> bool:
+    return (Path(folder) / "tokenizer.json").is_file()
+
+
+def special_ids(folder: str | Path, model_config) -> SpecialIds:
+    """A checkpoint's special ids: through its tokenizer, or, in a folder without tokenizer.json
+    (token ids only), from config.json's `mask_token_id` and `eos_token_id`."""
+    if has_tokenizer(folder):
+        return Tokenizer(Path(folder), model_config).special
+    mask = getattr(model_config, "mask_token_id", None)
+    eos = getattr(model_config, "eos_token_id", None)
+    missing = [name for name, v in (("mask_token_id", mask), ("eos_token_id", eos)) if v is None]
+    if missing:
+        raise ValueError(
+            f"checkpoint folder {Path(folder)} has no tokenizer.json, so its config.json must "
+            f"set {' and '.join(missing)}"
+        )
+    return SpecialIds(mask=mask, eos=eos, eot=None, pad=getattr(model_config, "pad_token_id", None))
 
 
 def _token_names(model_config) -> tuple[str, str | None]:
