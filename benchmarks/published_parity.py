@@ -13,9 +13,9 @@ names (`tests/family_checkpoints.py`), and reports
 
 - each family's logits against the published forward (fp32 and bf16);
 - LLaDA2's greedy decoding with dilaserve's exact block cache against the published `generate`
-  (no cache; `steps = block_length`, so it commits the tokens above the threshold or the single
-  best, as dilaserve does), prompts a whole number of blocks long (the published `generate`
-  decodes whole last blocks).
+  (no cache), in every setting of `llada2_decoding.py`'s grid: prompt lengths inside and on a
+  block boundary, `max_tokens`, `steps`, thresholds and the three EOS modes; tokens and forward
+  counts, case by case. Prints the table docs/models.md carries.
 
 Writes `summary.json` in a run folder under `--out`.
 """
@@ -32,15 +32,13 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
+import llada2_decoding  # noqa: E402
 from family_checkpoints import dream_checkpoint, llada2_checkpoint, prompt_ids  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from dilaserve.config import EngineConfig  # noqa: E402
-from dilaserve.engine.llm import LLM  # noqa: E402
 from dilaserve.models.checkpoint import load_model  # noqa: E402
-from dilaserve.request import Request  # noqa: E402
 from dilaserve.runs import create_run_dir, environment, write_json  # noqa: E402
 
 BLOCK = 8
@@ -110,28 +108,6 @@ def llada2_forward(path: Path, ref, dtype) -> dict:
         return compare(ours_logits(load_model(path, dtype), ids, block_len=BLOCK), theirs)
 
 
-def llada2_generate(path: Path, ref, prompt_len: int, threshold: float) -> dict:
-    """bf16 (the published generate's block mask is bf16, which SDPA refuses next to fp32)."""
-    llm = LLM(path, EngineConfig("block", block_len=BLOCK, early_finish=False, dtype="bfloat16"))
-    prompt = prompt_ids(prompt_len, offset=prompt_len)
-    mask = llm.tokenizer.special.mask
-    request = Request("r", prompt, 2 * BLOCK, BLOCK, mask, threshold)
-    llm.run([request], 1)
-    with torch.no_grad():
-        theirs = ref.generate(
-            torch.tensor([prompt]),
-            block_length=BLOCK,
-            steps=BLOCK,
-            gen_length=2 * BLOCK,
-            threshold=threshold,
-            eos_id=-1,  # run the whole window, as dilaserve does with early_finish off
-            mask_id=mask,
-            temperature=0.0,
-        )[0].tolist()
-    ours = request.output_ids.tolist()
-    return {"prompt_len": prompt_len, "threshold": threshold, "equal": ours == theirs}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dream-code", required=True)
@@ -159,13 +135,34 @@ def run_checks(tmp: Path, args) -> dict:
         summary[f"llada2_{name}"] = llada2_forward(
             llada2, llada2_model(llada2, args.llada2_code, dtype), dtype
         )
-    ref = llada2_model(llada2, args.llada2_code, torch.bfloat16)
-    summary["llada2_generate"] = [
-        llada2_generate(llada2, ref, p, g) for p, g in ((8, 0.9), (16, 0.5), (8, 0.99))
-    ]
+    # fp32, so that both sides round alike (no cache there, an exact cache here)
+    summary["llada2_generate"] = {
+        name: llada2_decoding.compare(
+            lambda path: llada2_model(path, args.llada2_code, torch.float32), BLOCK, tmp, quiet
+        )
+        for name, quiet in (("random", False), ("mask_row_scaled", True))
+    }
     for key, value in summary.items():
-        print(f"{key}: {value}")
+        if key != "llada2_generate":
+            print(f"{key}: {value}")
+    print_table(summary)
     return summary
+
+
+def print_table(summary: dict) -> None:
+    diff = max(summary[f"llada2_{d}"]["max_abs_diff"] for d in ("float32", "bfloat16"))
+    print("\nLLaDA2 against the published generate (fp32)")
+    print(
+        "| checkpoint | EOS mode | cases | tokens equal | forwards equal | max logit difference "
+        "| published top-1 the mask token | differing without it |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, generate in summary["llada2_generate"].items():
+        for mode, row in generate["modes"].items():
+            counts = f"{row['cases']} | {row['tokens_equal']} | {row['forwards_equal']}"
+            unexplained = sum(not r["published_mask_top1"] for r in row["differing"])
+            mask_top1 = row["published_mask_top1"]
+            print(f"| {name} | {mode} | {counts} | {diff} | {mask_top1} | {unexplained} |")
 
 
 if __name__ == "__main__":
