@@ -32,7 +32,12 @@ def cmd_generate(args) -> None:
     if not prompts:
         raise ValueError("give --prompt TEXT (repeatable) or prompts on standard input")
     engine = EngineConfig(
-        args.kv_cache, dtype=args.dtype, device=args.device, cuda_graphs=args.cuda_graphs
+        args.kv_cache,
+        dtype=args.dtype,
+        device=args.device,
+        cuda_graphs=args.cuda_graphs,
+        eos_stop=args.eos_stop,
+        steps=args.steps,
     )
     llm = LLM(args.model, engine)
     params = SamplingParams(threshold=args.threshold, max_tokens=args.max_tokens)
@@ -61,6 +66,8 @@ def cmd_eval(args) -> None:
             max_batch=args.max_batch,
             data=args.data,
             out=args.out,
+            steps=args.steps,
+            eos_stop=args.eos_stop,
         )
     )
 

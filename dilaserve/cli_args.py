@@ -9,6 +9,8 @@ import types
 import typing
 from pathlib import Path
 
+from dilaserve.protocol import EosStop
+
 
 def model_arg(p: argparse.ArgumentParser) -> None:
     """The checkpoint folder, as a positional MODEL (as vLLM and SGLang take it) or --model."""
@@ -63,6 +65,25 @@ def engine_args(
         "default: the checkpoint's generation_config.json max_new_tokens, else 256",
     )
     p.add_argument("--threads", type=int, default=threads, help=threads_help)
+    decoding_args(p)
+
+
+def decoding_args(p: argparse.ArgumentParser) -> None:
+    """The knobs of a family's published decoding rule (`models/family.py`, DecodingRule)."""
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="steps per block of a family's step schedule (LLaDA2's `steps`); default: the "
+        "block length",
+    )
+    p.add_argument(
+        "--eos-stop",
+        choices=[m.value for m in EosStop],
+        default=None,
+        help="when a request stops before its window is decoded; default: the model family's "
+        "published rule (LLaDA2: block; LLaDA, Dream: committed)",
+    )
 
 
 def parse_thresholds(text: str) -> tuple[float, ...]:

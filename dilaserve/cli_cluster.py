@@ -34,6 +34,8 @@ def cluster_config(args, record: bool = False):
         max_forward_tokens=args.max_forward_tokens,
         cuda_graphs=args.cuda_graphs,
         cuda_graph_context=args.cuda_graph_context,
+        eos_stop=args.eos_stop,
+        steps=args.steps,
     )
     scheduler = SchedulerConfig(
         kv_cache=args.kv_cache,

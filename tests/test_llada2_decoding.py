@@ -183,3 +183,11 @@ def test_only_a_step_committing_eos_stops_the_step_mode():
     assert not seq.is_finished(stops, EosStop.BLOCK, committed_stop=False, block_done=False)
     assert seq.is_finished(stops, EosStop.BLOCK, committed_stop=False, block_done=True)
     assert not seq.is_finished(stops, EosStop.NONE, committed_stop=True, block_done=True)
+
+
+def test_the_command_line_sets_the_steps_and_the_stop_rule(path, capsys):
+    from dilaserve.cli import main
+
+    argv = ["generate", str(path), "--prompt", "w1 w2", "--max-tokens", "8", "--threshold", "1"]
+    assert main([*argv, "--steps", "2", "--eos-stop", "none"]) == 0
+    assert "[2 steps, " in capsys.readouterr().out

@@ -47,6 +47,8 @@ class EvalConfig:
     data: str | None = None  # GSM8K jsonl
     out: str = "runs"
     seed: int = 2024
+    steps: int | None = None  # EngineConfig.steps
+    eos_stop: str | None = None  # EngineConfig.eos_stop
 
     def __post_init__(self):
         if self.task not in TASKS:
@@ -116,7 +118,13 @@ class ProgressLine:
 
 def evaluate(cfg: EvalConfig, log=print, show_progress: bool = True) -> Path:
     engine = EngineConfig(
-        cfg.kv_cache, cfg.block_len, cfg.dtype, cfg.device, cuda_graphs=cfg.cuda_graphs
+        cfg.kv_cache,
+        cfg.block_len,
+        cfg.dtype,
+        cfg.device,
+        cuda_graphs=cfg.cuda_graphs,
+        eos_stop=cfg.eos_stop,
+        steps=cfg.steps,
     )
     llm = LLM(cfg.model, engine)
     problems = load_problems(cfg)
