@@ -14,6 +14,7 @@ from dilaserve.config import EngineConfig, SamplingParams
 from dilaserve.engine.engine import Engine
 from dilaserve.engine.llm import LLM
 from dilaserve.engine.sequence import Sequence
+from dilaserve.models.family import DecodingRule
 from dilaserve.models.llada2 import FAMILY
 from dilaserve.protocol import EosStop, StepBatch, window_len
 from dilaserve.request import Request
@@ -43,6 +44,8 @@ def test_the_schedule_shares_a_blocks_commits_over_its_steps():
     assert [rule.min_commits(8, 8, k) for k in range(8)] == [1] * 8
     assert [rule.min_commits(8, 16, k) for k in (0, 7)] == [1, 1]
     assert rule.steps_for(32, max_tokens=11) == 11  # the published cap at gen_length
+    assert DecodingRule().steps_for(32, max_tokens=11) is None  # no schedule, no steps
+    assert DecodingRule().min_commits(8, 3, 0) == 1
 
 
 def test_the_window_ends_on_the_absolute_block_boundary(path):

@@ -59,10 +59,10 @@ class DecodingRule:
         base, extra = divmod(block_len, steps)
         return max(base + (block_step < extra), 1)
 
-    def steps_for(self, steps: int, max_tokens: int) -> int:
-        """The steps per block a request gets: the published generate caps them at its
-        `gen_length` (its `minimal_topk` left at 1)."""
-        return min(steps, max_tokens) if self.step_schedule else steps
+    def steps_for(self, steps: int, max_tokens: int) -> int | None:
+        """The steps per block a request gets (None: no schedule): the published generate caps
+        them at its `gen_length` (its `minimal_topk` left at 1)."""
+        return min(steps, max_tokens) if self.step_schedule else None
 
 
 @dataclass(frozen=True, slots=True)
