@@ -15,7 +15,10 @@ names (`tests/family_checkpoints.py`), and reports
 - LLaDA2's greedy decoding with dilaserve's exact block cache against the published `generate`
   (no cache), in every setting of `llada2_decoding.py`'s grid: prompt lengths inside and on a
   block boundary, `max_tokens`, `steps`, thresholds and the three EOS modes; tokens and forward
-  counts, case by case. Prints the table docs/models.md carries.
+  counts, case by case;
+- Dream's decoding in the prefix and dual cache modes against Fast-dLLM's Dream block decoders
+  (`dream_decoding.py`), the same way.
+Prints the tables docs/models.md carries.
 
 Writes `summary.json` in a run folder under `--out`.
 """
@@ -34,6 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
+import dream_decoding  # noqa: E402
 import llada2_decoding  # noqa: E402
 from family_checkpoints import dream_checkpoint, llada2_checkpoint, prompt_ids  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
@@ -81,12 +85,14 @@ def ours_logits(model, ids: torch.Tensor, **kw) -> torch.Tensor:
     return model.logits(hidden)[0]
 
 
+def dream_model(path: Path, code: str, dtype):
+    mod = import_package(code, "modeling_dream")
+    cfg_mod = import_package(code, "configuration_dream")
+    return published_model(path, cfg_mod.DreamConfig, mod.DreamModel, dtype)
+
+
 def dream_forward(path: Path, code: str, dtype) -> dict:
-    mod, cfg_mod = (
-        import_package(code, "modeling_dream"),
-        import_package(code, "configuration_dream"),
-    )
-    ref = published_model(path, cfg_mod.DreamConfig, mod.DreamModel, dtype)
+    ref = dream_model(path, code, dtype)
     ids = torch.tensor([prompt_ids(21)])
     with torch.no_grad():
         return compare(ours_logits(load_model(path, dtype), ids), ref(ids).logits[0])
@@ -136,28 +142,41 @@ def run_checks(tmp: Path, args) -> dict:
             llada2, llada2_model(llada2, args.llada2_code, dtype), dtype
         )
     # fp32, so that both sides round alike (no cache there, an exact cache here)
+    variants = (("random", False), ("mask_row_scaled", True))
     summary["llada2_generate"] = {
         name: llada2_decoding.compare(
             lambda path: llada2_model(path, args.llada2_code, torch.float32), BLOCK, tmp, quiet
         )
-        for name, quiet in (("random", False), ("mask_row_scaled", True))
+        for name, quiet in variants
+    }
+    blockgen = import_package(args.dream_code, "generation_utils_block")
+    summary["dream_generate"] = {
+        name: dream_decoding.compare(
+            lambda path: dream_model(path, args.dream_code, torch.float32),
+            blockgen,
+            BLOCK,
+            tmp,
+            quiet,
+        )
+        for name, quiet in variants
     }
     for key, value in summary.items():
-        if key != "llada2_generate":
+        if not key.endswith("_generate"):
             print(f"{key}: {value}")
-    print_table(summary)
+    for family in ("llada2", "dream"):
+        print_table(summary, family)
     return summary
 
 
-def print_table(summary: dict) -> None:
-    diff = max(summary[f"llada2_{d}"]["max_abs_diff"] for d in ("float32", "bfloat16"))
-    print("\nLLaDA2 against the published generate (fp32)")
+def print_table(summary: dict, family: str) -> None:
+    diff = max(summary[f"{family}_{d}"]["max_abs_diff"] for d in ("float32", "bfloat16"))
+    print(f"\n{family} against the published decoding (fp32)")
     print(
-        "| checkpoint | EOS mode | cases | tokens equal | forwards equal | max logit difference "
+        "| checkpoint | mode | cases | tokens equal | forwards equal | max logit difference "
         "| published top-1 the mask token | differing without it |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name, generate in summary["llada2_generate"].items():
+    for name, generate in summary[f"{family}_generate"].items():
         for mode, row in generate["modes"].items():
             counts = f"{row['cases']} | {row['tokens_equal']} | {row['forwards_equal']}"
             unexplained = sum(not r["published_mask_top1"] for r in row["differing"])

@@ -118,20 +118,36 @@ def test_the_token_at_i_is_read_from_the_output_at_i_minus_one(path):
 
 
 @pytest.mark.parametrize("kv_cache", ["dual", "prefix"])
-def test_a_cache_step_also_runs_the_position_before_the_block(path, kv_cache):
-    eng = engine(path, kv_cache)
+def test_a_block_opens_with_its_first_position_then_cache_steps_run_the_block(path, kv_cache):
+    """Fast-dLLM's Dream decoders: a block's first step (a full forward) commits its first
+    position only, whatever the confidences; a cache step then runs only the block (dual) or the
+    block and what follows (prefix), since the position before the block is read by no one."""
+    eng, full = engine(path, kv_cache), engine(path, "none")
     spec = SequenceSpec(prompt_ids(5), [eng.special.mask] * 2 * BLOCK)
-    first = eng.execute(StepBatch((StepItem("r", 1.0, StepKind.RECOMPUTE, spec),)))
+    first = eng.execute(StepBatch((StepItem("r", 1e-9, StepKind.RECOMPUTE, spec),)))
     second = eng.execute(StepBatch((StepItem("r", 1.0, StepKind.CACHE),)))
+    unopened = full.execute(StepBatch((StepItem("r", 1e-9, StepKind.FULL, spec),))).results[0]
     assert first.num_tokens == 5 + 2 * BLOCK
+    assert first.results[0].positions.tolist() == [0]  # though every position clears 1e-9
+    assert first.results[0].tokens[0] == unopened.tokens[0]  # its top-1
+    assert unopened.positions.tolist() == list(range(BLOCK))  # the rule without an opening
     assert second.results[0].kind is StepKind.CACHE
-    assert second.num_tokens == (BLOCK if kv_cache == "dual" else 2 * BLOCK) + 1
-    assert len(second.results[0].positions) == 1
+    assert second.num_tokens == (BLOCK if kv_cache == "dual" else 2 * BLOCK)
+    assert len(second.results[0].positions) == 1 and second.results[0].positions[0] > 0
+
+
+def test_a_recompute_inside_a_started_block_runs_the_threshold_rule(path):
+    """A request moved mid-block recomputes there; its block is already open."""
+    eng = engine(path, "dual")
+    mask = eng.special.mask
+    spec = SequenceSpec(prompt_ids(5), [prompt_ids(1)[0]] + [mask] * (2 * BLOCK - 1))
+    result = eng.execute(StepBatch((StepItem("r", 1e-9, StepKind.RECOMPUTE, spec),))).results[0]
+    assert result.positions.tolist() == list(range(1, BLOCK))
 
 
 @pytest.mark.parametrize("kv_cache", ["none", "prefix", "dual"])
 def test_the_offline_llm_generates_with_every_cache_mode(path, kv_cache):
-    llm = LLM(path, EngineConfig(kv_cache, block_len=BLOCK))
+    llm = LLM(path, EngineConfig(kv_cache, block_len=BLOCK, early_finish=False))
     out = llm.generate(["w1 w2 w3", "w4 + 5 ="], SamplingParams(0.9, 2 * BLOCK))
     assert len(out) == 2 and all(o.num_steps >= 2 for o in out)
     kinds = set().union(*(o.steps_by_kind for o in out))

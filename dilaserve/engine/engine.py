@@ -85,11 +85,15 @@ class Engine:
         self.stop_ids = frozenset((special.eos,)) if self.decoding.eos_only else special.stop_ids
         self.device = torch.device(config.device)
         self.shift = self.family.logit_shift
+        # a cache step reads the position before its block only if that block's first position
+        # may still be masked there (a block opened by its first position never is)
+        self.cache_shift = 0 if self.decoding.first_opens_block else self.shift
         block_causal = self.family.is_block_causal
         self._model_kwargs = {"block_len": config.block_len} if block_causal else {}
         self._seqs: dict[str, Sequence] = {}
         self._graphs = None
-        if config.cuda_graphs and self.config.kv_cache is KVCacheMode.DUAL and _single_gpu(model):
+        graphable = self.config.kv_cache is KVCacheMode.DUAL and self.shift == 0  # LLaDA's
+        if config.cuda_graphs and graphable and _single_gpu(model):
             self._graphs = CacheStepGraphs(
                 model, config.cuda_graphs, config.cuda_graph_context, config.block_len
             )
@@ -185,7 +189,7 @@ class Engine:
         """Absolute [start, end) this step runs through the model. Block-causal models never
         need what follows the current block."""
         if kind is StepKind.CACHE:
-            return kv_cache.query_span(self.config.kv_cache, seq, self.shift)
+            return kv_cache.query_span(self.config.kv_cache, seq, self.cache_shift)
         if not self.family.is_block_causal:
             return 0, seq.total_len
         start, end = kv_cache.exact_span(seq)
@@ -229,7 +233,7 @@ class Engine:
     def _store(self, seq: Sequence, keys, values, row: int) -> None:
         mode = self.config.kv_cache
         if mode is not KVCacheMode.BLOCK:
-            kv_cache.store(mode, seq, keys, values, row, self.shift)
+            kv_cache.store(mode, seq, keys, values, row, self.cache_shift)
         elif kv_cache.exact_store_end(seq) > seq.cached_len:
             kv_cache.store_exact(seq, keys, values, row)
 
@@ -273,6 +277,8 @@ class Engine:
             b_start, b_end = r.seq.block_span(block)
             w0 = r.window_start
             lo, hi = max(b_start, w0), min(b_end, w0 + r.window_len)
+            if self._opens_block(r, lo, hi):
+                hi = lo + 1  # the block's first position only
             candidates[i, lo - w0 : hi - w0] = torch.from_numpy(r.seq.is_masked[lo:hi])
         thresholds = torch.tensor([r.item.threshold for r in rows], dtype=conf.dtype)
         commit = select_unmask(conf, candidates, thresholds, self._min_commits(rows))
@@ -280,6 +286,12 @@ class Engine:
             r.item.request_id: self._apply(r, blocks[i], conf[i], top[i], commit[i])
             for i, r in enumerate(rows)
         }
+
+    def _opens_block(self, row: _Row, lo: int, hi: int) -> bool:
+        """Whether this step opens its block by the rule's first position (a recompute step of
+        a block with nothing committed yet; a recompute after a move is not one)."""
+        opens = self.decoding.first_opens_block and row.kind is StepKind.RECOMPUTE
+        return opens and bool(row.seq.is_masked[lo:hi].all())
 
     def _min_commits(self, rows: list[_Row]) -> torch.Tensor:
         """Each row's fewest commits this step, by the family's rule and the row's steps."""

@@ -18,7 +18,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from dilaserve.models.common import ForwardResult, KVContext
-from dilaserve.models.family import ModelFamily, build_config, check_divisible, config_dict
+from dilaserve.models.family import (
+    DecodingRule,
+    ModelFamily,
+    build_config,
+    check_divisible,
+    config_dict,
+)
 from dilaserve.models.layers import (
     ColumnParallelLinear,
     Embedding,
@@ -212,4 +218,6 @@ FAMILY = ModelFamily(
     logit_shift=1,
     mask_token="<|mask|>",
     eot_token="<|im_end|>",
+    # Fast-dLLM's Dream decoders (prefix, dual): a block opens with its first position
+    decoding=DecodingRule(mask_in_softmax=True, first_opens_block=True),
 )

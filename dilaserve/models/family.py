@@ -42,14 +42,18 @@ class DecodingRule:
     eos_only: the stop rule watches the EOS token only (the published generate's `eos_id`), not
     the chat template's end-of-turn token; the answer still ends at the first of either.
     mask_in_softmax: a confidence is a probability over the whole vocabulary, the mask token
-    included (LLaDA2's published softmax), rather than over the tokens a step may commit; the
-    committed token is never the mask.
+    included (the published softmax of LLaDA2 and Fast-dLLM's Dream), rather than over the
+    tokens a step may commit; the committed token is never the mask.
+    first_opens_block: a block's first step with an approximate cache (a recompute step, prefix
+    or dual) commits the block's first position only, its top-1 whatever its confidence
+    (Fast-dLLM's Dream decoders); the threshold rule runs from the block's second step on.
     """
 
     step_schedule: bool = False
     eos_stop: EosStop = EosStop.COMMITTED
     eos_only: bool = False
     mask_in_softmax: bool = False
+    first_opens_block: bool = False
 
     def min_commits(self, block_len: int, steps: int, block_step: int) -> int:
         """Fewest commits of a block's step number `block_step` (0-based); never below one,

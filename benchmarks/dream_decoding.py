@@ -1,0 +1,122 @@
+"""Dream's decoding through dilaserve's engine against Fast-dLLM's Dream block decoders.
+
+Part of `published_parity.py` (which imports the published code): for every prompt length,
+output window and threshold of the grid below, in the `prefix` and `dual` cache modes,
+dilaserve runs all the cases of a mode as one batch, and Fast-dLLM's `generation_utils_block`
+`_sample` (its `dual_cache` off or on, `alg="confidence_threshold"`, greedy) runs each case
+alone on Fast-dLLM's `DreamModel`. Neither stops early. A case is equal when the windows are the
+same token for token; its forwards, when both ran as many forward passes. The `none` mode
+(Fast-dLLM's whole-window decoder with a per-step budget) is not implemented in dilaserve.
+"""
+
+from __future__ import annotations
+
+import types
+from itertools import product
+from pathlib import Path
+
+import torch
+from family_checkpoints import dream_checkpoint, prompt_ids
+from llada2_decoding import quiet_mask
+
+from dilaserve.config import EngineConfig, SamplingParams
+from dilaserve.engine.llm import LLM
+
+PROMPT_LENS = (5, 7, 12)
+GEN_LENS = (16, 24)
+THRESHOLDS = (0.9, 0.7, 0.5)
+MODES = ("prefix", "dual")
+
+
+def cases() -> list[dict]:
+    grid = product(PROMPT_LENS, GEN_LENS, THRESHOLDS)
+    return [dict(prompt_len=p, gen_len=g, threshold=t) for p, g, t in grid]
+
+
+def ours(path: Path, block: int, mode: str, grid: list[dict]) -> list[tuple[list[int], int]]:
+    llm = LLM(path, EngineConfig(mode, block_len=block, early_finish=False))
+    requests = []
+    for i, case in enumerate(grid):
+        params = SamplingParams(case["threshold"], case["gen_len"])
+        (request,) = llm.make_requests([prompt_ids(case["prompt_len"], offset=i)], params)
+        request.request_id = str(i)
+        requests.append(request)
+    llm.run(requests, max_batch=len(requests))
+    return [(r.output_ids.tolist(), r.num_steps) for r in requests]
+
+
+def published(ref, blockgen) -> None:
+    """Fast-dLLM's block decoders on the published model (its evaluation binds them so)."""
+    for name in ("diffusion_generate", "_sample"):
+        setattr(ref, name, types.MethodType(getattr(blockgen.DreamGenerationMixin, name), ref))
+
+
+def theirs(ref, block: int, mode: str, mask: int, i: int, case: dict):
+    """The published window, its forward count, and whether the mask token was ever the top-1
+    of a masked position."""
+    calls, mask_top1 = 0, False
+    forward = ref.forward
+
+    def counted(ids, *args, **kwargs):
+        nonlocal calls, mask_top1
+        calls += 1
+        out = forward(ids, *args, **kwargs)
+        top = out.logits.argmax(-1)
+        top = torch.cat((top[:, :1], top[:, :-1]), dim=1)  # Dream reads position i at i - 1
+        mask_top1 |= bool(((top == mask) & (ids == mask)).any())
+        return out
+
+    prompt = prompt_ids(case["prompt_len"], offset=i)
+    ref.forward = counted
+    try:
+        with torch.no_grad():
+            out = ref.diffusion_generate(
+                torch.tensor([prompt]),
+                max_length=len(prompt) + case["gen_len"],
+                steps=case["gen_len"],
+                mask_token_id=mask,
+                temperature=0.0,
+                alg="confidence_threshold",
+                threshold=case["threshold"],
+                block_length=block,
+                dual_cache=mode == "dual",
+                output_history=False,
+                return_dict_in_generate=False,
+            )
+    finally:
+        del ref.forward
+    return out[0, len(prompt) :].tolist(), calls, mask_top1
+
+
+def compare(ref_for, blockgen, block: int, tmp: Path, quiet: bool) -> dict:
+    """Every case in both cache modes on a random checkpoint (`quiet`: its mask row scaled
+    down); `ref_for(path)`: the published model of a checkpoint."""
+    grid = cases()
+    path = dream_checkpoint(tmp / ("dream-quiet" if quiet else "dream-random"))
+    mask = LLM(path).special.mask
+    if quiet:
+        quiet_mask(path, mask)
+    ref = ref_for(path)
+    published(ref, blockgen)
+    summary = {"mask_row_scaled": quiet, "modes": {}}
+    for mode in MODES:
+        rows = []
+        for i, (case, (tokens, steps)) in enumerate(zip(grid, ours(path, block, mode, grid))):
+            window, calls, mask_top1 = theirs(ref, block, mode, mask, i, case)
+            rows.append(
+                {
+                    **case,
+                    "tokens_equal": tokens == window,
+                    "forwards": [steps, calls],
+                    "published_mask_top1": mask_top1,
+                }
+            )
+        summary["modes"][mode] = {
+            "cases": len(rows),
+            "tokens_equal": sum(r["tokens_equal"] for r in rows),
+            "forwards_equal": sum(r["forwards"][0] == r["forwards"][1] for r in rows),
+            "published_mask_top1": sum(r["published_mask_top1"] for r in rows),
+            "forwards": [sum(r["forwards"][k] for r in rows) for k in (0, 1)],  # ours, published
+            "differing": [r for r in rows if not r["tokens_equal"] or len(set(r["forwards"])) > 1],
+        }
+    return summary
