@@ -8,7 +8,8 @@ Approximate (bidirectional models):
   suffix); a cache step recomputes only the current block's `block_len` tokens.
 The stored K/V are approximations (Fast-dLLM): they are refreshed at each block's first step.
 With a logit shift (Dream reads position i from the output at i - 1), a cache step also runs the
-position just before the block.
+position just before the block (`shift`), unless the family's rule commits a block's first
+position before any cache step (Dream's: the engine passes shift 0).
 
 Exact (block-causal models, `block`): the cache holds the K/V of positions [0, n), all in blocks
 before the current one, which never change. Every step runs [n, end of the current block)
