@@ -91,6 +91,13 @@ def cmd_train_model(args) -> None:
     print(f"checkpoint written to {path}")
 
 
+def cmd_random_checkpoint(args) -> None:
+    from dilaserve.training.random_checkpoint import write_random_checkpoint
+
+    path = write_random_checkpoint(args.family, args.dir, args.seed)
+    print(f"random-weight {args.family} checkpoint written to {path}")
+
+
 def cmd_profile(args) -> None:
     if args.dws:
         from dilaserve.dws.profile import DWSProfileConfig, profile_dws
@@ -256,6 +263,15 @@ def _add_measurement_commands(sub) -> None:
         "--threads", type=int, default=2, help="torch threads (1 on a CPU shared with others)"
     )
     tr.set_defaults(func=cmd_train_model)
+
+    rc = sub.add_parser(
+        "random-checkpoint",
+        help="write a tiny random-weight checkpoint in a family's published layout (for tests)",
+    )
+    rc.add_argument("family", choices=["llada", "dream", "llada2"], help="model family")
+    rc.add_argument("dir", help="folder to write (new or empty)")
+    rc.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    rc.set_defaults(func=cmd_random_checkpoint)
 
 
 def build_parser() -> argparse.ArgumentParser:
