@@ -202,6 +202,12 @@ def _add_calibrate_command(sub) -> None:
         help="add the latency profile at these TP degrees to an existing calibration, keeping "
         "its step predictor",
     )
+    ca.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit 2 when the step predictor's held-out error is implausible (over 35.1%%), "
+        "instead of warning",
+    )
     ca.set_defaults(func=cmd_calibrate)
 
 

@@ -9,8 +9,10 @@
 
 Prompts: `--prompts FILE` (JSONL, a "prompt" per line), else the checkpoint's own
 `calibration_prompts.jsonl` where it ships one (the bundled model does: its task), else the set
-dilaserve ships (GSM8K questions and ShareGPT first turns, `assets/prompts`). Progress and the
-time left are logged after every measurement.
+dilaserve ships (GSM8K questions and ShareGPT first turns, `assets/prompts`). The profiled
+sequences are capped at the model's positions. Progress and the time left are logged after every
+measurement (`calibration/progress.py`); a step predictor whose held-out error is over
+`MAX_PREDICTOR_ERROR` is warned about, and refused with `strict`.
 """
 
 from __future__ import annotations
@@ -18,27 +20,29 @@ from __future__ import annotations
 import json
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from dilaserve.calibration.latency import KINDS, ProfileGrid, batch_sizes, profile_instance
+from dilaserve.calibration.latency import ProfileGrid, profile_instance
+from dilaserve.calibration.plan import TRAJECTORIES, Plan, create_plan, device_name  # noqa: F401
+from dilaserve.calibration.progress import Progress
 from dilaserve.calibration.store import (
     DWS_COST_FILE,
     PREDICTOR_DIR,
     PROFILE_FILE,
     Calibration,
     CalibrationKey,
-    model_key,
     processor_name,
     writable_folder,
 )
-from dilaserve.config import ASSETS, MEASURED_THRESHOLDS, EngineConfig, SamplingParams
-from dilaserve.protocol import KVCacheMode, StepKind
+from dilaserve.config import MEASURED_THRESHOLDS
 from dilaserve.runs import create_run_dir, environment, markdown_table, write_json, write_records
 
-SHIPPED_PROMPTS = ASSETS / "prompts" / "calibration.jsonl"
-MODEL_PROMPTS = "calibration_prompts.jsonl"
 DEFAULT_THRESHOLDS = MEASURED_THRESHOLDS
+# the paper's predictor from progress features alone errs 35.1% on LLaDA-8B (docs/control/): a
+# full predictor that errs more has learned less than a request's progress already tells
+MAX_PREDICTOR_ERROR = 0.351
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,82 +63,13 @@ class CalibrateConfig:
     calibration: str | None = None  # the folder to write; None: next to the model or the cache
     dws: bool = False  # also fit the DWS cost kernel (dws/profile.py) into the folder
     profile_only: bool = False  # add TP degrees to an existing calibration, keep its predictor
+    strict: bool = False  # a step predictor over MAX_PREDICTOR_ERROR is an error, not a warning
 
     def __post_init__(self):
         if not self.tp or min(self.tp) < 1:
             raise ValueError(f"{self.tp=} must list TP degrees >= 1")
         if self.num_prompts < 5:
             raise ValueError(f"{self.num_prompts=} must be at least 5 (the predictor's split)")
-
-
-def device_name(device: str) -> str:
-    """What calibrations are keyed by: the GPU's name, or "cpu"."""
-    import torch
-
-    from dilaserve.models.checkpoint import check_device
-
-    check_device(device)
-    d = torch.device(device)
-    if d.type == "cuda":
-        return torch.cuda.get_device_name(d.index or 0)
-    return d.type
-
-
-class Progress:
-    """Units done of a known total, with the time left extrapolated from the time so far."""
-
-    def __init__(self, total: int, log=print, clock=time.monotonic):
-        self.total, self.done, self.log, self.clock = total, 0, log, clock
-        self.start = clock()
-
-    def advance(self, what: str) -> None:
-        self.done += 1
-        elapsed = self.clock() - self.start
-        left = elapsed / self.done * (self.total - self.done)
-        self.log(
-            f"[{self.done}/{self.total}] {what} "
-            f"({_clock(elapsed)} elapsed, about {_clock(left)} left)"
-        )
-
-
-def _clock(seconds: float) -> str:
-    minutes, secs = divmod(int(round(seconds)), 60)
-    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
-
-
-def load_prompts(cfg: CalibrateConfig) -> tuple[list[str], str]:
-    """The prompt set and where it came from."""
-    own = Path(cfg.model) / MODEL_PROMPTS
-    path = Path(cfg.prompts) if cfg.prompts else own if own.is_file() else SHIPPED_PROMPTS
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        raise FileNotFoundError(f"prompt file {path} does not exist") from None
-    prompts = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            prompts.append(str(json.loads(line)["prompt"]))
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise ValueError(f"{path} line {i + 1}: expected a JSON object with 'prompt'") from None
-    if len(prompts) < 5:
-        raise ValueError(f"{path} has {len(prompts)} prompts; calibration needs at least 5")
-    return prompts[: cfg.num_prompts], str(path)
-
-
-def _model(model: str):
-    """The checkpoint's config, family and tokenizer (no weights)."""
-    from dilaserve.models.registry import family_of, load_config
-    from dilaserve.models.tokenizer import Tokenizer
-
-    config = load_config(model)
-    return config, family_of(config), Tokenizer(Path(model), config)
-
-
-def _fitting(tokenizer, context: int, prompts: list[str], gen_len: int) -> list[str]:
-    """The prompts that fit the model's context with the output window."""
-    return [p for p in prompts if len(tokenizer.encode_chat(p)) + gen_len <= context]
 
 
 def measure_profile(worker, tps, grid: ProfileGrid, mask_id: int, progress, kinds):
@@ -168,60 +103,18 @@ def measure_profile(worker, tps, grid: ProfileGrid, mask_id: int, progress, kind
     return entries, warnings
 
 
-def _record(cfg, llm, prompts, gen_len, progress):
+def _record(cfg, llm, plan, progress):
+    """Trajectories at every threshold; after each, the thresholds left are expected to take as
+    many steps (thresholds ascend, and a higher one takes as many or more)."""
     from dilaserve.engine.record import record_trajectories
 
-    trajs = []
+    trajs, prompts = [], list(plan.prompts)
     for threshold in cfg.thresholds:
-        trajs += record_trajectories(llm, prompts, (threshold,), gen_len)
+        trajs += record_trajectories(llm, prompts, (threshold,), plan.gen_len)
         steps = sum(t.num_steps for t in trajs[-len(prompts) :]) / len(prompts)
+        progress.revise(TRAJECTORIES, plan.trajectory_cost(steps))
         progress.advance(f"trajectories at threshold {threshold:g}: {steps:.1f} steps/request")
     return trajs
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """What one calibration (or profile) measures: the key, the engine, the grid, the prompts."""
-
-    key: CalibrationKey
-    engine: EngineConfig
-    grid: ProfileGrid
-    mask_id: int
-    prompts: tuple[str, ...]
-    source: str  # where the prompts came from
-    gen_len: int  # the output window of the prompts' trajectories
-
-    @property
-    def kinds(self) -> tuple[StepKind, ...]:
-        return KINDS[self.engine.kv_cache]
-
-    def num_points(self, tps) -> int:
-        """Profile points to measure at TP degrees `tps`: each step kind at each batch size."""
-        sizes = batch_sizes(self.grid, self.engine.max_forward_tokens)
-        return len(tps) * len(sizes) * len(self.kinds)
-
-
-def _plan(cfg: CalibrateConfig, with_prompts: bool = True) -> _Plan:
-    from dilaserve.models.generation import default_max_tokens
-
-    key = model_key(cfg.model, device_name(cfg.device), cfg.dtype)
-    model_config, family, tokenizer = _model(cfg.model)
-    for tp in cfg.tp:
-        model_config.check_tensor_parallel(tp)
-    mode = family.cache_mode(KVCacheMode.DUAL)  # the exact block cache of block diffusion
-    engine = EngineConfig(mode, dtype=cfg.dtype, device=cfg.device, cuda_graphs=cfg.cuda_graphs)
-    window = SamplingParams(max_tokens=cfg.max_tokens or default_max_tokens(cfg.model))
-    gen_len = window.gen_len(engine.block_len)
-    # a commit step needs a block after the first: the profiled window holds two at least
-    profiled = max(gen_len, 2 * engine.block_len) if mode is KVCacheMode.BLOCK else gen_len
-    grid = ProfileGrid(
-        cfg.seq_len or 2 * profiled, profiled, cfg.requests, cfg.repeats, block_len=engine.block_len
-    )
-    prompts, source = load_prompts(cfg) if with_prompts else ([], "")
-    prompts = _fitting(tokenizer, model_config.max_sequence_length, prompts, gen_len)
-    if with_prompts and len(prompts) < 5:
-        raise ValueError(f"fewer than 5 prompts of {source} fit the context with {gen_len} tokens")
-    return _Plan(key, engine, grid, tokenizer.special.mask, tuple(prompts), source, gen_len)
 
 
 def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
@@ -229,13 +122,13 @@ def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
     existing calibration of the same key, whose step predictor is kept)."""
     from dilaserve.cluster.worker import WorkerConfig
 
-    plan = _plan(cfg, with_prompts=not cfg.profile_only)
+    plan = create_plan(cfg, with_prompts=not cfg.profile_only)
     folder = Path(cfg.calibration) if cfg.calibration else writable_folder(cfg.model, plan.key)
     earlier = _earlier(plan.key, folder, cfg.profile_only)
     folder.mkdir(parents=True, exist_ok=True)
     points = plan.num_points(cfg.tp)
     runs = 0 if cfg.profile_only else len(cfg.thresholds)
-    progress = Progress(points + runs, log)
+    progress = Progress(plan.profile_units(cfg.tp) + plan.trajectory_units(runs), log)
     log(
         f"calibrating {plan.key.describe(cfg.tp)} into {folder}: {points} profile points, "
         f"{len(plan.prompts) if runs else 0} prompts x {runs} thresholds ({plan.source})"
@@ -247,6 +140,7 @@ def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
     for text in warnings:
         log(f"warning: {text}")
     fitted = None if cfg.profile_only else _fit_predictor(cfg, plan, folder, progress)
+    warnings += _predictor_warnings(fitted)
     if cfg.dws:
         _fit_dws_cost(cfg, plan.gen_len, folder, log)
     kept = [e for e in earlier[0] if e["tp"] not in set(cfg.tp)]
@@ -259,7 +153,23 @@ def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
     _write_run(plan, folder, cfg, entries, fitted, warnings)
     error = f"; step predictor held-out error {fitted['errors']['full']:.1%}" if fitted else ""
     log(f"calibration written to {folder} (tp={','.join(map(str, tps))}){error}")
+    for text in _predictor_warnings(fitted):
+        log(f"warning: {text}")
+        if cfg.strict:
+            raise ValueError(f"--strict: {text}")
     return calibration
+
+
+def _predictor_warnings(fitted: dict | None) -> list[str]:
+    """A line when the step predictor's held-out error is implausibly high."""
+    error = fitted["errors"]["full"] if fitted else 0.0
+    if error <= MAX_PREDICTOR_ERROR:
+        return []
+    return [
+        f"step predictor held-out error {error:.1%} is over {MAX_PREDICTOR_ERROR:.1%} (the "
+        "paper's predictor from progress alone): its predictions say little; record more "
+        "prompts (--num-prompts) or prompts like the served ones (--prompts)"
+    ]
 
 
 def _earlier(key: CalibrationKey, folder: Path, required: bool) -> tuple[list[dict], tuple]:
@@ -279,20 +189,35 @@ def _earlier(key: CalibrationKey, folder: Path, required: bool) -> tuple[list[di
     return json.loads(found.profile.read_text())["entries"], found.warnings
 
 
-def _fit_predictor(cfg: CalibrateConfig, plan: _Plan, folder: Path, progress) -> dict:
+def _fit_predictor(cfg: CalibrateConfig, plan: Plan, folder: Path, progress) -> dict:
     """Trajectories at every candidate threshold on the engine (TP 1), and the predictor."""
     from dilaserve.engine.llm import LLM
     from dilaserve.training.train_predictor import PredictorConfig, fit_and_report
     from dilaserve.trajectory import save_trajectories
 
-    llm = LLM(cfg.model, plan.engine)
-    trajs = _record(cfg, llm, list(plan.prompts), plan.gen_len, progress)
+    with torch_threads(cfg.threads):
+        llm = LLM(cfg.model, plan.engine)
+        trajs = _record(cfg, llm, plan, progress)
     save_trajectories(folder / "trajectories.npz", trajs)
     out = folder / PREDICTOR_DIR
     num = len(plan.prompts)
     predictor = PredictorConfig(cfg.model, str(out), num, cfg.thresholds, plan.gen_len)
     out.mkdir(exist_ok=True)
     return fit_and_report(trajs, predictor, out, log=lambda _: None)
+
+
+@contextmanager
+def torch_threads(threads: int):
+    """torch's intra-op threads set to `threads` inside the block, as a worker rank runs them
+    (torch's default, one per core, is far slower on a CPU that others share)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _fit_dws_cost(cfg: CalibrateConfig, gen_len: int, folder: Path, log) -> None:
@@ -333,8 +258,8 @@ def profile_command(cfg: CalibrateConfig, out: str, profile_out: str | None, log
     run folder (and `profile_out`)."""
     from dilaserve.cluster.worker import WorkerConfig
 
-    plan = _plan(cfg, with_prompts=False)
-    progress = Progress(plan.num_points(cfg.tp), log)
+    plan = create_plan(cfg, with_prompts=False)
+    progress = Progress(plan.profile_units(cfg.tp), log)
     worker = WorkerConfig(cfg.model, plan.engine, cfg.threads)
     entries, warnings = measure_profile(
         worker, cfg.tp, plan.grid, plan.mask_id, progress, plan.kinds
@@ -357,7 +282,7 @@ def _provenance(cfg: CalibrateConfig) -> dict:
     return {"config": asdict(cfg), "environment": environment()}
 
 
-def _write_run(plan: _Plan, folder: Path, cfg, entries, fitted: dict | None, warnings) -> None:
+def _write_run(plan: Plan, folder: Path, cfg, entries, fitted: dict | None, warnings) -> None:
     """The calibration folder is also the run folder: config, records, summary, report."""
     config = {**asdict(cfg), "prompts_source": plan.source, "environment": environment()}
     write_json(folder / "config.json", config)
