@@ -158,3 +158,16 @@ def test_a_template_that_raises_is_a_clear_error(tmp_path):
     tokenizer = Tokenizer(folder, registry.config_from_dict(dream_config(vocab)))
     with pytest.raises(ValueError, match="chat template: roles alternate"):
         tokenizer.apply_chat_template([{"role": "user", "content": "w1"}])
+
+
+def test_a_hugging_face_id_is_told_to_download_first(tmp_path, monkeypatch, capsys):
+    from dilaserve.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["calibrate", "GSAI-ML/LLaDA-8B-Instruct"]) == 2
+    err = capsys.readouterr().err
+    assert "looks like a Hugging Face model id" in err and "download it first" in err
+    (tmp_path / "GSAI-ML" / "LLaDA-8B-Instruct").mkdir(parents=True)  # a folder of that name
+    with pytest.raises(FileNotFoundError) as raised:
+        registry.read_config_json("GSAI-ML/LLaDA-8B-Instruct")
+    assert "Hugging Face" not in str(raised.value)

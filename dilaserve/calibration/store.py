@@ -29,6 +29,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from dilaserve.models.folder import no_config_error
+
 CALIBRATION_FILE = "calibration.json"
 PROFILE_FILE = "profile.json"
 PREDICTOR_DIR = "predictor"
@@ -132,7 +134,7 @@ class Calibration:
 def config_sha256(model: str | Path) -> str:
     path = Path(model) / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"no config.json in checkpoint folder {model}")
+        raise no_config_error(model)
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 

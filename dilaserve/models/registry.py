@@ -12,6 +12,7 @@ from pathlib import Path
 
 from dilaserve.models import dream, llada, llada2
 from dilaserve.models.family import ModelFamily
+from dilaserve.models.folder import no_config_error
 
 FAMILIES: tuple[ModelFamily, ...] = (
     llada.FAMILY,
@@ -25,7 +26,7 @@ def read_config_json(folder: str | Path) -> dict:
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError:
-        raise FileNotFoundError(f"no config.json in checkpoint folder {Path(folder)}") from None
+        raise no_config_error(folder) from None
     except json.JSONDecodeError as err:
         raise ValueError(f"{path} is not JSON ({err})") from None
     if not isinstance(raw, dict):
