@@ -291,8 +291,18 @@ def resolve_control_inputs(
 
 
 def _warnings(found: Calibration) -> tuple[str, ...]:
-    """What the server should warn about a calibration it uses."""
-    notes = tuple(f"calibration {found.folder}: {w}" for w in found.warnings)
+    """What the server should warn about a calibration it uses, a line per kind of warning: the
+    profile points that stayed implausible are counted in one (`calibrate` listed them, and
+    `calibration.json` keeps them)."""
+    points = [w for w in found.warnings if w.startswith("tp=")]
+    notes = tuple(f"calibration {found.folder}: {w}" for w in found.warnings if w not in points)
+    if points:
+        more = f" and {len(points) - 1} more" if len(points) > 1 else ""
+        notes += (
+            f"calibration {found.folder}: {len(points)} profile points stayed implausible "
+            f"({points[0]}{more}; listed in its {CALIBRATION_FILE}): re-run dilaserve calibrate "
+            "on a quiet machine to clear them",
+        )
     here = processor_name()
     if found.key.device == "cpu" and found.processor and found.processor != here:
         notes += (

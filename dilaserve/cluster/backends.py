@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import Pipe
 from multiprocessing.connection import wait
@@ -27,6 +28,8 @@ from typing import Protocol
 from dilaserve.cluster.worker import WorkerConfig, new_rendezvous
 from dilaserve.control.decisions import InstanceSpec
 from dilaserve.protocol import StepBatch, StepOutput
+
+LOADING_NOTE_SECONDS = 15.0  # while instances load, a line this often
 
 
 @dataclass(frozen=True)
@@ -68,22 +71,37 @@ class Backend(Protocol):
     def shutdown(self) -> None: ...
 
 
-def start_all(backend: Backend, specs: list[InstanceSpec], timeout: float) -> None:
+def start_all(
+    backend: Backend,
+    specs: list[InstanceSpec],
+    timeout: float,
+    report: Callable[[str], None] | None = None,
+) -> None:
     """Start instances and wait until every one is up; if one fails or `timeout` seconds pass,
-    shut the backend down and raise."""
+    shut the backend down and raise. `report` is told each instance that comes up, and every
+    `LOADING_NOTE_SECONDS` while none does."""
+    report = report or (lambda _: None)
     for spec in specs:
         backend.start(spec)
     waiting = {s.instance_id for s in specs}
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    deadline, note = start + timeout, start + LOADING_NOTE_SECONDS
     while waiting:
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             backend.shutdown()
             raise TimeoutError(f"instances {sorted(waiting)} did not load in time")
+        if now > note:
+            report(f"still loading {', '.join(sorted(waiting))} ({now - start:.0f} s)")
+            note = now + LOADING_NOTE_SECONDS
         for event in backend.poll(0.5):
             if event.kind != "up":
                 backend.shutdown()
                 raise RuntimeError(f"instance {event.instance_id} failed: {event.error}")
             waiting.discard(event.instance_id)
+            done = len(specs) - len(waiting)
+            elapsed = time.monotonic() - start
+            report(f"instance {event.instance_id} up ({done}/{len(specs)}, {elapsed:.0f} s)")
 
 
 @dataclass

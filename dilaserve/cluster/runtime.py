@@ -114,7 +114,15 @@ class Cluster:
     def start(self) -> Cluster:
         """Load the initial instances (waiting until all are up), then start serving."""
         specs = self.config.initial_specs()
-        start_all(self.backend, specs, self.config.start_timeout)
+        worker = self.config.worker
+        log.info(
+            "loading %d instances %s of %s on %s: a process per rank loads the weights",
+            len(specs),
+            [s.tp for s in specs],
+            Path(worker.model).name,
+            worker.engine.device,
+        )
+        start_all(self.backend, specs, self.config.start_timeout, log.info)
         self._t0 = time.perf_counter()
         self.controller.start(specs)
         self._thread = threading.Thread(
