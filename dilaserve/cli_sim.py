@@ -19,11 +19,10 @@ def cmd_plan(args) -> None:
     from dilaserve.sim.latency import load_profile
     from dilaserve.sim.traces import load_trace
 
+    progress = _elapsed_lines()
     profile = load_profile(args.profile)
     trace = load_trace(args.trace)
-    tokens_per_step = args.tokens_per_step or capacity.tokens_per_step_from_predictor(
-        args.predictor
-    )
+    tokens_per_step = args.tokens_per_step or _predicted_tokens_per_step(args.predictor, progress)
     cfg = PlannerConfig(
         capacity.nodes_for(args.gpus, args.gpus_per_node),
         tokens_per_step,
@@ -32,7 +31,8 @@ def cmd_plan(args) -> None:
         period=args.window,
     )
     classes = capacity.workload_classes(trace, args.slo, args.block, args.window, args.safety)
-    ans = capacity.answer(classes, profile, cfg, args.gpus_per_node)
+    progress(f"workload: {len(classes)} classes in the busiest {args.window:g} s of the trace")
+    ans = capacity.answer(classes, profile, cfg, args.gpus_per_node, progress)
     source = f"busiest {args.window:g} s of {trace.source}"
     text = capacity.report(ans, cfg, args.slo, source)
     folder = create_run_dir(args.out, "plan")
@@ -48,6 +48,34 @@ def cmd_plan(args) -> None:
     write_json(folder / "summary.json", summary)
     (folder / "report.md").write_text(text)
     print(text + f"run folder: {folder}")
+
+
+def _elapsed_lines():
+    """A progress function printing each line to stderr with the seconds since it was made."""
+    import time
+
+    start = time.monotonic()
+
+    def progress(text: str) -> None:
+        print(f"[{time.monotonic() - start:5.1f} s] {text}", file=sys.stderr, flush=True)
+
+    return progress
+
+
+def _predicted_tokens_per_step(predictor: str, progress) -> dict[float, float]:
+    """Tokens per step at each threshold from a step predictor's report, named on the log."""
+    from pathlib import Path
+
+    from dilaserve.config import BUNDLED_PREDICTOR
+    from dilaserve.sim import capacity
+
+    rates = capacity.tokens_per_step_from_predictor(predictor)
+    whose = ""
+    if Path(predictor).resolve() == Path(BUNDLED_PREDICTOR).resolve():
+        whose = " (the bundled tiny model's: --predictor or --tokens-per-step for yours)"
+    shown = ", ".join(f"{c:g}:{t:.2f}" for c, t in sorted(rates.items()))
+    progress(f"tokens per step {shown} from step predictor {predictor}{whose}")
+    return rates
 
 
 def _tokens_per_step(text: str) -> dict[float, float]:

@@ -87,8 +87,21 @@ def test_plan_command_writes_a_run_folder(tmp_path, capsys):
     args += ["--gpus-per-node", "2", "--slo", "2.5", "--tp", "1,2", "--kv-cache", "none"]
     args += ["--tokens-per-step", "0.5:4,0.9:2", "--window", "10", "--out", str(tmp_path)]
     assert main(args) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "configuration: 1 x TP-2" in out
     [folder] = tmp_path.glob("plan-*")
     summary = json.loads((folder / "summary.json").read_text())
     assert summary["instances"] == {"2": 1} and summary["smallest_gpus"] == 1
+    assert "configuration: feasible" in err  # progress, on stderr, as each check ends
+    assert "capacity: 1 x the workload is feasible" in err
+    assert "smallest GPU count: 1 GPUs keep the SLO" in err
+
+
+def test_plan_names_the_step_predictor_it_takes_tokens_per_step_from(tmp_path, capsys):
+    profile = write(tmp_path / "p.json", json.dumps(PROFILE.to_dict()))
+    trace = write(tmp_path / "t.csv", "arrival_time,prompt_tokens,output_tokens\n0,64,64\n")
+    args = ["plan", "--profile", str(profile), "--trace", str(trace), "--gpus", "1"]
+    args += ["--slo", "2.5", "--tp", "1", "--kv-cache", "none", "--out", str(tmp_path)]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "from step predictor" in err and "(the bundled tiny model's:" in err

@@ -9,6 +9,7 @@ with load, so both are bisections.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from dilaserve.control.monitor import WorkloadClass, WorkloadMonitor
@@ -18,6 +19,11 @@ from dilaserve.sim.traces import Trace
 
 MAX_GPUS = 4096
 SCALE_STEPS = 12  # bisection steps for the capacity multiple (about 0.1% of the answer)
+Progress = Callable[[str], None]  # told each feasibility check of the searches
+
+
+def _quiet(_: str) -> None:
+    pass
 
 
 def nodes_for(gpus: int, gpus_per_node: int) -> tuple[int, ...]:
@@ -46,12 +52,17 @@ def scaled(classes: list[WorkloadClass], factor: float) -> list[WorkloadClass]:
 
 
 def capacity_multiple(
-    classes: list[WorkloadClass], profile: LatencyProfile, cfg: PlannerConfig
+    classes: list[WorkloadClass],
+    profile: LatencyProfile,
+    cfg: PlannerConfig,
+    progress: Progress = _quiet,
 ) -> float:
     """The largest factor on every class's rate that a plan on these GPUs still serves."""
 
     def feasible(f: float) -> bool:
-        return is_feasible(scaled(classes, f), profile, cfg)
+        ok = is_feasible(scaled(classes, f), profile, cfg)
+        progress(f"capacity: {f:.4g} x the workload is {'' if ok else 'in'}feasible")
+        return ok
 
     low, high = 1e-3, 1.0
     if not feasible(low):
@@ -67,13 +78,19 @@ def capacity_multiple(
 
 
 def smallest_gpu_count(
-    classes: list[WorkloadClass], profile: LatencyProfile, cfg: PlannerConfig, per_node: int
+    classes: list[WorkloadClass],
+    profile: LatencyProfile,
+    cfg: PlannerConfig,
+    per_node: int,
+    progress: Progress = _quiet,
 ) -> int | None:
     """Fewest GPUs (nodes of `per_node`) whose best plan meets the SLOs; None if none does."""
 
     def feasible(n: int) -> bool:
         nodes = nodes_for(n, per_node)
-        return is_feasible(classes, profile, replace(cfg, gpus_per_node=nodes))
+        ok = is_feasible(classes, profile, replace(cfg, gpus_per_node=nodes))
+        progress(f"smallest GPU count: {n} GPUs {'keep' if ok else 'do not keep'} the SLO")
+        return ok
 
     high = 1
     while not feasible(high):
@@ -96,13 +113,19 @@ class CapacityAnswer:
 
 
 def answer(
-    classes: list[WorkloadClass], profile: LatencyProfile, cfg: PlannerConfig, per_node: int
+    classes: list[WorkloadClass],
+    profile: LatencyProfile,
+    cfg: PlannerConfig,
+    per_node: int,
+    progress: Progress = _quiet,
 ) -> CapacityAnswer:
+    plan = plan_capacity(classes, profile, cfg)
+    progress(f"configuration: {'feasible' if plan.feasible else 'infeasible'} on these GPUs")
     return CapacityAnswer(
         classes,
-        plan_capacity(classes, profile, cfg),
-        capacity_multiple(classes, profile, cfg),
-        smallest_gpu_count(classes, profile, cfg, per_node),
+        plan,
+        capacity_multiple(classes, profile, cfg, progress),
+        smallest_gpu_count(classes, profile, cfg, per_node, progress),
     )
 
 
