@@ -270,6 +270,27 @@ def cmd_bench(args) -> None:
     for key, value in summary.items():
         print(f"{key}: {value}")
     print(f"run folder: {folder}")
+    note = unanswered_note(summary, args.slo_ms)
+    if note:
+        print(f"dilaserve bench: warning: {note}", file=sys.stderr)
+
+
+def unanswered_note(summary: dict, slo_ms: float) -> str | None:
+    """A line when most requests were not answered (refused or failed), saying why if the
+    statuses tell: a 429 is the server's admission refusing a request its SLO cannot meet."""
+    missing = summary["requests"] - summary["ok"]
+    if missing * 2 <= summary["requests"]:
+        return None
+    counts = ", ".join(f"{n} x {status}" for status, n in sorted(summary["errors"].items()))
+    text = f"{missing} of {summary['requests']} requests got no answer ({counts})"
+    if summary["errors"].get("429", 0) * 2 > summary["requests"]:
+        text += (
+            f": the server refused them (429) because it predicted they could not finish "
+            f"within the {slo_ms:g} ms SLO; give a longer --slo-ms or a lower rate"
+        )
+    if summary["ok"] == 0:
+        text += "; with no answer there is no latency, and no bench.png"
+    return text
 
 
 def _add_bench_command(sub) -> None:
