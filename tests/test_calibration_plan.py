@@ -10,7 +10,7 @@ import pytest
 
 from dilaserve.calibration import run
 from dilaserve.calibration.plan import PROFILE, TRAJECTORIES, create_plan
-from dilaserve.calibration.progress import Progress, Unit, trajectory_cost
+from dilaserve.calibration.progress import Progress, Unit, expected_steps, trajectory_cost
 from dilaserve.calibration.run import CalibrateConfig
 from dilaserve.cli import main
 from dilaserve.protocol import KVCacheMode
@@ -49,9 +49,27 @@ def test_a_phase_once_begun_is_timed_at_its_own_pace():
     clock.now = 11.0
     progress.advance("threshold 0.5")
     assert progress.seconds_left() == pytest.approx(10.0)
-    progress.revise(TRAJECTORIES, 300)  # the next threshold is expected to take 3x the steps
+    progress.revise(TRAJECTORIES, [300])  # the next threshold is expected to take 3x the steps
     assert progress.seconds_left() == pytest.approx(30.0)
     assert units[1].cost == 100  # what is done keeps its cost
+
+
+def test_loading_counts_as_elapsed_but_not_as_pace():
+    clock, lines = Clock(), []
+    progress = Progress([Unit(PROFILE, 100), Unit(PROFILE, 100)], lines.append, clock)
+    clock.now = 30.0  # an instance starting
+    progress.untimed()
+    clock.now = 31.0
+    progress.advance("point")
+    assert lines == ["[1/2] point (31s elapsed, about 1s left)"]
+
+
+def test_steps_at_higher_thresholds_follow_the_last_two_measured():
+    assert expected_steps({0.5: 14.5}, (0.6, 0.7), 32) == [14.5, 14.5]
+    assert expected_steps({0.5: 14.0, 0.6: 20.0}, (0.7, 0.8, 0.9), 32) == pytest.approx(
+        [26.0, 32.0, 32.0]  # one token a step (32 of a 32-token window) at most
+    )
+    assert expected_steps({0.5: 20.0, 0.6: 18.0}, (0.7,), 32) == [18.0]  # never fewer
 
 
 def test_a_trajectory_costs_what_its_cache_runs():

@@ -71,11 +71,16 @@ class Progress:
             f"({_clock(now - self.start)} elapsed, about {_clock(self.seconds_left())} left)"
         )
 
-    def revise(self, phase: str, cost: float) -> None:
-        """Every unit of `phase` not done yet is now expected to cost `cost`."""
-        for unit in self.units[self.done :]:
-            if unit.phase == phase:
-                unit.cost = cost
+    def untimed(self) -> None:
+        """The time since the last unit was no unit's work (an instance or model loading): it
+        counts as elapsed, not toward the next unit's pace."""
+        self.last = self.clock()
+
+    def revise(self, phase: str, costs: list[float]) -> None:
+        """The units of `phase` not done yet are now expected to cost `costs`, in order."""
+        left = [unit for unit in self.units[self.done :] if unit.phase == phase]
+        for unit, cost in zip(left, costs):
+            unit.cost = cost
 
     def seconds_left(self) -> float:
         rates, rate, left = {}, None, 0.0
@@ -88,6 +93,16 @@ class Progress:
             if unit.seconds is None and rate is not None:
                 left += unit.cost * rate
         return left
+
+
+def expected_steps(measured: dict[float, float], thresholds, most: float) -> list[float]:
+    """Steps per request expected at `thresholds` from those `measured` at others: the line
+    through the last two measured (a higher threshold commits fewer tokens a step, so takes
+    more steps), or the last one alone, never above `most` (one token a step)."""
+    known = sorted(measured.items())
+    (x0, y0), (x1, y1) = known[-2:] if len(known) > 1 else known * 2
+    slope = (y1 - y0) / (x1 - x0) if x1 > x0 else 0.0
+    return [min(max(y1 + slope * (t - x1), y1), most) for t in thresholds]
 
 
 def _clock(seconds: float) -> str:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from dilaserve.calibration.latency import ProfileGrid, profile_instance
 from dilaserve.calibration.plan import TRAJECTORIES, Plan, create_plan, device_name  # noqa: F401
-from dilaserve.calibration.progress import Progress
+from dilaserve.calibration.progress import Progress, expected_steps
 from dilaserve.calibration.store import (
     DWS_COST_FILE,
     PREDICTOR_DIR,
@@ -85,6 +85,7 @@ def measure_profile(worker, tps, grid: ProfileGrid, mask_id: int, progress, kind
         backend = LocalBackend(replace(worker, engine=replace(worker.engine, early_finish=False)))
         spec = InstanceSpec(f"calibrate-tp{tp}", 0, tp, tuple(range(tp)), None)
         start_all(backend, [spec], timeout=600.0)
+        progress.untimed()
         try:
             timer = InstanceTimer(backend, spec.instance_id)
             rows, notes = profile_instance(
@@ -104,15 +105,17 @@ def measure_profile(worker, tps, grid: ProfileGrid, mask_id: int, progress, kind
 
 
 def _record(cfg, llm, plan, progress):
-    """Trajectories at every threshold; after each, the thresholds left are expected to take as
-    many steps (thresholds ascend, and a higher one takes as many or more)."""
+    """Trajectories at every threshold; after each, the steps the thresholds left will take are
+    extrapolated from those measured (`expected_steps`), for the time left."""
     from dilaserve.engine.record import record_trajectories
 
-    trajs, prompts = [], list(plan.prompts)
-    for threshold in cfg.thresholds:
+    trajs, prompts, measured = [], list(plan.prompts), {}
+    for i, threshold in enumerate(cfg.thresholds):
         trajs += record_trajectories(llm, prompts, (threshold,), plan.gen_len)
         steps = sum(t.num_steps for t in trajs[-len(prompts) :]) / len(prompts)
-        progress.revise(TRAJECTORIES, plan.trajectory_cost(steps))
+        measured[threshold] = steps
+        later = expected_steps(measured, cfg.thresholds[i + 1 :], plan.gen_len)
+        progress.revise(TRAJECTORIES, [plan.trajectory_cost(n) for n in later])
         progress.advance(f"trajectories at threshold {threshold:g}: {steps:.1f} steps/request")
     return trajs
 
@@ -197,6 +200,7 @@ def _fit_predictor(cfg: CalibrateConfig, plan: Plan, folder: Path, progress) -> 
 
     with torch_threads(cfg.threads):
         llm = LLM(cfg.model, plan.engine)
+        progress.untimed()
         trajs = _record(cfg, llm, plan, progress)
     save_trajectories(folder / "trajectories.npz", trajs)
     out = folder / PREDICTOR_DIR
