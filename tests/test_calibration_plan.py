@@ -116,3 +116,17 @@ def test_an_implausible_step_predictor_is_said(dream, tmp_path, monkeypatch, cap
     said = "step predictor held-out error 50.4% is over 35.1%"
     assert said in (out.err if strict else out.out)
     assert any(said in w for w in json.loads((folder / "calibration.json").read_text())["warnings"])
+
+
+def test_a_new_predictor_clears_the_old_ones_warning(dream, tmp_path, monkeypatch):
+    entry = {"tp": 1, "kind": "recompute", "batch_tokens": 64, "num_requests": 1, "ms": 1.0}
+    entry |= {"seq_len": 64, "spread": 0.0}
+    monkeypatch.setattr(run, "measure_profile", lambda *a: ([entry], ["tp=1 noisy point"]))
+    folder = tmp_path / "calibration"
+    argv = ["calibrate", str(dream), "--max-tokens", "32", "--calibration", str(folder)]
+    for error in (0.504, 0.1):
+        fitted = {"errors": {"full": error}, "refresh_every_tokens": 2}
+        monkeypatch.setattr(run, "_fit_predictor", lambda *a, fitted=fitted: fitted)
+        assert main(argv) == 0
+    warnings = json.loads((folder / "calibration.json").read_text())["warnings"]
+    assert warnings == ["tp=1 noisy point"]

@@ -147,7 +147,7 @@ def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
     if cfg.dws:
         _fit_dws_cost(cfg, plan.gen_len, folder, log)
     kept = [e for e in earlier[0] if e["tp"] not in set(cfg.tp)]
-    notes = [w for w in earlier[1] if not w.startswith(tuple(f"tp={tp} " for tp in cfg.tp))]
+    notes = _kept_warnings(earlier[1], cfg)
     profile = _profile_file(plan.key, plan.engine, cfg.threads, kept + entries)
     write_json(folder / PROFILE_FILE, profile)
     tps = tuple(sorted({e["tp"] for e in profile["entries"]}))
@@ -161,6 +161,17 @@ def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
         if cfg.strict:
             raise ValueError(f"--strict: {text}")
     return calibration
+
+
+def _kept_warnings(earlier: tuple[str, ...], cfg: CalibrateConfig) -> list[str]:
+    """An earlier calibration's warnings that still hold: those of the TP degrees not measured
+    again, and, with `profile_only`, those of the step predictor it keeps."""
+    measured = tuple(f"tp={tp} " for tp in cfg.tp)
+    return [
+        w
+        for w in earlier
+        if not w.startswith(measured) and (cfg.profile_only or w.startswith("tp="))
+    ]
 
 
 def _predictor_warnings(fitted: dict | None) -> list[str]:
