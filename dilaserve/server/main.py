@@ -7,7 +7,9 @@ Shutdown (SIGINT/SIGTERM): the server keeps listening while it drains, so that n
 get 503 with Retry-After and `Connection: close` (`guards.py`: at any load, before capacity's
 429) and `/health` says 503 rather than a refused connection; requests in flight have up to the
 drain timeout to finish; those still running then get an error in OpenAI's shape (a stream: an
-error event and `[DONE]`). Then uvicorn stops listening and the instances stop. The process
+error event and `[DONE]`). Then the listener closes without resetting the connections the
+kernel already completed (`listener.py`: those are taken and answered 503 too, and the server
+waits until every request it read is answered), and the instances stop. The process
 exits within the drain timeout plus `EXIT_SECONDS`: stopping the instances and uvicorn's own
 shutdown get what is left of that second, and an instance still stopping then is left to end
 on its own (its socket closes with the process). Workers ignore terminal signals (a SIGTERM to
@@ -21,7 +23,6 @@ connections (uvicorn's `limit_concurrency`: 503 over it), body size and early re
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import logging
 import socket
@@ -35,12 +36,13 @@ from dilaserve.cluster.runtime import Cluster, ClusterConfig
 from dilaserve.server.app import ServerSettings, create_app, describe_cluster
 from dilaserve.server.guards import allowed_hosts_for
 from dilaserve.server.limits import limited_protocol
+from dilaserve.server.listener import close_listeners
 from dilaserve.server.metrics import ServerMetrics
 
 log = logging.getLogger("dilaserve.server")
 EXIT_SECONDS = 1.0  # after the drain timeout, the longest the process takes to exit
-LAST_WORD_SECONDS = 0.1  # after the listener closes, for requests already sent to get a 503
-GRACEFUL_SECONDS = 0.3  # uvicorn's wait for the last answers to go out
+LAST_WORD_SECONDS = 0.25  # to close the listener: for requests already sent to get a 503
+GRACEFUL_SECONDS = 0.25  # uvicorn's wait for the last answers to go out
 # of EXIT_SECONDS, uvicorn's shutdown's: its loop's tick (0.1 s), LAST_WORD_SECONDS, its own
 # pause (0.1 s) and GRACEFUL_SECONDS, with a margin for the interpreter's exit
 SHUTDOWN_SECONDS = 0.1 + LAST_WORD_SECONDS + 0.1 + GRACEFUL_SECONDS + 0.1
@@ -108,11 +110,10 @@ class DrainingServer(uvicorn.Server):
             )
 
     async def shutdown(self, sockets=None) -> None:
-        """uvicorn's, but a request sent on an open connection before the listener closed is
-        answered (503: draining) rather than dropped with its connection."""
-        for server in self.servers:
-            server.close()
-        await asyncio.sleep(LAST_WORD_SECONDS)
+        """uvicorn's, but a request sent before the listener closed, on an open connection or
+        one still in the kernel's accept queue, is answered (503: draining) rather than dropped
+        with its connection (`listener.py`)."""
+        await close_listeners(self.servers, self.server_state.connections, LAST_WORD_SECONDS)
         await super().shutdown(sockets)
 
     def handle_exit(self, sig, frame) -> None:

@@ -1,0 +1,142 @@
+"""The listener's close at shutdown (`server/listener.py`): new connections are turned away,
+connections already in the kernel's accept queue are taken and answered rather than reset, and
+the close waits for the requests read to be answered."""
+
+import asyncio
+import socket
+import sys
+import threading
+
+import pytest
+import uvicorn
+
+from dilaserve.server.limits import HttpLimits, limited_protocol
+from dilaserve.server.listener import (
+    accept_queue_length,
+    close_listeners,
+    refuse_new_connections,
+)
+
+from conftest import HANG_GUARD_S, wait_until
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's sockets")
+GET = b"GET /%s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+
+
+def test_the_filter_turns_new_connections_away_and_keeps_those_queued():
+    with socket.socket() as listener, socket.socket() as queued, socket.socket() as late:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        queued.connect(listener.getsockname())
+        wait_until(lambda: accept_queue_length(listener) == 1)
+        assert refuse_new_connections(listener)
+        late.settimeout(0.5)
+        with pytest.raises(TimeoutError):  # its SYN is dropped: no connection completes
+            late.connect(listener.getsockname())
+        assert accept_queue_length(listener) == 1
+        taken, _ = listener.accept()
+        with taken:
+            queued.sendall(b"x")
+            assert taken.recv(1) == b"x"  # the queued connection works as any other
+        assert accept_queue_length(listener) == 0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn in a thread, its event loop kept for the test."""
+
+    def __init__(self, app):
+        config = uvicorn.Config(
+            app, port=0, lifespan="off", log_level="warning", http=limited_protocol(HttpLimits())
+        )
+        super().__init__(config)
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+        wait_until(lambda: self.started)
+
+    async def startup(self, sockets=None):
+        self.loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    @property
+    def address(self):
+        return self.servers[0].sockets[0].getsockname()
+
+    def close_listeners(self, before=lambda: None):
+        """`close_listeners` on the server's loop, after `before()` ran with that loop held."""
+
+        async def held_then_closed():
+            before()  # (blocks the loop: nothing is accepted meanwhile)
+            await close_listeners(self.servers, self.server_state.connections, HANG_GUARD_S)
+
+        return asyncio.run_coroutine_threadsafe(held_then_closed(), self.loop)
+
+    def stop(self):
+        self.should_exit = True
+        self.thread.join(HANG_GUARD_S)
+
+
+async def _draining_app(scope, receive, send):
+    """Answers every request as a draining server does."""
+    headers = [(b"connection", b"close"), (b"retry-after", b"5"), (b"content-length", b"0")]
+    await send({"type": "http.response.start", "status": 503, "headers": headers})
+    await send({"type": "http.response.body", "body": b""})
+
+
+def _answer(sock: socket.socket) -> bytes:
+    sock.settimeout(HANG_GUARD_S)
+    parts = []
+    try:
+        while part := sock.recv(4096):
+            parts.append(part)
+    except ConnectionResetError:
+        parts.append(b"<reset>")
+    return b"".join(parts)
+
+
+def test_requests_queued_in_the_kernel_when_the_listener_closes_are_answered():
+    server = _Server(_draining_app)
+    address = server.address
+    clients = [socket.socket() for _ in range(20)]
+
+    def queue_requests():  # while the loop is held, the kernel queues each connection
+        for client in clients:
+            client.connect(address)
+            client.sendall(GET % b"v1/completions")
+
+    try:
+        server.close_listeners(before=queue_requests).result(HANG_GUARD_S)
+        answers = [_answer(client) for client in clients]
+    finally:
+        for client in clients:
+            client.close()
+        server.stop()
+    assert all(a.startswith(b"HTTP/1.1 503") for a in answers), answers
+    assert all(b"connection: close" in a.lower() for a in answers)
+    with socket.socket() as late, pytest.raises(ConnectionRefusedError):
+        late.connect(address)  # closed, not left listening
+
+
+def test_the_close_waits_for_each_request_read_to_be_answered():
+    entered, release = threading.Event(), threading.Event()
+
+    async def slow_app(scope, receive, send):
+        entered.set()
+        while not release.is_set():
+            await asyncio.sleep(0.01)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"done"})
+
+    server = _Server(slow_app)
+    address = server.address
+    with socket.socket() as client:
+        client.connect(address)
+        client.sendall(GET % b"slow")
+        wait_until(entered.is_set)
+        closing = server.close_listeners()
+        wait_until(lambda: not server.servers[0].is_serving())  # the listener is closed
+        assert not closing.done()  # and the close waits for the request in hand
+        release.set()
+        closing.result(HANG_GUARD_S)
+        answer = _answer(client)
+        assert answer.startswith(b"HTTP/1.1 200") and b"done" in answer
+    server.stop()
