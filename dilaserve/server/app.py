@@ -49,7 +49,7 @@ from dilaserve.cluster.requests import (
 from dilaserve.cluster.runtime import Cluster
 from dilaserve.server.bodies import INLINE_BODY_BYTES, body_docs, param_of, validated
 from dilaserve.server.dashboard import add_dashboard, challenge, is_authorised, page_meta
-from dilaserve.server.guards import OPEN_PATHS, Guards, error_body, received
+from dilaserve.server.guards import OPEN_PATHS, Guards, error_body, received, retry_headers
 from dilaserve.server.limits import HttpLimits
 from dilaserve.server.metrics import ServerMetrics
 from dilaserve.server.schemas import MAX_MESSAGES, ChatCompletionRequest, CompletionRequest
@@ -348,7 +348,7 @@ class _Api:
             return error(400, str(e), e.param)
         if isinstance(e, Overloaded):
             self.metrics.rejected()
-            return error(429, str(e), headers={"Retry-After": str(self.settings.retry_after)})
+            return error(429, str(e), headers=retry_headers(self.settings.retry_after))
         if isinstance(e, Closed):
             self.metrics.rejected()
             return error(503, str(e), headers={"Retry-After": "5"})

@@ -12,7 +12,10 @@ so that nothing of a refused request is read or parsed):
   a small body is read and its priority and SLO (`slo_ms`, `deadline`) taken from it with
   json's parser alone, and the room asked for those; a body that is not a JSON object with
   such fields, or a large one, is left to the API (its 400s name the field). Refusing so costs
-  the front little enough that refusals cannot starve the workers;
+  the front little enough that refusals cannot starve the workers. A 429 carries Retry-After
+  and `retry-after-ms` (`retry_headers`), which OpenAI's clients read first: Retry-After
+  jittered to 0.5-1.5 times its value, so that clients refused together do not come back
+  together (the front answers each wave of their retries at once: docs/serving.md);
 - the body size: a declared Content-Length over the limit, or a body that grows past it, is
   refused with 413 in OpenAI's shape before it is parsed.
 
@@ -22,6 +25,7 @@ so that nothing of a refused request is read or parsed):
 from __future__ import annotations
 
 import json
+import random
 import secrets
 import time
 from collections.abc import Sequence
@@ -34,6 +38,7 @@ GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 EARLY_PARSE_BYTES = 64 * 1024  # larger bodies are parsed by the API, off the event loop
 CLOSED_RETRY_AFTER = 5  # seconds a client refused by a server shutting down should wait
 SHUTTING_DOWN = "the server is shutting down; retry on another replica or later"
+RETRY_JITTER = (0.5, 1.5)  # a 429's retry-after-ms, as multiples of its Retry-After
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None):
@@ -41,6 +46,13 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
         status, "invalid_request_error" if status < 500 else "server_error"
     )
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def retry_headers(seconds: int) -> dict[str, str]:
+    """A 429's headers: Retry-After in whole seconds, and `retry-after-ms` (what OpenAI's
+    clients read first), jittered by `RETRY_JITTER`."""
+    millis = seconds * 1000 * random.uniform(*RETRY_JITTER)
+    return {"retry-after": str(seconds), "retry-after-ms": str(round(millis))}
 
 
 def received(request) -> tuple[float, float]:
@@ -97,7 +109,8 @@ class Guards:
             asks = _priority_and_slo(body)
             if asks is not None and self.cluster.is_full(*asks):
                 self.on_refusal()
-                return await respond(send, 429, FULL, self.retry_after)
+                retry = retry_headers(self.retry_after)
+                return await respond(send, 429, FULL, headers=_encoded(retry))
             receive = limited.replay(body)
         await self.app(scope, receive, limited.send)
 
@@ -194,6 +207,10 @@ async def respond(
         headers.append((b"retry-after", str(retry_after).encode()))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+def _encoded(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
+    return [(k.encode(), v.encode()) for k, v in headers.items()]
 
 
 def allowed_hosts_for(host: str, given: Sequence[str] | None) -> tuple[str, ...]:
