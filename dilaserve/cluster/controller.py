@@ -211,7 +211,7 @@ class Controller:
                 self.recording.refused.append(request.fresh())
             return
         handle.admission.set_result(None)
-        self.admission.admitted(request.request_id, now)
+        self.admission.admitted(request, now)
         if self.recording is not None:
             self.recording.requests.append(request.fresh())
         self.apply(self.scheduler.on_arrival(request, now), now, f"a{request.request_id}")

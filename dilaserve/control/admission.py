@@ -20,6 +20,14 @@ Each request is priced against its own SLO: capacity over the time its deadline 
 (`deadline - now`), not over the server's default SLO, so that a request that gives itself a
 minute is not refused for what a 10 s window holds.
 
+Predicted times are multiplied by admission's on-time factor (`on_time.py`: how much longer
+than predicted admitted requests took), learnt only from the requests that ran every step at
+the lowest threshold, the threshold admission prices every request at. A request that had room
+ran higher and took longer by choice, not by an error of this estimate (Alg. 1's factor,
+which measures from each request's chosen threshold, is another estimate's error:
+docs/control.md). The factor decays toward 1 while no such request finishes (under light
+load, few do).
+
 Admission never refuses all work for good (DESIGN.md section 7): a request that comes while
 nothing is in flight is admitted whatever the estimates say (a probe: its steps measure the
 machine again, and the measured slowdown also decays by itself, `speed.py`), unless even at
@@ -103,13 +111,8 @@ class Admission:
         self.scheduler = scheduler  # control.scheduler.Scheduler, read on the controller thread
         self.mode = mode
         self._loads = scheduler.load_control  # None for fixed-threshold policies
-        # with Alg. 1 calibrated (the default policy) admission prices at its factor: the
-        # estimate's error at the threshold a request runs at. Its own would count a request
-        # that had room and ran at 0.9 as late against the lowest threshold's estimate: live,
-        # it refused 16-57% of requests while the served ones finished at p99 0.25-0.32 s.
-        deadline = getattr(scheduler, "deadline", None)
-        self._own = on_time is not None or deadline is None  # it records what it predicts
-        self.on_time = on_time or deadline or OnTimeCalibration()
+        self.on_time = on_time or OnTimeCalibration()
+        self._priced: dict[str, Request] = {}  # admitted, their predicted time on record
         self._predicted = 0.0  # seconds the last request asked about needs (`refusal`)
 
     @property
@@ -163,21 +166,31 @@ class Admission:
             )
         return _too_late(alone * factor, left)
 
-    def admitted(self, request_id: str, now: float) -> None:
+    def admitted(self, request: Request, now: float) -> None:
         """The request last asked about was admitted: its predicted time is on record for the
         on-time calibration (`finished`)."""
-        if self.enabled and self._own:
-            self.on_time.admitted(request_id, self._predicted, now)
+        if self.enabled:
+            self.on_time.admitted(request.request_id, self._predicted, now)
+            self._priced[request.request_id] = request
 
     def finished(self, request_id: str, now: float) -> None:
-        """A request admitted here finished at `now`: it teaches the on-time calibration (the
-        scheduler teaches Alg. 1's)."""
-        if self._own:
+        """A request admitted here finished at `now`: it teaches the on-time calibration if it
+        ran every step at the lowest threshold, where admission priced it (one that had room
+        and ran higher took longer by choice, not by a wrong estimate)."""
+        request = self._priced.pop(request_id, None)
+        if request is not None and self._ran_as_priced(request):
             self.on_time.finished_at(request_id, now)
+        else:
+            self.on_time.forget(request_id)
 
     def dropped(self, request_id: str) -> None:
         """A request admitted here ended without finishing (cancelled, failed)."""
+        self._priced.pop(request_id, None)
         self.on_time.forget(request_id)
+
+    def _ran_as_priced(self, request: Request) -> bool:
+        lowest = self._loads.ladder[-1]
+        return all(threshold <= lowest for threshold in request.threshold_steps)
 
     def _impossible(self, request: Request, needed: float, submitted: float | None):
         """A `Refusal` naming the SLO when `needed` (seconds, alone on the fastest instance at

@@ -12,16 +12,13 @@ Each admitted request's predicted time to finish is recorded; when it finishes, 
 the time it took to that prediction joins a window of recent ratios. `factor(now)` is the
 window's `target` quantile (never below 1): admission multiplies its predicted times by it, so
 that a request is admitted only if it would finish in time `target` of the time, going by how
-requests fared lately. The ratio is of the whole time against the least admission predicts
-(the lowest threshold): a request that had room ran at higher thresholds and took longer by
-choice, and that counts, since threshold selection sizes its choice with a point estimate
-too; per step instead (its choice taken out), at 3x capacity 85% of admitted requests were on
-time, against 99% so (docs/control/thresholds.md, "On-time factor"). `target` is the one number a
-user sets: an on-time probability (a service-level target), not a margin fitted to a trace.
+requests fared lately. Admission teaches it only with requests that ran every step at the
+lowest threshold, where it priced them (`admission.py`): a request that had room ran at higher
+thresholds and took longer by choice. `target` is the one number a user sets: an on-time
+probability (a service-level target), not a margin fitted to a trace.
 
 Alg. 1 (threshold selection) keeps a second instance, fed each request's first threshold
-choice (`Scheduler.deadline`, `Policy.on_time_target`); where it exists admission prices at its
-factor and keeps none of its own (`admission.py`).
+choice (`Scheduler.deadline`, `Policy.on_time_target`); admission keeps its own.
 
 An estimate is not a fact (DESIGN.md 7): with no request finishing (nothing admitted, e.g.
 because the factor itself refuses everything) the factor decays toward 1 with a half-life, so

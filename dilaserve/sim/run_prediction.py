@@ -52,7 +52,7 @@ class AdmittingScheduler:
             return Decisions()
         if refusal is not None:
             request.priority = LOWEST_PRIORITY
-        self.admission.admitted(request.request_id, now)
+        self.admission.admitted(request, now)
         return self._learn(self.scheduler.on_arrival(request, now), now)
 
     def on_step_done(self, instance_id: str, output, now: float) -> Decisions:
