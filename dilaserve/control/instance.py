@@ -13,6 +13,13 @@ from dataclasses import dataclass, field
 from dilaserve.control.profile import Curve
 from dilaserve.protocol import CACHED_KINDS, StepKind
 
+# A running step is overdue (`overdue`: the instance stalled, e.g. its worker stopped or starved
+# of CPU) past STALL_FACTOR times its predicted time at the measured speed, and past
+# STALL_SECONDS: robustness constants, not fitted to a trace. Far below the step timeout, which
+# kills: a stalled instance only takes no new work until its step ends.
+STALL_FACTOR = 10.0
+STALL_SECONDS = 1.0
+
 
 @dataclass
 class InstanceState:
@@ -28,7 +35,9 @@ class InstanceState:
     # over the mixed batch
     planned_batch: tuple[int, int | None] | None = None
     draining: bool = False  # being stopped: finishes its running step, takes no new work
+    stalled: bool = False  # its running step is overdue: takes no new work until it ends
     busy: bool = False
+    launched_at: float = 0.0  # when the running step started
     busy_until: float = 0.0  # predicted end of the running step
     pending: list[str] = field(default_factory=list)  # the gathered batch, in order
     pending_kinds: list[StepKind] = field(default_factory=list)
@@ -46,6 +55,18 @@ class InstanceState:
     full_memo: tuple[int, float] = (0, 0.0)
     cache_memo: tuple[int, float] = (0, 0.0)
     seconds_memo: tuple = (None, (0.0, 0.0))  # ((resident tokens, residents), step_seconds)
+
+    @property
+    def takes_work(self) -> bool:
+        return not (self.draining or self.stalled)
+
+    def overdue(self, now: float, slowdown: float = 1.0) -> bool:
+        """Has the running step run past `STALL_FACTOR` times its predicted time (at the
+        measured `slowdown`, never below the profile's) and past `STALL_SECONDS`?"""
+        if not self.busy:
+            return False
+        predicted = (self.busy_until - self.launched_at) * max(slowdown, 1.0)
+        return now - self.launched_at > max(STALL_FACTOR * predicted, STALL_SECONDS)
 
     def has_room(
         self, tokens: int, max_requests: float, solo: bool = False, cached: bool = False
@@ -122,6 +143,7 @@ class InstanceState:
     def launch(self, now: float) -> None:
         """Start the gathered batch: the instance is busy until its predicted end and holds
         every request in it."""
+        self.launched_at = now
         self.busy_until = now + self.latency(self.pending_full, self.pending_cache)
         self.running_full, self.running_cache = self.pending_full, self.pending_cache
         self.busy = True

@@ -95,6 +95,8 @@ class Placer:
         home = self.instances.get(t.instance) if t.instance is not None else None
         away = costs.next_kind(r, has_cache=False)
         home_kind = costs.next_kind(r, r.request_id in home.holds) if home is not None else away
+        if home is not None and home.stalled:
+            home = None  # its step is overdue: go elsewhere now, paying for a fresh state
         if home is not None and home.draining:
             stays = costs.stays_with_cache(home_kind)
             if not stays or self.policy.migration is Migration.ANY:
@@ -183,7 +185,7 @@ class Placer:
     def _candidates(self, t, home, home_kind, open_instances) -> Sequence[InstanceState]:
         if t.bound is not None:
             bound = self.instances.get(t.bound)
-            if bound is not None and not bound.draining:
+            if bound is not None and bound.takes_work:
                 return [bound]
             t.bound = None  # its instance went away: bind again where it lands
         if home is not None and self.policy.migration is Migration.NONE:

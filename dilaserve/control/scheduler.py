@@ -67,7 +67,7 @@ class Scheduler:
         self.reconfigurer = reconfigurer if policy.reconfigure else None
         self.instances: dict[str, InstanceState] = {}
         self._batch_limits: dict[int, tuple[int, int | None]] = {}  # tp -> the plan's batch
-        self._open: list[InstanceState] = []  # instances that take new work (not draining)
+        self._open: list[InstanceState] = []  # instances that take new work (`takes_work`)
         self.requests: dict[str, _Tracked] = {}
         self._ready: list[str] = []
         self._solo: set[str] = set()  # requests whose steps run alone (after a failed batch)
@@ -190,7 +190,23 @@ class Scheduler:
             self._ready.append(rid)
 
     def _open_instances(self) -> list[InstanceState]:
-        return [i for i in self.instances.values() if not i.draining]
+        return [i for i in self.instances.values() if i.takes_work]
+
+    def _stall_overdue(self, now: float) -> None:
+        """An instance whose running step is overdue (`InstanceState.overdue`) takes no new
+        work until the step ends, and its gathered batch goes elsewhere (placement leaves a
+        stalled home, releasing the state it held)."""
+        for inst in list(self._open):
+            if inst.overdue(now, self.speed.instance_ratio(inst.instance_id)):
+                inst.stalled = True
+                self._open = self._open_instances()
+                for rid in inst.clear():
+                    self.requests[rid].needs_threshold = True
+                    self._ready.append(rid)
+
+    @property
+    def num_stalled(self) -> int:
+        return sum(inst.stalled for inst in list(self.instances.values()))
 
     # -- events ------------------------------------------------------------------------------
 
@@ -215,6 +231,9 @@ class Scheduler:
     def on_step_done(self, instance_id: str, output: StepOutput, now: float) -> Decisions:
         inst = self.instances[instance_id]
         inst.busy = False
+        if inst.stalled:  # its step ended: it takes work again
+            inst.stalled = False
+            self._open = self._open_instances()
         finished, going_on = [], []
         for result in output.results:
             rid = result.request_id
@@ -283,7 +302,9 @@ class Scheduler:
             self.deadline.forget(rid)
 
     def on_tick(self, now: float) -> Decisions:
-        """Periodic: retry deferred requests; every planning period, maybe reconfigure."""
+        """Periodic: move work off stalled instances, retry deferred requests; every planning
+        period, maybe reconfigure."""
+        self._stall_overdue(now)
         decisions = self._schedule(now, load_changed=False)
         if self.reconfigurer is None:
             return decisions
@@ -328,7 +349,7 @@ class Scheduler:
         if not self._short_path or t.request.starts_block:
             return None
         home = self.instances.get(t.instance) if t.instance is not None else None
-        if home is None or t.request.request_id not in home.holds:
+        if home is None or home.stalled or t.request.request_id not in home.holds:
             return None
         return home
 

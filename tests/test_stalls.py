@@ -1,0 +1,65 @@
+"""Stalled instances (`InstanceState.overdue`, `Scheduler._stall_overdue`): a step far past its
+predicted time stops its instance taking new work, and its gathered batch goes elsewhere,
+long before the step timeout would kill it (a worker stopped, or starved of CPU)."""
+
+from fastapi.testclient import TestClient
+from test_admission_recovery import MODEL, outcome, run_until, submit, virtual_cluster
+from test_scheduler import done, only_launch, result, scheduler
+
+from dilaserve.control.instance import STALL_FACTOR, STALL_SECONDS, InstanceState
+from dilaserve.server.app import ServerSettings, create_app
+from dilaserve.server.metrics import ServerMetrics
+
+from conftest import make_request
+
+
+def running(predicted: float) -> InstanceState:
+    inst = InstanceState("i", 1, 1000, full_curve=None)
+    inst.busy, inst.launched_at, inst.busy_until = True, 10.0, 10.0 + predicted
+    return inst
+
+
+def test_a_step_is_overdue_past_ten_times_its_prediction_and_a_second():
+    short, long = running(0.01), running(0.5)
+    assert not short.overdue(10.0 + STALL_SECONDS * 0.9)  # the floor: not before a second
+    assert short.overdue(10.0 + STALL_SECONDS * 1.1)
+    assert not long.overdue(10.0 + STALL_FACTOR * 0.5 * 0.9)
+    assert long.overdue(10.0 + STALL_FACTOR * 0.5 * 1.1)
+    assert not long.overdue(10.0 + STALL_FACTOR * 0.5 * 1.1, slowdown=2.0)  # a slow machine
+    idle = running(0.01)
+    idle.busy = False
+    assert not idle.overdue(1e6)
+
+
+def test_a_stalled_instances_gathered_batch_goes_elsewhere_until_its_step_ends():
+    s = scheduler()  # a: TP-1, b: TP-2
+    first = make_request("first", gen_len=16)
+    assert only_launch(s.on_arrival(first, 0.0)).instance_id == "b"
+    assert s.on_arrival(make_request("x", gen_len=16), 0.0).launches == ()
+    assert s.instances["b"].pending == ["x"]  # waits for b's step, the cheaper batch
+    assert s.on_tick(0.5).launches == ()  # (not yet overdue)
+    moved = only_launch(s.on_tick(5.0))
+    assert moved.instance_id == "a" and [i.request_id for i in moved.batch.items] == ["x"]
+    assert s.instances["b"].stalled and s.num_stalled == 1
+    s.on_arrival(make_request("y", gen_len=16, arrival_time=5.0), 5.0)
+    assert s.instances["a"].pending == ["y"] and not s.instances["b"].pending  # none joins b
+    done(s, "b", result(first, [0]), now=6.0)
+    assert not s.instances["b"].stalled and s.num_stalled == 0
+
+
+def test_requests_behind_a_stopped_worker_finish_before_it_is_killed():
+    cluster, clock = virtual_cluster(instances=(1, 1), slo=60.0)
+    stopped = submit(cluster, "first", slo=600.0)
+    assert outcome(cluster, stopped) == "admitted"
+    run_until(cluster, lambda: clock._running)
+    [(iid, (_, batch))] = clock._running.items()
+    clock._running[iid] = (float("inf"), batch)  # its worker stops (SIGSTOP): no step ends
+    handles = [submit(cluster, f"r{k}", slo=600.0) for k in range(6)]
+    assert [outcome(cluster, h) for h in handles] == ["admitted"] * 6
+    run_until(cluster, lambda: all(h.future.done() for h in handles))
+    assert iid in cluster.scheduler.instances  # not killed: the others went around it
+    assert all(h.future.exception() is None for h in handles)
+    assert cluster.scheduler.num_stalled == 1
+    app = create_app(cluster, ServerSettings(MODEL), ServerMetrics(), manage=False)
+    with TestClient(app) as client:
+        assert "dilaserve_instances_stalled 1.0" in client.get("/metrics").text
