@@ -3,6 +3,7 @@ overload, storms, a CPU-hungry neighbour and faults, judged against issue 38's t
 
     python benchmarks/reliability.py [--fuzz 1500] [--overload-seconds 60] [--slo-ms 2000]
                                      [--storm-clients 400] [--drain-timeout 2] [--beside-hog]
+                                     [--worker-nice N]
 
 Starts `dilaserve serve` (the bundled model, two TP-1 instances, on 127.0.0.1 only) in a
 process group of its own and runs these phases, each bounded in time:
@@ -34,7 +35,8 @@ process group of its own and runs these phases, each bounded in time:
 8. streams longer than the drain (a fresh server): SIGTERM with 16 long streams open; each must
    end with `[DONE]`, and the exit within the drain timeout plus one second.
 
-`--beside-hog` runs all of it beside a CPU hog on every core (a busy machine).
+`--beside-hog` runs all of it beside a CPU hog on every core (a busy machine); `--worker-nice N`
+passes serve's option (the workers' CPU priority against the front).
 
 The load comes from the load client of `dilaserve bench` (`dilaserve/bench/client.py`, aiohttp),
 which sends every request once: a connection the server closes unanswered is a failed request.
@@ -95,6 +97,8 @@ def start_server(port: int, args, log: Path) -> subprocess.Popen:
     command = [sys.executable, "-m", "dilaserve.cli", "serve", "--port", str(port)]
     command += ["--slo", str(args.slo_ms / 1000), "--drain-timeout", str(args.drain_timeout)]
     command += ["--log-interval", "0", "--slo-headroom", str(args.slo_headroom)]
+    if args.worker_nice is not None:
+        command += ["--worker-nice", str(args.worker_nice)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = log.open("w")
     server = subprocess.Popen(command, env=env, stdout=out, stderr=out, start_new_session=True)
@@ -280,6 +284,7 @@ def main() -> None:
     parser.add_argument(
         "--beside-hog", action="store_true", help="run beside a CPU hog on every core"
     )
+    parser.add_argument("--worker-nice", type=int, metavar="N", help="serve's (default: its)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(ROOT.parent / "runs"), help="(an ignored folder)")
     args = parser.parse_args()
