@@ -18,7 +18,9 @@ due at most once per `refresh_interval` (a new request is predicted at once), lo
 predictions refresh, pricing the remaining steps at the load of everything assigned to its
 instance (at the measured speed, `speed.py`) and fitting them into `slo_headroom` of the budget
 left (the policy's, else the config's: 1.0, the paper's rule), or at a calibrated quantile of
-it (`selection.py`). Each instance's gathered batch keeps its own books (`instance.py`).
+it (`selection.py`). Each instance's gathered batch keeps its own books (`instance.py`); an
+instance whose running step is far overdue (`InstanceState.overdue`) takes no new work until it
+ends, and a tick moves its gathered batch elsewhere.
 """
 
 from __future__ import annotations
