@@ -160,7 +160,7 @@ class _Cluster:
         stats = {"migrations": 0, "reconfigurations": 0, "failures": 0}
         self.controller = SimpleNamespace(stats=stats, rollout=SimpleNamespace(log=[]))
         inst = {"i0": SimpleNamespace(tp=1), "i1": SimpleNamespace(tp=2)}
-        self.scheduler = SimpleNamespace(instances=inst, requests={})
+        self.scheduler = SimpleNamespace(instances=inst, requests={}, num_stalled=0)
 
     def queue_length(self):
         return 3
