@@ -145,6 +145,7 @@ class _Cluster:
 
     step_slowdown = 1.0
     step_slowdown_stale_seconds = 0.0
+    instances_stalled = 0
     on_time_factor = 1.0
     on_time = SimpleNamespace(finished=0, late=0)
     deadline_factor = 1.25
@@ -160,7 +161,7 @@ class _Cluster:
         stats = {"migrations": 0, "reconfigurations": 0, "failures": 0}
         self.controller = SimpleNamespace(stats=stats, rollout=SimpleNamespace(log=[]))
         inst = {"i0": SimpleNamespace(tp=1), "i1": SimpleNamespace(tp=2)}
-        self.scheduler = SimpleNamespace(instances=inst, requests={}, num_stalled=0)
+        self.scheduler = SimpleNamespace(instances=inst, requests={})
 
     def queue_length(self):
         return 3

@@ -273,6 +273,7 @@ class _RefusingCluster:
 
     step_slowdown = 1.0
     step_slowdown_stale_seconds = 0.0
+    instances_stalled = 0
     on_time_factor = 1.0
     on_time = SimpleNamespace(finished=0, late=0)
     deadline = deadline_factor = None

@@ -192,6 +192,11 @@ class Cluster:
         return self.scheduler.speed.ratio
 
     @property
+    def instances_stalled(self) -> int:
+        """Instances whose running step is overdue: they take no new work until it ends."""
+        return self.scheduler.num_stalled
+
+    @property
     def step_slowdown_stale_seconds(self) -> float:
         """How long the slowdown has been decaying for want of steps (0: it is current)."""
         return self.scheduler.speed.stale_seconds()

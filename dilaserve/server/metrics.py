@@ -171,7 +171,7 @@ class _ClusterCollector:
         )
         yield from _deadline_metrics(c.deadline, c.deadline_factor)
         stalled = "Instances whose running step is overdue: they take no new work until it ends"
-        yield _gauge("dilaserve_instances_stalled", stalled, c.scheduler.num_stalled)
+        yield _gauge("dilaserve_instances_stalled", stalled, c.instances_stalled)
         degraded = "1 while /health says degraded (lost capacity, or admission refusing all)"
         yield _gauge("dilaserve_degraded", degraded, float(c.health() == "degraded"))
         instances = GaugeMetricFamily(
