@@ -2,8 +2,9 @@
 
 Closing a listening socket resets every connection in the kernel's accept queue: connections
 the kernel completed but the server had not yet taken, whose clients have sent their requests
-and get no answer. At capacity that queue is long (a drain probe under 400 clients: 380
-requests unanswered). So the listener is closed in three moves (`close_listeners`):
+and get no answer. At capacity that queue is long (the reliability suite's drain under 400
+clients: 255 connections reset, docs/serving.md). So the listener is closed in three moves
+(`close_listeners`):
 
 1. a socket filter that keeps no byte of any packet (classic BPF `ret #0`, `SO_ATTACH_FILTER`)
    is attached to the listening socket: from then on the kernel drops every new connection's
