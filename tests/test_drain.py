@@ -3,6 +3,7 @@ connections already in the kernel's accept queue are taken and answered rather t
 the close waits for the requests read to be answered."""
 
 import asyncio
+import json
 import socket
 import sys
 import threading
@@ -10,6 +11,7 @@ import threading
 import pytest
 import uvicorn
 
+from dilaserve.server.guards import draining_answer
 from dilaserve.server.limits import HttpLimits, limited_protocol
 from dilaserve.server.listener import (
     accept_queue_length,
@@ -66,7 +68,8 @@ class _Server(uvicorn.Server):
 
         async def held_then_closed():
             before()  # (blocks the loop: nothing is accepted meanwhile)
-            await close_listeners(self.servers, self.server_state.connections, HANG_GUARD_S)
+            connections = self.server_state.connections
+            await close_listeners(self.servers, connections, HANG_GUARD_S, draining_answer())
 
         return asyncio.run_coroutine_threadsafe(held_then_closed(), self.loop)
 
@@ -75,10 +78,8 @@ class _Server(uvicorn.Server):
         self.thread.join(HANG_GUARD_S)
 
 
-async def _draining_app(scope, receive, send):
-    """Answers every request as a draining server does."""
-    headers = [(b"connection", b"close"), (b"retry-after", b"5"), (b"content-length", b"0")]
-    await send({"type": "http.response.start", "status": 503, "headers": headers})
+async def _app(scope, receive, send):
+    await send({"type": "http.response.start", "status": 204, "headers": []})
     await send({"type": "http.response.body", "body": b""})
 
 
@@ -94,7 +95,7 @@ def _answer(sock: socket.socket) -> bytes:
 
 
 def test_requests_queued_in_the_kernel_when_the_listener_closes_are_answered():
-    server = _Server(_draining_app)
+    server = _Server(_app)
     address = server.address
     clients = [socket.socket() for _ in range(20)]
 
@@ -110,8 +111,7 @@ def test_requests_queued_in_the_kernel_when_the_listener_closes_are_answered():
         for client in clients:
             client.close()
         server.stop()
-    assert all(a.startswith(b"HTTP/1.1 503") for a in answers), answers
-    assert all(b"connection: close" in a.lower() for a in answers)
+    assert answers == [draining_answer()] * len(clients)  # each answered, none reset
     with socket.socket() as late, pytest.raises(ConnectionRefusedError):
         late.connect(address)  # closed, not left listening
 
@@ -140,3 +140,13 @@ def test_the_close_waits_for_each_request_read_to_be_answered():
         answer = _answer(client)
         assert answer.startswith(b"HTTP/1.1 200") and b"done" in answer
     server.stop()
+
+
+def test_the_last_word_is_the_draining_servers_503():
+    head, _, body = draining_answer().partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    assert lines[0] == "HTTP/1.1 503 Service Unavailable"
+    assert headers["connection"] == "close" and int(headers["retry-after"]) >= 1
+    assert int(headers["content-length"]) == len(body)
+    assert json.loads(body)["error"]["type"] == "service_unavailable"

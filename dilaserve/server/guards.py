@@ -48,6 +48,18 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+def draining_answer() -> bytes:
+    """The whole HTTP answer of a server shutting down (what `Guards` answers while draining),
+    for the requests `listener.py` answers below the app."""
+    body = json.dumps(error_body(503, SHUTTING_DOWN)).encode()
+    head = (
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nretry-after: {CLOSED_RETRY_AFTER}\r\n"
+        "connection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
 def retry_headers(seconds: int) -> dict[str, str]:
     """A 429's headers: Retry-After in whole seconds, and `retry-after-ms` (what OpenAI's
     clients read first), jittered by `RETRY_JITTER`."""

@@ -3,23 +3,29 @@
 Closing a listening socket resets every connection in the kernel's accept queue: connections
 the kernel completed but the server had not yet taken, whose clients have sent their requests
 and get no answer. At capacity that queue is long (the reliability suite's drain under 400
-clients: 255 connections reset, docs/serving.md). So the listener is closed in three moves
+clients: 255 connections reset, docs/serving.md). So the listener is closed in steps
 (`close_listeners`):
 
 1. a socket filter that keeps no byte of any packet (classic BPF `ret #0`, `SO_ATTACH_FILTER`)
-   is attached to the listening socket: from then on the kernel drops every new connection's
-   SYN there, and the accept queue only shrinks (connections already in it are sockets of their
-   own, which the filter does not reach);
-2. the event loop takes what is in the queue, as it takes any connection, and answers its
-   requests (while draining, 503 with Retry-After and `Connection: close`, `guards.py`); the
-   queue's length is the kernel's (`TCP_INFO`'s unacked count of a listening socket);
-3. the listener closes (a client whose SYN was dropped then finds the port closed on its next
-   try: refused, not answered wrongly), and the server waits until no connection holds a request
-   it read but has not answered, or bytes it has not read yet.
+   is attached to the listening socket (`turn_new_connections_away`): from then on the kernel
+   drops every new connection's SYN there, and the accept queue only shrinks (connections
+   already in it are sockets of their own, which the filter does not reach). A client whose
+   SYN was dropped finds the port closed on its next try: refused, not answered wrongly;
+2. asyncio stops accepting, and what is left in the queue (the kernel's count: `TCP_INFO`'s
+   unacked of a listening socket) is taken here, through a duplicate of the socket, and each
+   request answered `last_word` (the server's: 503, Retry-After, `Connection: close`) once
+   its bytes are read: a few system calls each, where the HTTP stack and the app cost about a
+   millisecond, which a front starved of CPU at shutdown does not have;
+3. the listener closes with its queue empty, and the server waits until no open connection
+   holds a request it read but has not answered, or bytes it has not read yet.
 
-Each wait ends at the deadline given, whatever is left. Where the filter or `TCP_INFO` is not
-available (not Linux), the listener closes as before. What the requests are answered is the
-app's; this module knows only sockets and uvicorn's connections.
+The server (`main.py`) attaches the filter before it fails the requests the drain left
+running, so that their clients' next connections are turned away at once rather than queued
+(beside 400 closed-loop clients on a busy 2-core machine, 147 connections were still queued
+when the listener closed after 0.25 s of the server's own accepting). Each wait ends at the
+deadline given, whatever is left (logged). Where the filter or `TCP_INFO` is not available
+(not Linux), the listener closes as before. This module knows sockets and uvicorn's
+connections, not what the answer says.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import asyncio
 import ctypes
 import fcntl
 import logging
+import os
 import socket
 import struct
 import sys
@@ -42,6 +49,7 @@ KEEP_NOTHING = struct.pack("HBBI", 0x06, 0, 0, 0)  # BPF_RET | BPF_K, k = 0: dro
 TCP_INFO_BYTES = 104
 UNACKED_OFFSET = 24  # struct tcp_info: 8 one-byte fields, then rto, ato, snd_mss, rcv_mss, unacked
 POLL_SECONDS = 0.005
+READ_BYTES = 64 * 1024  # of a queued connection's request, read before it is answered
 
 
 def refuse_new_connections(sock) -> bool:
@@ -91,17 +99,77 @@ def has_unanswered_request(connection) -> bool:
     return transport is not None and unread_bytes(transport) > 0
 
 
-async def close_listeners(servers: Iterable[asyncio.Server], connections, seconds: float) -> None:
+def turn_new_connections_away(servers: Iterable[asyncio.Server]) -> list:
+    """`refuse_new_connections` on each of asyncio's listening `servers`' sockets (from any
+    thread; again is harmless); returns the sockets filtered."""
+    listeners = [sock for server in servers for sock in server.sockets]
+    return [sock for sock in listeners if refuse_new_connections(sock)]
+
+
+async def close_listeners(
+    servers: Iterable[asyncio.Server], connections, seconds: float, last_word: bytes
+) -> None:
     """Close asyncio's listening `servers` as the module's docstring says, within `seconds`;
-    `connections`: the open connections (uvicorn's `server_state.connections`)."""
+    `connections`: the open connections (uvicorn's `server_state.connections`); `last_word`:
+    the whole HTTP answer to each request left in the accept queue."""
     deadline = time.monotonic() + seconds
     servers = list(servers)
-    listeners = [sock for server in servers for sock in server.sockets]
-    filtered = [sock for sock in listeners if refuse_new_connections(sock)]
-    await _until(lambda: not any(accept_queue_length(s) for s in filtered), deadline)
+    filtered = turn_new_connections_away(servers)
+    held = [socket.socket(fileno=os.dup(sock.fileno())) for sock in filtered]
     for server in servers:
-        server.close()
-    await _until(lambda: not any(has_unanswered_request(c) for c in list(connections)), deadline)
+        server.close()  # (the duplicates keep the filtered sockets and their queues open)
+    answers = [task for sock in held for task in _take_queue(sock, last_word, deadline)]
+    queued = sum(accept_queue_length(sock) for sock in held)
+    if queued:
+        log.warning("closing the listener with %d connections queued", queued)
+    for sock in held:
+        sock.close()
+    if answers:
+        await asyncio.wait(answers, timeout=max(deadline - time.monotonic(), 0.0))
+    if not await _until(lambda: not _unanswered(connections), deadline):
+        log.warning("%d connections still hold a request not answered", _unanswered(connections))
+
+
+def _take_queue(listener: socket.socket, last_word: bytes, deadline: float) -> list:
+    """Accept every connection queued on `listener` (non-blocking); a task answering each."""
+    listener.setblocking(False)
+    tasks = []
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return tasks
+        except OSError as e:  # e.g. out of file descriptors: leave the rest
+            log.warning("cannot take a queued connection: %s", e)
+            return tasks
+        tasks.append(asyncio.ensure_future(_answer(conn, last_word, deadline)))
+
+
+async def _answer(conn: socket.socket, last_word: bytes, deadline: float) -> None:
+    """Read what the client sent (up to the deadline), send `last_word`, close."""
+    conn.setblocking(False)
+    try:
+        await asyncio.wait_for(_read_then_send(conn, last_word), deadline - time.monotonic())
+    except (OSError, asyncio.TimeoutError):
+        pass  # the client left, or sent nothing in time
+    finally:
+        conn.close()
+
+
+async def _read_then_send(conn: socket.socket, last_word: bytes) -> None:
+    loop = asyncio.get_running_loop()
+    if not await loop.sock_recv(conn, READ_BYTES):
+        return  # the client closed without a request
+    await loop.sock_sendall(conn, last_word)
+    try:  # read what else came, so that the close is a FIN, not a reset losing the answer
+        while conn.recv(READ_BYTES):
+            pass
+    except BlockingIOError:
+        pass
+
+
+def _unanswered(connections) -> int:
+    return sum(has_unanswered_request(c) for c in list(connections))
 
 
 async def _until(done: Callable[[], bool], deadline: float) -> bool:

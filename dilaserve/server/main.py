@@ -8,13 +8,13 @@ get 503 with Retry-After and `Connection: close` (`guards.py`: at any load, befo
 429) and `/health` says 503 rather than a refused connection; requests in flight have up to the
 drain timeout to finish; those still running then get an error in OpenAI's shape (a stream: an
 error event and `[DONE]`). Then the listener closes without resetting the connections the
-kernel already completed (`listener.py`: those are taken and answered 503 too, and the server
-waits until every request it read is answered), and the instances stop. The process
-exits within the drain timeout plus `EXIT_SECONDS`: stopping the instances and uvicorn's own
-shutdown get what is left of that second, and an instance still stopping then is left to end
-on its own (its socket closes with the process). Workers ignore terminal signals (a SIGTERM to
-the process group, as systemd and `timeout` send, reaches them too): the server stops them. A
-second signal stops at once.
+kernel already completed (`listener.py`: new ones are turned away from the moment the drain
+ends, those queued are taken and answered 503 too, and the server waits until every request it
+read is answered), while the instances stop. The process exits within the drain timeout plus
+`EXIT_SECONDS`: each step of uvicorn's shutdown gets what is left of that second, and an
+instance still stopping then is left to end on its own (its socket closes with the process).
+Workers ignore terminal signals (a SIGTERM to the process group, as systemd and `timeout`
+send, reaches them too): the server stops them. A second signal stops at once.
 
 The HTTP front's limits (`ServerSettings`): request heads and read timeouts (`limits.py`), open
 connections (uvicorn's `limit_concurrency`: 503 over it), body size and early refusals
@@ -34,18 +34,24 @@ import uvicorn
 
 from dilaserve.cluster.runtime import Cluster, ClusterConfig
 from dilaserve.server.app import ServerSettings, create_app, describe_cluster
-from dilaserve.server.guards import allowed_hosts_for
+from dilaserve.server.guards import allowed_hosts_for, draining_answer
 from dilaserve.server.limits import limited_protocol
-from dilaserve.server.listener import close_listeners
+from dilaserve.server.listener import close_listeners, turn_new_connections_away
 from dilaserve.server.metrics import ServerMetrics
 
 log = logging.getLogger("dilaserve.server")
 EXIT_SECONDS = 1.0  # after the drain timeout, the longest the process takes to exit
-LAST_WORD_SECONDS = 0.25  # to close the listener: for requests already sent to get a 503
-GRACEFUL_SECONDS = 0.25  # uvicorn's wait for the last answers to go out
-# of EXIT_SECONDS, uvicorn's shutdown's: its loop's tick (0.1 s), LAST_WORD_SECONDS, its own
-# pause (0.1 s) and GRACEFUL_SECONDS, with a margin for the interpreter's exit
-SHUTDOWN_SECONDS = 0.1 + LAST_WORD_SECONDS + 0.1 + GRACEFUL_SECONDS + 0.1
+# Of EXIT_SECONDS, while the cluster closes (failing what is left): uvicorn's loop's tick
+# (0.1 s, later on a busy machine), up to LAST_WORD_SECONDS to close the listener and see the
+# requests read answered (`listener.py`), uvicorn's own pause (0.1 s) and up to
+# GRACEFUL_SECONDS for the last answers to go out; each wait gets only what is left of the
+# exit's deadline less what comes after it (at least MIN_WAIT_SECONDS), and EXIT_MARGIN is
+# kept for the interpreter's exit.
+LAST_WORD_SECONDS = 0.3
+GRACEFUL_SECONDS = 0.25
+UVICORN_PAUSE_SECONDS = 0.1
+EXIT_MARGIN = 0.25
+MIN_WAIT_SECONDS = 0.05
 CLOSE_JOIN_SECONDS = 0.2  # the controller thread's to stop before what is left is failed
 # Idle keep-alive connections are closed after this (uvicorn's default is 5 s). A client that
 # reuses one just as the server closes it loses that request (a read error), so the server
@@ -98,6 +104,7 @@ class DrainingServer(uvicorn.Server):
         self.cluster = cluster
         self.settings = settings
         self._draining: threading.Thread | None = None
+        self._exit_by: float | None = None  # (monotonic) once a drain began
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
@@ -112,9 +119,21 @@ class DrainingServer(uvicorn.Server):
     async def shutdown(self, sockets=None) -> None:
         """uvicorn's, but a request sent before the listener closed, on an open connection or
         one still in the kernel's accept queue, is answered (503: draining) rather than dropped
-        with its connection (`listener.py`)."""
-        await close_listeners(self.servers, self.server_state.connections, LAST_WORD_SECONDS)
+        with its connection (`listener.py`); within the drain's exit deadline."""
+        after = UVICORN_PAUSE_SECONDS + EXIT_MARGIN
+        last_word = self._time_left(LAST_WORD_SECONDS, after + GRACEFUL_SECONDS)
+        connections = self.server_state.connections
+        await close_listeners(self.servers, connections, last_word, draining_answer())
+        graceful = self.config.timeout_graceful_shutdown or GRACEFUL_SECONDS
+        self.config.timeout_graceful_shutdown = self._time_left(graceful, after)
         await super().shutdown(sockets)
+
+    def _time_left(self, most: float, kept: float) -> float:
+        """Seconds a shutdown step may take: at most `most`, and no more than the exit's
+        deadline leaves once `kept` seconds are kept for what comes after it."""
+        if self._exit_by is None:  # no drain: not bounded by one
+            return most
+        return min(most, max(self._exit_by - time.monotonic() - kept, MIN_WAIT_SECONDS))
 
     def handle_exit(self, sig, frame) -> None:
         if self._draining is not None or not self.started:
@@ -131,17 +150,20 @@ class DrainingServer(uvicorn.Server):
 
     def _drain_then_exit(self, sig, frame) -> None:
         timeout = self.settings.drain_timeout
-        deadline = time.monotonic() + timeout + EXIT_SECONDS - SHUTDOWN_SECONDS
+        self._exit_by = time.monotonic() + timeout + EXIT_SECONDS
         if not self.cluster.drain(timeout):
             log.info("drain timed out: failing %d requests in flight", self.cluster.in_flight)
-        # fails what is left, in OpenAI's shape, and stops the instances; an instance slower
-        # to stop than the time left is not waited for
+        # the clients of the requests failed next are turned away when they connect again, not
+        # queued for a front with no time left to answer them (`listener.py`)
+        turn_new_connections_away(self.servers)
+        # fails what is left, in OpenAI's shape, and stops the instances, while uvicorn shuts
+        # down (its listener's close waits for those answers); an instance slower to stop than
+        # the process is left to end on its own
         closing = threading.Thread(
             target=self.cluster.close, args=(CLOSE_JOIN_SECONDS,), name="dilaserve-close"
         )
         closing.daemon = True
         closing.start()
-        closing.join(max(deadline - time.monotonic(), 0.0))
         super().handle_exit(sig, frame)
 
 
