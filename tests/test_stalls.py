@@ -56,6 +56,11 @@ def test_requests_behind_a_stopped_worker_finish_before_it_is_killed():
     clock._running[iid] = (float("inf"), batch)  # its worker stops (SIGSTOP): no step ends
     handles = [submit(cluster, f"r{k}", slo=600.0) for k in range(6)]
     assert [outcome(cluster, h) for h in handles] == ["admitted"] * 6
+    moved = list(cluster.scheduler.instances[iid].pending)  # gathered behind the stopped step
+    assert moved
+    run_until(cluster, lambda: cluster.scheduler.instances[iid].stalled)
+    on_time = cluster.controller.admission.on_time  # a stall is a fault: they teach it nothing
+    assert not any(rid in on_time for rid in [*moved, "first"])
     run_until(cluster, lambda: all(h.future.done() for h in handles))
     assert iid in cluster.scheduler.instances  # not killed: the others went around it
     assert all(h.future.exception() is None for h in handles)

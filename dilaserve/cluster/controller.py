@@ -187,6 +187,10 @@ class Controller:
             self.fail(handle, RuntimeError(message))
 
     def _tick(self, now: float) -> None:
+        speed = self.scheduler.speed
+        for iid, inst in self.scheduler.instances.items():  # (the tick stalls these)
+            if inst.takes_work and inst.overdue(now, speed.instance_ratio(iid)):
+                self._forget_timings(iid)  # a stall is a fault too, not a prediction's error
         self.apply(self.scheduler.on_tick(now), now, "t")
         for replacement in self.replacements.due(now):
             self._replace("(retry)", replacement, now)
@@ -324,9 +328,10 @@ class Controller:
             self._replace(iid, replacement, now)
 
     def _forget_timings(self, iid: str) -> None:
-        """The requests on a failed instance lost time to the fault, not to a prediction: their
-        times teach admission's on-time calibration nothing (a worker stopped for 30 s had
-        made it refuse work for half the load it then had room for)."""
+        """The requests on a failed or stalled instance (running, gathered or held there) lost
+        time to the fault, not to a prediction: their times teach admission's on-time
+        calibration nothing (a worker stopped for 30 s had made it refuse work for half the
+        load it then had room for)."""
         inst = self.scheduler.instances.get(iid)
         held = set(inst.holds) | set(inst.pending) if inst is not None else set()
         _, batch = self._inflight.get(iid, (0.0, None))
