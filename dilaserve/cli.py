@@ -10,6 +10,7 @@ from dilaserve import runs
 from dilaserve.cli_args import (
     apply_config_file,
     engine_args,
+    engine_config,
     model_arg,
     parse_ints,
     parse_thresholds,
@@ -25,21 +26,13 @@ from dilaserve.config import DEFAULT_BLOCK_LEN, DEFAULT_THRESHOLD, MEASURED_THRE
 
 
 def cmd_generate(args) -> None:
-    from dilaserve.config import EngineConfig, SamplingParams
+    from dilaserve.config import SamplingParams
     from dilaserve.engine.llm import LLM
 
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
         raise ValueError("give --prompt TEXT (repeatable) or prompts on standard input")
-    engine = EngineConfig(
-        args.kv_cache,
-        dtype=args.dtype,
-        device=args.device,
-        cuda_graphs=args.cuda_graphs,
-        eos_stop=args.eos_stop,
-        steps=args.steps,
-    )
-    llm = LLM(args.model, engine)
+    llm = LLM(args.model, engine_config(args))
     params = SamplingParams(threshold=args.threshold, max_tokens=args.max_tokens)
     for out in llm.generate(prompts, params, chat=not args.raw):
         print(

@@ -68,6 +68,22 @@ def engine_args(
     decoding_args(p)
 
 
+def engine_config(args: argparse.Namespace, **more):
+    """The `EngineConfig` that `engine_args`' options describe (`more`: a command's other
+    engine fields)."""
+    from dilaserve.config import EngineConfig
+
+    return EngineConfig(
+        args.kv_cache,
+        dtype=args.dtype,
+        device=args.device,
+        cuda_graphs=args.cuda_graphs,
+        eos_stop=args.eos_stop,
+        steps=args.steps,
+        **more,
+    )
+
+
 def decoding_args(p: argparse.ArgumentParser) -> None:
     """The knobs of a family's published decoding rule (`models/family.py`, DecodingRule)."""
     p.add_argument(

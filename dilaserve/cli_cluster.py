@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dilaserve.cli_args import engine_config
 from dilaserve.cli_cluster_args import INSTANCES_DEFAULT
 
 
@@ -18,7 +19,6 @@ def cluster_config(args, record: bool = False):
 
     from dilaserve.cluster.runtime import ClusterConfig, with_family_cache
     from dilaserve.cluster.worker import WorkerConfig
-    from dilaserve.config import EngineConfig
     from dilaserve.control.build import ControlSpec
     from dilaserve.control.decisions import SchedulerConfig
     from dilaserve.models.registry import family_of, load_config
@@ -27,15 +27,10 @@ def cluster_config(args, record: bool = False):
     inputs = control_inputs(args, set(instances))
     meta = Path(inputs.predictor or "") / "gbm-full.json"
     k = json.loads(meta.read_text()).get("refresh_every_tokens", 8) if meta.is_file() else 8
-    engine = EngineConfig(
-        args.kv_cache,
-        dtype=args.dtype,
-        device=args.device,
+    engine = engine_config(
+        args,
         max_forward_tokens=args.max_forward_tokens,
-        cuda_graphs=args.cuda_graphs,
         cuda_graph_context=args.cuda_graph_context,
-        eos_stop=args.eos_stop,
-        steps=args.steps,
     )
     scheduler = SchedulerConfig(
         kv_cache=args.kv_cache,
