@@ -12,9 +12,10 @@ from dilaserve.cli_args import engine_config
 from dilaserve.cli_cluster_args import INSTANCES_DEFAULT
 
 
-def cluster_config(args, record: bool = False):
+def cluster_config(args, record: bool = False, warned: bool = False):
     """A ClusterConfig from the options `add_cluster_args` defines, its control plane built
-    from the model's calibration (or the profile and predictor given)."""
+    from the model's calibration (or the profile and predictor given); `warned`: the
+    calibration's warnings were said already (by the calibration just run)."""
     import json
 
     from dilaserve.cluster.runtime import ClusterConfig, with_family_cache
@@ -24,7 +25,7 @@ def cluster_config(args, record: bool = False):
     from dilaserve.models.registry import family_of, load_config
 
     instances = layout(args)
-    inputs = control_inputs(args, set(instances))
+    inputs = control_inputs(args, set(instances), warned)
     meta = Path(inputs.predictor or "") / "gbm-full.json"
     k = json.loads(meta.read_text()).get("refresh_every_tokens", 8) if meta.is_file() else 8
     engine = engine_config(
@@ -109,27 +110,29 @@ def _device_name(args) -> str:
         return Calibration.load(args.calibration).key.device
 
 
-def control_inputs(args, tps: set[int]):
+def control_inputs(args, tps: set[int], warned: bool = False):
     """The latency profile and step predictor the control plane is built from: the
     calibration that matches the model, device, dtype and TP degrees, or the --profile and
-    --predictor given. Never calibrates (`calibrate_if_missing` does, when asked)."""
+    --predictor given, its warnings logged unless `warned`. Never calibrates
+    (`calibrate_if_missing` does, when asked)."""
     import logging
 
     inputs = _resolve_inputs(args, tps)
     log = logging.getLogger("dilaserve.calibration")
-    for warning in inputs.warnings:
+    for warning in () if warned else inputs.warnings:
         log.warning(warning)
     return inputs
 
 
-def calibrate_if_missing(args) -> None:
+def calibrate_if_missing(args) -> bool:
     """--calibrate: calibrate the model now if no calibration matches its layout's TP degrees;
-    called before the configuration is built, which never calibrates."""
+    called before the configuration is built, which never calibrates. Whether it calibrated
+    (and so has said the calibration's warnings)."""
     from dilaserve.calibration.run import CalibrateConfig, calibrate
     from dilaserve.calibration.store import CalibrationMissing
 
     if not args.calibrate:
-        return
+        return False
     tps = set(layout(args))
     try:
         _resolve_inputs(args, tps)
@@ -143,6 +146,8 @@ def calibrate_if_missing(args) -> None:
             calibration=args.calibration,
         )
         calibrate(cfg)
+        return True
+    return False
 
 
 def _resolve_inputs(args, tps: set[int]):

@@ -21,8 +21,8 @@ def cmd_run_trace(args) -> None:
     from dilaserve.cluster.trace_run import TraceRunSpec, run_trace, write_trace_run
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    calibrate_if_missing(args)
-    config, inputs = cluster_config(args, record=True)
+    warned = calibrate_if_missing(args)
+    config, inputs = cluster_config(args, record=True, warned=warned)
     logging.getLogger("dilaserve.calibration").info("control inputs: %s", inputs.label)
     spec = TraceRunSpec(
         args.trace,
@@ -107,8 +107,8 @@ def cmd_serve(args) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     bind(args.host, args.port).close()  # a port in use stops us before calibration or loading
-    calibrate_if_missing(args)
-    config, inputs = cluster_config(args)
+    warned = calibrate_if_missing(args)
+    config, inputs = cluster_config(args, warned=warned)
     serve(
         config,
         args.host,
