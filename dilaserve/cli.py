@@ -205,8 +205,14 @@ def _add_calibrate_command(sub) -> None:
 
 
 def _add_measurement_commands(sub) -> None:
-    """calibrate, profile, train-predictor and train-model."""
+    """calibrate, profile, train-predictor, train-model and random-checkpoint."""
     _add_calibrate_command(sub)
+    _add_profile_command(sub)
+    _add_training_commands(sub)
+    _add_random_checkpoint_command(sub)
+
+
+def _add_profile_command(sub) -> None:
     pr = sub.add_parser(
         "profile", help="measure step latencies (every TP degree) through the cluster's workers"
     )
@@ -226,6 +232,8 @@ def _add_measurement_commands(sub) -> None:
     pr.add_argument("--dws-out", default="dws-cost.json", help="--dws: where to write the kernel")
     pr.set_defaults(func=cmd_profile)
 
+
+def _add_training_commands(sub) -> None:
     tp = sub.add_parser("train-predictor", help="collect trajectories and train step predictors")
     model_arg(tp)
     tp.add_argument("--out", required=True, help="folder for the trained predictor")
@@ -263,6 +271,8 @@ def _add_measurement_commands(sub) -> None:
     )
     tr.set_defaults(func=cmd_train_model)
 
+
+def _add_random_checkpoint_command(sub) -> None:
     rc = sub.add_parser(
         "random-checkpoint",
         help="write a tiny random-weight checkpoint in a family's published layout (for tests)",

@@ -16,35 +16,19 @@ def cluster_config(args, record: bool = False, warned: bool = False):
     """A ClusterConfig from the options `add_cluster_args` defines, its control plane built
     from the model's calibration (or the profile and predictor given); `warned`: the
     calibration's warnings were said already (by the calibration just run)."""
-    import json
-
     from dilaserve.cluster.runtime import ClusterConfig, with_family_cache
     from dilaserve.cluster.worker import WorkerConfig
     from dilaserve.control.build import ControlSpec
-    from dilaserve.control.decisions import SchedulerConfig
     from dilaserve.models.registry import family_of, load_config
 
     instances = layout(args)
     inputs = control_inputs(args, set(instances), warned)
-    meta = Path(inputs.predictor or "") / "gbm-full.json"
-    k = json.loads(meta.read_text()).get("refresh_every_tokens", 8) if meta.is_file() else 8
     engine = engine_config(
         args,
         max_forward_tokens=args.max_forward_tokens,
         cuda_graph_context=args.cuda_graph_context,
     )
-    scheduler = SchedulerConfig(
-        kv_cache=args.kv_cache,
-        slo=args.slo,
-        refresh_every_tokens=k,
-        max_requests_per_instance=args.max_requests_per_instance,
-        max_batch_requests=args.max_batch_requests,
-        load_control_interval=args.load_control_interval,
-        refresh_interval=args.refresh_interval,
-        slo_headroom=args.slo_headroom,
-        instance_speed=args.instance_speed,
-        migration_price=args.migration_price,
-    )
+    scheduler = _scheduler_config(args, inputs.predictor)
     nodes = _nodes(args.nodes, instances)
     control = ControlSpec(
         args.policy,
@@ -74,6 +58,28 @@ def cluster_config(args, record: bool = False, warned: bool = False):
         **_dws_args(args, inputs.dws_cost),
     )
     return with_family_cache(config, family_of(load_config(args.model))), inputs
+
+
+def _scheduler_config(args, predictor: str | None):
+    """The scheduler's settings from the options; the step predictor's refresh period."""
+    import json
+
+    from dilaserve.control.decisions import SchedulerConfig
+
+    meta = Path(predictor or "") / "gbm-full.json"
+    k = json.loads(meta.read_text()).get("refresh_every_tokens", 8) if meta.is_file() else 8
+    return SchedulerConfig(
+        kv_cache=args.kv_cache,
+        slo=args.slo,
+        refresh_every_tokens=k,
+        max_requests_per_instance=args.max_requests_per_instance,
+        max_batch_requests=args.max_batch_requests,
+        load_control_interval=args.load_control_interval,
+        refresh_interval=args.refresh_interval,
+        slo_headroom=args.slo_headroom,
+        instance_speed=args.instance_speed,
+        migration_price=args.migration_price,
+    )
 
 
 def layout(args) -> tuple[int, ...]:

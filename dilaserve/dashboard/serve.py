@@ -7,12 +7,15 @@ It listens on 127.0.0.1 only: the run's folder is not listed, nor any other file
 
 from __future__ import annotations
 
+import logging
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from dilaserve.dashboard.page import DATA_FILE, asset, read_data
+
+log = logging.getLogger("dilaserve.dashboard")
 
 HOST = "127.0.0.1"
 _ASSETS = {  # path -> (file in static/, content type)
@@ -45,7 +48,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def log_message(self, format, *args) -> None:  # noqa: A002 (http.server's name)
-        pass  # quiet: the command prints its URL, nothing per request
+        log.debug(format, *args)  # not on stderr: the command prints its URL, nothing per request
 
 
 class RunServer(ThreadingHTTPServer):

@@ -9,6 +9,7 @@ with load, so both are bisections.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -20,10 +21,7 @@ from dilaserve.sim.traces import Trace
 MAX_GPUS = 4096
 SCALE_STEPS = 12  # bisection steps for the capacity multiple (about 0.1% of the answer)
 Progress = Callable[[str], None]  # told each feasibility check of the searches
-
-
-def _quiet(_: str) -> None:
-    pass
+log = logging.getLogger("dilaserve.plan")
 
 
 def nodes_for(gpus: int, gpus_per_node: int) -> tuple[int, ...]:
@@ -55,7 +53,7 @@ def capacity_multiple(
     classes: list[WorkloadClass],
     profile: LatencyProfile,
     cfg: PlannerConfig,
-    progress: Progress = _quiet,
+    progress: Progress = log.debug,
 ) -> float:
     """The largest factor on every class's rate that a plan on these GPUs still serves."""
 
@@ -82,7 +80,7 @@ def smallest_gpu_count(
     profile: LatencyProfile,
     cfg: PlannerConfig,
     per_node: int,
-    progress: Progress = _quiet,
+    progress: Progress = log.debug,
 ) -> int | None:
     """Fewest GPUs (nodes of `per_node`) whose best plan meets the SLOs; None if none does."""
 
@@ -117,7 +115,7 @@ def answer(
     profile: LatencyProfile,
     cfg: PlannerConfig,
     per_node: int,
-    progress: Progress = _quiet,
+    progress: Progress = log.debug,
 ) -> CapacityAnswer:
     plan = plan_capacity(classes, profile, cfg)
     progress(f"configuration: {'feasible' if plan.feasible else 'infeasible'} on these GPUs")
