@@ -5,8 +5,10 @@ dashboards and per-interval series that nobody reads in review and that would ma
 grow with every reproduction. `keep_run` copies the small files that say what a run was and what
 it printed (its resolved config, summary, report, timings, and the figures at its top level) into
 `docs/results/<run>/`, and writes `KEPT.md` naming the command that made the run and what was
-left out. The small files of nested run folders (a reproduction's simulations) are gathered into
-one `nested.json`, keyed by their paths, so that a kept run stays a handful of files.
+left out. The JSON files of nested run folders (a reproduction's simulations: config, summary,
+timings) are gathered into one `nested.json`, one line per file keyed by its path, so that a kept
+run stays a handful of files; a nested report.md repeats its summary.json beside per-interval
+rows, and a nested .txt is a fitted model, so both stay behind.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ DOCS_RESULTS = Path("docs/results")
 # what says what a run was and what it printed; anything else (records, logs, dashboards,
 # per-interval series, weights) stays in the run folder
 KEPT_SUFFIXES = (".json", ".md", ".txt")
-# only at the run's top level: nested runs' plots and records repeat what their summaries say
+# at the run's top level (nested runs keep only their JSON files)
 FIGURE_SUFFIXES = (".png", ".svg")
 MAX_FILE_BYTES = 200_000
 MAX_TABLE_BYTES = 50_000  # a short table; per-request records are longer
@@ -44,10 +46,12 @@ class Kept:
 def _wanted(relative: Path, size: int) -> bool:
     if size > MAX_FILE_BYTES or relative.name == KEPT_NOTE:
         return False
+    if len(relative.parts) > 1:
+        return relative.suffix == ".json"
     if relative.suffix in FIGURE_SUFFIXES:
-        return len(relative.parts) == 1
+        return True
     if relative.suffix == ".csv":
-        return len(relative.parts) == 1 and size <= MAX_TABLE_BYTES
+        return size <= MAX_TABLE_BYTES
     return relative.suffix in KEPT_SUFFIXES
 
 
@@ -90,10 +94,16 @@ def keep_run(run: str | Path, dest: str | Path | None = None) -> Kept:
             shutil.copy2(path, dest / relative)
             kept.copied.append(relative)
     if nested:
-        (dest / NESTED).write_text(json.dumps(nested, indent=1) + "\n")
+        (dest / NESTED).write_text(nested_json(nested))
         kept.copied.append(Path(NESTED))
     (dest / KEPT_NOTE).write_text(_note(kept, run_command(run), len(nested)))
     return kept
+
+
+def nested_json(nested: dict[str, object]) -> str:
+    """One JSON object, one line per nested file: small, and a diff names the files it touches."""
+    lines = [f"{json.dumps(path)}: {json.dumps(content)}" for path, content in nested.items()]
+    return "{\n" + ",\n".join(lines) + "\n}\n"
 
 
 def _content(path: Path) -> object:

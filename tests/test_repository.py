@@ -6,6 +6,7 @@ older layout, named here so that none can be added; they leave the tree over the
 submissions, which is what holds the tree's size above its target until then.
 """
 
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -91,15 +92,19 @@ def test_keep_copies_the_small_files_and_names_the_command(tmp_path):
     (run / "dashboard-data.js").write_text("window.DASHBOARD = {};")
     (run / "sub-1" / "summary.json").write_text('{"attainment": 0.8}')
     (run / "sub-1" / "run.png").write_bytes(b"\x89PNG")
+    (run / "sub-1" / "report.md").write_text("- attainment: 0.8\n| start | ... |")  # repeats it
 
     kept = keep_run(run, tmp_path / "kept")
 
     names = sorted(p.name for p in kept.dest.iterdir())
     assert names == ["KEPT.md", "config.json", "nested.json", "summary.json"]
-    assert '"sub-1/summary.json": {\n  "attainment": 0.8' in (kept.dest / "nested.json").read_text()
+    nested = (kept.dest / "nested.json").read_text()
+    assert json.loads(nested) == {"sub-1/summary.json": {"attainment": 0.8}}
+    assert '"sub-1/summary.json": {"attainment": 0.8}' in nested.splitlines()
     note = (kept.dest / "KEPT.md").read_text()
     assert "`dilaserve simulate`" in note
     assert "records.csv (1)" in note and "dashboard-data.js (1)" in note and "run.png (1)" in note
+    assert "report.md (1)" in note
 
 
 def test_keep_refuses_a_missing_run(tmp_path):
