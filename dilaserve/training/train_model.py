@@ -45,6 +45,8 @@ from dilaserve.training.tokenizer import (
 
 MIN_MASK_RATIO = 1e-3
 CHECKPOINT_EVERY = 500
+# trained in float32, stored in float16: half the bytes, and the loader reads it into float32
+STORED_DTYPE = torch.float16
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -248,8 +250,8 @@ def train(cfg: TrainConfig) -> Path:
             log.append({"step": step, "loss": round(loss.item(), 4), "minutes": minutes})
             print(json.dumps(log[-1]), flush=True)
         if step % CHECKPOINT_EVERY == 0:
-            save_checkpoint(model, out, num_shards=cfg.num_shards)
-    save_checkpoint(model, out, num_shards=cfg.num_shards)
+            save_checkpoint(model, out, num_shards=cfg.num_shards, dtype=STORED_DTYPE)
+    save_checkpoint(model, out, num_shards=cfg.num_shards, dtype=STORED_DTYPE)
     summary = {
         "config": asdict(cfg),
         "steps": step,
