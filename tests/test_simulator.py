@@ -289,3 +289,25 @@ def test_with_the_plans_batch_limits_every_request_still_finishes(tmp_path):
     bounded = simulate(spec(tmp_path, plan_batch_limits=True, **kw)).summary
     assert bounded["finished"] == bounded["requests"] == free["requests"]
     assert bounded["decision_digest"] != free["decision_digest"]
+
+
+@pytest.mark.parametrize("predictor", ["progress", "one-shot"])
+def test_the_simulated_predictor_learns_from_requests_of_the_specs_block_length(
+    tmp_path, monkeypatch, predictor
+):
+    from dilaserve.sim import predictor as sim_predictor
+    from dilaserve.control.policy import get_policy
+    from dilaserve.sim.traces import load_trace
+    from dilaserve.sim.workload import make_predictor
+
+    seen = set()
+    real_run_alone = sim_predictor.run_alone
+
+    def run_alone(behaviour, r, mode):
+        seen.add(r.block_len)
+        return real_run_alone(behaviour, r, mode)
+
+    monkeypatch.setattr(sim_predictor, "run_alone", run_alone)
+    s = spec(tmp_path, block_len=16)
+    make_predictor(s, get_policy("dilaserve", predictor=predictor), load_trace(s.trace))
+    assert seen == {16}

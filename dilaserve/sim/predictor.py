@@ -9,7 +9,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dilaserve.config import DEFAULT_BLOCK_LEN
 from dilaserve.control.features import FEATURE_NAMES
 from dilaserve.control.predictor import GBMPredictor, fit_gbm
 from dilaserve.protocol import KVCacheMode, block_offset
@@ -50,8 +49,9 @@ def simulated_trajectories(
     behaviour,
     shapes: Sequence[tuple[int, int]],
     thresholds: Sequence[float],
-    block_len: int = DEFAULT_BLOCK_LEN,
-    mode: KVCacheMode = KVCacheMode.DUAL,
+    *,
+    block_len: int,
+    mode: KVCacheMode,
 ) -> list[Trajectory]:
     """Every (prompt length, output length) shape run at every threshold; shape i is prompt
     `p{i}`, the same prompt at each threshold. With an exact cache (block diffusion) blocks sit
@@ -71,11 +71,12 @@ def train_sim_predictor(
     behaviour,
     shapes: Sequence[tuple[int, int]],
     thresholds: Sequence[float],
-    block_len: int = DEFAULT_BLOCK_LEN,
+    *,
+    block_len: int,
+    mode: KVCacheMode,
     seed: int = 0,
     features: Sequence[str] = FEATURE_NAMES,
-    mode: KVCacheMode = KVCacheMode.DUAL,
 ) -> GBMPredictor:
-    trajs = simulated_trajectories(behaviour, shapes, thresholds, block_len, mode)
+    trajs = simulated_trajectories(behaviour, shapes, thresholds, block_len=block_len, mode=mode)
     rows, labels = rows_and_labels(trajs)
     return fit_gbm(rows, labels, tuple(thresholds), features, seed, TREE_SHAPE)

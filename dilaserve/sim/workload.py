@@ -206,8 +206,10 @@ def make_predictor(spec: SimulationSpec, policy, trace: traces.Trace, rate=None)
     if name in ("full", "progress"):
         features = FEATURE_NAMES if name == "full" else PROGRESS_FEATURES
         behaviour = ParametricBehaviour(seed=spec.seed + 4, tokens_per_step=rate)
-        mode = spec.costs.mode
-        return train_sim_predictor(behaviour, shapes, thresholds, features=features, mode=mode)
+        return train_sim_predictor(
+            behaviour, shapes, thresholds, block_len=spec.block_len, mode=spec.costs.mode,
+            features=features,
+        )
     if name == "oracle":
         raise ValueError(
             "the oracle step predictor knows true remaining steps only for replayed "
@@ -218,6 +220,8 @@ def make_predictor(spec: SimulationSpec, policy, trace: traces.Trace, rate=None)
         from dilaserve.training.train_predictor import one_shot_rates
 
         behaviour = ParametricBehaviour(seed=spec.seed + 4, tokens_per_step=rate)
-        trajs = simulated_trajectories(behaviour, shapes, thresholds, mode=spec.costs.mode)
+        trajs = simulated_trajectories(
+            behaviour, shapes, thresholds, block_len=spec.block_len, mode=spec.costs.mode
+        )
         return OneShotPredictor(thresholds, one_shot_rates(trajs))
     raise ValueError(f"no simulated step predictor {name!r}")
