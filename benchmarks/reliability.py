@@ -85,6 +85,9 @@ from reliability_targets import verdicts
 from dilaserve.runs import create_run_dir, environment, write_json
 
 ROOT = Path(__file__).resolve().parent
+CASES = ("hostile", "overload", "closed_loop", "storm", "neighbour", "kill_9", "sigstop", "drain",
+         "streams")  # fmt: skip
+LOADED = ("overload", "closed_loop", "storm", "neighbour", "kill_9", "sigstop")  # need capacity
 
 
 def free_port() -> int:
@@ -162,48 +165,69 @@ class Run:
         self.keep("header_flood", await health_while(url, pid, huge_header, 4, 15.0))
         self.keep("many_message_chats", await health_while(url, pid, many_message_chat, 8, 15.0))
 
-    async def load(self) -> float:
-        args, url = self.args, self.url
-        records = await closed_loop(url, 32, args.capacity_seconds, args.slo_ms)
+    def wants(self, *cases: str) -> bool:
+        return any(case in self.args.cases for case in cases)
+
+    async def measure_capacity(self) -> float:
+        args = self.args
+        if args.capacity is not None:
+            return args.capacity
+        records = await closed_loop(self.url, 32, args.capacity_seconds, args.slo_ms)
         capacity = served_rate(records, args.capacity_seconds)
         self.keep("capacity", {"clients": 32, "seconds": args.capacity_seconds,
                                "served_per_s": capacity})  # fmt: skip
-        self.keep("overload", await overload_phase(url, 3 * capacity, capacity, args))
-        await self.idle("overload")
-        clients, seconds = args.storm_clients, args.storm_seconds
-        figures = await storm(url, clients, seconds, capacity, args.slo_ms, polite=True)
-        self.keep("closed_loop", figures)
-        self.keep("storm", await storm(url, clients, seconds, capacity, args.slo_ms, False))
-        await self.idle("storm")
-        self.keep("neighbour", await neighbour(url, capacity / 2, 20.0, args.slo_ms))
-        await self.idle("neighbour")
         return capacity
+
+    async def load(self, capacity: float) -> None:
+        args, url = self.args, self.url
+        if self.wants("overload"):
+            self.keep("overload", await overload_phase(url, 3 * capacity, capacity, args))
+            await self.idle("overload")
+        clients, seconds = args.storm_clients, args.storm_seconds
+        if self.wants("closed_loop"):
+            figures = await storm(url, clients, seconds, capacity, args.slo_ms, polite=True)
+            self.keep("closed_loop", figures)
+        if self.wants("storm"):
+            self.keep("storm", await storm(url, clients, seconds, capacity, args.slo_ms, False))
+            await self.idle("storm")
+        if self.wants("neighbour"):
+            self.keep("neighbour", await neighbour(url, capacity / 2, 20.0, args.slo_ms))
+            await self.idle("neighbour")
 
     async def faults(self, capacity: float) -> None:
         url, slo_ms = self.url, self.args.slo_ms
-        self.keep("kill_9", await kill_phase(url, self.server, capacity / 2, slo_ms, "kill"))
-        await self.idle("kill -9")
-        self.keep("sigstop", await kill_phase(url, self.server, capacity / 2, slo_ms, "stop"))
-        await self.idle("SIGSTOP")
+        if self.wants("kill_9"):
+            self.keep("kill_9", await kill_phase(url, self.server, capacity / 2, slo_ms, "kill"))
+            await self.idle("kill -9")
+        if self.wants("sigstop"):
+            self.keep("sigstop", await kill_phase(url, self.server, capacity / 2, slo_ms, "stop"))
+            await self.idle("SIGSTOP")
 
     async def drains(self) -> None:
         args = self.args
-        figures = await drain_at_capacity(
-            self.url, self.server, args.storm_clients, args.slo_ms, args.drain_timeout
-        )
-        self.keep("drain_at_capacity", figures)
-        self.start()
-        figures = await streams_past_the_drain(
-            self.url, self.server, 16, args.slo_ms, args.drain_timeout
-        )
-        self.keep("streams_past_the_drain", figures)
+        if self.wants("drain"):
+            figures = await drain_at_capacity(
+                self.url, self.server, args.storm_clients, args.slo_ms, args.drain_timeout
+            )
+            self.keep("drain_at_capacity", figures)
+        if self.wants("streams"):
+            if self.server.poll() is None:
+                os.killpg(self.server.pid, signal.SIGKILL)
+            self.start()
+            figures = await streams_past_the_drain(
+                self.url, self.server, 16, args.slo_ms, args.drain_timeout
+            )
+            self.keep("streams_past_the_drain", figures)
 
     async def run(self) -> dict:
         self.start()
         try:
-            await self.hostile()
-            capacity = await self.load()
-            await self.faults(capacity)
+            if self.wants("hostile"):
+                await self.hostile()
+            if self.wants(*LOADED):
+                capacity = await self.measure_capacity()
+                await self.load(capacity)
+                await self.faults(capacity)
             await self.drains()
         finally:
             if self.server.poll() is None:
@@ -220,8 +244,23 @@ def drop_access_lines(log: Path) -> None:
     log.write_text("".join(line for line in lines if ' HTTP/1.1" ' not in line))
 
 
+PHASE_LABELS = {
+    "after_fuzz": "after the fuzz",
+    "large_bodies": "/health under the largest bodies",
+    "header_flood": "/health under header floods",
+    "many_message_chats": "/health under many-message chats",
+    "capacity": "capacity (32 closed-loop clients)",
+    "closed_loop": "closed loop (waiting Retry-After)",
+    "storm": "storm (50 ms after a refusal)",
+    "neighbour": "neighbour",
+    "kill_9": "kill -9 of a worker",
+    "sigstop": "SIGSTOP of a worker (30 s)",
+    "drain_at_capacity": "drain at capacity",
+    "streams_past_the_drain": "streams past the drain",
+}
+
+
 def report(summary: dict, args) -> str:
-    o, f = summary["overload"], summary["fuzz"]
     lines = [
         "# Reliability suite",
         "",
@@ -240,29 +279,37 @@ def report(summary: dict, args) -> str:
         "",
         "## Phases",
         "",
-        f"- fuzz: {f['bodies']} hostile bodies, statuses {f['statuses']}; answers not in OpenAI's "
-        f"shape or 5xx: {f['bad']}; after: {summary['after_fuzz']}",
-        f"- /health under the largest bodies: {summary['large_bodies']}",
-        f"- /health under header floods: {summary['header_flood']}",
-        f"- /health under many-message chats: {summary['many_message_chats']}",
-        f"- capacity: {summary['capacity']['served_per_s']} requests/s served (32 clients)",
+    ]
+    if "fuzz" in summary:
+        f = summary["fuzz"]
+        lines.append(f"- fuzz: {f['bodies']} hostile bodies, statuses {f['statuses']}; answers "
+                     f"not in OpenAI's shape or 5xx: {f['bad']}")  # fmt: skip
+    if "overload" in summary:
+        lines.append(overload_line(summary["overload"]))
+    lines += [f"- {label}: {summary[key]}" for key, label in PHASE_LABELS.items() if key in summary]
+    lines += [f"- idle after {i['after']}: {i}" for i in summary.get("idle_after", [])]
+    return "\n".join(lines) + "\n"
+
+
+def overload_line(o: dict) -> str:
+    return (
         f"- overload at {o['rate_per_s']}/s for {o['seconds']} s: {o['refused_429']} refused "
         f"(p50 {o['refusal_latency_p50_s']} s, p99 {o['refusal_latency_p99_s']} s; "
         f"{o['refusals_with_retry_after']} with Retry-After), {o['served']} served "
         f"({o['served_within_slo']:.1%} within SLO as the client counts, "
         f"{o['served_within_slo_server']:.1%} as the server does), "
         f"{o['without_answer']} without an answer, "
-        f"{o['served_per_s']}/s served vs {o['capacity_per_s']}/s at capacity",
-        f"- closed loop (waiting Retry-After): {summary['closed_loop']}",
-        f"- storm (50 ms after a refusal): {summary['storm']}",
-        f"- neighbour: {summary['neighbour']}",
-        f"- kill -9 of a worker: {summary['kill_9']}",
-        f"- SIGSTOP of a worker (30 s): {summary['sigstop']}",
-        *(f"- idle after {i['after']}: {i}" for i in summary["idle_after"]),
-        f"- drain at capacity: {summary['drain_at_capacity']}",
-        f"- streams past the drain: {summary['streams_past_the_drain']}",
-    ]
-    return "\n".join(lines) + "\n"
+        f"{o['served_per_s']}/s served vs {o['capacity_per_s']}/s at capacity"
+    )
+
+
+def cases_list(text: str) -> tuple[str, ...]:
+    """`--cases`: names of `CASES`, comma-separated."""
+    cases = tuple(c.strip() for c in text.split(",") if c.strip())
+    unknown = [c for c in cases if c not in CASES]
+    if unknown or not cases:
+        raise argparse.ArgumentTypeError(f"unknown cases {unknown}; choose from {','.join(CASES)}")
+    return cases
 
 
 def main() -> None:
@@ -286,6 +333,18 @@ def main() -> None:
     )
     parser.add_argument("--worker-nice", type=int, metavar="N", help="serve's (default: its)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--cases",
+        type=cases_list,
+        default=CASES,
+        help=f"comma-separated, of {','.join(CASES)} (default: all, in that order)",
+    )
+    parser.add_argument(
+        "--capacity",
+        type=float,
+        metavar="PER_S",
+        help="take the capacity as given rather than measure it (32 closed-loop clients)",
+    )
     parser.add_argument("--out", default=str(ROOT.parent / "runs"), help="(an ignored folder)")
     args = parser.parse_args()
     args.argv = sys.argv[1:]
