@@ -30,6 +30,7 @@ async def one(client: LoadClient, slo_ms: float) -> dict:
             record["server_latency"] = answer.json()["dilaserve"]["latency_s"]
     except NoAnswer as e:
         record["status"] = "refused" if e.refused else "no answer (closed)"
+        record["why"] = f"{type(e.__cause__).__name__}: {e.__cause__}"[:80]  # (a reset, ...)
     except asyncio.TimeoutError:
         record["status"] = "no answer (timeout)"
     record["latency"] = time.perf_counter() - start

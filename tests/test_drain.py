@@ -4,13 +4,17 @@ the close waits for the requests read to be answered."""
 
 import asyncio
 import json
+import signal
 import socket
 import sys
 import threading
+import time
 
 import pytest
 import uvicorn
 
+from dilaserve.server import main
+from dilaserve.server.app import ServerSettings
 from dilaserve.server.guards import draining_answer
 from dilaserve.server.limits import HttpLimits, limited_protocol
 from dilaserve.server.listener import (
@@ -64,12 +68,15 @@ class _Server(uvicorn.Server):
         return self.servers[0].sockets[0].getsockname()
 
     def close_listeners(self, before=lambda: None):
-        """`close_listeners` on the server's loop, after `before()` ran with that loop held."""
+        """`close_listeners` on the server's loop, after `before()` ran with that loop held;
+        then, as uvicorn's shutdown, each connection's `shutdown` (an idle one is closed)."""
 
         async def held_then_closed():
             before()  # (blocks the loop: nothing is accepted meanwhile)
             connections = self.server_state.connections
             await close_listeners(self.servers, connections, HANG_GUARD_S, draining_answer())
+            for connection in list(connections):
+                connection.shutdown()
 
         return asyncio.run_coroutine_threadsafe(held_then_closed(), self.loop)
 
@@ -140,6 +147,59 @@ def test_the_close_waits_for_each_request_read_to_be_answered():
         answer = _answer(client)
         assert answer.startswith(b"HTTP/1.1 200") and b"done" in answer
     server.stop()
+
+
+def test_the_close_waits_for_the_first_request_of_a_connection_just_opened():
+    # beside a CPU hog, clients connected and were slow to send: the close took them for idle
+    # and shut them, and each request was lost (the reliability suite's drain)
+    server = _Server(_app)
+    with socket.socket() as client:
+        client.connect(server.address)
+        wait_until(lambda: len(server.server_state.connections) == 1)  # taken; nothing sent
+        closing = server.close_listeners()
+        wait_until(lambda: not server.servers[0].is_serving())
+        time.sleep(0.1)  # (the close's polls run meanwhile)
+        assert not closing.done()  # it waits for the request the client is about to send
+        client.sendall(GET % b"v1/completions")
+        closing.result(HANG_GUARD_S)
+        assert _answer(client).startswith(b"HTTP/1.1 204")  # answered, not reset
+    server.stop()
+
+
+def test_the_close_does_not_wait_for_an_idle_keep_alive_connection():
+    server = _Server(_app)
+    with socket.socket() as client:
+        client.connect(server.address)
+        client.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")  # (kept alive)
+        client.settimeout(HANG_GUARD_S)
+        assert client.recv(4096).startswith(b"HTTP/1.1 204")
+        server.close_listeners().result(HANG_GUARD_S)  # returns with the connection idle
+        assert _answer(client) == b""  # then closed by the shutdown
+    server.stop()
+
+
+def test_new_connections_are_turned_away_for_the_drains_last_call(monkeypatch):
+    # the connections taken until the drain's end had no time left to carry their requests
+    events = []
+
+    class Cluster:
+        in_flight = 3
+
+        def drain(self, timeout):
+            events.append(("drain", timeout))
+            return False  # (requests still in flight)
+
+        def close(self, join_seconds):
+            events.append(("close",))
+
+    monkeypatch.setattr(main, "turn_new_connections_away", lambda s: events.append(("away",)))
+    settings = ServerSettings("m", drain_timeout=10.0)
+    server = main.DrainingServer(uvicorn.Config(_app), Cluster(), settings)
+    server.servers = []  # (as uvicorn sets them on starting)
+    server._drain_then_exit(signal.SIGTERM, None)
+    last_call = main.LAST_CALL_SECONDS
+    assert events[:3] == [("drain", 10.0 - last_call), ("away",), ("drain", last_call)]
+    assert server.should_exit
 
 
 def test_the_last_word_is_the_draining_servers_503():

@@ -17,15 +17,21 @@ clients: 255 connections reset, docs/serving.md). So the listener is closed in s
    its bytes are read: a few system calls each, where the HTTP stack and the app cost about a
    millisecond, which a front starved of CPU at shutdown does not have;
 3. the listener closes with its queue empty, and the server waits until no open connection
-   holds a request it read but has not answered, or bytes it has not read yet.
+   holds a request it read but has not answered, or bytes it has not read yet, or is one the
+   server took but on which no request has come yet: a client that has just connected is
+   about to send one (beside a CPU hog, 85 connections were in that state when uvicorn
+   closed them, and each of their requests was lost, "Can not write request body": the
+   reliability suite's drain, docs/serving.md). Only an idle keep-alive connection, one that
+   was answered and carries nothing, is closed at once.
 
-The server (`main.py`) attaches the filter before it fails the requests the drain left
-running, so that their clients' next connections are turned away at once rather than queued
-(beside 400 closed-loop clients on a busy 2-core machine, 147 connections were still queued
-when the listener closed after 0.25 s of the server's own accepting). Each wait ends at the
-deadline given, whatever is left (logged). Where the filter or `TCP_INFO` is not available
-(not Linux), the listener closes as before. This module knows sockets and uvicorn's
-connections, not what the answer says.
+The server (`main.py`) attaches the filter before the drain's last second, and before it
+fails the requests the drain left running, so that their clients' next connections are turned
+away at once rather than queued (beside 400 closed-loop clients on a busy 2-core machine, 147
+connections were still queued when the listener closed after 0.25 s of the server's own
+accepting), and the clients of the connections it took have time to send their requests.
+Each wait ends at the deadline given, whatever is left (logged). Where the filter or
+`TCP_INFO` is not available (not Linux), the listener closes as before. This module knows
+sockets and uvicorn's connections, not what the answer says.
 """
 
 from __future__ import annotations
@@ -91,12 +97,14 @@ def unread_bytes(transport) -> int:
 
 def has_unanswered_request(connection) -> bool:
     """Does a uvicorn connection hold a request it has read (or has yet to read) and not
-    answered?"""
-    cycle = getattr(connection, "cycle", None)
-    if cycle is not None and not cycle.response_complete:
-        return True
+    answered, or is it new, with no request yet (its client is about to send one)?"""
     transport = getattr(connection, "transport", None)
-    return transport is not None and unread_bytes(transport) > 0
+    if transport is None or transport.is_closing():
+        return False
+    cycle = getattr(connection, "cycle", None)
+    if cycle is None or not cycle.response_complete:
+        return True
+    return unread_bytes(transport) > 0
 
 
 def turn_new_connections_away(servers: Iterable[asyncio.Server]) -> list:
@@ -127,7 +135,12 @@ async def close_listeners(
     if answers:
         await asyncio.wait(answers, timeout=max(deadline - time.monotonic(), 0.0))
     if not await _until(lambda: not _unanswered(connections), deadline):
-        log.warning("%d connections still hold a request not answered", _unanswered(connections))
+        fresh = sum(getattr(c, "cycle", 0) is None for c in list(connections))
+        log.warning(
+            "%d connections still hold a request not answered (%d with no request yet)",
+            _unanswered(connections),
+            fresh,
+        )
 
 
 def _take_queue(listener: socket.socket, last_word: bytes, deadline: float) -> list:

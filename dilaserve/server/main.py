@@ -7,10 +7,12 @@ Shutdown (SIGINT/SIGTERM): the server keeps listening while it drains, so that n
 get 503 with Retry-After and `Connection: close` (`guards.py`: at any load, before capacity's
 429) and `/health` says 503 rather than a refused connection; requests in flight have up to the
 drain timeout to finish; those still running then get an error in OpenAI's shape (a stream: an
-error event and `[DONE]`). Then the listener closes without resetting the connections the
-kernel already completed (`listener.py`: new ones are turned away from the moment the drain
-ends, those queued are taken and answered 503 too, and the server waits until every request it
-read is answered), while the instances stop. The process exits within the drain timeout plus
+error event and `[DONE]`). New connections are turned away (`listener.py`) once nothing is in
+flight, or for the drain's last second (`LAST_CALL_SECONDS`), so that a client the server took
+has time to send its request. Then the listener closes without resetting the connections the
+kernel already completed (`listener.py`: those queued are taken and answered 503 too, and the
+server waits until every connection it took has had its request answered, a connection with
+no request yet included), while the instances stop. The process exits within the drain timeout plus
 `EXIT_SECONDS`: each step of uvicorn's shutdown gets what is left of that second, and an
 instance still stopping then is left to end on its own (its socket closes with the process).
 Workers ignore terminal signals (a SIGTERM to the process group, as systemd and `timeout`
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import socket
 import threading
 import time
@@ -42,16 +45,22 @@ from dilaserve.server.metrics import ServerMetrics
 log = logging.getLogger("dilaserve.server")
 EXIT_SECONDS = 1.0  # after the drain timeout, the longest the process takes to exit
 # Of EXIT_SECONDS, while the cluster closes (failing what is left): uvicorn's loop's tick
-# (0.1 s, later on a busy machine), up to LAST_WORD_SECONDS to close the listener and see the
-# requests read answered (`listener.py`), uvicorn's own pause (0.1 s) and up to
-# GRACEFUL_SECONDS for the last answers to go out; each wait gets only what is left of the
-# exit's deadline less what comes after it (at least MIN_WAIT_SECONDS), and EXIT_MARGIN is
-# kept for the interpreter's exit.
+# (0.1 s, later on a busy machine), then the listener's close, which waits until every
+# connection's request is answered (`listener.py`: a connection just opened is waited on for
+# its first request), uvicorn's own pause (0.1 s) and up to GRACEFUL_SECONDS for the last
+# answers to go out; each wait gets only what is left of the exit's deadline less what comes
+# after it (at least MIN_WAIT_SECONDS), and EXIT_MARGIN is kept for the interpreter's exit.
+# Without a drain (a second signal), the listener's close waits at most LAST_WORD_SECONDS.
 LAST_WORD_SECONDS = 0.3
 GRACEFUL_SECONDS = 0.25
 UVICORN_PAUSE_SECONDS = 0.1
 EXIT_MARGIN = 0.25
 MIN_WAIT_SECONDS = 0.05
+# New connections are turned away for the drain's last LAST_CALL_SECONDS (at most
+# LAST_CALL_SHARE of it), so that every connection the server took has that long at least to
+# carry its request before the listener closes.
+LAST_CALL_SECONDS = 1.0
+LAST_CALL_SHARE = 0.5
 CLOSE_JOIN_SECONDS = 0.2  # the controller thread's to stop before what is left is failed
 # Idle keep-alive connections are closed after this (uvicorn's default is 5 s). A client that
 # reuses one just as the server closes it loses that request (a read error), so the server
@@ -121,7 +130,8 @@ class DrainingServer(uvicorn.Server):
         one still in the kernel's accept queue, is answered (503: draining) rather than dropped
         with its connection (`listener.py`); within the drain's exit deadline."""
         after = UVICORN_PAUSE_SECONDS + EXIT_MARGIN
-        last_word = self._time_left(LAST_WORD_SECONDS, after + GRACEFUL_SECONDS)
+        most = LAST_WORD_SECONDS if self._exit_by is None else math.inf  # (a drain's: all left)
+        last_word = self._time_left(most, after + GRACEFUL_SECONDS)
         connections = self.server_state.connections
         await close_listeners(self.servers, connections, last_word, draining_answer())
         graceful = self.config.timeout_graceful_shutdown or GRACEFUL_SECONDS
@@ -151,11 +161,15 @@ class DrainingServer(uvicorn.Server):
     def _drain_then_exit(self, sig, frame) -> None:
         timeout = self.settings.drain_timeout
         self._exit_by = time.monotonic() + timeout + EXIT_SECONDS
-        if not self.cluster.drain(timeout):
-            log.info("drain timed out: failing %d requests in flight", self.cluster.in_flight)
-        # the clients of the requests failed next are turned away when they connect again, not
-        # queued for a front with no time left to answer them (`listener.py`)
+        last_call = min(LAST_CALL_SECONDS, timeout * LAST_CALL_SHARE)
+        drained = self.cluster.drain(timeout - last_call)
+        # new connections are turned away from here on (`listener.py`), and those the server
+        # took have the rest of the drain and of the exit to send their requests: a client may
+        # take its time to write once connected (beside a CPU hog, 131 connections taken in the
+        # drain's last 0.4 s had sent nothing when the listener closed)
         turn_new_connections_away(self.servers)
+        if not (drained or self.cluster.drain(last_call)):
+            log.info("drain timed out: failing %d requests in flight", self.cluster.in_flight)
         # fails what is left, in OpenAI's shape, and stops the instances, while uvicorn shuts
         # down (its listener's close waits for those answers); an instance slower to stop than
         # the process is left to end on its own
