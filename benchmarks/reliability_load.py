@@ -28,6 +28,8 @@ async def one(client: LoadClient, slo_ms: float) -> dict:
         record["openai_shape"] = is_openai_answer(answer.status, answer.body)
         if answer.status == 200:  # the latency the server counts, from when it got the request
             record["server_latency"] = answer.json()["dilaserve"]["latency_s"]
+        elif answer.status == 429 and record["openai_shape"]:  # (why: the front's or admission's)
+            record["message"] = answer.json()["error"]["message"]
     except NoAnswer as e:
         record["status"] = "refused" if e.refused else "no answer (closed)"
         record["why"] = f"{type(e.__cause__).__name__}: {e.__cause__}"[:80]  # (a reset, ...)

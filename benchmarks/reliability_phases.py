@@ -166,5 +166,28 @@ async def kill_phase(url: str, server: subprocess.Popen, rate: float, slo_ms: fl
                 pass
         await watch
 
+    gauges: list = []
+    watch = asyncio.ensure_future(gauge_watch(url, time.monotonic() + 18.0 + hold, gauges))
     records = await open_loop(url, rate, 15.0 + hold, slo_ms, seed=5, during=fault)
-    return fault_summary(records, seen, 3.0, fault_at[0]) | {"worker": pid}
+    await watch
+    figures = fault_summary(records, seen, 3.0, fault_at[0]) | {"worker": pid}
+    return figures | {"gauges_each_second": gauges}
+
+
+GAUGES = ("requests_in_flight", "step_slowdown", "admission_on_time_factor", "deadline_factor",
+          "instances_stalled", "queue_length")  # fmt: skip
+
+
+async def gauge_watch(url: str, until: float, seen: list) -> None:
+    """Record `GAUGES` of `/metrics` every second (what admission saw around a fault)."""
+    async with client_for(url, timeout=5) as client:
+        while time.monotonic() < until:
+            await asyncio.sleep(1.0)
+            try:
+                text = (await client.get("/metrics")).body.decode()
+            except (NoAnswer, asyncio.TimeoutError):
+                seen.append(None)
+                continue
+            values = dict(line.split()[:2] for line in text.splitlines() if " " in line)
+            row = [values.get(f"dilaserve_{name}") for name in GAUGES]
+            seen.append([None if v is None else round(float(v), 2) for v in row])

@@ -57,12 +57,20 @@ def fault_summary(records: list[dict], health: list, at: float, fault_at: float)
     not_ok = [t for t, status in health if t >= at and status != "ok"]
     back = next((t for t, status in health if t > (max(not_ok) if not_ok else at) and
                  status == "ok"), None)  # fmt: skip
+    refused = [r for r in failed if r["status"] == 429]
     return {
         "sent": len(records),
         "served": sum(r["status"] == 200 for r in records),
         "failed": len(failed),
         "failed_statuses": tally(r["status"] for r in failed),
+        "refused_s_after_fault": tally(int(r["sent"] - fault_at) for r in refused),
+        "refusal_reasons": tally(reason_kind(r.get("message", "")) for r in refused),
         "longest_wait_s": round(max((r["latency"] for r in records), default=0.0), 3),
         "health_not_ok_s": [min(not_ok), max(not_ok)] if not_ok else None,
         "health_ok_again_at_s": back,
     }
+
+
+def reason_kind(message: str) -> str:
+    """A refusal's message without its figures (so that alike refusals are counted together)."""
+    return "".join("#" if c.isdigit() else c for c in message).replace("#.#", "#")[:90]

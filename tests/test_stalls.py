@@ -68,3 +68,22 @@ def test_requests_behind_a_stopped_worker_finish_before_it_is_killed():
     app = create_app(cluster, ServerSettings(MODEL), ServerMetrics(), manage=False)
     with TestClient(app) as client:
         assert "dilaserve_instances_stalled 1.0" in client.get("/metrics").text
+
+
+def test_requests_in_flight_when_an_instance_dies_teach_admission_nothing():
+    # priced for the capacity the fault took away, and then served behind the dead instance's
+    # requests: their lateness is the fault's (after SIGSTOP, admission refused for it)
+    cluster, clock = virtual_cluster(instances=(1, 1), slo=60.0)
+    handles = [submit(cluster, f"r{k}", slo=600.0) for k in range(8)]
+    assert [outcome(cluster, h) for h in handles] == ["admitted"] * 8
+    run_until(cluster, lambda: len(clock._running) == 2)  # both instances run a step
+    on_time = cluster.controller.admission.on_time
+    in_flight = [h.request_id for h in handles if not h.future.done()]
+    assert any(rid in on_time for rid in in_flight)  # priced, to be learnt from
+    clock.kill("i0")
+    run_until(cluster, lambda: cluster.controller.stats["failures"] == 1)
+    assert not any(rid in on_time for rid in in_flight)
+    late = submit(cluster, "after", slo=600.0)  # admitted after the fault: priced as usual
+    assert outcome(cluster, late) == "admitted" and "after" in on_time
+    run_until(cluster, lambda: all(h.future.done() for h in [*handles, late]))
+    assert all(h.future.exception() is None for h in [*handles, late])

@@ -315,7 +315,8 @@ class Controller:
             return  # already handled (a failed load is reported, then its exit)
         self.stats["failures"] += 1
         log.error("instance %s failed: %s", iid, error)
-        self._forget_timings(iid)
+        if iid in self.scheduler.instances:
+            self._forget_all_timings()
         self._inflight.pop(iid, None)
         self.hangs.gone(iid)
         spec = self._specs.pop(iid, None)
@@ -337,6 +338,15 @@ class Controller:
         _, batch = self._inflight.get(iid, (0.0, None))
         running = {item.request_id for item in batch.items} if batch is not None else set()
         for rid in held | running:
+            self.admission.dropped(rid)
+
+    def _forget_all_timings(self) -> None:
+        """An instance serving died: every request in flight was priced for the capacity it
+        took away, and those it held now go ahead of the others on the instances left. Their
+        times are the fault's too, not a prediction's error (after a worker was stopped for
+        30 s, then killed as hung, the requests in flight elsewhere took 4x their predicted
+        time, and admission then refused a load the cluster had room for)."""
+        for rid in list(self.handles):
             self.admission.dropped(rid)
 
     def _replace(self, iid: str, replacement: InstanceSpec, now: float) -> None:
