@@ -6,6 +6,7 @@ from fastapi.testclient import TestClient
 from test_admission_recovery import MODEL, outcome, run_until, submit, virtual_cluster
 from test_scheduler import done, only_launch, result, scheduler
 
+from dilaserve.cluster.backends import WorkerEvent
 from dilaserve.control.instance import STALL_FACTOR, STALL_SECONDS, InstanceState
 from dilaserve.server.app import ServerSettings, create_app
 from dilaserve.server.metrics import ServerMetrics
@@ -87,3 +88,29 @@ def test_requests_in_flight_when_an_instance_dies_teach_admission_nothing():
     assert outcome(cluster, late) == "admitted" and "after" in on_time
     run_until(cluster, lambda: all(h.future.done() for h in [*handles, late]))
     assert all(h.future.exception() is None for h in [*handles, late])
+
+
+def test_while_lost_capacity_is_restored_finished_requests_teach_admission_nothing():
+    # beside a replacement loading, the instance left ran far slower than priced
+    cluster, clock = virtual_cluster(instances=(1, 1), slo=60.0)
+    loading = []
+    clock.start = loading.append  # a replacement loads until the test says it is up
+    clock.kill("i0")
+    run_until(cluster, lambda: loading)
+    assert not cluster.controller.is_whole
+    admission = cluster.controller.admission
+    admission._ran_as_priced = lambda request: True  # (each would teach, whatever it ran at)
+    on_time = admission.on_time
+    during = submit(cluster, "during", slo=600.0)
+    assert outcome(cluster, during) == "admitted"
+    run_until(cluster, during.future.done)
+    assert on_time.finished == 0  # finished while the cluster was not whole: not learnt
+    straddles = submit(cluster, "straddles", slo=600.0)
+    assert outcome(cluster, straddles) == "admitted" and "straddles" in on_time
+    clock._events.append(WorkerEvent("up", loading[0].instance_id))
+    run_until(cluster, lambda: cluster.controller.is_whole)
+    assert "straddles" not in on_time  # priced before the cluster was whole again
+    after = submit(cluster, "after", slo=600.0)
+    assert outcome(cluster, after) == "admitted"
+    run_until(cluster, lambda: straddles.future.done() and after.future.done())
+    assert on_time.finished == 1  # "after" alone

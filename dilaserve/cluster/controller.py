@@ -190,7 +190,7 @@ class Controller:
         speed = self.scheduler.speed
         for iid, inst in self.scheduler.instances.items():  # (the tick stalls these)
             if inst.takes_work and inst.overdue(now, speed.instance_ratio(iid)):
-                self._forget_timings(iid)  # a stall is a fault too, not a prediction's error
+                self._forget_all_timings()  # a stall is a fault too
         self.apply(self.scheduler.on_tick(now), now, "t")
         for replacement in self.replacements.due(now):
             self._replace("(retry)", replacement, now)
@@ -257,6 +257,8 @@ class Controller:
     def _on_event(self, event: WorkerEvent, now: float) -> None:
         iid = event.instance_id
         if event.kind == "up":
+            if self.replacements.pending:  # (lost capacity restored)
+                self._forget_all_timings()
             self.replacements.up(iid)
             if iid in self._specs:
                 self.rollout.on_up(self._specs[iid], now)
@@ -328,26 +330,18 @@ class Controller:
         if replacement is not None:
             self._replace(iid, replacement, now)
 
-    def _forget_timings(self, iid: str) -> None:
-        """The requests on a failed or stalled instance (running, gathered or held there) lost
-        time to the fault, not to a prediction: their times teach admission's on-time
-        calibration nothing (a worker stopped for 30 s had made it refuse work for half the
-        load it then had room for)."""
-        inst = self.scheduler.instances.get(iid)
-        held = set(inst.holds) | set(inst.pending) if inst is not None else set()
-        _, batch = self._inflight.get(iid, (0.0, None))
-        running = {item.request_id for item in batch.items} if batch is not None else set()
-        for rid in held | running:
-            self.admission.dropped(rid)
-
     def _forget_all_timings(self) -> None:
-        """An instance serving died: every request in flight was priced for the capacity it
-        took away, and those it held now go ahead of the others on the instances left. Their
-        times are the fault's too, not a prediction's error (after a worker was stopped for
-        30 s, then killed as hung, the requests in flight elsewhere took 4x their predicted
-        time, and admission then refused a load the cluster had room for)."""
+        """A fault begins or ends (an instance stalled or died, or its replacement is up): the
+        requests in flight were priced for a cluster that is no more, and their times teach
+        admission nothing (after SIGSTOP, they took 4x their prediction, and its factor then
+        refused a load the cluster had room for: docs/serving.md)."""
         for rid in list(self.handles):
             self.admission.dropped(rid)
+
+    @property
+    def is_whole(self) -> bool:
+        """No instance stalled or being replaced: finished requests teach admission."""
+        return not (self.replacements.pending or self.scheduler.num_stalled)
 
     def _replace(self, iid: str, replacement: InstanceSpec, now: float) -> None:
         log.info("replacing instance %s with %s", iid, replacement.instance_id)
@@ -393,7 +387,10 @@ class Controller:
 
     def _finish(self, rid: str, now: float) -> None:
         handle = self.handles.pop(rid, None)
-        self.admission.finished(rid, now)
+        if self.is_whole:
+            self.admission.finished(rid, now)
+        else:  # what it took is the fault's (`_forget_all_timings`)
+            self.admission.dropped(rid)
         if handle is not None:
             self.answers.finish(handle, now)
 
