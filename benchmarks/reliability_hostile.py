@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from reliability_inputs import MODEL, PROMPT
-from reliability_load import client_for, closed_loop, one, open_loop, stream_one
+from reliability_load import client_for, closed_loop, loop_lag, one, open_loop, stream_one
 from reliability_summaries import overload_summary, percentile, tally
 
 from dilaserve.bench.client import NoAnswer
@@ -95,9 +95,15 @@ async def storm(
 ) -> dict:
     """`clients` closed-loop clients for `seconds`, each waiting 50 ms after a refusal (a
     storm) or, `polite`, the refusal's Retry-After (OpenAI's client)."""
-    records = await closed_loop(url, clients, seconds, slo_ms, polite)
+    lags: list[float] = []
+    records, _ = await asyncio.gather(
+        closed_loop(url, clients, seconds, slo_ms, polite),
+        loop_lag(time.monotonic() + seconds, lags),
+    )
     figures = {"clients": clients, "seconds": seconds, "polite": polite}
-    return figures | overload_summary(records, seconds, capacity, slo_ms)
+    figures |= overload_summary(records, seconds, capacity, slo_ms)
+    return figures | {"client_loop_lag_p50_s": percentile(lags, 0.5),
+                      "client_loop_lag_p99_s": percentile(lags, 0.99)}  # fmt: skip
 
 
 async def neighbour(url: str, rate: float, seconds: float, slo_ms: float) -> dict:

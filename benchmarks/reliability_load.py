@@ -70,6 +70,15 @@ async def closed_loop(
     return records
 
 
+async def loop_lag(until: float, seen: list[float], every: float = 0.01) -> None:
+    """How late this process's event loop wakes (seconds past each `every`), until `until`
+    (monotonic): the load client's own share of the latencies it records."""
+    while time.monotonic() < until:
+        start = time.perf_counter()
+        await asyncio.sleep(every)
+        seen.append(max(time.perf_counter() - start - every, 0.0))
+
+
 async def open_loop(url: str, rate: float, seconds: float, slo_ms: float, seed: int, during=None):
     """Poisson arrivals at `rate` for `seconds`; `during(t0)` runs alongside (a fault)."""
     rng = random.Random(seed)

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from reliability_inputs import MODEL, hostile_body, is_openai_answer
-from reliability_load import client_for, open_loop
+from reliability_load import client_for, loop_lag, open_loop
 from reliability_summaries import fault_summary, overload_summary, percentile
 
 from dilaserve.bench.client import NoAnswer
@@ -89,13 +89,17 @@ async def overload_phase(url: str, rate: float, capacity: float, args) -> dict:
     """Poisson arrivals at `rate` for `--overload-seconds`, with the server's measured step
     slowdown watched alongside."""
     slowdowns: list[float] = []
+    lags: list[float] = []
     seconds = args.overload_seconds
-    records, _ = await asyncio.gather(
+    records, _, _ = await asyncio.gather(
         open_loop(url, rate, seconds, args.slo_ms, args.seed),
         slowdown_watch(url, time.monotonic() + seconds, slowdowns),
+        loop_lag(time.monotonic() + seconds, lags),
     )
     summary = {"rate_per_s": round(rate, 2), "seconds": seconds}
     summary |= overload_summary(records, seconds, capacity, args.slo_ms)
+    summary |= {"client_loop_lag_p50_s": percentile(lags, 0.5),
+                "client_loop_lag_p99_s": percentile(lags, 0.99)}  # fmt: skip
     summary["step_slowdown"] = {
         "min": min(slowdowns, default=None),
         "median": percentile(slowdowns, 0.5),
