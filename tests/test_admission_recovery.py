@@ -270,7 +270,7 @@ class _InvalidAtAdmission:
         handle.admission.set_exception(InvalidRequest("slo_ms", "slo_ms: no cluster meets it"))
         return handle
 
-    def is_full(self, priority, slo=None):
+    def is_full(self, priority, slo=None, max_tokens=None):
         return False
 
 
@@ -350,3 +350,26 @@ def test_the_room_refuses_nothing_while_nothing_is_in_flight():
     admission = Admission(s)
     assert admission.room(0.0) == Room() and not admission.room(0.0).refuses(0)
     assert admission.refusal(make_request("r", gen_len=32, deadline=10.0), 0.0) is None
+
+
+def test_the_room_prices_a_request_by_its_blocks_at_the_least_load_seen_per_block():
+    room = Room(0, throughput=100.0, load=150.0, least=32.0, slo=2.0, least_per_block=40.0,
+                block_len=32)  # fmt: skip
+    assert room.spare == 50.0
+    assert not room.refuses(0) and not room.refuses(0, max_tokens=32)  # one block: 40 fit
+    assert room.refuses(0, max_tokens=33) and room.refuses(0, max_tokens=64)  # two: 80 do not
+    assert not room.refuses(1, max_tokens=64)  # served before everything in flight
+
+
+def test_over_capacity_the_room_refuses_at_once_what_admission_would():
+    # the room counted a newcomer as one step: at 3x capacity 60% of the refusals waited for
+    # the controller's next event instead (docs/serving.md)
+    cluster, clock = virtual_cluster(instances=(1, 1), slo=0.5)
+    seen = {"room": 0, "admission": 0, "admitted": 0}
+    for k in range(400):  # every 5 ms of the virtual clock: over its capacity
+        arrival = clock.t + 0.005
+        run_until(cluster, lambda arrival=arrival: clock.t >= arrival)
+        handle = submit(cluster, f"r{k}")
+        kind = "room" if isinstance(handle, Overloaded) else outcome(cluster, handle)
+        seen[{"refused": "admission"}.get(kind, kind)] += 1
+    assert seen["room"] > 0 and seen["admission"] == 0 and seen["admitted"] > 0

@@ -154,8 +154,11 @@ def test_connections_over_the_limit_get_a_503_with_retry_after():
 # -- refusing before the body -----------------------------------------------------------------
 
 
-def test_the_front_asks_the_room_with_the_priority_and_slo_the_body_names(live, monkeypatch):
-    def is_full(priority, slo=None):  # full for the server's SLO at priority 0 or below
+def test_the_front_asks_the_room_with_the_priority_slo_and_length_the_body_names(live, monkeypatch):
+    lengths = []
+
+    def is_full(priority, slo=None, max_tokens=None):  # full for the server's SLO, priority <= 0
+        lengths.append(max_tokens)
         return priority <= 0 and slo is None
 
     monkeypatch.setattr(live.cluster, "is_full", is_full)
@@ -166,6 +169,7 @@ def test_the_front_asks_the_room_with_the_priority_and_slo_the_body_names(live, 
     assert rejected(live) == before + 1  # counted, as the API's refusals are
     assert post(live, "/v1/completions", {**body, "priority": 5}).status_code == 200
     assert post(live, "/v1/completions", {**body, "slo_ms": 60_000}).status_code == 200
+    assert 64 in lengths  # the room prices the answer's length the body asks for
 
 
 async def _api(scope, receive, send):
@@ -175,7 +179,9 @@ async def _api(scope, receive, send):
 
 
 def test_only_a_client_with_the_key_is_refused_before_the_api():
-    cluster = SimpleNamespace(accepting=True, is_full=lambda priority, slo=None: True)
+    cluster = SimpleNamespace(
+        accepting=True, is_full=lambda priority, slo=None, max_tokens=None: True
+    )
     guards = Guards(_api, 1 << 20, cluster=cluster, api_key="sekret")
 
     async def status(key: str) -> int:

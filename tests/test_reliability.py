@@ -195,7 +195,7 @@ class _AdmittingCluster:
     def health(self):
         return "ok"
 
-    def is_full(self, priority, slo=None):
+    def is_full(self, priority, slo=None, max_tokens=None):
         return False
 
 

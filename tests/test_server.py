@@ -304,7 +304,7 @@ class _RefusingCluster:
     def health_reason(self):
         return "not accepting requests"
 
-    def is_full(self, priority, slo=None):
+    def is_full(self, priority, slo=None, max_tokens=None):
         return False
 
     def queue_length(self):

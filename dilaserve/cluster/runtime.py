@@ -292,7 +292,7 @@ class Cluster:
 
         Raises ValueError naming a bad argument, `Overloaded` when admission control refuses
         work, and `Closed` when the cluster is not serving."""
-        if self.is_full(priority, slo):  # before any work on it, tokenizing included
+        if self.is_full(priority, slo, max_tokens):  # before any work, tokenizing included
             raise Overloaded(FULL)
         submission = self.intake.check(
             prompt,
@@ -339,7 +339,9 @@ class Cluster:
         self.controller.cancels.append(request_id)
         self.backend.wake()
 
-    def is_full(self, priority: int, slo: float | None = None) -> bool:
+    def is_full(
+        self, priority: int, slo: float | None = None, max_tokens: int | None = None
+    ) -> bool:
         """Would a request of `priority` and `slo` seconds (default: the server's) be refused
         now? (`admission.Room`: it comes after everything in flight, and the capacity over its
         SLO left as of the controller's last event is below the least a request adds.) One
@@ -350,7 +352,10 @@ class Cluster:
             slo = None  # (not a positive number: `intake` names it)
         if slo is not None and slo < self.slo:
             return False
-        if not isinstance(priority, int) or not self.controller.room.refuses(priority, slo):
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            max_tokens = None  # (`intake` names what is wrong)
+        room = self.controller.room
+        if not isinstance(priority, int) or not room.refuses(priority, slo, max_tokens):
             return False
         self.controller.refused_in_a_row += 1
         return True

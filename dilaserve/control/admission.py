@@ -38,11 +38,17 @@ names the field, the HTTP layer's 400; with `deprioritize` it is served last, as
 
 Between events the controller publishes a `Room` (what is left for a request served after
 everything in flight), which the HTTP front reads to refuse at once, before tokenizing or
-queueing for the controller; what it does not refuse is asked in full here.
+queueing for the controller; what it does not refuse is asked in full here. The room counts a
+newcomer's load as the least, per output block, of the latest 64 requests priced here (times
+its blocks), not as one step: refused in full, a request waits for the controller's next
+event, and at 3x capacity 60% of the refusals took that path (docs/serving.md). A request
+lighter than every one of the latest 64 may be refused by the room that admission would have
+taken, only while the room is that nearly full.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,6 +64,8 @@ from dilaserve.control.thresholds import (
 from dilaserve.request import Request
 
 OVERLOAD_MODES = ("reject", "deprioritize")
+RECENT = 64  # requests priced whose load per block the `Room` keeps (the latest)
+MIN_RECENT = 16  # of them, before the least of them is used
 LOWEST_PRIORITY = -(2**31)  # (intake.PRIORITIES[0]) where a deprioritized request goes
 
 
@@ -89,6 +97,8 @@ class Room:
     load: float = 0.0  # token-steps in flight, at the lowest threshold
     least: float = 0.0  # the least load a request adds
     slo: float = float("inf")  # the server's default SLO, seconds
+    least_per_block: float = 0.0  # of the latest requests priced, the least load per block
+    block_len: int = 1  # output tokens per block
 
     @property
     def spare(self) -> float:
@@ -98,10 +108,13 @@ class Room:
     def spare_within(self, seconds: float) -> float:
         return self.throughput * seconds - self.load
 
-    def refuses(self, priority: int, slo: float | None = None) -> bool:
+    def refuses(self, priority: int, slo: float | None = None, max_tokens: int | None = None):
+        """`max_tokens`: the answer's length at most (None: one block, the least)."""
         if priority > self.lowest_priority or self.lowest_priority == float("inf"):
             return False  # served before everything in flight, or nothing is: asked in full
-        return self.spare_within(self.slo if slo is None else slo) < self.least
+        blocks = 1 if max_tokens is None else max(-(-max_tokens // self.block_len), 1)
+        least = max(self.least, self.least_per_block * blocks)
+        return self.spare_within(self.slo if slo is None else slo) < least
 
 
 class Admission:
@@ -114,6 +127,7 @@ class Admission:
         self.on_time = on_time or OnTimeCalibration()
         self._priced: dict[str, Request] = {}  # admitted, their predicted time on record
         self._predicted = 0.0  # seconds the last request asked about needs (`refusal`)
+        self._per_block: deque[float] = deque(maxlen=RECENT)  # load per block, latest priced
 
     @property
     def enabled(self) -> bool:
@@ -126,8 +140,11 @@ class Admission:
         load, tokens, count = self._loads.lowest_load(float("-inf"))
         mean_tokens = tokens / count if count else 0.0
         throughput = self._throughput(mean_tokens) / self.on_time.factor(now)
-        least = self.scheduler.config.costs.block_len  # one step over one block
-        return Room(self._loads.lowest_priority(), throughput, load, least, self._slo)
+        block_len = self.scheduler.config.costs.block_len
+        least = block_len  # one step over one block
+        per_block = min(self._per_block) if len(self._per_block) >= MIN_RECENT else 0.0
+        lowest = self._loads.lowest_priority()
+        return Room(lowest, throughput, load, least, self._slo, per_block, block_len)
 
     def refusal(self, request: Request, now: float, submitted: float | None = None):
         """Why `request` is not admitted now (a `Refusal`; None: admit it). Its SLO counts
@@ -153,8 +170,10 @@ class Admission:
         if not self.scheduler.requests:  # a probe: priced at the profile, not the estimates
             self._predicted = alone
             return _too_late(needed, left)
+        own = self._load([request], [steps])
+        self._per_block.append(own / request.num_blocks)
         load, tokens, count = self._loads.lowest_load(request.priority)
-        load += self._load([request], [steps])
+        load += own
         queued = load / self._throughput((tokens + request.num_tokens) / (count + 1))
         self._predicted = max(queued, alone)
         factor = self.on_time.factor(now)

@@ -282,7 +282,7 @@ class _Api:
                 return error(400, f"deadline={body.deadline} has passed", "deadline")
         if not self.cluster.accepting:  # draining: 503 wins over 429
             return self._not_taken(Closed("the cluster is not accepting requests"))
-        if self.cluster.is_full(body.priority, slo):  # refused at once, before any work
+        if self.cluster.is_full(body.priority, slo, max_tokens):  # at once, before any work
             return self._not_taken(Overloaded(FULL))
         try:  # tokenizing is off the event loop: a long prompt holds up no other request
             handle = await run_in_threadpool(

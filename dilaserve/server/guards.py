@@ -12,7 +12,8 @@ so that nothing of a refused request is read or parsed):
   a small body is read and its priority and SLO (`slo_ms`, `deadline`) taken from it with
   json's parser alone, and the room asked for those; a body that is not a JSON object with
   such fields, or a large one, is left to the API (its 400s name the field). Refusing so costs
-  the front little enough that refusals cannot starve the workers. A 429 carries Retry-After
+  the front little enough that refusals cannot starve the workers. The room prices a request
+  by its `max_tokens` too (`admission.Room`). A 429 carries Retry-After
   and `retry-after-ms` (`retry_headers`), which OpenAI's clients read first: Retry-After
   jittered to 0.5-1.5 times its value, so that clients refused together do not come back
   together (the front answers each wave of their retries at once: docs/serving.md);
@@ -233,9 +234,10 @@ def allowed_hosts_for(host: str, given: Sequence[str] | None) -> tuple[str, ...]
     return LOCAL_HOSTS if host in LOCAL_HOSTS else ("*",)
 
 
-def _priority_and_slo(body: bytes) -> tuple[int, float | None] | None:
-    """(priority, SLO seconds or None: the server's) a small JSON body asks for; None when it
-    is large or not a well-formed request (the API reads and judges it)."""
+def _priority_and_slo(body: bytes) -> tuple[int, float | None, int | None] | None:
+    """(priority, SLO seconds or None: the server's, max_tokens or None) a small JSON body
+    asks for; None when it is large or not a well-formed request (the API reads and judges
+    it)."""
     if len(body) > EARLY_PARSE_BYTES:
         return None
     try:
@@ -248,13 +250,18 @@ def _priority_and_slo(body: bytes) -> tuple[int, float | None] | None:
     priority = 0 if priority is None else priority
     if not _is_number(priority) or isinstance(priority, float):
         return None
+    max_tokens = data.get("max_completion_tokens") or data.get("max_tokens")
+    if max_tokens is not None and not (_is_number(max_tokens) and isinstance(max_tokens, int)):
+        return None
     if deadline is not None:
         slo = deadline - time.time() if _is_number(deadline) else None
     elif slo_ms is not None:
         slo = slo_ms / 1000 if _is_number(slo_ms) else None
     else:
-        return priority, None
-    return (priority, slo) if slo is not None and slo > 0 else None  # (else the API's 400)
+        return priority, None, max_tokens
+    if slo is None or not slo > 0:
+        return None  # (the API's 400)
+    return priority, slo, max_tokens
 
 
 def _is_number(value) -> bool:
