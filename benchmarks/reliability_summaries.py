@@ -35,6 +35,9 @@ def overload_summary(records: list[dict], seconds: float, capacity: float, slo_m
         "refusals_with_retry_after": sum(r["retry_after"] is not None for r in refused),
         "refusal_latency_p50_s": percentile([r["latency"] for r in refused], 0.5),
         "refusal_latency_p99_s": percentile([r["latency"] for r in refused], 0.99),
+        "refusal_reasons": {  # each kind: how many, and their latency's p99
+            kind: [len(lat), percentile(lat, 0.99)] for kind, lat in by_reason(refused).items()
+        },
         "served_within_slo": round(sum(r["within_slo"] for r in served) / max(len(served), 1), 4),
         "served_within_slo_server": round(
             sum(r["server_latency"] * 1000 <= slo_ms for r in served) / max(len(served), 1), 4
@@ -69,6 +72,14 @@ def fault_summary(records: list[dict], health: list, at: float, fault_at: float)
         "health_not_ok_s": [min(not_ok), max(not_ok)] if not_ok else None,
         "health_ok_again_at_s": back,
     }
+
+
+def by_reason(refused: list[dict]) -> dict[str, list[float]]:
+    """The refusals' latencies by the kind of their message (`reason_kind`)."""
+    kinds: dict[str, list[float]] = {}
+    for r in refused:
+        kinds.setdefault(reason_kind(r.get("message", "")), []).append(r["latency"])
+    return kinds
 
 
 def reason_kind(message: str) -> str:
