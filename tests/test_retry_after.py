@@ -26,7 +26,7 @@ def test_retry_after_ms_is_jittered_around_retry_after():
 
 
 def test_the_fronts_429_carries_both_headers():
-    cluster = SimpleNamespace(accepting=True, is_full=lambda priority, slo=None: True)
+    cluster = SimpleNamespace(accepting=True, is_full=lambda *asks: True)
     guards = Guards(_api, 1 << 20, cluster=cluster, retry_after=1)
 
     async def refused():
