@@ -61,6 +61,7 @@ def cmd_eval(args) -> None:
             out=args.out,
             steps=args.steps,
             eos_stop=args.eos_stop,
+            editing=args.editing,
         )
     )
 
@@ -277,7 +278,9 @@ def _add_random_checkpoint_command(sub) -> None:
         "random-checkpoint",
         help="write a tiny random-weight checkpoint in a family's published layout (for tests)",
     )
-    rc.add_argument("family", choices=["llada", "dream", "llada2"], help="model family")
+    rc.add_argument(
+        "family", choices=["llada", "dream", "llada2", "llada2.1"], help="model family"
+    )
     rc.add_argument("dir", help="folder to write (new or empty)")
     rc.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     rc.set_defaults(func=cmd_random_checkpoint)

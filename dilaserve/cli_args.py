@@ -80,6 +80,7 @@ def engine_config(args: argparse.Namespace, **more):
         cuda_graphs=args.cuda_graphs,
         eos_stop=args.eos_stop,
         steps=args.steps,
+        editing=args.editing,
         **more,
     )
 
@@ -99,6 +100,13 @@ def decoding_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="when a request stops before its window is decoded; default: the model family's "
         "published rule (LLaDA2: block; LLaDA, Dream: committed)",
+    )
+    p.add_argument(
+        "--editing",
+        choices=["speed", "quality", "off"],
+        default=None,
+        help="token editing (LLaDA2.1's published decoding) in its speed or quality mode, or "
+        "off; default: the checkpoint's (speed where config.json's model_type is llada21_moe)",
     )
 
 

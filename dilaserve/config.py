@@ -20,6 +20,7 @@ DEFAULT_THRESHOLD = 0.9  # a request's confidence threshold when nothing else se
 # the thresholds calibration records trajectories at and step predictors are trained on
 MEASURED_THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9)
 DTYPES = ("float32", "bfloat16", "float16")
+EDITING_CHOICES = (None, "speed", "quality", "off")  # EngineConfig.editing
 
 
 def setting(default, help: str, **option):
@@ -38,7 +39,11 @@ class EngineConfig:
     LLaDA2's stop after a block holding EOS; LLaDA's and Dream's: once a stop token and all
     before it are committed); off, the whole window is decoded. steps: a family with a per-block
     step schedule (LLaDA2's `steps`) gives each block this many steps (None: `block_len`, the
-    published default); others ignore it. cuda_graphs: dual-cache steps of
+    published default); others ignore it. editing: token editing (LLaDA2.1's published decoding),
+    "speed" or "quality" (the published modes: mask-to-token / edit thresholds 0.5 / 0.0 and
+    0.7 / 0.5; a request's threshold sets the first and moves the second in the mode's ratio) or
+    "off"; None: the checkpoint's own (speed for a config.json of `model_type` llada21_moe,
+    else off); a family without token editing refuses a mode. cuda_graphs: dual-cache steps of
     up to this many requests, each with at most `cuda_graph_context` cached tokens, replay CUDA
     graphs (engine/graphs.py; 0: off; tensor-parallel instances and CPUs run the same steps without
     graphs). max_forward_tokens: a step batch runs as forward passes of at most this many tokens
@@ -52,6 +57,7 @@ class EngineConfig:
     early_finish: bool = True
     eos_stop: EosStop | None = None
     steps: int | None = None
+    editing: str | None = None
     max_forward_tokens: int = 65_536
     cuda_graphs: int = 0
     cuda_graph_context: int = 2048
@@ -62,6 +68,8 @@ class EngineConfig:
             object.__setattr__(self, "eos_stop", EosStop(self.eos_stop))
         if self.steps is not None and self.steps <= 0:
             raise ValueError(f"{self.steps=} must be positive (or None: block_len)")
+        if self.editing not in EDITING_CHOICES:
+            raise ValueError(f"{self.editing=} must be one of {EDITING_CHOICES}")
         if self.dtype not in DTYPES:
             raise ValueError(f"{self.dtype=} must be one of {DTYPES}")
         if self.block_len <= 0:

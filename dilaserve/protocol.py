@@ -93,6 +93,10 @@ class SequenceSpec:
     output_ids: Sequence[int] | np.ndarray
     output_conf: Sequence[float] | np.ndarray | None = None
     block_step: int = 0  # steps already run in the current block (a per-block step schedule)
+    # token editing: the block whose masks are all committed but whose edit steps go on, and
+    # the edit-only steps it has run
+    edit_block: int | None = None
+    post_steps: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,8 +124,9 @@ class StepBatch:
 class RequestStepResult:
     """What one step did to one request.
 
-    positions: output-window indices committed this step (each was masked before it); tokens:
-    their ids.
+    positions: output-window indices committed this step (each was masked before it, except
+    where a token-editing rule replaced a committed token of the current block); tokens: their
+    ids.
     confidences: float32 [gen_len], the latest top-1 probability of every masked position and
     the commit-time probability of every committed one.
     """
@@ -132,7 +137,7 @@ class RequestStepResult:
     tokens: np.ndarray
     confidences: np.ndarray
     block_index: int  # the block this step worked on
-    is_block_done: bool  # that block is now fully committed
+    is_block_done: bool  # that block is now fully committed (and, with token editing, edited)
     is_finished: bool
 
 

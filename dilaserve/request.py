@@ -50,6 +50,7 @@ class Request:
     # a family with a per-block step schedule (LLaDA2): steps per block (None: the engine's)
     steps: int | None = None
     max_tokens: int | None = None  # the answer's length at most (None: the whole window)
+    edits: bool = False  # the engine's rule edits committed tokens of the current block
     status: RequestStatus = RequestStatus.WAITING
     output_ids: np.ndarray = field(init=False)
     confidences: np.ndarray = field(init=False)
@@ -57,6 +58,8 @@ class Request:
     current_block: int = field(init=False)  # the first block with a masked position
     starts_block: bool = True  # the next step is the first step of a block
     block_step: int = 0  # steps run in the current block so far
+    edit_block: int | None = None  # token editing: a fully committed block still being edited
+    post_steps: int = 0  # ... and the edit-only steps it has run
     num_steps: int = 0
     steps_by_kind: dict[StepKind, int] = field(default_factory=dict)
     threshold_steps: list[float] = field(default_factory=list)  # the threshold of each step
@@ -113,6 +116,7 @@ class Request:
             self.block_offset,
             self.steps,
             self.max_tokens,
+            self.edits,
         )
 
     def block_span(self, block: int) -> tuple[int, int]:
@@ -138,7 +142,12 @@ class Request:
         """The whole state an instance needs to take this request on (copies: the request
         goes on changing)."""
         return SequenceSpec(
-            self.prompt_ids, self.output_ids.copy(), self.confidences.copy(), self.block_step
+            self.prompt_ids,
+            self.output_ids.copy(),
+            self.confidences.copy(),
+            self.block_step,
+            self.edit_block,
+            self.post_steps,
         )
 
     def within_bounds(self, thresholds: tuple[float, ...]) -> tuple[float, ...]:
@@ -164,9 +173,12 @@ class Request:
         return StepItem(self.request_id, self.threshold, kind, spec=spec, steps=self.steps)
 
     def apply(self, result: RequestStepResult, now: float = 0.0) -> None:
-        """Record one step's outcome: `positions` were masked until this step, and blocks
-        complete in order, as the engine decodes them."""
-        newly = len(result.positions)
+        """Record one step's outcome: `positions` were masked until this step (or, with token
+        editing, held a token of the current block), and blocks complete in order, as the
+        engine decodes them."""
+        newly = int((self.output_ids[result.positions] == self.mask_id).sum())
+        if self.edits:
+            self._edit_progress(result)
         self.output_ids.put(result.positions, result.tokens)  # 3x `a[i] = v` for int32 indices
         self.confidences = result.confidences
         self.num_committed += newly
@@ -183,6 +195,17 @@ class Request:
             self.status = RequestStatus.FINISHED
             self.finish_time = now
 
+    def _edit_progress(self, result: RequestStepResult) -> None:
+        """Follow the engine's token-editing state (`Engine._edit_progress`), so that the
+        request resumes mid-edit on another instance."""
+        start, end = self.block_span(result.block_index)
+        masked = self.output_ids[start:end] == self.mask_id
+        if result.is_block_done:
+            self.edit_block, self.post_steps = None, 0
+        elif not set(np.flatnonzero(masked) + start) - set(result.positions.tolist()):
+            self.edit_block = result.block_index  # its masks are all committed now
+            self.post_steps += not masked.any()
+
     @property
     def mean_threshold(self) -> float:
         """Token-weighted mean threshold: each committed token counts at its step's threshold."""
@@ -194,9 +217,13 @@ class Request:
     def generated_ids(self, stop_ids: frozenset[int], start: int = 0) -> list[int]:
         """Committed output tokens before the first stop token, at most `max_tokens`, from output
         position `start` on (`start` at most their number: a stream asks only for what it has
-        not seen)."""
+        not seen). With token editing, the current block's tokens may still change, so an
+        unfinished request gives those of finished blocks only."""
+        end = self.max_tokens
+        if self.edits and not self.is_finished:
+            end = min(end or self.gen_len, self.block_span(self.current_block)[0])
         out = []
-        for token in self.output_ids[start : self.max_tokens].tolist():
+        for token in self.output_ids[start:end].tolist():
             if token in stop_ids or token == self.mask_id:
                 break
             out.append(token)

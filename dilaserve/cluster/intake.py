@@ -32,6 +32,7 @@ class Submission:
     stop: tuple[str, ...] = ()  # the answer ends before the first of these strings
     max_tokens: int | None = None  # the answer's length at most (None: the whole window)
     steps: int | None = None  # steps per block of the family's step schedule
+    edits: bool = False  # the family's rule edits committed tokens (token editing)
 
     def request(
         self, request_id: str, submitted: float, block_len: int, mask_id: int, aligned: bool = False
@@ -52,6 +53,7 @@ class Submission:
             block_offset=block_offset(len(self.prompt_ids), block_len, aligned),
             steps=self.steps,
             max_tokens=self.max_tokens,
+            edits=self.edits,
         )
 
 
@@ -66,7 +68,7 @@ class Intake:
     dws_prior: bool = False  # pass DWS's expected steps on as the step predictor's prior
     max_token_chars: int = 64  # characters of the longest token: bounds a prompt's text cheaply
     aligned: bool = False  # blocks at absolute positions (block diffusion)
-    decoding: DecodingRule = DecodingRule()  # the model family's
+    decoding: DecodingRule = DecodingRule()  # the model family's, as the engines run it
     engine_steps: int | None = None  # EngineConfig.steps
 
     @property
@@ -114,7 +116,17 @@ class Intake:
         )
         prior = prior if self.dws_prior else None
         return Submission(
-            tuple(ids), gen_len, slo, priority, bounds, cost, prior, stop, max_tokens, steps
+            tuple(ids),
+            gen_len,
+            slo,
+            priority,
+            bounds,
+            cost,
+            prior,
+            stop,
+            max_tokens,
+            steps,
+            self.decoding.editing is not None,
         )
 
     def _prompt_ids(self, prompt: str | list[int], chat: bool) -> list[int]:

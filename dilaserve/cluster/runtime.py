@@ -105,7 +105,7 @@ class Cluster:
             config.dws_prior,
             longest_token_chars(self.tokenizer),
             aligned=family.is_block_causal,
-            decoding=family.decoding,
+            decoding=family.decoding_for(model_config, config.worker.engine.editing),
             engine_steps=config.worker.engine.steps,
         )
 

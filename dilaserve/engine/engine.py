@@ -22,7 +22,7 @@ from dilaserve.config import EngineConfig
 from dilaserve.engine import kv_cache
 from dilaserve.engine.graphs import CacheStepGraphs
 from dilaserve.engine.sequence import Sequence
-from dilaserve.engine.unmask import select_unmask
+from dilaserve.engine.unmask import select_edits, select_unmask
 from dilaserve.models import registry
 from dilaserve.models.family import ModelFamily
 from dilaserve.models.tokenizer import SpecialIds
@@ -80,7 +80,7 @@ class Engine:
         self.family = family or registry.family_of(model.config)
         self.special = special
         self.config = replace(config, kv_cache=self.family.cache_mode(config.kv_cache))
-        self.decoding = self.family.decoding
+        self.decoding = self.family.decoding_for(model.config, config.editing)
         self.eos_stop = _eos_stop(config, self.decoding.eos_stop)
         self.stop_ids = frozenset((special.eos,)) if self.decoding.eos_only else special.stop_ids
         self.device = torch.device(config.device)
@@ -157,6 +157,8 @@ class Engine:
                 self.special.mask,
                 aligned_blocks=self.family.is_block_causal,
                 block_step=item.spec.block_step,
+                edit_block=item.spec.edit_block,
+                post_steps=item.spec.post_steps,
             )
         seq = self._seqs[item.request_id]
         kind = self._actual_kind(item.kind, seq)
@@ -270,22 +272,42 @@ class Engine:
 
     def _decide(self, rows, conf, top) -> dict[str, RequestStepResult]:
         candidates = torch.zeros(conf.shape, dtype=torch.bool)
-        blocks = []
+        spans = []  # each row's current block and its output-window [lo, hi) in the logits
         for i, r in enumerate(rows):
             block = r.seq.block
-            blocks.append(block)
             b_start, b_end = r.seq.block_span(block)
             w0 = r.window_start
             lo, hi = max(b_start, w0), min(b_end, w0 + r.window_len)
+            spans.append((block, lo, hi))
             if self._opens_block(r, lo, hi):
                 hi = lo + 1  # the block's first position only
             candidates[i, lo - w0 : hi - w0] = torch.from_numpy(r.seq.is_masked[lo:hi])
         thresholds = torch.tensor([r.item.threshold for r in rows], dtype=conf.dtype)
         commit = select_unmask(conf, candidates, thresholds, self._min_commits(rows))
+        edits = torch.zeros_like(commit)
+        if self.decoding.editing is not None:
+            edits = self._edits(rows, spans, conf, top)
         return {
-            r.item.request_id: self._apply(r, blocks[i], conf[i], top[i], commit[i])
+            r.item.request_id: self._apply(
+                r, spans[i][0], conf[i], top[i], commit[i] | edits[i], bool(edits[i].any())
+            )
             for i, r in enumerate(rows)
         }
+
+    def _edits(self, rows: list[_Row], spans, conf, top) -> torch.Tensor:
+        """Token editing: which committed tokens of each row's current block this step
+        replaces, at the edit threshold the row's threshold sets (`TokenEditing`)."""
+        editable = torch.zeros(conf.shape, dtype=torch.bool)
+        current = torch.zeros(conf.shape, dtype=top.dtype)
+        for i, (r, (_, lo, hi)) in enumerate(zip(rows, spans)):
+            w0, seq = r.window_start, r.seq
+            editable[i, lo - w0 : hi - w0] = torch.from_numpy(~seq.is_masked[lo:hi])
+            current[i, lo - w0 : hi - w0] = seq.ids[seq.prompt_len + lo : seq.prompt_len + hi]
+        rule = self.decoding.editing
+        edit_thresholds = torch.tensor(
+            [rule.edit_threshold_for(r.item.threshold) for r in rows], dtype=conf.dtype
+        )
+        return select_edits(conf, top, current, editable, edit_thresholds)
 
     def _opens_block(self, row: _Row, lo: int, hi: int) -> bool:
         """Whether this step opens its block by the rule's first position (a recompute step of
@@ -304,8 +326,10 @@ class Engine:
             ]
         )
 
-    def _apply(self, row: _Row, block: int, conf, top, commit) -> RequestStepResult:
+    def _apply(self, row: _Row, block: int, conf, top, commit, edited: bool) -> RequestStepResult:
         seq, w0, n = row.seq, row.window_start, row.window_len
+        b_start, b_end = seq.block_span(block)
+        masks_before = bool(seq.is_masked[b_start:b_end].any())
         window_conf = conf[:n].numpy()
         still_masked = seq.is_masked[w0 : w0 + n]
         seq.conf[w0 : w0 + n][still_masked] = window_conf[still_masked]
@@ -313,6 +337,8 @@ class Engine:
         positions = (picked + w0).astype(np.int32)
         tokens = top[:n].numpy()[picked].astype(np.int32)
         seq.commit(positions, tokens, window_conf[picked])
+        if self.decoding.editing is not None:
+            self._edit_progress(seq, block, masks_before, edited)
         block_done = seq.block != block
         seq.block_step = 0 if block_done else seq.block_step + 1
         committed_stop = bool(np.isin(tokens, list(self.stop_ids)).any())
@@ -330,6 +356,17 @@ class Engine:
         if finished:
             self.release(seq.request_id)
         return result
+
+    def _edit_progress(self, seq: Sequence, block: int, masks_before: bool, edited: bool) -> None:
+        """Token editing: a block whose masks are all committed stays open for edit-only steps
+        until one edits nothing, or after `max_post_steps` of them (the published loop)."""
+        b_start, b_end = seq.block_span(block)
+        seq.post_steps += not masks_before
+        if seq.is_masked[b_start:b_end].any():
+            return
+        limit = self.decoding.editing.max_post_steps
+        done = (not masks_before and not edited) or seq.post_steps >= limit
+        seq.edit_block, seq.post_steps = (None, 0) if done else (block, seq.post_steps)
 
 
 def _eos_stop(config: EngineConfig, family_default: EosStop) -> EosStop:

@@ -91,6 +91,7 @@ class LLM:
                     block_offset=block_offset(len(ids), block_len, aligned),
                     steps=steps,
                     max_tokens=params.max_tokens,
+                    edits=self.engine.decoding.editing is not None,
                 )
             )
         return requests

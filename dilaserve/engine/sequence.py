@@ -41,6 +41,8 @@ class Sequence:
         mask_id: int,
         aligned_blocks: bool = False,
         block_step: int = 0,
+        edit_block: int | None = None,
+        post_steps: int = 0,
     ):
         gen_len = len(output_ids)
         if len(prompt_ids) == 0:
@@ -56,6 +58,10 @@ class Sequence:
                 f"positive multiple of block_len={block_len}"
             )
         self.block_step = block_step  # steps run in the current block so far
+        # token editing: a block with every mask committed whose edit steps go on, and how many
+        # edit-only steps it has run
+        self.edit_block = edit_block
+        self.post_steps = post_steps
         self.ids = torch.from_numpy(
             np.concatenate(
                 (np.asarray(prompt_ids, dtype=np.int64), np.asarray(output_ids, dtype=np.int64))
@@ -79,7 +85,10 @@ class Sequence:
 
     @property
     def block(self) -> int:
-        """Index of the current block (the first with a masked position)."""
+        """Index of the current block: the block still being edited, else the first with a
+        masked position."""
+        if self.edit_block is not None:
+            return self.edit_block
         masked = np.flatnonzero(self.is_masked)
         if not masked.size:
             return self.num_blocks
@@ -114,7 +123,9 @@ class Sequence:
     ) -> bool:
         """Whether the request ends after a step: the window is decoded, or the `rule` stops
         it early (`committed_stop`: the step committed a stop token; `block_done`: it completed
-        a block)."""
+        a block). A block still being edited ends nothing."""
+        if self.edit_block is not None:
+            return False
         if not self.is_masked.any():
             return True
         if rule is EosStop.NONE:

@@ -38,3 +38,20 @@ def _rank(conf: torch.Tensor) -> torch.Tensor:
     rank = torch.empty_like(order)
     positions = torch.arange(conf.shape[1], device=conf.device).expand_as(order)
     return rank.scatter_(1, order, positions)
+
+
+def select_edits(
+    conf: torch.Tensor,
+    top: torch.Tensor,
+    current: torch.Tensor,
+    editable: torch.Tensor,
+    edit_thresholds: torch.Tensor,
+) -> torch.Tensor:
+    """Which committed tokens to replace this step (token-to-token editing, LLaDA2.1).
+
+    conf, top: [rows, n] top-1 probabilities and tokens; current: [rows, n] the tokens there now;
+    editable: [rows, n] bool, the committed output positions of each row's current block;
+    edit_thresholds: [rows]. A position is edited when its top-1 differs from its token and its
+    probability exceeds its row's edit threshold.
+    """
+    return editable & (top != current) & (conf > edit_thresholds[:, None])

@@ -8,7 +8,9 @@ model classes, where its special tokens come from, and its decoding and cache se
   block's first step) or block-causal (LLaDA2: bidirectional inside a block, causal across
   blocks, so the K/V of the prompt and of finished blocks are exact);
 - `decoding`: its decoding rule (`DecodingRule`): how many tokens a step commits at least, and
-  when a request may stop early, with the published defaults.
+  when a request may stop early, with the published defaults;
+- `editing_modes`: where the family has token editing (LLaDA2.1), its published modes and the
+  rule they run (`decoding_for` picks the rule an engine runs).
 
 The engine reads these; the registry (`models/registry.py`) maps a checkpoint to its family.
 """
@@ -16,7 +18,7 @@ The engine reads these; the registry (`models/registry.py`) maps a checkpoint to
 from __future__ import annotations
 
 import enum
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from dilaserve.protocol import EosStop, KVCacheMode
 
@@ -27,6 +29,31 @@ class Attention(str, enum.Enum):
 
 
 APPROXIMATE_MODES = (KVCacheMode.NONE, KVCacheMode.PREFIX, KVCacheMode.DUAL)
+
+
+EDITING_OFF = "off"
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEditing:
+    """Token-to-token editing beside mask-to-token unmasking (LLaDA2.1's published decoding).
+
+    A step also replaces a committed, non-prompt token of the current block by the step's top-1
+    when that differs from it and its probability exceeds the edit threshold. A block whose
+    masks are all committed runs on, editing only, until a step edits nothing or after
+    `max_post_steps` such steps. `threshold`, `edit_threshold`: the mode's published pair; a
+    request's threshold (the control knob) sets the mask-to-token threshold and moves the edit
+    threshold in the mode's ratio (`edit_threshold_for`), so at the mode's own threshold both
+    are the published ones.
+    """
+
+    mode: str
+    threshold: float
+    edit_threshold: float
+    max_post_steps: int = 16
+
+    def edit_threshold_for(self, threshold: float) -> float:
+        return self.edit_threshold * (threshold / self.threshold)  # exact at the mode's own
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +74,7 @@ class DecodingRule:
     first_opens_block: a block's first step with an approximate cache (a recompute step, prefix
     or dual) commits the block's first position only, its top-1 whatever its confidence
     (Fast-dLLM's Dream decoders); the threshold rule runs from the block's second step on.
+    editing: token editing (`TokenEditing`), or None.
     """
 
     step_schedule: bool = False
@@ -54,6 +82,7 @@ class DecodingRule:
     eos_only: bool = False
     mask_in_softmax: bool = False
     first_opens_block: bool = False
+    editing: TokenEditing | None = None
 
     def min_commits(self, block_len: int, steps: int, block_step: int) -> int:
         """Fewest commits of a block's step number `block_step` (0-based); never below one,
@@ -81,6 +110,29 @@ class ModelFamily:
     mask_token: str = "<|mdm_mask|>"  # the tokenizer's mask token, if config.json has no id
     eot_token: str | None = None  # the chat template's end-of-turn token, if any
     decoding: DecodingRule = DecodingRule()
+    # token editing: the rule its modes run (their `editing` filled in), the modes (the first
+    # the published default), and the config.json model types that edit by default
+    editing_decoding: DecodingRule | None = None
+    editing_modes: tuple[TokenEditing, ...] = ()
+    editing_model_types: tuple[str, ...] = ()
+
+    def decoding_for(self, config, editing: str | None = None) -> DecodingRule:
+        """The rule an engine runs for a checkpoint's `config`: `editing` names a token-editing
+        mode, or "off"; None: the first mode where config.json's `model_type` is one that edits
+        (LLaDA2.1's), else no editing."""
+        if editing is None:
+            model_type = getattr(config, "extra", {}).get("model_type")
+            edits = self.editing_modes and model_type in self.editing_model_types
+            editing = self.editing_modes[0].mode if edits else EDITING_OFF
+        if editing == EDITING_OFF:
+            return self.decoding
+        modes = {m.mode: m for m in self.editing_modes}
+        if editing not in modes:
+            raise ValueError(
+                f"editing={editing!r}: {self.name} has token-editing modes "
+                f"{sorted(modes) or 'none'} (or {EDITING_OFF!r})"
+            )
+        return replace(self.editing_decoding, editing=modes[editing])
 
     @property
     def is_block_causal(self) -> bool:

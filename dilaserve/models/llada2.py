@@ -28,6 +28,7 @@ from dilaserve.models.family import (
     Attention,
     DecodingRule,
     ModelFamily,
+    TokenEditing,
     build_config,
     check_divisible,
     config_dict,
@@ -294,6 +295,12 @@ class LLaDA2MoeModelLM(nn.Module):
         init_normal(self, seed, std)
 
 
+# LLaDA2.1's published decoding (its `generate`: mask-to-token by threshold, at least one a step,
+# no steps schedule; token-to-token edits; stop after a block holding EOS) in its two published
+# modes, the first the default (SGLang's JointThreshold defaults): (threshold, edit threshold)
+LLADA21_DECODING = DecodingRule(eos_stop=EosStop.BLOCK, eos_only=True, mask_in_softmax=True)
+LLADA21_MODES = (TokenEditing("speed", 0.5, 0.0), TokenEditing("quality", 0.7, 0.5))
+
 FAMILY = ModelFamily(
     name="LLaDA2",
     architectures=("LLaDA2MoeModelLM",),
@@ -307,4 +314,7 @@ FAMILY = ModelFamily(
     decoding=DecodingRule(
         step_schedule=True, eos_stop=EosStop.BLOCK, eos_only=True, mask_in_softmax=True
     ),
+    editing_decoding=LLADA21_DECODING,
+    editing_modes=LLADA21_MODES,
+    editing_model_types=("llada21_moe",),
 )

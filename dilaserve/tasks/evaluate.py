@@ -49,6 +49,7 @@ class EvalConfig:
     seed: int = 2024
     steps: int | None = None  # EngineConfig.steps
     eos_stop: str | None = None  # EngineConfig.eos_stop
+    editing: str | None = None  # EngineConfig.editing
 
     def __post_init__(self):
         if self.task not in TASKS:
@@ -125,6 +126,7 @@ def evaluate(cfg: EvalConfig, log=print, show_progress: bool = True) -> Path:
         cuda_graphs=cfg.cuda_graphs,
         eos_stop=cfg.eos_stop,
         steps=cfg.steps,
+        editing=cfg.editing,
     )
     llm = LLM(cfg.model, engine)
     problems = load_problems(cfg)

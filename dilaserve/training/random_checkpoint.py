@@ -6,7 +6,8 @@ download. `write_random_llada` writes LLaDA-8B-Instruct's layout (config.json wi
 keys, sharded safetensors with an index, generation_config.json) with the bundled model's
 tokenizer files; `write_random_dream` and `write_random_llada2` write Dream-v0-7B's and
 LLaDA2.0-mini's config keys (27 and 48, values shrunk) and parameter names, a word-level
-tokenizer with the family's special tokens, and a chat template of the family's shape. The
+tokenizer with the family's special tokens, and a chat template of the family's shape;
+`write_random_llada21` LLaDA2.1's (LLaDA2.0's layout, model type `llada21_moe`). The
 weights mean nothing: what they test is the layout, the loader and the serving path.
 """
 
@@ -262,7 +263,22 @@ def write_random_llada2(folder: str | Path, seed: int = 0, **overrides) -> Path:
     return write_checkpoint(folder, llada2_config(vocab, **overrides), seed)
 
 
-WRITERS = {"llada": write_random_llada, "dream": write_random_dream, "llada2": write_random_llada2}
+def write_random_llada21(folder: str | Path, seed: int = 0, **overrides) -> Path:
+    """A random-weight LLaDA2.1 checkpoint: LLaDA2.0-mini's layout (the same network), its
+    config.json naming the `llada21_moe` model type of LLaDA2.1's remote code (as ZHZisZZ/dllm
+    registers it), so that engines run LLaDA2.1's token-editing decoding by default."""
+    auto_map = {"AutoModelForCausalLM": "modeling_llada21_moe.LLaDA2MoeModelLM"}
+    return write_random_llada2(
+        folder, seed, **{"model_type": "llada21_moe", "auto_map": auto_map, **overrides}
+    )
+
+
+WRITERS = {
+    "llada": write_random_llada,
+    "dream": write_random_dream,
+    "llada2": write_random_llada2,
+    "llada2.1": write_random_llada21,
+}
 
 
 def write_random_checkpoint(family: str, folder: str | Path, seed: int = 0) -> Path:
