@@ -3,6 +3,11 @@
     python benchmarks/published_parity.py --dream-code Fast-dLLM/dream/model \\
         --llada2-code dllm/dllm/pipelines/llada2/models --site /tmp/hf
 
+`--llada21-code` (optional): a package folder with LLaDA2.1's remote code
+(`modeling_llada21_moe.py`, `configuration_llada21_moe.py`; ZHZisZZ/dllm's
+`dllm/pipelines/llada21/models`) adds LLaDA2.1's token-editing decoding in its speed and
+quality modes (`llada21_decoding.py`).
+
 `--dream-code`: the package folder of Fast-dLLM's Dream (`modeling_dream.py`,
 `configuration_dream.py`, ...); `--llada2-code`: a package folder with LLaDA2's remote code
 (`modeling_llada2_moe.py`, `configuration_llada2_moe.py`; e.g. ZHZisZZ/dllm's copy); `--site`:
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import sys
 import tempfile
@@ -39,6 +45,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 import dream_decoding  # noqa: E402
 import llada2_decoding  # noqa: E402
+import llada21_decoding  # noqa: E402
 from family_checkpoints import dream_checkpoint, llada2_checkpoint, prompt_ids  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
@@ -53,6 +60,19 @@ def import_package(folder: str, module: str):
     folder = Path(folder).resolve()
     sys.path.insert(0, str(folder.parent))
     return importlib.import_module(f"{folder.name}.{module}")
+
+
+def import_package_as(folder: str, module: str, alias: str):
+    """`module` of the package `folder`, imported as package `alias` (dllm's LLaDA2.0 and
+    LLaDA2.1 packages are both folders named `models`)."""
+    if alias not in sys.modules:
+        init = Path(folder).resolve() / "__init__.py"
+        spec = importlib.util.spec_from_file_location(
+            alias, init, submodule_search_locations=[str(init.parent)]
+        )
+        sys.modules[alias] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[alias])
+    return importlib.import_module(f"{alias}.{module}")
 
 
 def state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -114,10 +134,41 @@ def llada2_forward(path: Path, ref, dtype) -> dict:
         return compare(ours_logits(load_model(path, dtype), ids, block_len=BLOCK), theirs)
 
 
+def llada21_model(path: Path, code: str, dtype):
+    mod = import_package_as(code, "modeling_llada21_moe", "published_llada21")
+    cfg_mod = import_package_as(code, "configuration_llada21_moe", "published_llada21")
+    return published_model(path, cfg_mod.LLaDA2MoeConfig, mod.LLaDA2MoeModelLM, dtype)
+
+
+def llada21_checks(tmp: Path, code: str) -> dict:
+    """LLaDA2.1's decoding in both published modes, on a random checkpoint and on one with the
+    mask row scaled down (fp32)."""
+    generate = {
+        name: llada21_decoding.compare(
+            lambda path: llada21_model(path, code, torch.float32), BLOCK, tmp, quiet
+        )
+        for name, quiet in (("random", False), ("mask_row_scaled", True))
+    }
+    print("\nllada2.1 against the published decoding (fp32)")
+    print(
+        "| checkpoint | mode / EOS | cases | tokens equal | forwards equal | forwards (ours, "
+        "published) | published top-1 the mask token |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, summary in generate.items():
+        for mode, row in summary["modes"].items():
+            counts = f"{row['cases']} | {row['tokens_equal']} | {row['forwards_equal']}"
+            print(
+                f"| {name} | {mode} | {counts} | {row['forwards']} | {row['published_mask_top1']} |"
+            )
+    return generate
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dream-code", required=True)
     parser.add_argument("--llada2-code", required=True)
+    parser.add_argument("--llada21-code", default=None)
     parser.add_argument("--site", default=None, help="a folder holding transformers")
     parser.add_argument("--out", default=str(ROOT / "runs"))
     args = parser.parse_args()
@@ -127,8 +178,11 @@ def main() -> None:
     run = create_run_dir(args.out, "published_parity")
     with tempfile.TemporaryDirectory() as tmp:
         summary = run_checks(Path(tmp), args)
+        if args.llada21_code:
+            summary["llada21_generate"] = llada21_checks(Path(tmp), args.llada21_code)
     summary["environment"] = environment()
     summary["published_code"] = {"dream": args.dream_code, "llada2": args.llada2_code}
+    summary["published_code"]["llada21"] = args.llada21_code
     write_json(run / "summary.json", summary)
     print(f"run folder: {run}")
 

@@ -278,9 +278,7 @@ def _add_random_checkpoint_command(sub) -> None:
         "random-checkpoint",
         help="write a tiny random-weight checkpoint in a family's published layout (for tests)",
     )
-    rc.add_argument(
-        "family", choices=["llada", "dream", "llada2", "llada2.1"], help="model family"
-    )
+    rc.add_argument("family", choices=["llada", "dream", "llada2", "llada2.1"], help="model family")
     rc.add_argument("dir", help="folder to write (new or empty)")
     rc.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     rc.set_defaults(func=cmd_random_checkpoint)

@@ -1,0 +1,106 @@
+"""LLaDA2.1 on a tiny random checkpoint in its layout (`dilaserve random-checkpoint llada2.1`):
+token editing through the exact block cache equals it without a cache, in a mixed batch, across
+a move to another instance mid-edit, and through the OpenAI API."""
+
+import pytest
+from family_checkpoints import prompt_ids
+
+from dilaserve.cluster.runtime import ClusterConfig
+from dilaserve.cluster.worker import WorkerConfig
+from dilaserve.config import BUNDLED_LLADA2_MODEL, EngineConfig, SamplingParams
+from dilaserve.control.build import ControlSpec
+from dilaserve.engine.engine import Engine
+from dilaserve.engine.llm import LLM
+from dilaserve.protocol import StepBatch, StepKind
+from dilaserve.training.random_checkpoint import write_random_llada21
+
+BLOCK = 8
+CASES = [(5, 16, 0.5), (8, 11, 0.9), (13, 16, 0.7)]  # prompt length, max_tokens, threshold
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return write_random_llada21(tmp_path_factory.mktemp("llada21"))
+
+
+def outputs(path, cache: str, mode: str | None, which=range(len(CASES))):
+    """The output windows and step counts of cases `which`, run as one batch."""
+    llm = LLM(path, EngineConfig(cache, block_len=BLOCK, editing=mode, early_finish=False))
+    requests = []
+    for i in which:
+        n, max_tokens, threshold = CASES[i]
+        params = SamplingParams(threshold, max_tokens)
+        (r,) = llm.make_requests([prompt_ids(n, offset=i)], params, chat=False)
+        r.request_id = str(i)
+        requests.append(r)
+    llm.run(requests, len(requests))
+    return [(r.output_ids.tolist(), r.num_steps) for r in requests], requests
+
+
+@pytest.mark.parametrize("mode", ["speed", "quality"])
+def test_editing_through_the_block_cache_equals_it_without_a_cache(path, mode):
+    cached, requests = outputs(path, "block", mode)
+    assert cached == outputs(path, "none", mode)[0]
+    assert cached == [outputs(path, "block", mode, [i])[0][0] for i in range(len(CASES))]
+    assert all(r.edits and not r.edit_block for r in requests)
+    # edit-only steps are steps like any other: a block takes more steps than it has masks
+    assert any(steps > r.gen_len for (_, steps), r in zip(cached, requests))
+
+
+def test_the_checkpoint_edits_by_default_and_off_is_the_llada2_rule(path):
+    assert LLM(path).engine.decoding.editing.mode == "speed"
+    off = LLM(path, EngineConfig(editing="off")).engine.decoding
+    assert off.editing is None and off.step_schedule
+
+
+def test_a_request_moved_mid_edit_ends_as_one_never_moved(path):
+    config = EngineConfig("block", block_len=BLOCK, editing="speed", early_finish=False)
+    llm = LLM(path, config)
+    (alone,) = llm.make_requests([prompt_ids(5)], SamplingParams(0.5, 16), chat=False)
+    llm.run([alone], 1)
+    (moved,) = llm.make_requests([prompt_ids(5)], SamplingParams(0.5, 16), chat=False)
+    first = Engine(llm.engine.model, llm.special, config)
+    while not (moved.edit_block == 1 and moved.post_steps):  # edit-only steps of block 1
+        assert not moved.is_finished
+        item = moved.step_item(config.kv_cache, first.has_request(moved.request_id))
+        moved.apply(first.execute(StepBatch((item,))).results[0])
+    second = Engine(llm.engine.model, llm.special, config)
+    kinds = []
+    while not moved.is_finished:
+        item = moved.step_item(config.kv_cache, second.has_request(moved.request_id))
+        result = second.execute(StepBatch((item,))).results[0]
+        kinds.append(result.kind)
+        moved.apply(result)
+    assert kinds[0] is StepKind.PREFILL  # the sequence travelled, with its edit phase
+    assert moved.output_ids.tolist() == alone.output_ids.tolist()
+    assert moved.num_steps == alone.num_steps
+
+
+def test_the_openai_api_answers_with_editing_on(path):
+    from fastapi.testclient import TestClient
+
+    from dilaserve.server.main import build_app
+
+    engine = EngineConfig("block", editing="quality")
+    calibration = BUNDLED_LLADA2_MODEL / "dilaserve-calibration" / "cpu-float32"  # block kinds
+    control = ControlSpec(profile=str(calibration / "profile.json"))
+    worker = WorkerConfig(str(path), engine, threads=1)
+    config = ClusterConfig(worker, control, instances=(1,), tick=0.2)
+    app, cluster = build_app(config)
+    body = {"model": path.name, "max_tokens": 24, "threshold": 0.7, "prompt": "w3 w5 w7"}
+    with TestClient(app) as client:
+        reply = client.post("/v1/completions", json=body)
+        streamed = client.post("/v1/completions", json={**body, "stream": True})
+    assert reply.status_code == streamed.status_code == 200, (reply.text, streamed.text)
+    offline = LLM(path, EngineConfig(editing="quality"))
+    (want,) = offline.generate(["w3 w5 w7"], SamplingParams(0.7, 24), chat=False)
+    assert offline.engine.decoding.editing.mode == "quality"
+    assert reply.json()["choices"][0]["text"] == want.text
+    chunks = [line for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert _joined(chunks) == want.text  # a stream sends finished blocks only: never edited
+
+
+def _joined(chunks: list[str]) -> str:
+    import json
+
+    return "".join(json.loads(c[len("data: ") :])["choices"][0]["text"] for c in chunks)
