@@ -9,6 +9,7 @@ from dilaserve.cluster.runtime import ClusterConfig
 from dilaserve.cluster.worker import WorkerConfig
 from dilaserve.config import BUNDLED_LLADA2_MODEL, EngineConfig, SamplingParams
 from dilaserve.control.build import ControlSpec
+from dilaserve.control.step_costs import StepCosts
 from dilaserve.engine.engine import Engine
 from dilaserve.engine.llm import LLM
 from dilaserve.protocol import StepBatch, StepKind
@@ -51,6 +52,24 @@ def test_the_checkpoint_edits_by_default_and_off_is_the_llada2_rule(path):
     assert LLM(path).engine.decoding.editing.mode == "speed"
     off = LLM(path, EngineConfig(editing="off")).engine.decoding
     assert off.editing is None and off.step_schedule
+
+
+def test_an_edit_only_step_is_a_block_step_the_control_plane_prices_as_one(path):
+    costs = StepCosts("block", BLOCK)
+    llm = LLM(path, EngineConfig("block", block_len=BLOCK, editing="speed", early_finish=False))
+    (request,) = llm.make_requests([prompt_ids(5)], SamplingParams(0.5, 16), chat=False)
+    priced = []
+
+    def on_step(r, result):
+        if r.edit_block is not None:  # the next step edits only
+            kind = costs.next_kind(r, has_cache=True)
+            priced.append((kind, costs.request_tokens(kind, r)))
+
+    llm.run([request], 1, on_step)
+    assert priced and set(priced) == {(StepKind.BLOCK, BLOCK)}
+    # each is counted as a step (the predictor's data) that committed no new token
+    assert request.num_steps == len(request.step_tokens)
+    assert request.step_tokens.count(0) == len(priced)
 
 
 def test_a_request_moved_mid_edit_ends_as_one_never_moved(path):
