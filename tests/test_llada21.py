@@ -2,6 +2,7 @@
 token editing through the exact block cache equals it without a cache, in a mixed batch, across
 a move to another instance mid-edit, and through the OpenAI API."""
 
+import numpy as np
 import pytest
 from family_checkpoints import prompt_ids
 
@@ -123,3 +124,14 @@ def _joined(chunks: list[str]) -> str:
     import json
 
     return "".join(json.loads(c[len("data: ") :])["choices"][0]["text"] for c in chunks)
+
+
+def test_recorded_trajectories_hold_each_steps_new_commits_and_every_step(path):
+    from dilaserve.engine.record import record_trajectories
+
+    llm = LLM(path, EngineConfig("block", block_len=BLOCK, early_finish=False))  # speed
+    (t,) = record_trajectories(llm, ["w3 w5 w7"], (0.5,), max_tokens=16)
+    committed = np.concatenate(t.commits)
+    assert sorted(committed.tolist()) == list(range(t.gen_len))  # each position once
+    assert any(len(c) == 0 for c in t.commits)  # the edit-only steps, counted as steps
+    assert t.num_steps == len(t.kinds) == t.confidences.shape[0]

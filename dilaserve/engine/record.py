@@ -17,10 +17,15 @@ def record_trajectories(
     for threshold in thresholds:
         requests = llm.make_requests(prompts, SamplingParams(threshold, max_tokens))
         steps: dict[str, list] = {r.request_id: [] for r in requests}
+        seen = {r.request_id: np.zeros(r.gen_len, dtype=bool) for r in requests}
 
-        def on_step(request, result, steps=steps):
+        def on_step(request, result, steps=steps, seen=seen):
+            """A step's new commits only: a token-editing step also rewrites committed ones."""
+            done = seen[request.request_id]
+            new = result.positions[~done[result.positions]]
+            done[new] = True
             steps[request.request_id].append(
-                (result.kind.value, result.positions.copy(), result.confidences.copy())
+                (result.kind.value, new.copy(), result.confidences.copy())
             )
 
         llm.run(requests, max_batch, on_step)
