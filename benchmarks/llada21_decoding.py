@@ -42,6 +42,13 @@ MAX_TOKENS = (16, 11)
 OTHER_THRESHOLD = 0.9  # beside each mode's own: moves the edit threshold in the mode's ratio
 EOS_MODES = {"none": False, "block": True}
 MODES = {m.mode: m for m in LLADA21_MODES}
+# forwards after which a published run counts as not ending: its rule may re-mask a token (an
+# edit to the mask token, when that is the top-1) and "commit" the mask forever
+FORWARD_LIMIT = 1000
+
+
+class NoEnd(Exception):
+    """The published `generate` ran past FORWARD_LIMIT forwards."""
 
 
 def cases(mode: str) -> list[dict]:
@@ -70,7 +77,7 @@ def _request(llm: LLM, i: int, case: dict) -> Request:
 def theirs(ref, block: int, mode: str, eos_mode: str, ids: dict, i: int, case: dict):
     """The published answer, its forward count, and whether the mask token was ever the top-1
     of a generated position of the block (the published rule may then commit or edit to the
-    mask; dilaserve never does)."""
+    mask; dilaserve never does). Raises NoEnd past FORWARD_LIMIT forwards."""
     calls, mask_top1 = 0, False
     forward, mask = ref.forward, ids["mask"]
     prompt_len = case["prompt_len"]
@@ -81,6 +88,8 @@ def theirs(ref, block: int, mode: str, eos_mode: str, ids: dict, i: int, case: d
         gets the additive form (log: 0 / -inf) that LLaDA2.0's `generate` builds."""
         nonlocal calls, mask_top1
         calls += 1
+        if calls > FORWARD_LIMIT:
+            raise NoEnd
         out = forward(x, attention_mask=attention_mask.to(ref.dtype).log(), **kwargs)
         generated = torch.arange(x.shape[1] - block, x.shape[1]) >= prompt_len
         top = out.logits[0, -block:].argmax(-1)
@@ -149,13 +158,17 @@ def _row(ref, block: int, modes: tuple[str, str], ids: dict, i: int, case: dict,
     mode, eos_mode = modes
     tokens, steps = out
     cut = answer(tokens, case["max_tokens"], ids["eos"] if eos_mode != "none" else -1)
-    published, calls, mask_top1 = theirs(ref, block, mode, eos_mode, ids, i, case)
+    try:
+        published, calls, mask_top1 = theirs(ref, block, mode, eos_mode, ids, i, case)
+    except NoEnd:
+        published, calls, mask_top1 = None, None, True
     return {
         **case,
         "tokens_equal": cut == published,
         "forwards": [steps, calls],
         "published_mask_top1": mask_top1,
-        "answer_has_eos": ids["eos"] in published,
+        "published_ended": published is not None,
+        "answer_has_eos": published is not None and ids["eos"] in published,
     }
 
 
@@ -165,7 +178,13 @@ def _totals(rows: list[dict]) -> dict:
         "tokens_equal": sum(r["tokens_equal"] for r in rows),
         "forwards_equal": sum(r["forwards"][0] == r["forwards"][1] for r in rows),
         "published_mask_top1": sum(r["published_mask_top1"] for r in rows),
-        "forwards": [sum(r["forwards"][k] for r in rows) for k in (0, 1)],  # ours, published
+        "published_not_ended": sum(not r["published_ended"] for r in rows),
+        "differing_without_mask_top1": sum(
+            not r["published_mask_top1"]
+            and (not r["tokens_equal"] or r["forwards"][0] != r["forwards"][1])
+            for r in rows
+        ),
+        "forwards": [sum(r["forwards"][k] or 0 for r in rows) for k in (0, 1)],  # ours, published
         "answers_with_eos": sum(r["answer_has_eos"] for r in rows),
         "differing": [r for r in rows if not r["tokens_equal"] or len(set(r["forwards"])) > 1],
     }

@@ -152,14 +152,17 @@ def llada21_checks(tmp: Path, code: str) -> dict:
     print("\nllada2.1 against the published decoding (fp32)")
     print(
         "| checkpoint | mode / EOS | cases | tokens equal | forwards equal | forwards (ours, "
-        "published) | published top-1 the mask token |"
+        "published) | published top-1 the mask token | published did not end | differing without "
+        "the mask top-1 |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, summary in generate.items():
         for mode, row in summary["modes"].items():
             counts = f"{row['cases']} | {row['tokens_equal']} | {row['forwards_equal']}"
             print(
-                f"| {name} | {mode} | {counts} | {row['forwards']} | {row['published_mask_top1']} |"
+                f"| {name} | {mode} | {counts} | {row['forwards']} | "
+                f"{row['published_mask_top1']} | {row['published_not_ended']} | "
+                f"{row['differing_without_mask_top1']} |"
             )
     return generate
 
