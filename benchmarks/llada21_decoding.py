@@ -48,7 +48,8 @@ FORWARD_LIMIT = 1000
 
 
 class NoEnd(Exception):
-    """The published `generate` ran past FORWARD_LIMIT forwards."""
+    """The published `generate` ran past FORWARD_LIMIT forwards (args: whether the mask token
+    was the top-1 so far)."""
 
 
 def cases(mode: str) -> list[dict]:
@@ -89,7 +90,7 @@ def theirs(ref, block: int, mode: str, eos_mode: str, ids: dict, i: int, case: d
         nonlocal calls, mask_top1
         calls += 1
         if calls > FORWARD_LIMIT:
-            raise NoEnd
+            raise NoEnd(mask_top1)
         out = forward(x, attention_mask=attention_mask.to(ref.dtype).log(), **kwargs)
         generated = torch.arange(x.shape[1] - block, x.shape[1]) >= prompt_len
         top = out.logits[0, -block:].argmax(-1)
@@ -160,8 +161,8 @@ def _row(ref, block: int, modes: tuple[str, str], ids: dict, i: int, case: dict,
     cut = answer(tokens, case["max_tokens"], ids["eos"] if eos_mode != "none" else -1)
     try:
         published, calls, mask_top1 = theirs(ref, block, mode, eos_mode, ids, i, case)
-    except NoEnd:
-        published, calls, mask_top1 = None, None, True
+    except NoEnd as no_end:
+        published, calls, mask_top1 = None, None, no_end.args[0]
     return {
         **case,
         "tokens_equal": cut == published,
