@@ -1,16 +1,19 @@
-"""Dream's decoding through dilaserve's engine against Fast-dLLM's Dream block decoders.
+"""Dream's decoding through dilaserve's engine against Fast-dLLM's Dream decoders.
 
 Part of `published_parity.py` (which imports the published code): for every prompt length,
-output window and threshold of the grid below, in the `prefix` and `dual` cache modes,
-dilaserve runs all the cases of a mode as one batch, and Fast-dLLM's `generation_utils_block`
-`_sample` (its `dual_cache` off or on, `alg="confidence_threshold"`, greedy) runs each case
-alone on Fast-dLLM's `DreamModel`. Neither stops early. A case is equal when the windows are the
-same token for token; its forwards, when both ran as many forward passes. The `none` mode
-(Fast-dLLM's whole-window decoder with a per-step budget) is not implemented in dilaserve.
+output window and threshold of the grid below, in each setting (`none` with the default step
+budget and with a smaller one, `prefix`, `dual`), dilaserve runs all the cases of a setting as
+one batch, and Fast-dLLM runs each case alone on its `DreamModel`: `generation_utils` `_sample`
+for `none` (the whole-window decoder; `steps = gen_len / budget`), `generation_utils_block`
+`_sample` (its `dual_cache` off or on) for `prefix` and `dual`; `alg="confidence_threshold"`,
+greedy. Neither stops early. A case is equal when the windows are the same token for token; its
+forwards, when both ran as many forward passes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import types
 from itertools import product
 from pathlib import Path
@@ -25,7 +28,12 @@ from dilaserve.engine.llm import LLM
 PROMPT_LENS = (5, 7, 12)
 GEN_LENS = (16, 24)
 THRESHOLDS = (0.9, 0.7, 0.5)
-MODES = ("prefix", "dual")
+SETTINGS = {  # name: (cache mode, dilaserve's step budget; None: block_len, the default)
+    "none": ("none", None),
+    "none, budget 4": ("none", 4),
+    "prefix": ("prefix", None),
+    "dual": ("dual", None),
+}
 
 
 def cases() -> list[dict]:
@@ -33,8 +41,10 @@ def cases() -> list[dict]:
     return [dict(prompt_len=p, gen_len=g, threshold=t) for p, g, t in grid]
 
 
-def ours(path: Path, block: int, mode: str, grid: list[dict]) -> list[tuple[list[int], int]]:
-    llm = LLM(path, EngineConfig(mode, block_len=block, early_finish=False))
+def ours(path: Path, block: int, setting: str, grid: list[dict]) -> list[tuple[list[int], int]]:
+    mode, budget = SETTINGS[setting]
+    config = EngineConfig(mode, block_len=block, early_finish=False, step_budget=budget)
+    llm = LLM(path, config)
     requests = []
     for i, case in enumerate(grid):
         params = SamplingParams(case["threshold"], case["gen_len"])
@@ -45,13 +55,14 @@ def ours(path: Path, block: int, mode: str, grid: list[dict]) -> list[tuple[list
     return [(r.output_ids.tolist(), r.num_steps) for r in requests]
 
 
-def published(ref, blockgen) -> None:
-    """Fast-dLLM's block decoders on the published model (its evaluation binds them so)."""
+def published(ref, generation) -> None:
+    """A Fast-dLLM decoder module's methods on the published model (its evaluation binds them
+    so: `generation_utils` without a cache, `generation_utils_block` with one)."""
     for name in ("diffusion_generate", "_sample"):
-        setattr(ref, name, types.MethodType(getattr(blockgen.DreamGenerationMixin, name), ref))
+        setattr(ref, name, types.MethodType(getattr(generation.DreamGenerationMixin, name), ref))
 
 
-def theirs(ref, block: int, mode: str, mask: int, i: int, case: dict):
+def theirs(ref, block: int, setting: str, mask: int, i: int, case: dict):
     """The published window, its forward count, and whether the mask token was ever the top-1
     of a masked position."""
     calls, mask_top1 = 0, False
@@ -67,13 +78,15 @@ def theirs(ref, block: int, mode: str, mask: int, i: int, case: dict):
         return out
 
     prompt = prompt_ids(case["prompt_len"], offset=i)
+    mode, budget = SETTINGS[setting]
+    steps = case["gen_len"] // (budget or block) if mode == "none" else case["gen_len"]
     ref.forward = counted
-    try:
-        with torch.no_grad():
+    try:  # (the whole-window decoder prints its steps and time)
+        with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
             out = ref.diffusion_generate(
                 torch.tensor([prompt]),
                 max_length=len(prompt) + case["gen_len"],
-                steps=case["gen_len"],
+                steps=steps,
                 mask_token_id=mask,
                 temperature=0.0,
                 alg="confidence_threshold",
@@ -88,21 +101,22 @@ def theirs(ref, block: int, mode: str, mask: int, i: int, case: dict):
     return out[0, len(prompt) :].tolist(), calls, mask_top1
 
 
-def compare(ref_for, blockgen, block: int, tmp: Path, quiet: bool) -> dict:
-    """Every case in both cache modes on a random checkpoint (`quiet`: its mask row scaled
-    down); `ref_for(path)`: the published model of a checkpoint."""
+def compare(ref_for, generation: dict, block: int, tmp: Path, quiet: bool) -> dict:
+    """Every case in every setting on a random checkpoint (`quiet`: its mask row scaled down);
+    `ref_for(path)`: the published model of a checkpoint; `generation`: Fast-dLLM's decoder
+    module by cache mode."""
     grid = cases()
     path = dream_checkpoint(tmp / ("dream-quiet" if quiet else "dream-random"))
     mask = LLM(path).special.mask
     if quiet:
         quiet_mask(path, mask)
     ref = ref_for(path)
-    published(ref, blockgen)
     summary = {"mask_row_scaled": quiet, "modes": {}}
-    for mode in MODES:
+    for setting, (mode, _) in SETTINGS.items():
+        published(ref, generation[mode])
         rows = []
-        for i, (case, (tokens, steps)) in enumerate(zip(grid, ours(path, block, mode, grid))):
-            window, calls, mask_top1 = theirs(ref, block, mode, mask, i, case)
+        for i, (case, (tokens, steps)) in enumerate(zip(grid, ours(path, block, setting, grid))):
+            window, calls, mask_top1 = theirs(ref, block, setting, mask, i, case)
             rows.append(
                 {
                     **case,
@@ -111,7 +125,7 @@ def compare(ref_for, blockgen, block: int, tmp: Path, quiet: bool) -> dict:
                     "published_mask_top1": mask_top1,
                 }
             )
-        summary["modes"][mode] = {
+        summary["modes"][setting] = {
             "cases": len(rows),
             "tokens_equal": sum(r["tokens_equal"] for r in rows),
             "forwards_equal": sum(r["forwards"][0] == r["forwards"][1] for r in rows),

@@ -21,8 +21,8 @@ names (`tests/family_checkpoints.py`), and reports
   (no cache), in every setting of `llada2_decoding.py`'s grid: prompt lengths inside and on a
   block boundary, `max_tokens`, `steps`, thresholds and the three EOS modes; tokens and forward
   counts, case by case;
-- Dream's decoding in the prefix and dual cache modes against Fast-dLLM's Dream block decoders
-  (`dream_decoding.py`), the same way.
+- Dream's decoding in the none, prefix and dual cache modes against Fast-dLLM's Dream decoders
+  (`dream_decoding.py`; `none`: the whole-window decoder, at two step budgets), the same way.
 Prints the tables docs/models.md carries.
 
 Writes `summary.json` in a run folder under `--out`.
@@ -206,11 +206,15 @@ def run_checks(tmp: Path, args) -> dict:
         )
         for name, quiet in variants
     }
-    blockgen = import_package(args.dream_code, "generation_utils_block")
+    whole, blocks = (
+        import_package(args.dream_code, name)
+        for name in ("generation_utils", "generation_utils_block")
+    )
+    generation = {"none": whole, "prefix": blocks, "dual": blocks}
     summary["dream_generate"] = {
         name: dream_decoding.compare(
             lambda path: dream_model(path, args.dream_code, torch.float32),
-            blockgen,
+            generation,
             BLOCK,
             tmp,
             quiet,

@@ -43,7 +43,10 @@ class EngineConfig:
     "speed" or "quality" (the published modes: mask-to-token / edit thresholds 0.5 / 0.0 and
     0.7 / 0.5; a request's threshold sets the first and moves the second in the mode's ratio) or
     "off"; None: the checkpoint's own (speed for a config.json of `model_type` llada21_moe,
-    else off); a family without token editing refuses a mode. cuda_graphs: dual-cache steps of
+    else off); a family without token editing refuses a mode. step_budget: a family whose `none`
+    mode decodes the whole window (Dream's, Fast-dLLM's `generation_utils.py`) commits at most
+    this many tokens a step plus the rejections carried over (None: `block_len`, the published
+    setting's `gen_len / steps`); it must divide `block_len`. cuda_graphs: dual-cache steps of
     up to this many requests, each with at most `cuda_graph_context` cached tokens, replay CUDA
     graphs (engine/graphs.py; 0: off; tensor-parallel instances and CPUs run the same steps without
     graphs). max_forward_tokens: a step batch runs as forward passes of at most this many tokens
@@ -58,6 +61,7 @@ class EngineConfig:
     eos_stop: EosStop | None = None
     steps: int | None = None
     editing: str | None = None
+    step_budget: int | None = None
     max_forward_tokens: int = 65_536
     cuda_graphs: int = 0
     cuda_graph_context: int = 2048
@@ -74,6 +78,12 @@ class EngineConfig:
             raise ValueError(f"{self.dtype=} must be one of {DTYPES}")
         if self.block_len <= 0:
             raise ValueError(f"{self.block_len=} must be positive")
+        if self.step_budget is not None and not (
+            0 < self.step_budget <= self.block_len and self.block_len % self.step_budget == 0
+        ):
+            raise ValueError(
+                f"{self.step_budget=} must be a positive divisor of {self.block_len=} (or None)"
+            )
         if self.max_forward_tokens <= 0:
             raise ValueError(f"{self.max_forward_tokens=} must be positive")
         if self.cuda_graphs < 0 or self.cuda_graph_context <= 0:

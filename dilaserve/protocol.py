@@ -97,6 +97,7 @@ class SequenceSpec:
     # the edit-only steps it has run
     edit_block: int | None = None
     post_steps: int = 0
+    num_steps: int = 0  # steps already run on the window (a whole-window rule's budget)
 
 
 @dataclass(frozen=True, slots=True)

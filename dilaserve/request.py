@@ -148,6 +148,7 @@ class Request:
             self.block_step,
             self.edit_block,
             self.post_steps,
+            self.num_steps,
         )
 
     def within_bounds(self, thresholds: tuple[float, ...]) -> tuple[float, ...]:

@@ -33,6 +33,13 @@ def test_engine_config_validates_and_coerces():
         EngineConfig(kv_cache="paged")
 
 
+@pytest.mark.parametrize("budget", [0, 3, 16])
+def test_a_step_budget_must_divide_the_block(budget):
+    assert EngineConfig(block_len=8, step_budget=4).step_budget == 4
+    with pytest.raises(ValueError, match="step_budget"):
+        EngineConfig(block_len=8, step_budget=budget)
+
+
 def test_next_step_kind():
     assert next_step_kind(KVCacheMode.NONE, True, True) is StepKind.FULL
     assert next_step_kind(KVCacheMode.DUAL, True, True) is StepKind.RECOMPUTE

@@ -59,3 +59,15 @@ def test_ties_go_to_the_earlier_position():
         conf, torch.ones(1, 4, dtype=torch.bool), torch.tensor([0.9]), torch.tensor([2])
     )
     assert commit.tolist() == [[False, True, True, False]]
+
+
+def test_a_cap_keeps_the_most_confident_commits_and_never_drops_the_minimum():
+    conf = torch.tensor([[0.95, 0.2, 0.97, 0.96], [0.95, 0.2, 0.97, 0.96], [0.1, 0.2, 0.3, 0.4]])
+    candidates = torch.ones(3, 4, dtype=torch.bool)
+    caps = torch.tensor([2, 4, 3])
+    commit = select_unmask(conf, candidates, torch.tensor([0.9, 0.9, 0.9]), None, caps)
+    assert commit.tolist() == [
+        [False, False, True, True],  # three clear 0.9; the cap keeps the best two
+        [True, False, True, True],  # under its cap: all that clear
+        [False, False, False, True],  # none clears: the top-1 still
+    ]

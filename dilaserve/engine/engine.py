@@ -88,6 +88,9 @@ class Engine:
         # a cache step reads the position before its block only if that block's first position
         # may still be masked there (a block opened by its first position never is)
         self.cache_shift = 0 if self.decoding.first_opens_block else self.shift
+        no_cache = self.config.kv_cache is KVCacheMode.NONE
+        self.whole_window = self.decoding.whole_window and no_cache
+        self.step_budget = config.step_budget or config.block_len
         block_causal = self.family.is_block_causal
         self._model_kwargs = {"block_len": config.block_len} if block_causal else {}
         self._seqs: dict[str, Sequence] = {}
@@ -159,6 +162,7 @@ class Engine:
                 block_step=item.spec.block_step,
                 edit_block=item.spec.edit_block,
                 post_steps=item.spec.post_steps,
+                num_steps=item.spec.num_steps,
             )
         seq = self._seqs[item.request_id]
         kind = self._actual_kind(item.kind, seq)
@@ -272,35 +276,33 @@ class Engine:
 
     def _decide(self, rows, conf, top) -> dict[str, RequestStepResult]:
         candidates = torch.zeros(conf.shape, dtype=torch.bool)
-        spans = []  # each row's current block and its output-window [lo, hi) in the logits
+        blocks = [r.seq.block for r in rows]
         for i, r in enumerate(rows):
-            block = r.seq.block
-            b_start, b_end = r.seq.block_span(block)
             w0 = r.window_start
-            lo, hi = max(b_start, w0), min(b_end, w0 + r.window_len)
-            spans.append((block, lo, hi))
-            if self._opens_block(r, lo, hi):
-                hi = lo + 1  # the block's first position only
+            lo, hi = self._candidate_span(r)
             candidates[i, lo - w0 : hi - w0] = torch.from_numpy(r.seq.is_masked[lo:hi])
         thresholds = torch.tensor([r.item.threshold for r in rows], dtype=conf.dtype)
-        commit = select_unmask(conf, candidates, thresholds, self._min_commits(rows))
+        commit = select_unmask(
+            conf, candidates, thresholds, self._min_commits(rows), self._max_commits(rows)
+        )
         edits = torch.zeros_like(commit)
         if self.decoding.editing is not None:
-            edits = self._edits(rows, spans, conf, top)
+            edits = self._edits(rows, conf, top)
         return {
             r.item.request_id: self._apply(
-                r, spans[i][0], conf[i], top[i], commit[i] | edits[i], bool(edits[i].any())
+                r, blocks[i], conf[i], top[i], commit[i] | edits[i], bool(edits[i].any())
             )
             for i, r in enumerate(rows)
         }
 
-    def _edits(self, rows: list[_Row], spans, conf, top) -> torch.Tensor:
+    def _edits(self, rows: list[_Row], conf, top) -> torch.Tensor:
         """Token editing: which committed tokens of each row's current block this step
         replaces, at the edit threshold the row's threshold sets (`TokenEditing`)."""
         editable = torch.zeros(conf.shape, dtype=torch.bool)
         current = torch.zeros(conf.shape, dtype=top.dtype)
-        for i, (r, (_, lo, hi)) in enumerate(zip(rows, spans)):
+        for i, r in enumerate(rows):
             w0, seq = r.window_start, r.seq
+            lo, hi = self._block_window(r)
             editable[i, lo - w0 : hi - w0] = torch.from_numpy(~seq.is_masked[lo:hi])
             current[i, lo - w0 : hi - w0] = seq.ids[seq.prompt_len + lo : seq.prompt_len + hi]
         rule = self.decoding.editing
@@ -308,6 +310,34 @@ class Engine:
             [rule.edit_threshold_for(r.item.threshold) for r in rows], dtype=conf.dtype
         )
         return select_edits(conf, top, current, editable, edit_thresholds)
+
+    def _candidate_span(self, row: _Row) -> tuple[int, int]:
+        """Output-window [lo, hi) whose masked positions this step may commit: the current
+        block's within the row's logit window (its first position, if the step opens it), or
+        the whole window under a whole-window rule."""
+        if self.whole_window:
+            return row.window_start, row.window_start + row.window_len
+        lo, hi = self._block_window(row)
+        return (lo, lo + 1) if self._opens_block(row, lo, hi) else (lo, hi)
+
+    def _block_window(self, row: _Row) -> tuple[int, int]:
+        """Output-window [lo, hi) of the row's current block within its logit window."""
+        b_start, b_end = row.seq.block_span(row.seq.block)
+        w0 = row.window_start
+        return max(b_start, w0), min(b_end, w0 + row.window_len)
+
+    def _max_commits(self, rows: list[_Row]) -> torch.Tensor | None:
+        """Each row's most commits this step (None: no cap), by a whole-window rule's budget."""
+        if not self.whole_window:
+            return None
+        return torch.tensor(
+            [
+                self.decoding.max_commits(
+                    r.seq.gen_len, self.step_budget, r.seq.num_steps, r.seq.num_committed
+                )
+                for r in rows
+            ]
+        )
 
     def _opens_block(self, row: _Row, lo: int, hi: int) -> bool:
         """Whether this step opens its block by the rule's first position (a recompute step of
@@ -341,6 +371,7 @@ class Engine:
             self._edit_progress(seq, block, masks_before, edited)
         block_done = seq.block != block
         seq.block_step = 0 if block_done else seq.block_step + 1
+        seq.num_steps += 1
         committed_stop = bool(np.isin(tokens, list(self.stop_ids)).any())
         finished = seq.is_finished(self.stop_ids, self.eos_stop, committed_stop, block_done)
         result = RequestStepResult(

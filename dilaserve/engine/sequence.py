@@ -43,6 +43,7 @@ class Sequence:
         block_step: int = 0,
         edit_block: int | None = None,
         post_steps: int = 0,
+        num_steps: int = 0,
     ):
         gen_len = len(output_ids)
         if len(prompt_ids) == 0:
@@ -62,6 +63,7 @@ class Sequence:
         # edit-only steps it has run
         self.edit_block = edit_block
         self.post_steps = post_steps
+        self.num_steps = num_steps  # steps run on the window so far
         self.ids = torch.from_numpy(
             np.concatenate(
                 (np.asarray(prompt_ids, dtype=np.int64), np.asarray(output_ids, dtype=np.int64))
@@ -109,6 +111,10 @@ class Sequence:
 
     def has_cache_for_current_block(self) -> bool:
         return self.kv is not None and self.kv.block == self.block
+
+    @property
+    def num_committed(self) -> int:
+        return self.gen_len - int(self.is_masked.sum())
 
     def output_ids(self) -> torch.Tensor:
         return self.ids[self.prompt_len :]

@@ -10,25 +10,28 @@ def select_unmask(
     candidates: torch.Tensor,
     thresholds: torch.Tensor,
     min_commits: torch.Tensor | None = None,
+    max_commits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Which candidate positions to commit this step.
 
     conf: [rows, n] top-1 probabilities; candidates: [rows, n] bool, the still-masked positions
-    of each row's current block; thresholds: [rows]; min_commits: [rows] int (None: ones). A
-    candidate is committed when its confidence exceeds its row's threshold; a row with fewer
-    such candidates than its `min_commits` commits its `min_commits` most confident candidates
-    instead (all of them, if it has fewer), so every step makes progress.
+    of each row's current block; thresholds: [rows]; min_commits: [rows] int (None: ones);
+    max_commits: [rows] int (None: no cap). A candidate is committed when its confidence exceeds
+    its row's threshold; a row with fewer such candidates than its `min_commits` commits its
+    `min_commits` most confident candidates instead (all of them, if it has fewer), so every
+    step makes progress; a row then keeps at most its `max_commits` most confident commits.
     """
     commit = candidates & (conf > thresholds[:, None])
     if min_commits is None:
         min_commits = torch.ones(conf.shape[0], dtype=torch.long)
     min_commits = min_commits.to(conf.device)
     short = commit.sum(dim=1) < min_commits
-    if short.any():
-        top = candidates & (
-            _rank(conf.masked_fill(~candidates, float("-inf"))) < min_commits[:, None]
-        )
-        commit = torch.where(short[:, None], top, commit)
+    if not short.any() and max_commits is None:
+        return commit
+    rank = _rank(conf.masked_fill(~candidates, float("-inf")))
+    commit = torch.where(short[:, None], candidates & (rank < min_commits[:, None]), commit)
+    if max_commits is not None:
+        commit &= rank < max_commits.to(conf.device)[:, None]
     return commit
 
 

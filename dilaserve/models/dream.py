@@ -219,5 +219,5 @@ FAMILY = ModelFamily(
     mask_token="<|mask|>",
     eot_token="<|im_end|>",
     # Fast-dLLM's Dream decoders (prefix, dual): a block opens with its first position
-    decoding=DecodingRule(mask_in_softmax=True, first_opens_block=True),
+    decoding=DecodingRule(mask_in_softmax=True, first_opens_block=True, whole_window=True),
 )

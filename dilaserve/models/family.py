@@ -75,6 +75,10 @@ class DecodingRule:
     or dual) commits the block's first position only, its top-1 whatever its confidence
     (Fast-dLLM's Dream decoders); the threshold rule runs from the block's second step on.
     editing: token editing (`TokenEditing`), or None.
+    whole_window: without a cache (`none`), a step's candidates are every masked position of
+    the output window, and it commits at most a budget (`max_commits`): Fast-dLLM's Dream
+    `generation_utils.py`, where `gen_len / budget` steps are scheduled and the budget's
+    rejections carry over to the next step, and steps are appended while the last one rejects.
     """
 
     step_schedule: bool = False
@@ -83,6 +87,7 @@ class DecodingRule:
     mask_in_softmax: bool = False
     first_opens_block: bool = False
     editing: TokenEditing | None = None
+    whole_window: bool = False
 
     def min_commits(self, block_len: int, steps: int, block_step: int) -> int:
         """Fewest commits of a block's step number `block_step` (0-based); never below one,
@@ -91,6 +96,14 @@ class DecodingRule:
             return 1
         base, extra = divmod(block_len, steps)
         return max(base + (block_step < extra), 1)
+
+    @staticmethod
+    def max_commits(gen_len: int, budget: int, num_steps: int, num_committed: int) -> int:
+        """Most commits of a whole-window step after `num_steps` steps: `budget` a step plus
+        the rejections carried over, as `num_committed` trails the schedule; past the
+        scheduled `gen_len / budget` steps, what is left (each appended step's budget); never
+        below one."""
+        return max(min((num_steps + 1) * budget, gen_len) - num_committed, 1)
 
     def steps_for(self, steps: int, max_tokens: int) -> int | None:
         """The steps per block a request gets (None: no schedule): the published generate caps
