@@ -6,6 +6,7 @@ import pytest
 
 from dilaserve.cluster.intake import Intake, threshold_bounds
 from dilaserve.cluster.requests import InvalidRequest, RequestHandle
+from dilaserve.models.family import DecodingRule
 
 
 class WordTokenizer:
@@ -123,3 +124,23 @@ def test_a_stream_holds_back_what_may_start_a_stop_string_and_ends_before_one():
     # the first of several stop strings wins; without stop strings nothing is held back
     assert streamed(("=", "+"), ["1 + 3 = 4"], "")[0] == ["1 "]
     assert streamed((), ["1 + 3 =", "1 + 3 = 4"], "1 + 3 = 4")[0] == ["1 + 3 =", " 4"]
+
+
+def test_a_requests_own_steps_override_the_engines_and_are_capped_at_max_tokens():
+    schedule = intake(decoding=DecodingRule(step_schedule=True), engine_steps=6)
+    assert check(schedule, max_tokens=16).steps == 6  # the engine's
+    assert check(schedule, max_tokens=16, steps=3).steps == 3
+    assert check(schedule, max_tokens=2, steps=3).steps == 2
+
+
+@pytest.mark.parametrize("steps", [0, -1, 2.5, True, "3"])
+def test_steps_that_are_not_a_positive_integer_are_named(steps):
+    with pytest.raises(InvalidRequest, match="steps") as err:
+        check(intake(decoding=DecodingRule(step_schedule=True)), steps=steps)
+    assert err.value.param == "steps"
+
+
+def test_steps_for_a_family_without_a_step_schedule_are_refused():
+    with pytest.raises(InvalidRequest, match="no per-block step schedule") as err:
+        check(intake(), steps=4)
+    assert err.value.param == "steps"

@@ -321,6 +321,29 @@ def test_the_openai_api_answers_through_it(path, served):
     assert answer == llm.generate([PROMPTS[0]], params)[0].text
 
 
+def test_steps_per_request_reach_the_schedule_over_http(path, served):
+    """`steps` in the request body sets the request's schedule (threshold 1: a step commits
+    exactly the schedule's count); a bad value is a 400 naming it."""
+    from fastapi.testclient import TestClient
+
+    from dilaserve.server.main import build_app
+
+    app, _ = build_app(served[1])
+    body = {"model": path.name, "max_tokens": 32, "threshold": 1.0, "prompt": PROMPTS[1]}
+    with TestClient(app) as client:
+        replies = {s: client.post("/v1/completions", json={**body, "steps": s}) for s in (2, 4)}
+        bad = [client.post("/v1/completions", json={**body, "steps": v}) for v in (0, 1.5, "2")]
+    llm = LLM(path)
+    for steps, reply in replies.items():
+        assert reply.status_code == 200, reply.text
+        (offline,) = llm.generate([PROMPTS[1]], SamplingParams(1.0, 32, steps), chat=False)
+        assert reply.json()["choices"][0]["text"] == offline.text
+        assert reply.json()["dilaserve"]["steps"] == offline.num_steps
+    assert replies[2].json()["dilaserve"]["steps"] < replies[4].json()["dilaserve"]["steps"]
+    assert [r.status_code for r in bad] == [400] * 3
+    assert all(r.json()["error"]["param"] == "steps" for r in bad)
+
+
 def test_bfloat16_generates_close_to_float32(path):
     ids = torch.tensor([prompt_ids(19)])
     args = (ids, torch.arange(19)[None], torch.ones(1, 19, dtype=torch.bool))

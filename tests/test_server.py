@@ -126,11 +126,13 @@ def test_extension_fields_reach_the_scheduler(live):
         ({"messages": [{"role": "user", "content": "seven " * 500}]}, "messages"),
         ({"messages": []}, "messages"),
         ({"deadline": 1.0}, "deadline"),
+        ({"steps": 4}, "steps"),  # LLaDA's decoding rule has no step schedule
+        ({"steps": 0}, "steps"),
     ],
 )
 def test_bad_requests_get_400_naming_the_field(live, fields, param):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
-    extra = {k: v for k, v in fields.items() if k in ("threshold", "deadline")}
+    extra = {k: v for k, v in fields.items() if k in ("threshold", "deadline", "steps")}
     body.update({k: v for k, v in fields.items() if k not in extra})
     with pytest.raises(openai.BadRequestError) as err:
         live.client.chat.completions.create(**body, extra_body=extra)

@@ -97,6 +97,7 @@ class Intake:
         max_threshold: float | None,
         text: str | None,
         stop: str | Sequence[str] | None = None,
+        steps: int | None = None,
     ) -> Submission:
         """See `Cluster.submit` for the arguments."""
         bounds = threshold_bounds(threshold, min_threshold, max_threshold)
@@ -104,7 +105,9 @@ class Intake:
         ids = self._prompt_ids(prompt, chat)
         max_tokens = max_tokens if max_tokens is not None else self.default_max_tokens
         gen_len = self._window(max_tokens, len(ids))
-        steps = self.decoding.steps_for(self.engine_steps or self.block_len, max_tokens)
+        steps = self.decoding.steps_for(
+            self._steps(steps) or self.engine_steps or self.block_len, max_tokens
+        )
         if slo is not None and not slo > 0:  # (NaN is not)
             raise InvalidRequest("slo", f"slo={slo} must be positive")
         if not isinstance(priority, int) or not PRIORITIES[0] <= priority <= PRIORITIES[1]:
@@ -128,6 +131,19 @@ class Intake:
             steps,
             self.decoding.editing is not None,
         )
+
+    def _steps(self, steps: int | None) -> int | None:
+        """A request's own steps per block, refused unless a positive integer for a family
+        with a step schedule."""
+        if steps is None:
+            return None
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise InvalidRequest("steps", f"steps={steps!r} must be a positive integer")
+        if not self.decoding.step_schedule:
+            raise InvalidRequest(
+                "steps", "steps: this model's decoding rule has no per-block step schedule"
+            )
+        return steps
 
     def _prompt_ids(self, prompt: str | list[int], chat: bool) -> list[int]:
         if isinstance(prompt, str):

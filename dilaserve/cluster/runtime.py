@@ -278,6 +278,7 @@ class Cluster:
         max_threshold: float | None = None,
         text: str | None = None,
         stop: str | Sequence[str] | None = None,
+        steps: int | None = None,
         received: float | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> RequestHandle:
@@ -286,7 +287,8 @@ class Cluster:
         confidence threshold; `min_threshold`/`max_threshold` bound what the policy may pick.
         `text`: the user's prompt text for the DWS predictor (default: `prompt` if a string).
         `stop`: up to 4 strings; the answer ends before the first of them, and the request
-        stops being worked on once one is committed. `received`: the `time.perf_counter()` at
+        stops being worked on once one is committed. `steps`: steps per block of the family's
+        step schedule (None: the engine's). `received`: the `time.perf_counter()` at
         which the request reached the caller (its latency and SLO count from there; default:
         now). `loop`: the event loop to stream to (default: the caller's, if it runs in one).
 
@@ -305,6 +307,7 @@ class Cluster:
             max_threshold,
             text,
             stop,
+            steps,
         )
         with self._lock:
             handle = self._register(submission, request_id, received, loop)

@@ -295,6 +295,7 @@ class _Api:
                 threshold=body.threshold,
                 min_threshold=body.min_threshold,
                 max_threshold=body.max_threshold,
+                steps=body.steps,
                 text=text,
                 stop=body.stop,
                 received=arrived,

@@ -17,7 +17,10 @@ setting, passed as validation context; default `MAX_MESSAGES`). Extension fields
 - `priority`: higher is served first under load (default 0);
 - `threshold`: a fixed confidence threshold, or `min_threshold` / `max_threshold`: bounds on the
   one the policy picks;
-- `max_tokens` is the output window, rounded up to a whole number of blocks (32 tokens).
+- `max_tokens` is the output window, rounded up to a whole number of blocks (32 tokens);
+- `steps`: steps per block of the model family's step schedule (LLaDA2's `steps`, a positive
+  integer; default: the server's `--steps`, else the block length); a model whose decoding
+  rule has no step schedule refuses it.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class _Generation(BaseModel):
     threshold: float | None = Field(None, gt=0, le=1)
     min_threshold: float | None = Field(None, gt=0, le=1)
     max_threshold: float | None = Field(None, gt=0, le=1)
+    steps: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
     logprobs: bool | int | None = None
     top_logprobs: int | None = None
