@@ -19,8 +19,7 @@ from itertools import product
 from pathlib import Path
 
 import torch
-from family_checkpoints import dream_checkpoint, prompt_ids
-from llada2_decoding import quiet_mask
+from family_checkpoints import dream_checkpoint, prompt_ids, quiet_mask
 
 from dilaserve.config import EngineConfig, SamplingParams
 from dilaserve.engine.llm import LLM

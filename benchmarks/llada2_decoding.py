@@ -21,8 +21,7 @@ from itertools import product
 from pathlib import Path
 
 import torch
-from family_checkpoints import llada2_checkpoint, prompt_ids
-from safetensors.torch import load_file, save_file
+from family_checkpoints import llada2_checkpoint, prompt_ids, quiet_mask
 
 from dilaserve.config import EngineConfig, SamplingParams
 from dilaserve.engine.llm import LLM
@@ -108,17 +107,6 @@ def _frequent_token(outputs, grid: list[dict]) -> int:
     in_prompts = {t for i, c in enumerate(grid) for t in prompt_ids(c["prompt_len"], offset=i)}
     counts = Counter(t for out, _ in outputs for t in out if t not in in_prompts)
     return counts.most_common(1)[0][0]
-
-
-def quiet_mask(folder: Path, mask: int, scale: float = 0.01) -> Path:
-    """Scale the mask token's `lm_head` row down, so that its logit stays near 0 and it is never
-    the top-1 (as in a trained model), while still counting in the softmax."""
-    for shard in sorted(folder.glob("*.safetensors")):
-        tensors = load_file(shard)
-        if "lm_head.weight" in tensors:
-            tensors["lm_head.weight"][mask] *= scale
-            save_file(tensors, shard, metadata={"format": "pt"})
-    return folder
 
 
 def checkpoint(folder: Path, quiet: bool, **overrides) -> Path:

@@ -98,6 +98,7 @@ class SequenceSpec:
     edit_block: int | None = None
     post_steps: int = 0
     num_steps: int = 0  # steps already run on the window (a whole-window rule's budget)
+    block: int = 0  # the current block: the positions before it are decided (a mask left so)
 
 
 @dataclass(frozen=True, slots=True)

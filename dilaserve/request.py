@@ -149,6 +149,7 @@ class Request:
             self.edit_block,
             self.post_steps,
             self.num_steps,
+            self.current_block,
         )
 
     def within_bounds(self, thresholds: tuple[float, ...]) -> tuple[float, ...]:

@@ -1,6 +1,6 @@
 """Helpers for the Dream and LLaDA2 tests: the package's random-checkpoint writers
 (`dilaserve/training/random_checkpoint.py`) under the names the tests use, prompt ids, a step
-driver, log comparison and a tensor-parallel executor."""
+driver, log comparison, a tensor-parallel executor, and a mask row scaled down."""
 
 from __future__ import annotations
 
@@ -24,6 +24,19 @@ from conftest import HANG_GUARD_S
 
 dream_checkpoint = write_random_dream
 llada2_checkpoint = write_random_llada2
+
+
+def quiet_mask(folder: Path, mask: int, scale: float = 0.01) -> Path:
+    """Scale the mask token's `lm_head` row down, so that its logit stays near 0 and it is never
+    the top-1 (as in a trained model), while still counting in the softmax."""
+    from safetensors.torch import load_file, save_file
+
+    for shard in sorted(folder.glob("*.safetensors")):
+        tensors = load_file(shard)
+        if "lm_head.weight" in tensors:
+            tensors["lm_head.weight"][mask] *= scale
+            save_file(tensors, shard, metadata={"format": "pt"})
+    return folder
 
 
 def prompt_ids(n: int, offset: int = 0) -> tuple[int, ...]:

@@ -75,7 +75,7 @@ def test_a_batch_equals_the_published_loop_case_by_case(path, budget):
     llm, requests = run(path, budget, CASES)
     model, mask = llm.engine.model, llm.special.mask
     appended = 0
-    for (prompt_len, gen_len, threshold), request in zip(CASES, requests):
+    for (_, gen_len, threshold), request in zip(CASES, requests):
         window, forwards = restated(
             model, request.prompt_ids, gen_len, budget or BLOCK, threshold, mask
         )

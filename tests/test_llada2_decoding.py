@@ -2,13 +2,15 @@
 window ends on an absolute block boundary and the answer is cut to max_tokens; the `steps`
 schedule (at least its top-k a step); the early-stop modes (after a block holding EOS, after a
 step that commits EOS); batches mixing these settings; the schedule's place surviving a move
-to another instance."""
+to another instance; the mask as a step's pick, and a block left with masks when its steps run
+out."""
 
 from collections import Counter
 
 import numpy as np
 import pytest
-from family_checkpoints import llada2_checkpoint, prompt_ids
+import torch
+from family_checkpoints import llada2_checkpoint, prompt_ids, quiet_mask
 
 from dilaserve.config import EngineConfig, SamplingParams
 from dilaserve.engine.engine import Engine
@@ -16,8 +18,11 @@ from dilaserve.engine.llm import LLM
 from dilaserve.engine.sequence import Sequence
 from dilaserve.models.family import DecodingRule
 from dilaserve.models.llada2 import FAMILY
+from dilaserve.models.tokenizer import SpecialIds
 from dilaserve.protocol import EosStop, StepBatch, window_len
 from dilaserve.request import Request
+
+from conftest import FakeModel
 
 BLOCK = 8
 NEVER = 1.0  # no confidence exceeds it: every step commits exactly the schedule's count
@@ -25,7 +30,14 @@ NEVER = 1.0  # no confidence exceeds it: every step commits exactly the schedule
 
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
-    return llada2_checkpoint(tmp_path_factory.mktemp("llada2"))
+    return checkpoint(tmp_path_factory.mktemp("llada2"))
+
+
+def checkpoint(folder, **overrides):
+    """A random checkpoint whose mask is never the top-1, as in a trained model (the published
+    rule's mask picks: `MaskPicking` below)."""
+    path = llada2_checkpoint(folder, **overrides)
+    return quiet_mask(path, LLM(path).special.mask)
 
 
 def make_llm(path, **config) -> LLM:
@@ -130,7 +142,7 @@ def eos_path(path, tmp_path_factory):
     in_prompts = {t for p in prompts for t in p}
     counts = Counter(t for r in outputs for t in r.output_ids.tolist() if t not in in_prompts)
     eos = counts.most_common(1)[0][0]
-    return llada2_checkpoint(tmp_path_factory.mktemp("llada2-eos"), eos_token_id=eos), prompts
+    return checkpoint(tmp_path_factory.mktemp("llada2-eos"), eos_token_id=eos), prompts
 
 
 def eos_runs(eos_path, **config):
@@ -194,3 +206,58 @@ def test_the_command_line_sets_the_steps_and_the_stop_rule(path, capsys):
     argv = ["generate", str(path), "--prompt", "w1 w2", "--max-tokens", "8", "--threshold", "1"]
     assert main([*argv, "--steps", "2", "--eos-stop", "none"]) == 0
     assert "[2 steps, " in capsys.readouterr().out
+
+
+class MaskPicking(FakeModel):
+    """The conftest's fake model where the mask itself is the top-1 at `MASK_AT` (absolute
+    positions); confidences fall with the position, so the most confident come first."""
+
+    MASK_AT = (9, 13, 20)
+
+    def __init__(self):
+        super().__init__(lambda p: 0.5 - 0.01 * p, self.token)
+
+    def token(self, p: int) -> int:
+        return self.MASK if p in self.MASK_AT else 2 + p % 10
+
+    def forward(self, ids, positions, valid, context=None, keep_kv=False, block_len=None):
+        return super().forward(ids, positions, valid, context, keep_kv)
+
+    def logits(self, hidden):
+        """The mask takes the position's confidence (token 0, never produced, gives way)."""
+        out, pos = super().logits(hidden), hidden[..., 0]
+        picks = torch.isin(pos.long(), torch.tensor(self.MASK_AT))
+        out[..., self.MASK] = torch.where(picks, (0.5 - 0.01 * pos).log(), -1e9)
+        out[..., 0] = torch.where(picks, -1e9, out[..., 0])
+        return out
+
+
+def mask_picking_run(gen_len: int, engines: int = 1):
+    """Prompt 8 (blocks start at the window), steps 2 a block (4 commits each), no confidence
+    over the threshold; the request moves to the next engine after each block."""
+    special = SpecialIds(mask=FakeModel.MASK, eos=FakeModel.EOS, eot=None)
+    config = EngineConfig("none", block_len=BLOCK)
+    instances = [Engine(MaskPicking(), special, config, FAMILY) for _ in range(engines)]
+    request = Request("r", tuple(range(2, 10)), gen_len, BLOCK, FakeModel.MASK, NEVER, steps=2)
+    while not request.is_finished:
+        engine = instances[min(request.current_block, engines - 1)]
+        item = request.step_item(config.kv_cache, engine.has_request("r"))
+        request.apply(engine.execute(StepBatch((item,))).results[0])
+    return request
+
+
+def test_a_picked_mask_counts_as_a_commit_and_a_block_ends_after_its_steps():
+    """Step 1 takes window positions 0-3 (1 picks the mask); step 2 the 4 most confident still
+    masked, 1 again, 4, 5 (the mask again) and 6; the block's 2 steps are then spent: 1, 5 and 7
+    keep the mask, as in the published `generate`."""
+    request = mask_picking_run(BLOCK)
+    m = FakeModel.MASK
+    assert request.output_ids.tolist() == [10, m, 2, 3, 4, m, 6, m]
+    assert request.step_tokens == [3, 2] and request.is_finished
+    assert request.generated_ids(frozenset({FakeModel.EOS})) == [10]  # the text ends before
+
+
+def test_a_block_left_with_masks_stays_decided_on_another_instance():
+    moved, whole = mask_picking_run(2 * BLOCK, engines=2), mask_picking_run(2 * BLOCK)
+    assert moved.output_ids.tolist() == whole.output_ids.tolist()
+    assert moved.step_tokens == whole.step_tokens and len(whole.step_tokens) == 4

@@ -5,8 +5,9 @@ step kind. Rows are grouped into forwards without a cache (FULL, RECOMPUTE and P
 forwards against cached K/V (CACHE, BLOCK and COMMIT steps); each group runs as padded, batched
 forward passes. What a step runs, stores and commits follows the model family's semantics
 (`models/family.py`): its logit shift, an approximate cache (bidirectional attention) or an
-exact one (block-causal attention), and its decoding rule (fewest commits a step, per row, and
-when a request stops early). The engine owns its requests' token state and K/V caches;
+exact one (block-causal attention), and its decoding rule (the candidates of a step, its
+fewest and most commits per row, whether the mask may be picked, when a block ends and when a
+request stops early). The engine owns its requests' token state and K/V caches;
 it knows nothing about SLOs, other instances or the wall clock.
 """
 
@@ -163,6 +164,7 @@ class Engine:
                 edit_block=item.spec.edit_block,
                 post_steps=item.spec.post_steps,
                 num_steps=item.spec.num_steps,
+                block=item.spec.block,
             )
         seq = self._seqs[item.request_id]
         kind = self._actual_kind(item.kind, seq)
@@ -267,7 +269,8 @@ class Engine:
         logits = self.model.logits(picked).float()
         if self.decoding.mask_in_softmax:
             probs = torch.softmax(logits, dim=-1)
-            probs[..., self.special.mask] = 0.0
+            if not self.decoding.commits_mask:
+                probs[..., self.special.mask] = 0.0
         else:
             logits[..., self.special.mask] = float("-inf")
             probs = torch.softmax(logits, dim=-1)
@@ -348,13 +351,20 @@ class Engine:
     def _min_commits(self, rows: list[_Row]) -> torch.Tensor:
         """Each row's fewest commits this step, by the family's rule and the row's steps."""
         block_len = self.config.block_len
-        default = self.config.steps or block_len
         return torch.tensor(
-            [
-                self.decoding.min_commits(block_len, r.item.steps or default, r.seq.block_step)
-                for r in rows
-            ]
+            [self.decoding.min_commits(block_len, self._steps(r), r.seq.block_step) for r in rows]
         )
+
+    def _steps(self, row: _Row) -> int:
+        """The row's steps per block (a step schedule's)."""
+        return row.item.steps or self.config.steps or self.config.block_len
+
+    def _ends_block(self, row: _Row, block: int) -> bool:
+        """Whether a schedule's steps for the block ran out with positions still masked: the
+        published loop then moves on, leaving them the mask."""
+        seq = row.seq
+        ran_out = self.decoding.step_schedule and seq.block_step + 1 >= self._steps(row)
+        return ran_out and seq.block == block
 
     def _apply(self, row: _Row, block: int, conf, top, commit, edited: bool) -> RequestStepResult:
         seq, w0, n = row.seq, row.window_start, row.window_len
@@ -364,11 +374,14 @@ class Engine:
         still_masked = seq.is_masked[w0 : w0 + n]
         seq.conf[w0 : w0 + n][still_masked] = window_conf[still_masked]
         picked = np.flatnonzero(commit[:n].numpy())
+        picked = picked[top[:n].numpy()[picked] != self.special.mask]  # a picked mask stays
         positions = (picked + w0).astype(np.int32)
         tokens = top[:n].numpy()[picked].astype(np.int32)
         seq.commit(positions, tokens, window_conf[picked])
         if self.decoding.editing is not None:
             self._edit_progress(seq, block, masks_before, edited)
+        if self._ends_block(row, block):
+            seq.leave_masked(block)
         block_done = seq.block != block
         seq.block_step = 0 if block_done else seq.block_step + 1
         seq.num_steps += 1

@@ -44,6 +44,7 @@ class Sequence:
         edit_block: int | None = None,
         post_steps: int = 0,
         num_steps: int = 0,
+        block: int = 0,
     ):
         gen_len = len(output_ids)
         if len(prompt_ids) == 0:
@@ -69,7 +70,9 @@ class Sequence:
                 (np.asarray(prompt_ids, dtype=np.int64), np.asarray(output_ids, dtype=np.int64))
             )
         )
+        self.mask_id = mask_id
         self.is_masked = np.asarray(output_ids) == mask_id
+        self.is_masked[: self.block_span(block)[0]] = False  # blocks before `block` are decided
         self.conf = (
             np.zeros(gen_len, np.float32)
             if output_conf is None
@@ -124,6 +127,12 @@ class Sequence:
         self.is_masked[positions] = False
         self.conf[positions] = conf
 
+    def leave_masked(self, block: int) -> None:
+        """End a block with its masked positions decided as the mask token (a rule whose
+        steps for the block ran out)."""
+        start, end = self.block_span(block)
+        self.is_masked[start:end] = False
+
     def is_finished(
         self, stop_ids: frozenset[int], rule: EosStop, committed_stop: bool, block_done: bool
     ) -> bool:
@@ -140,7 +149,7 @@ class Sequence:
         stops = np.flatnonzero(np.isin(out, list(stop_ids)) & ~self.is_masked)
         if not stops.size:
             return False
-        prefix_done = not self.is_masked[: stops[0]].any()
+        prefix_done = not (out[: stops[0]] == self.mask_id).any()  # a left mask counts
         if rule is EosStop.COMMITTED:
             return prefix_done
         return block_done or (rule is EosStop.STEP and committed_stop and prefix_done)

@@ -64,13 +64,19 @@ class DecodingRule:
 
     step_schedule: False, at least one a step; True, LLaDA2's published schedule, where `steps`
     steps share a block's `block_len` commits as evenly as they can, the earlier steps taking
-    the remainder (so a block always ends within `steps` steps).
+    the remainder, and a block ends after its `steps` steps (they commit it whole, unless
+    `commits_mask` left masks).
     eos_stop: when a request may stop early (the published default).
     eos_only: the stop rule watches the EOS token only (the published generate's `eos_id`), not
     the chat template's end-of-turn token; the answer still ends at the first of either.
     mask_in_softmax: a confidence is a probability over the whole vocabulary, the mask token
     included (the published softmax of LLaDA2 and Fast-dLLM's Dream), rather than over the
-    tokens a step may commit; the committed token is never the mask.
+    tokens a step may commit; the committed token is never the mask, unless `commits_mask`.
+    commits_mask: the top-1 is over the whole vocabulary too (LLaDA2's published `generate`): a
+    step that picks the mask at a position counts it among its commits and leaves the position
+    masked, and a block whose `steps` run out keeps the mask where it is left (the published
+    loop moves on; the answer's text ends before it). A trained model does not rank the mask
+    first, so this changes none of its answers.
     first_opens_block: a block's first step with an approximate cache (a recompute step, prefix
     or dual) commits the block's first position only, its top-1 whatever its confidence
     (Fast-dLLM's Dream decoders); the threshold rule runs from the block's second step on.
@@ -85,6 +91,7 @@ class DecodingRule:
     eos_stop: EosStop = EosStop.COMMITTED
     eos_only: bool = False
     mask_in_softmax: bool = False
+    commits_mask: bool = False
     first_opens_block: bool = False
     editing: TokenEditing | None = None
     whole_window: bool = False

@@ -312,7 +312,11 @@ FAMILY = ModelFamily(
     eot_token="<|role_end|>",
     # the published `generate`: a steps schedule, stop after a block holding EOS
     decoding=DecodingRule(
-        step_schedule=True, eos_stop=EosStop.BLOCK, eos_only=True, mask_in_softmax=True
+        step_schedule=True,
+        eos_stop=EosStop.BLOCK,
+        eos_only=True,
+        mask_in_softmax=True,
+        commits_mask=True,
     ),
     editing_decoding=LLADA21_DECODING,
     editing_modes=LLADA21_MODES,
