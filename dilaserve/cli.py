@@ -60,6 +60,7 @@ def cmd_eval(args) -> None:
             data=args.data,
             out=args.out,
             steps=args.steps,
+            step_budget=args.step_budget,
             eos_stop=args.eos_stop,
             editing=args.editing,
         )

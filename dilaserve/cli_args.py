@@ -81,6 +81,7 @@ def engine_config(args: argparse.Namespace, **more):
         eos_stop=args.eos_stop,
         steps=args.steps,
         editing=args.editing,
+        step_budget=args.step_budget,
         **more,
     )
 
@@ -93,6 +94,14 @@ def decoding_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="steps per block of a family's step schedule (LLaDA2's `steps`); default: the "
         "block length",
+    )
+    p.add_argument(
+        "--step-budget",
+        type=int,
+        default=None,
+        help="tokens a step commits at most, besides the rejections carried over, where a "
+        "family decodes the whole window without a cache (Dream's `none`); a divisor of the "
+        "block length, default: the block length",
     )
     p.add_argument(
         "--eos-stop",

@@ -48,6 +48,7 @@ class EvalConfig:
     out: str = "runs"
     seed: int = 2024
     steps: int | None = None  # EngineConfig.steps
+    step_budget: int | None = None  # EngineConfig.step_budget
     eos_stop: str | None = None  # EngineConfig.eos_stop
     editing: str | None = None  # EngineConfig.editing
 
@@ -127,6 +128,7 @@ def evaluate(cfg: EvalConfig, log=print, show_progress: bool = True) -> Path:
         eos_stop=cfg.eos_stop,
         steps=cfg.steps,
         editing=cfg.editing,
+        step_budget=cfg.step_budget,
     )
     llm = LLM(cfg.model, engine)
     problems = load_problems(cfg)
