@@ -88,6 +88,8 @@ def theirs(ref, block: int, setting: str, mask: int, i: int, case: dict):
                 steps=steps,
                 mask_token_id=mask,
                 temperature=0.0,
+                top_p=None,  # as Fast-dLLM's eval.py passes them: else the model config's
+                top_k=None,  # defaults (top_k 50) cut the softmax that ranks the positions
                 alg="confidence_threshold",
                 threshold=case["threshold"],
                 block_length=block,
