@@ -39,7 +39,7 @@ import torch
 from dilaserve.config import EngineConfig
 from dilaserve.control.profile import SCHEMA
 from dilaserve.engine.engine import Engine
-from dilaserve.models.common import KVContext
+from dilaserve.models.common import KVContext, KVSlot
 from dilaserve.models.config import LLaDAConfig
 from dilaserve.models.llada import LLaDAModelLM
 from dilaserve.models.tokenizer import SpecialIds
@@ -126,8 +126,7 @@ def graph_ms(fn, device: torch.device, repeats: int) -> float | None:
 def recompute_step(model, rows: int, seq: int, device):
     ids = torch.randint(0, model.config.vocab_size, (rows, seq), device=device)
     pos = torch.arange(seq, device=device).expand(rows, seq)
-    valid = torch.ones(rows, seq, dtype=torch.bool, device=device)
-    return lambda: model.logits(model(ids, pos, valid, keep_kv=True).hidden[:, -256:])
+    return lambda: model.logits(model(ids, pos, None, keep_kv=True).hidden[:, -256:])
 
 
 def recompute_ms(model, rows: int, seq: int, device, repeats: int) -> float:
@@ -135,21 +134,20 @@ def recompute_ms(model, rows: int, seq: int, device, repeats: int) -> float:
 
 
 def cache_step(model, rows: int, context: int, device):
-    """One cache step; every layer reads the same K/V tensors (each is far larger than L2)."""
+    """One cache step against each row's slot, in place; every layer of a row reads the same
+    slot tensors (each is far larger than L2)."""
     cfg = model.config
     dtype = next(model.parameters()).dtype
-    shape = (rows, cfg.num_kv_heads, context, cfg.head_dim)
-    k = torch.randn(shape, device=device, dtype=dtype)
-    v = torch.randn(shape, device=device, dtype=dtype)
-    ctx = KVContext(
-        [k] * cfg.n_layers,
-        [v] * cfg.n_layers,
-        torch.ones(rows, context, dtype=torch.bool, device=device),
-    )
+    shape = (cfg.num_kv_heads, context + BLOCK, cfg.head_dim)
+    slots = []
+    for _ in range(rows):
+        k = torch.randn(shape, device=device, dtype=dtype)
+        v = torch.randn(shape, device=device, dtype=dtype)
+        slots.append(KVSlot([k] * cfg.n_layers, [v] * cfg.n_layers))
+    ctx = KVContext(slots, [context] * rows, [BLOCK] * rows, [None] * rows)
     ids = torch.randint(0, cfg.vocab_size, (rows, BLOCK), device=device)
     pos = (context + torch.arange(BLOCK, device=device)).expand(rows, BLOCK)
-    valid = torch.ones(rows, BLOCK, dtype=torch.bool, device=device)
-    return lambda: model.logits(model(ids, pos, valid, context=ctx).hidden)
+    return lambda: model.logits(model(ids, pos, None, context=ctx).hidden)
 
 
 def cache_ms(model, rows: int, context: int, device, repeats: int) -> float:

@@ -30,7 +30,7 @@ from gpu_profile import BLOCK, SHAPES, build_model, write_result
 
 from dilaserve.engine.graphs import CacheStepGraphs
 from dilaserve.engine.sequence import CachedKV
-from dilaserve.models.common import KVContext
+from dilaserve.models.common import KVContext, KVSlot
 
 MAX_CONTEXT = 2048
 
@@ -43,30 +43,23 @@ def cached_requests(model, rows: int, context: int, seed: int):
     total = context + BLOCK
     ids = torch.randint(0, cfg.vocab_size, (rows, total), generator=generator).to(device)
     pos = torch.arange(total, device=device).expand(rows, total)
-    valid = torch.ones(rows, total, dtype=torch.bool, device=device)
-    out = model(ids, pos, valid, keep_kv=True)
+    out = model(ids, pos, None, keep_kv=True)
     seqs = []
     for r in range(rows):
-        keys = [k[r, :, :context].transpose(0, 1).contiguous() for k in out.keys]
-        values = [v[r, :, :context].transpose(0, 1).contiguous() for v in out.values]
-        seqs.append(SimpleNamespace(kv=CachedKV(0, torch.arange(context), keys, values)))
+        keys = [k[r].clone() for k in out.keys]  # [kv_heads, total, hd]: the slot's capacity
+        values = [v[r].clone() for v in out.values]
+        seqs.append(SimpleNamespace(kv=CachedKV(0, context, KVSlot(keys, values))))
     query = ids[:, context:].clone()
     query[:, BLOCK // 2 :] = cfg.mask_token_id  # half the block still masked
-    return seqs, query, pos[:, context:].contiguous(), valid[:, context:].contiguous()
+    return seqs, query, pos[:, context:].contiguous()
 
 
-def exact_hidden(model, seqs, ids, pos, valid) -> torch.Tensor:
-    keys = [
-        torch.stack([s.kv.keys[i] for s in seqs]).transpose(1, 2)
-        for i in range(len(seqs[0].kv.keys))
-    ]
-    values = [torch.stack([s.kv.values[i] for s in seqs]).transpose(1, 2) for i in range(len(keys))]
-    context = KVContext(
-        keys,
-        values,
-        torch.ones(keys[0].shape[0], keys[0].shape[2], dtype=torch.bool, device=ids.device),
-    )
-    return model(ids, pos, valid, context=context).hidden
+def exact_hidden(model, seqs, ids, pos) -> torch.Tensor:
+    """The engine's own cache step: each row against its slot, in place."""
+    n = len(seqs)
+    slots = [s.kv.slot for s in seqs]
+    context = KVContext(slots, [s.kv.length for s in seqs], [BLOCK] * n, [None] * n)
+    return model(ids, pos, None, context=context).hidden
 
 
 def compare(model, a: torch.Tensor, b: torch.Tensor) -> dict:
@@ -87,17 +80,17 @@ def compare(model, a: torch.Tensor, b: torch.Tensor) -> dict:
 
 
 def run(model, rows: int, context: int) -> dict:
-    seqs, ids, pos, valid = cached_requests(model, rows, context, seed=rows)
-    exact = exact_hidden(model, seqs, ids, pos, valid)
+    seqs, ids, pos = cached_requests(model, rows, context, seed=rows)
+    exact = exact_hidden(model, seqs, ids, pos)
     padded_graphs = CacheStepGraphs(model, rows, MAX_CONTEXT, BLOCK)
     padded_graphs.capture = False
-    padded = padded_graphs.hidden(seqs, ids, pos, valid).clone()
+    padded = padded_graphs.hidden(seqs, ids, pos).clone()
     del padded_graphs
     record = {"rows": rows, "context": context, "exact_vs_padded": compare(model, exact, padded)}
     if next(model.parameters()).device.type == "cuda":
         graphs = CacheStepGraphs(model, rows, MAX_CONTEXT, BLOCK)
-        graphs.hidden(seqs, ids, pos, valid)  # captures, then replays
-        graph = graphs.hidden(seqs, ids, pos, valid).clone()  # a second replay
+        graphs.hidden(seqs, ids, pos)  # captures, then replays
+        graph = graphs.hidden(seqs, ids, pos).clone()  # a second replay
         record["padded_vs_graph"] = compare(model, padded, graph)
         record["exact_vs_graph"] = compare(model, exact, graph)
     print(json.dumps(record), flush=True)

@@ -217,25 +217,34 @@ class Engine:
 
     def _run(self, rows: list[_Row], cached: bool) -> dict[str, RequestStepResult]:
         ids, positions, valid = self._inputs(rows)
-        seqs = [r.seq for r in rows]
+        seqs, query_lens = [r.seq for r in rows], [r.q_end - r.q_start for r in rows]
         graphs = self._graphs
-        if cached and graphs is not None and graphs.fits(seqs, [r.q_end - r.q_start for r in rows]):
-            hidden = graphs.hidden(seqs, ids, positions, valid)
+        if cached and graphs is not None and graphs.fits(seqs, query_lens):
+            hidden = graphs.hidden(seqs, ids, positions)
+        elif cached:
+            hidden = self._forward_cached(rows, ids, positions, valid, query_lens)
         else:
-            context = kv_cache.build_context(seqs) if cached else None
-            hidden = self._forward(rows, ids, positions, valid, context)
+            hidden = self._forward(rows, ids, positions, valid)
         conf, top = self._top1(rows, hidden)
         return self._decide(rows, conf, top)
 
-    def _forward(self, rows: list[_Row], ids, positions, valid, context) -> torch.Tensor:
-        """Eager forward pass; recompute, prefill and commit rows store their K/V."""
+    def _forward(self, rows: list[_Row], ids, positions, valid) -> torch.Tensor:
+        """Forward pass with no cache; recompute and prefill rows store their K/V."""
         keep_kv = any(r.kind in STORING_KINDS for r in rows)
-        out = self.model(
-            ids, positions, valid, context=context, keep_kv=keep_kv, **self._model_kwargs
-        )
+        out = self.model(ids, positions, valid, keep_kv=keep_kv, **self._model_kwargs)
         for i, row in enumerate(rows):
             if row.kind in STORING_KINDS:
                 self._store(row.seq, out.keys, out.values, i)
+        return out.hidden
+
+    def _forward_cached(self, rows: list[_Row], ids, positions, valid, query_lens):
+        """Forward pass against each row's slot, in place; a commit step's stored block is
+        already there."""
+        context = kv_cache.build_context([r.seq for r in rows], query_lens)
+        out = self.model(ids, positions, valid, context=context, **self._model_kwargs)
+        for row in rows:
+            if row.kind is StepKind.COMMIT:
+                kv_cache.commit_exact(row.seq)
         return out.hidden
 
     def _store(self, seq: Sequence, keys, values, row: int) -> None:
@@ -246,16 +255,20 @@ class Engine:
             kv_cache.store_exact(seq, keys, values, row)
 
     def _inputs(self, rows: list[_Row]):
-        longest = max(r.q_end - r.q_start for r in rows)
+        """ids, positions and valid [rows, longest query], right-padded; valid None when no row
+        is padded."""
+        lengths = [r.q_end - r.q_start for r in rows]
+        longest = max(lengths)
         ids = torch.full((len(rows), longest), self.special.eos, dtype=torch.long)
         positions = torch.zeros(len(rows), longest, dtype=torch.long)
         valid = torch.zeros(len(rows), longest, dtype=torch.bool)
         for i, r in enumerate(rows):
-            n = r.q_end - r.q_start
+            n = lengths[i]
             ids[i, :n] = r.seq.ids[r.q_start : r.q_end]
             positions[i, :n] = torch.arange(r.q_start, r.q_end)
             valid[i, :n] = True
-        return ids.to(self.device), positions.to(self.device), valid.to(self.device)
+        valid = None if min(lengths) == longest else valid.to(self.device)
+        return ids.to(self.device), positions.to(self.device), valid
 
     def _top1(self, rows: list[_Row], hidden: torch.Tensor):
         """Top-1 token and probability for each row's logit window, [rows, longest window]."""

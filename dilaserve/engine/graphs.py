@@ -6,8 +6,10 @@ CUDA graph takes ~10.5 ms (one H200, docs/engine.md). A graph replays fixed kern
 addresses, so the step's inputs live in static buffers sized for `max_requests` requests of
 `block_len` query tokens against at most `max_context` cached tokens each; a step runs on the
 graph captured for its bucket (requests rounded up to a power of two, context to a multiple of
-`CONTEXT_STEP`), capturing it the first time the bucket is seen. Padding rows attend to one
-valid position and their outputs are dropped; padding positions are masked.
+`CONTEXT_STEP`), capturing it the first time the bucket is seen. Each static row is the slot
+(`KVSlot`) of the request it serves: its cached K/V at the head, the block's written in place at
+the bucket's context length, the positions between masked. Padding rows attend to one valid
+position and their outputs are dropped.
 
 A request's cached K/V is copied into its static row only when that row last held something
 else: between two recompute steps a request's cache does not change, so a request stepping on
@@ -24,7 +26,7 @@ import weakref
 
 import torch
 
-from dilaserve.models.common import KVContext
+from dilaserve.models.common import KVContext, KVSlot
 
 CONTEXT_STEP = 256  # cached-length bucket (tokens)
 
@@ -42,15 +44,14 @@ class CacheStepGraphs:
         self.block_len = block_len
         self.capture = device.type == "cuda"
         rows, ctx = _bucket_rows(max_requests), self.max_context
-        kv_shape = (rows, cfg.num_kv_heads, ctx, cfg.head_dim)
+        kv_shape = (rows, cfg.num_kv_heads, ctx + block_len, cfg.head_dim)
         self.ids = torch.zeros(rows, block_len, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, block_len, dtype=torch.long, device=device)
-        self.valid = torch.ones(rows, block_len, dtype=torch.bool, device=device)
         self.keys = [
             torch.zeros(kv_shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)
         ]
         self.values = [torch.zeros_like(k) for k in self.keys]
-        self.context_valid = torch.zeros(rows, ctx, dtype=torch.bool, device=device)
+        self.key_valid = torch.ones(rows, ctx + block_len, dtype=torch.bool, device=device)
         self._resident: list[weakref.ref | None] = [None] * rows  # the CachedKV each row holds
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, object]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
@@ -60,23 +61,22 @@ class CacheStepGraphs:
         return (
             len(seqs) <= self.max_requests
             and all(n == self.block_len for n in query_lens)
-            and all(s.kv.positions.numel() <= self.max_context for s in seqs)
+            and all(s.kv.length <= self.max_context for s in seqs)
         )
 
-    def hidden(self, seqs, ids, positions, valid) -> torch.Tensor:
+    def hidden(self, seqs, ids, positions) -> torch.Tensor:
         """The model's final hidden states [len(seqs), block_len, d] for this cache step."""
         n = len(seqs)
         rows = _bucket_rows(n)
-        longest = max(s.kv.positions.numel() for s in seqs)
+        longest = max(s.kv.length for s in seqs)
         ctx = min(-(-longest // CONTEXT_STEP) * CONTEXT_STEP, self.max_context)
         self.ids[:n].copy_(ids)
         self.positions[:n].copy_(positions)
-        self.valid[:n].copy_(valid)
         for i, seq in enumerate(seqs):
             self._load(i, seq)
         for i in range(n, rows):  # padding rows: one valid key, outputs dropped
-            self.context_valid[i].zero_()
-            self.context_valid[i, 0] = True
+            self.key_valid[i, : self.max_context].zero_()
+            self.key_valid[i, 0] = True
             self._resident[i] = None
         graph, out = self._graphs.get((rows, ctx)) or self._make(rows, ctx)
         if graph is None:
@@ -90,23 +90,33 @@ class CacheStepGraphs:
         held = self._resident[row]
         if held is not None and held() is kv:
             return
-        length = kv.positions.numel()
-        for static, cached in zip(self.keys, kv.keys):
-            static[row, :, :length].copy_(cached.transpose(0, 1))
-        for static, cached in zip(self.values, kv.values):
-            static[row, :, :length].copy_(cached.transpose(0, 1))
-        self.context_valid[row, :length] = True
-        self.context_valid[row, length:] = False
+        length = kv.length
+        for static, cached in zip(self.keys + self.values, kv.slot.keys + kv.slot.values):
+            static[row, :, :length].copy_(cached[:, :length])
+        self.key_valid[row, :length] = True
+        self.key_valid[row, length : self.max_context] = False
         self._resident[row] = weakref.ref(kv)  # not a reference: a released cache is freed
 
     def _forward(self, rows: int, ctx: int) -> torch.Tensor:
+        """The step on static rows 0..rows-1: each attends to its first `ctx` static positions
+        (the valid ones) and to the block, written at `ctx`."""
+        end = ctx + self.block_len
         context = KVContext(
-            [k[:rows, :, :ctx] for k in self.keys],
-            [v[:rows, :, :ctx] for v in self.values],
-            self.context_valid[:rows, :ctx],
+            [KVSlot([k[r] for k in self.keys], [v[r] for v in self.values]) for r in range(rows)],
+            [ctx] * rows,
+            [self.block_len] * rows,
+            [self._row_mask(r, ctx, end) for r in range(rows)],
         )
-        out = self.model(self.ids[:rows], self.positions[:rows], self.valid[:rows], context)
+        out = self.model(self.ids[:rows], self.positions[:rows], None, context)
         return out.hidden
+
+    def _row_mask(self, row: int, ctx: int, end: int) -> torch.Tensor:
+        """[1, 1, 1, end]: the row's valid cached positions, then the block."""
+        if ctx == self.max_context:
+            return self.key_valid[row, :end].view(1, 1, 1, end)
+        return torch.cat((self.key_valid[row, :ctx], self.key_valid[row, -self.block_len :]))[
+            None, None, None
+        ]
 
     def _make(self, rows: int, ctx: int):
         if not self.capture:

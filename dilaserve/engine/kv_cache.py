@@ -15,15 +15,19 @@ Exact (block-causal models, `block`): the cache holds the K/V of positions [0, n
 before the current one, which never change. Every step runs [n, end of the current block)
 against them and stores what lies before the current block: a prefill when n = 0, a commit of
 the block just finished, or nothing (a block step).
+
+Where the K/V live: each request has one slot (`KVSlot`) for its whole sequence, allocated at its
+first store and written in place. A store copies a recompute or prefill forward's K/V into the
+slot's head; a cache step's layers write the queried tokens' K/V right after the stored ones and
+attend to the slot in place (`KVContext`), so a request's K/V are never stacked with its batch
+mates' or concatenated with its block's. The exact cache's commit step needs no copy at all:
+the block it stores is already in place, at the head of what it wrote.
 """
 
 from __future__ import annotations
 
-import torch
-from torch.nn.utils.rnn import pad_sequence
-
 from dilaserve.engine.sequence import CachedKV, Sequence
-from dilaserve.models.common import KVContext
+from dilaserve.models.common import KVContext, KVSlot
 from dilaserve.protocol import KVCacheMode
 
 
@@ -35,25 +39,25 @@ def query_span(mode: KVCacheMode, seq: Sequence, shift: int = 0) -> tuple[int, i
     return seq.prompt_len + start - shift, seq.prompt_len + end
 
 
-def cached_positions(mode: KVCacheMode, seq: Sequence, shift: int = 0) -> torch.Tensor:
-    """Absolute positions whose K/V a recompute step keeps for the following cache steps."""
+def cached_ranges(mode: KVCacheMode, seq: Sequence, shift: int = 0) -> list[tuple[int, int]]:
+    """Absolute [start, end) ranges whose K/V a recompute step keeps for the following cache
+    steps, in the order they are stored: the prefix, then (dual) what follows the block."""
     q_start, q_end = query_span(mode, seq, shift)
-    prefix = torch.arange(0, q_start)
     if mode is KVCacheMode.PREFIX:
-        return prefix
-    return torch.cat((prefix, torch.arange(q_end, seq.total_len)))
+        return [(0, q_start)]
+    return [(0, q_start), (q_end, seq.total_len)]
 
 
 def store(mode: KVCacheMode, seq: Sequence, keys, values, row: int, shift: int = 0) -> None:
     """Keep row `row` of a recompute forward's per-layer K/V [batch, kv_heads, seq, hd]."""
-    pos = cached_positions(mode, seq, shift)
-    idx = pos.to(keys[0].device)
-    seq.kv = CachedKV(
-        block=seq.block,
-        positions=pos,
-        keys=[k[row].index_select(1, idx).transpose(0, 1).contiguous() for k in keys],
-        values=[v[row].index_select(1, idx).transpose(0, 1).contiguous() for v in values],
-    )
+    slot = _slot(seq, keys)
+    length = 0
+    for start, end in cached_ranges(mode, seq, shift):
+        n = end - start
+        for cache, fresh in zip(slot.keys + slot.values, keys + values):
+            cache[:, length : length + n] = fresh[row, :, start:end]
+        length += n
+    seq.kv = CachedKV(seq.block, length, slot)
 
 
 def exact_span(seq: Sequence) -> tuple[int, int]:
@@ -69,32 +73,33 @@ def exact_store_end(seq: Sequence) -> int:
 
 
 def store_exact(seq: Sequence, keys, values, row: int) -> None:
-    """Append to the exact prefix the K/V of [cached_len, current block start), the head of row
-    `row` of a forward that began at cached_len."""
-    start, end = seq.cached_len, exact_store_end(seq)
-    new_k = [k[row, :, : end - start].transpose(0, 1) for k in keys]
-    new_v = [v[row, :, : end - start].transpose(0, 1) for v in values]
-    if seq.kv is not None:
-        new_k = [torch.cat((old, k)) for old, k in zip(seq.kv.keys, new_k)]
-        new_v = [torch.cat((old, v)) for old, v in zip(seq.kv.values, new_v)]
-    seq.kv = CachedKV(
-        block=seq.block,
-        positions=torch.arange(end),
-        keys=[k.contiguous() for k in new_k],
-        values=[v.contiguous() for v in new_v],
+    """Copy into the slot the exact prefix [0, current block start), the head of row `row` of
+    a forward that began at position 0 (a prefill)."""
+    slot = _slot(seq, keys)
+    end = exact_store_end(seq)
+    for cache, fresh in zip(slot.keys + slot.values, keys + values):
+        cache[:, :end] = fresh[row, :, :end]
+    seq.kv = CachedKV(seq.block, end, slot)
+
+
+def commit_exact(seq: Sequence) -> None:
+    """Extend the exact prefix to the current block's start after a step that ran against the
+    cache: the K/V are in the slot already, written by the step's layers."""
+    seq.kv = CachedKV(seq.block, exact_store_end(seq), seq.kv.slot)
+
+
+def build_context(seqs: list[Sequence], query_lens: list[int]) -> KVContext:
+    """The sequences' slots, each with its stored length and the number of tokens it queries."""
+    return KVContext(
+        [s.kv.slot for s in seqs],
+        [s.kv.length for s in seqs],
+        list(query_lens),
+        [None] * len(seqs),
     )
 
 
-def build_context(seqs: list[Sequence]) -> KVContext:
-    """Stack the sequences' cached K/V, right-padded to a common length, with a validity mask."""
-    num_layers = len(seqs[0].kv.keys)
-    keys = [_stack([s.kv.keys[layer] for s in seqs]) for layer in range(num_layers)]
-    values = [_stack([s.kv.values[layer] for s in seqs]) for layer in range(num_layers)]
-    lengths = torch.tensor([s.kv.positions.numel() for s in seqs])
-    valid = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
-    return KVContext(keys, values, valid.to(keys[0].device))
-
-
-def _stack(per_seq: list[torch.Tensor]) -> torch.Tensor:
-    """[n_i, kv_heads, hd] each -> [batch, kv_heads, max n_i, hd], zero-padded."""
-    return pad_sequence(per_seq, batch_first=True).transpose(1, 2)
+def _slot(seq: Sequence, keys) -> KVSlot:
+    """The sequence's slot, allocated for its whole length at its first store."""
+    if seq.kv is not None:
+        return seq.kv.slot
+    return KVSlot.like(keys, seq.total_len)

@@ -16,18 +16,20 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dilaserve.models.common import KVSlot
 from dilaserve.protocol import EosStop, block_offset
 
 
 @dataclass
 class CachedKV:
-    """K/V (after rotary) of the positions a step stored, per layer [n, kv_heads, hd]: those a
-    recompute step stored (approximate), or the exact prefix [0, n) of a block-causal model."""
+    """The K/V a step stored, at the head of the request's slot (`KVSlot`, allocated once for
+    the whole sequence and reused): the `length` positions a recompute step keeps
+    (approximate; `kv_cache.cached_ranges`), or the exact prefix [0, length) of a block-causal
+    model. A new store makes a new `CachedKV` on the same slot."""
 
     block: int  # the block whose step stored them
-    positions: torch.Tensor
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
+    length: int
+    slot: KVSlot
 
 
 class Sequence:
@@ -110,7 +112,7 @@ class Sequence:
 
     @property
     def cached_len(self) -> int:
-        return 0 if self.kv is None else self.kv.positions.numel()
+        return 0 if self.kv is None else self.kv.length
 
     def has_cache_for_current_block(self) -> bool:
         return self.kv is not None and self.kv.block == self.block

@@ -134,14 +134,11 @@ class DreamAttention(nn.Module):
         b, s, _ = x.shape
         return x.view(b, s, heads, self.head_dim).transpose(1, 2)
 
-    def forward(self, x, angles, mask, ctx_k, ctx_v):
+    def forward(self, x, angles, mask, context):
         q = Rotary.rotate(self._split(self.q_proj(x), self.num_heads), *angles, hf_order=True)
         k = Rotary.rotate(self._split(self.k_proj(x), self.num_kv_heads), *angles, hf_order=True)
         v = self._split(self.v_proj(x), self.num_kv_heads)
-        new_k, new_v = k, v
-        if ctx_k is not None:
-            k, v = torch.cat((ctx_k, k), dim=2), torch.cat((ctx_v, v), dim=2)
-        return self.o_proj(attend(q, k, v, mask)), new_k, new_v
+        return self.o_proj(attend(q, k, v, mask, context)), k, v
 
 
 class DreamDecoderLayer(nn.Module):
@@ -153,8 +150,8 @@ class DreamDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps, hf_order=True)
         self.mlp = GatedMLP(d, cfg.intermediate_size, tp)
 
-    def forward(self, x, angles, mask, ctx_k=None, ctx_v=None):
-        h, k, v = self.self_attn(self.input_layernorm(x), angles, mask, ctx_k, ctx_v)
+    def forward(self, x, angles, mask, context=None):
+        h, k, v = self.self_attn(self.input_layernorm(x), angles, mask, context)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x)), k, v
 
@@ -187,14 +184,13 @@ class DreamModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        valid: torch.Tensor,
+        valid: torch.Tensor | None,
         context: KVContext | None = None,
         keep_kv: bool = False,
     ) -> ForwardResult:
-        """input_ids, positions, valid: [batch, seq]; attention is bidirectional over the valid
-        keys (the cached ones in `context` first)."""
-        key_valid = valid if context is None else torch.cat((context.valid, valid), dim=1)
-        mask = key_valid[:, None, None, :]
+        """input_ids, positions, valid: [batch, seq] (`valid` None: no padding); attention is
+        bidirectional over the valid keys (a row's cached ones in `context` first)."""
+        mask = None if valid is None else valid[:, None, None, :]
         angles = self.rotary.angles(positions)
         x = self.model.embed_tokens(input_ids)
         x, keys, values = run_layers(self.model.layers, x, angles, mask, context, keep_kv)

@@ -196,16 +196,19 @@ class Rotary(nn.Module):
         return torch.cat((rotated, x[..., rot:]), dim=-1)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Scaled dot-product attention with grouped K/V heads repeated to the query heads.
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, context=None) -> torch.Tensor:
+    """Scaled dot-product attention, grouped K/V heads served to their query heads in place.
 
-    q: [batch, heads, q_len, hd]; k, v: [batch, kv_heads, k_len, hd]; mask: bool, broadcastable
-    to [batch, 1, q_len, k_len]. Returns [batch, q_len, heads * hd].
+    q: [batch, heads, q_len, hd]; k, v: [batch, kv_heads, q_len, hd], the queried tokens' own.
+    With a `KVContext` (one layer's: `KVContext.at`), each row also attends to its cached K/V
+    in place and `mask` is unused; without, `mask` is None (every key visible: SDPA's fused
+    kernels) or bool broadcastable to [batch, 1, q_len, q_len]. Returns [batch, q_len, heads * hd].
     """
-    repeat = q.shape[1] // k.shape[1]
-    if repeat > 1:
-        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    if context is not None:
+        out = context.attend(q, k, v)
+    else:
+        gqa = q.shape[1] != k.shape[1]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     b, _, s, _ = out.shape
     return out.transpose(1, 2).reshape(b, s, -1)
 
@@ -224,13 +227,11 @@ class GatedMLP(nn.Module):
 
 
 def run_layers(layers, x: torch.Tensor, angles, mask, context, keep_kv: bool):
-    """Every layer in turn, each with its cached K/V from `context` (or none); (x, keys,
-    values), the new keys and values of each layer kept only with `keep_kv`."""
+    """Every layer in turn, each with its view of `context` (or none); (x, keys, values), the
+    queried tokens' keys and values of each layer kept only with `keep_kv`."""
     keys, values = ([], []) if keep_kv else (None, None)
     for i, layer in enumerate(layers):
-        ctx_k = context.keys[i] if context is not None else None
-        ctx_v = context.values[i] if context is not None else None
-        x, k, v = layer(x, angles, mask, ctx_k, ctx_v)
+        x, k, v = layer(x, angles, mask, None if context is None else context.at(i))
         if keep_kv:
             keys.append(k)
             values.append(v)

@@ -23,6 +23,7 @@ from dilaserve.models.layers import (
     Rotary,
     RowParallelLinear,
     TPGroup,
+    attend,
     run_layers,
 )
 
@@ -48,24 +49,15 @@ class LLaDABlock(nn.Module):
         b, s, _ = x.shape
         return x.view(b, s, heads, self.head_dim).transpose(1, 2)
 
-    def attention(self, x, angles, key_valid, ctx_k, ctx_v):
+    def attention(self, x, angles, mask, context):
         q = Rotary.rotate(self._split(self.q_proj(x), self.num_heads), *angles)
         k = Rotary.rotate(self._split(self.k_proj(x), self.num_kv_heads), *angles)
         v = self._split(self.v_proj(x), self.num_kv_heads)
-        new_k, new_v = k, v
-        if ctx_k is not None:
-            k, v = torch.cat((ctx_k, k), dim=2), torch.cat((ctx_v, v), dim=2)
-        repeat = self.num_heads // self.num_kv_heads
-        if repeat > 1:
-            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        mask = key_valid[:, None, None, :]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        b, _, s, _ = out.shape
-        return self.attn_out(out.transpose(1, 2).reshape(b, s, -1)), new_k, new_v
+        return self.attn_out(attend(q, k, v, mask, context)), k, v
 
-    def forward(self, x, angles, key_valid, ctx_k=None, ctx_v=None):
+    def forward(self, x, angles, mask, context=None):
         """angles: the rotary (cos, sin) of the queried positions (`Rotary.angles`)."""
-        h, k, v = self.attention(self.attn_norm(x), angles, key_valid, ctx_k, ctx_v)
+        h, k, v = self.attention(self.attn_norm(x), angles, mask, context)
         x = x + h
         y = self.ff_norm(x)
         x = x + self.ff_out(F.silu(self.ff_proj(y)) * self.up_proj(y))
@@ -96,16 +88,17 @@ class LLaDAModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        valid: torch.Tensor,
+        valid: torch.Tensor | None,
         context: KVContext | None = None,
         keep_kv: bool = False,
     ) -> ForwardResult:
-        """input_ids, positions, valid: [batch, seq]; `valid` marks real (non-padding) tokens."""
+        """input_ids, positions, valid: [batch, seq]; `valid` marks real (non-padding) tokens
+        (None: every token is real). Rows with a `context` attend to their cached K/V too."""
         t = self.transformer
         x = t.wte(input_ids)
-        key_valid = valid if context is None else torch.cat((context.valid, valid), dim=1)
+        mask = None if valid is None else valid[:, None, None, :]
         angles = self.rotary.angles(positions)
-        x, keys, values = run_layers(t.blocks, x, angles, key_valid, context, keep_kv)
+        x, keys, values = run_layers(t.blocks, x, angles, mask, context, keep_kv)
         return ForwardResult(t.ln_f(x), keys, values)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ checkpoint's; no code from a checkpoint folder is ever run.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -190,17 +190,15 @@ class LLaDA2Attention(nn.Module):
         self.use_qk_norm = cfg.use_qk_norm
         self.dense = RowParallelLinear(cfg.num_attention_heads * hd, d, tp, bias=cfg.use_bias)
 
-    def forward(self, x, angles, mask, ctx_k, ctx_v):
+    def forward(self, x, angles, mask, context):
         b, s, _ = x.shape
         qkv = self.query_key_value(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.use_qk_norm:
             q, k = self.query_layernorm(q), self.key_layernorm(k)
         q, k = Rotary.rotate(q, *angles, hf_order=True), Rotary.rotate(k, *angles, hf_order=True)
-        new_k, new_v = k, v
-        if ctx_k is not None:
-            k, v = torch.cat((ctx_k, k), dim=2), torch.cat((ctx_v, v), dim=2)
-        return self.dense(attend(q, k, v.contiguous(), mask)), new_k, new_v.contiguous()
+        v = v.contiguous()
+        return self.dense(attend(q, k, v, mask, context)), k, v
 
 
 class LLaDA2DecoderLayer(nn.Module):
@@ -215,8 +213,8 @@ class LLaDA2DecoderLayer(nn.Module):
         else:
             self.mlp = SparseMoeBlock(cfg, tp)
 
-    def forward(self, x, angles, mask, ctx_k=None, ctx_v=None):
-        h, k, v = self.attention(self.input_layernorm(x), angles, mask, ctx_k, ctx_v)
+    def forward(self, x, angles, mask, context=None):
+        h, k, v = self.attention(self.input_layernorm(x), angles, mask, context)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x)), k, v
 
@@ -232,18 +230,31 @@ class LLaDA2MoeModel(nn.Module):
 
 
 def block_causal_mask(
-    positions: torch.Tensor, valid: torch.Tensor, context_valid: torch.Tensor | None, block_len: int
+    positions: torch.Tensor, valid: torch.Tensor | None, block_len: int
 ) -> torch.Tensor:
-    """[batch, 1, q, ctx + q] bool: a query sees every valid cached key (all in earlier blocks)
-    and the valid queried keys whose block (position // block_len) is not after its own.
-    A padding query sees every valid key (its output is dropped; no row is left empty)."""
+    """[batch, 1, q, q] bool: a query sees the valid keys whose block (position // block_len)
+    is not after its own; a padding query sees every valid key (its output is dropped; no row
+    is left empty). `valid` None: no padding."""
     blocks = positions // block_len
-    allowed = (blocks[:, None, :] <= blocks[:, :, None]) | ~valid[:, :, None]
-    allowed = allowed & valid[:, None, :]
-    if context_valid is not None:
-        ctx = context_valid[:, None, :].expand(-1, positions.shape[1], -1)
-        allowed = torch.cat((ctx, allowed), dim=2)
+    allowed = blocks[:, None, :] <= blocks[:, :, None]
+    if valid is not None:
+        allowed = (allowed | ~valid[:, :, None]) & valid[:, None, :]
     return allowed[:, None]
+
+
+def context_masks(context: KVContext, positions: torch.Tensor, block_len: int) -> KVContext:
+    """The context with each row's block-causal mask: its cached keys (positions [0, start),
+    all in earlier blocks) are all visible; its queried ones (from position `start` on) are
+    seen block-causally. None for a row whose queries lie in one block."""
+    masks = []
+    for i, (start, n) in enumerate(zip(context.starts, context.lengths)):
+        if start // block_len == (start + n - 1) // block_len:
+            masks.append(None)
+            continue
+        queried = block_causal_mask(positions[i : i + 1, :n], None, block_len)[0]
+        seen = torch.ones(1, n, start, dtype=torch.bool, device=positions.device)
+        masks.append(torch.cat((seen, queried), dim=2)[None])
+    return replace(context, masks=masks)
 
 
 class LLaDA2MoeModelLM(nn.Module):
@@ -273,15 +284,19 @@ class LLaDA2MoeModelLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        valid: torch.Tensor,
+        valid: torch.Tensor | None,
         context: KVContext | None = None,
         keep_kv: bool = False,
         block_len: int = PUBLISHED_BLOCK_LEN,
     ) -> ForwardResult:
-        """input_ids, positions, valid: [batch, seq]; `context` holds the K/V of earlier blocks
-        (every cached key is visible); the queried keys are seen block-causally."""
-        ctx_valid = None if context is None else context.valid
-        mask = block_causal_mask(positions, valid, ctx_valid, block_len)
+        """input_ids, positions, valid: [batch, seq] (`valid` None: no padding); `context`
+        holds each row's K/V of earlier blocks (every cached key is visible); the queried keys
+        are seen block-causally."""
+        mask = None
+        if context is None:
+            mask = block_causal_mask(positions, valid, block_len)
+        else:
+            context = context_masks(context, positions, block_len)
         angles = self.rotary.angles(positions)
         x = self.model.word_embeddings(input_ids)
         x, keys, values = run_layers(self.model.layers, x, angles, mask, context, keep_kv)
