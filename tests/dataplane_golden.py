@@ -30,11 +30,13 @@ ASSETS = Path(BUNDLED_MODEL).parent
 SHAPES = {"a": (23, 0.9, 0), "b": (41, 0.7, 1), "c": (9, 0.95, 2), "d": (30, 0.8, 0)}
 SCENARIOS = [  # (model, kv_cache, dtype, block_len, gen_len)
     ("tiny-llada", "none", "float32", 32, 64),
+    ("tiny-llada", "none", "bfloat16", 32, 64),
     ("tiny-llada", "prefix", "float32", 32, 64),
     ("tiny-llada", "dual", "float32", 32, 64),
     ("tiny-llada", "dual", "bfloat16", 32, 64),
     ("tiny-llada2", "dual", "float32", 32, 64),
     ("tiny-llada2", "dual", "bfloat16", 32, 64),
+    ("dream", "none", "float32", 8, 16),
     ("dream", "prefix", "float32", 8, 16),
     ("dream", "dual", "float32", 8, 16),
 ]

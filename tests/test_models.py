@@ -7,7 +7,14 @@ from safetensors.torch import load_file, save_file
 
 from dilaserve.models.checkpoint import INDEX_FILE, CheckpointError, load_model
 from dilaserve.models.config import LLaDAConfig
-from dilaserve.models.layers import ColumnParallelLinear, RowParallelLinear, TPGroup
+from dilaserve.models.layers import (
+    ColumnParallelLinear,
+    MergedColumnLinear,
+    RMSNorm,
+    Rotary,
+    RowParallelLinear,
+    TPGroup,
+)
 from dilaserve.models.tokenizer import Tokenizer
 
 LLADA_8B_KEYS = (  # the published layout's names for layer 0 and the top level
@@ -41,7 +48,7 @@ def test_sharded_checkpoint_uses_the_published_layout(tiny_checkpoint):
 def test_loads_with_expected_shapes_and_dtype(tiny_checkpoint, dtype):
     model = load_model(tiny_checkpoint, dtype)
     cfg = model.config
-    params = dict(model.named_parameters())
+    params = model.state_dict()  # the checkpoint's names (merged projections' parts too)
     assert params["model.transformer.wte.weight"].shape == (cfg.padded_vocab_size, cfg.d_model)
     assert params["model.transformer.blocks.1.k_proj.weight"].shape == (
         cfg.num_kv_heads * cfg.head_dim,
@@ -63,7 +70,7 @@ def test_loaded_weights_match_the_files(tiny_checkpoint):
     model = load_model(tiny_checkpoint)
     shard = sorted(tiny_checkpoint.glob("model-*.safetensors"))[0]
     for key, tensor in load_file(str(shard)).items():
-        assert torch.equal(dict(model.named_parameters())[key], tensor)
+        assert torch.equal(model.state_dict()[key], tensor)
 
 
 def _rewrite_shard(folder, edit):
@@ -174,3 +181,46 @@ def test_parallel_linears_take_their_shard_and_sum_to_the_full_product():
     assert torch.allclose(sum(row_parts), full_row @ torch.ones(6))
     with pytest.raises(ValueError, match="not divisible by tensor-parallel size 4"):
         ColumnParallelLinear(4, 6, TPGroup(size=4, rank=0))
+
+
+def test_merged_projections_are_the_separate_ones_and_keep_their_names():
+    """Equal within rounding here (a 4-wide matmul may sum in another order); to the bit on
+    the bundled models (tests/test_dataplane.py)."""
+    torch.manual_seed(0)
+    full = {"q_proj": torch.randn(8, 4), "k_proj": torch.randn(4, 4), "v_proj": torch.randn(4, 4)}
+    bias = {name: torch.randn(len(w)) for name, w in full.items()}
+    x = torch.randn(3, 5, 4)
+    for rank in range(2):
+        tp = TPGroup(size=2, rank=rank)
+        merged = MergedColumnLinear(4, {n: len(w) for n, w in full.items()}, tp, bias=True)
+        for name in full:
+            merged.load_full(full[name], f"{name}.weight")
+            merged.load_full(bias[name], f"{name}.bias")
+        for name, out in zip(full, merged.split(merged(x))):
+            alone = ColumnParallelLinear(4, len(full[name]), tp, bias=True)
+            alone.load_full(full[name])
+            alone.load_full(bias[name], "bias")
+            assert torch.allclose(out, alone(x), atol=1e-6, rtol=0)
+    block = torch.nn.Module()
+    block.qkv = merged
+    state = block.state_dict()
+    assert list(state) == [f"{n}.{p}" for n in full for p in ("weight", "bias")]
+    assert torch.equal(state["k_proj.weight"], full["k_proj"][2:])  # rank 1's half
+    with pytest.raises(KeyError, match="no projection weight 'o_proj.weight'"):
+        merged.slot("o_proj.weight")
+
+
+def test_norm_and_rotary_in_fewer_kernels_are_the_published_formulas_to_the_bit():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 7, 16)
+    norm = RMSNorm(16, 1e-6)
+    norm.weight.data.normal_()
+    want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight
+    assert torch.equal(norm(x), want)
+    rotary = Rotary(16, 10000.0, rotary_dim=8)
+    positions = torch.arange(7).expand(2, 7)
+    angles = positions.float()[:, None, :, None] * rotary.inv_freq
+    cos, sin = angles.cos(), angles.sin()
+    x1, x2, rest = x[..., :4], x[..., 4:8], x[..., 8:]
+    want = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
+    assert torch.equal(Rotary.rotate(x, *rotary.angles(positions)), want)

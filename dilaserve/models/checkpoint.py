@@ -56,14 +56,21 @@ def _weight_map(folder: Path) -> dict[str, str]:
 
 def _module_for(model: torch.nn.Module, key: str):
     """The module that loads checkpoint `key`, and the name it knows it by: the key's owner and
-    last part, or the nearest owner that loads the rest of the key itself (stacked experts)."""
+    last part, or the nearest owner that loads the rest of the key itself (stacked experts), or
+    a child of that owner that does (merged projections: `q_proj.weight` of a block)."""
     parts = key.split(".")
     for cut in range(len(parts) - 1, 0, -1):
         try:
             module = model.get_submodule(".".join(parts[:cut]))
         except AttributeError:
             continue
-        return module, ".".join(parts[cut:])
+        rest = ".".join(parts[cut:])
+        if rest in getattr(module, "full_shapes", {}):
+            return module, rest
+        for child in module.children():
+            if rest in getattr(child, "full_shapes", {}):
+                return child, rest
+        return module, rest
     return model, key
 
 

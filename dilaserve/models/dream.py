@@ -29,6 +29,7 @@ from dilaserve.models.layers import (
     ColumnParallelLinear,
     Embedding,
     GatedMLP,
+    MergedColumnLinear,
     RMSNorm,
     Rotary,
     RowParallelLinear,
@@ -125,19 +126,18 @@ class DreamAttention(nn.Module):
         self.num_heads = tp.shard_len(cfg.num_attention_heads, "num_attention_heads")
         self.num_kv_heads = tp.shard_len(cfg.num_key_value_heads, "num_key_value_heads")
         self.head_dim = hd
-        self.q_proj = ColumnParallelLinear(d, cfg.num_attention_heads * hd, tp, bias=True)
-        self.k_proj = ColumnParallelLinear(d, cfg.num_key_value_heads * hd, tp, bias=True)
-        self.v_proj = ColumnParallelLinear(d, cfg.num_key_value_heads * hd, tp, bias=True)
+        q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+        self.qkv = MergedColumnLinear(d, {"q_proj": q, "k_proj": kv, "v_proj": kv}, tp, True)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * hd, d, tp)
 
-    def _split(self, x: torch.Tensor, heads: int) -> torch.Tensor:
-        b, s, _ = x.shape
-        return x.view(b, s, heads, self.head_dim).transpose(1, 2)
-
     def forward(self, x, angles, mask, context):
-        q = Rotary.rotate(self._split(self.q_proj(x), self.num_heads), *angles, hf_order=True)
-        k = Rotary.rotate(self._split(self.k_proj(x), self.num_kv_heads), *angles, hf_order=True)
-        v = self._split(self.v_proj(x), self.num_kv_heads)
+        b, s, _ = x.shape
+        qkv = self.qkv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        rotated = self.num_heads + self.num_kv_heads  # queries and keys rotate together
+        q, k = Rotary.rotate(qkv[:, :rotated], *angles).split(
+            [self.num_heads, self.num_kv_heads], dim=1
+        )
+        v = qkv[:, rotated:]
         return self.o_proj(attend(q, k, v, mask, context)), k, v
 
 
@@ -191,8 +191,8 @@ class DreamModel(nn.Module):
         """input_ids, positions, valid: [batch, seq] (`valid` None: no padding); attention is
         bidirectional over the valid keys (a row's cached ones in `context` first)."""
         mask = None if valid is None else valid[:, None, None, :]
-        angles = self.rotary.angles(positions)
         x = self.model.embed_tokens(input_ids)
+        angles = self.rotary.angles(positions, x.dtype)
         x, keys, values = run_layers(self.model.layers, x, angles, mask, context, keep_kv)
         return ForwardResult(self.model.norm(x), keys, values)
 

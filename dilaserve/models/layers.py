@@ -76,6 +76,63 @@ class ColumnParallelLinear(nn.Module):
         getattr(self, name).data.copy_(torch.cat(shards))
 
 
+class MergedColumnLinear(ColumnParallelLinear):
+    """Column-parallel projections of the same input run as one matmul (q/k/v; gate/up): the
+    output is each part's local shard in turn (`split`). The checkpoint keeps one tensor per
+    part, named after sibling modules (`parts` {"q_proj": out_features, ...} gives
+    `q_proj.weight`, `q_proj.bias`, ...), which load into and save from slices of the merged
+    parameters; the files do not change."""
+
+    def __init__(
+        self, in_features: int, parts: dict[str, int], tp: TPGroup = TPGroup(), bias=False
+    ):
+        super().__init__(in_features, sum(parts.values()), tp, bias, tuple(parts.values()))
+        self.local_sizes = [tp.shard_len(n, "out_features") for n in parts.values()]
+        self.full_shapes, self._rows = {}, {}
+        start = 0
+        for (name, n), local in zip(parts.items(), self.local_sizes):
+            self._rows[name] = slice(start, start + local)
+            self.full_shapes[f"{name}.weight"] = (n, in_features)
+            if bias:
+                self.full_shapes[f"{name}.bias"] = (n,)
+            start += local
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The merged output [..., local out] split into the parts' outputs."""
+        return y.split(self.local_sizes, dim=-1)
+
+    def slot(self, key: str) -> torch.Tensor:
+        """The rows of the merged weight or bias that hold checkpoint tensor `key`."""
+        if key not in self.full_shapes:
+            raise KeyError(f"no projection weight {key!r} here (parts {list(self._rows)})")
+        name, _, attr = key.rpartition(".")
+        return getattr(self, attr)[self._rows[name]]
+
+    def load_full(self, full: torch.Tensor, name: str = "weight") -> None:
+        rows = full.shape[0] // self.tp.size
+        with torch.no_grad():
+            self.slot(name).copy_(full[self.tp.rank * rows : (self.tp.rank + 1) * rows])
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        parent = _parent_prefix(prefix)
+        for key in self.full_shapes:  # copies: safetensors refuses tensors that share memory
+            destination[parent + key] = self.slot(key).detach().clone()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, *_):
+        parent = _parent_prefix(prefix)
+        for key in self.full_shapes:
+            if parent + key in state_dict:
+                self.load_full(state_dict[parent + key], key)
+            elif strict:
+                missing.append(parent + key)
+
+
+def _parent_prefix(prefix: str) -> str:
+    """'a.b.qkv.' -> 'a.b.': where a merged module's checkpoint tensors are named."""
+    parent = prefix.rstrip(".").rpartition(".")[0]
+    return parent + "." if parent else ""
+
+
 class RowParallelLinear(nn.Module):
     """y = x W^T (+ b) with W's columns (input features) split across ranks; partials are
     all-reduced (`reduce=False` leaves that to the caller). The bias is added once, after it."""
@@ -125,11 +182,10 @@ class RMSNorm(nn.Module):
         self.full_shapes = {"weight": (dim,)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        shape = (x.shape[-1],)
         if self.hf_order:
-            return self.weight * x32.to(x.dtype)
-        return (x32 * self.weight.float()).to(x.dtype)
+            return self.weight * F.rms_norm(x.float(), shape, eps=self.eps).to(x.dtype)
+        return F.rms_norm(x.float(), shape, self.weight.float(), self.eps).to(x.dtype)
 
     def load_full(self, full: torch.Tensor, name: str = "weight") -> None:
         self.weight.data.copy_(full)
@@ -171,26 +227,26 @@ class Rotary(nn.Module):
         """Recompute the frequencies (after a model built on the meta device is materialised)."""
         self.inv_freq = self._inv_freq().to(self.inv_freq.device)
 
-    def angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) of positions [batch, seq], shaped [batch, 1, seq, rotary_dim / 2]: computed
-        once per forward pass and shared by every layer's queries and keys."""
+    def angles(
+        self, positions: torch.Tensor, dtype: torch.dtype = torch.float32
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of positions [batch, seq] for `rotate`, shaped [batch, 1, seq, rotary_dim]
+        (each angle twice; sin negated on the first half) in the dtype rotation computes in:
+        computed once per forward pass and shared by every layer's queries and keys."""
         angles = positions.float()[:, None, :, None] * self.inv_freq
-        return angles.cos(), angles.sin()
+        cos, sin = angles.cos(), angles.sin()
+        return torch.cat((cos, cos), -1).to(dtype), torch.cat((-sin, sin), -1).to(dtype)
 
     @staticmethod
-    def rotate(
-        x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hf_order: bool = False
-    ) -> torch.Tensor:
-        """x: [batch, heads, seq, head_dim], rotated by `angles`' (cos, sin): in fp32, or with
-        `hf_order` in x's dtype after casting cos and sin to it (Hugging Face's Llama/Qwen2
-        order, which Dream and LLaDA2 use). The two agree exactly in fp32."""
-        rot = 2 * cos.shape[-1]
-        if hf_order:
-            x1, x2 = x[..., :rot].chunk(2, dim=-1)
-            cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-        else:
-            x1, x2 = x[..., :rot].float().chunk(2, dim=-1)
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [batch, heads, seq, head_dim] rotated by `angles`' (cos, sin), in their dtype
+        (float32: LLaDA's order; the model's dtype: Hugging Face's Llama/Qwen2 order, which
+        Dream and LLaDA2 use). x1 * cos - x2 * sin and x2 * cos + x1 * sin, as one product
+        with the halves swapped."""
+        rot = cos.shape[-1]
+        head = x[..., :rot].to(cos.dtype)
+        x1, x2 = head.chunk(2, dim=-1)
+        rotated = (head * cos + torch.cat((x2, x1), dim=-1) * sin).to(x.dtype)
         if rot == x.shape[-1]:
             return rotated
         return torch.cat((rotated, x[..., rot:]), dim=-1)
@@ -214,16 +270,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, context=None
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), column/row-parallel; Hugging Face names (gate/up/down_proj)."""
+    """down(silu(gate(x)) * up(x)), column/row-parallel, gate and up as one matmul; Hugging Face
+    names (gate_proj/up_proj/down_proj)."""
 
     def __init__(self, dim: int, hidden: int, tp: TPGroup = TPGroup(), reduce: bool = True):
         super().__init__()
-        self.gate_proj = ColumnParallelLinear(dim, hidden, tp)
-        self.up_proj = ColumnParallelLinear(dim, hidden, tp)
+        self.gate_up = MergedColumnLinear(dim, {"gate_proj": hidden, "up_proj": hidden}, tp)
         self.down_proj = RowParallelLinear(hidden, dim, tp, reduce=reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up.split(self.gate_up(x))
+        return self.down_proj(F.silu(gate) * up)
 
 
 def run_layers(layers, x: torch.Tensor, angles, mask, context, keep_kv: bool):

@@ -19,11 +19,13 @@ from dilaserve.models.family import ModelFamily
 from dilaserve.models.layers import (
     ColumnParallelLinear,
     Embedding,
+    MergedColumnLinear,
     RMSNorm,
     Rotary,
     RowParallelLinear,
     TPGroup,
     attend,
+    init_normal,
     run_layers,
 )
 
@@ -36,32 +38,32 @@ class LLaDABlock(nn.Module):
         self.num_kv_heads = tp.shard_len(cfg.num_kv_heads, "n_kv_heads")
         self.head_dim = hd
         self.attn_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.q_proj = ColumnParallelLinear(d, cfg.n_heads * hd, tp)
-        self.k_proj = ColumnParallelLinear(d, cfg.num_kv_heads * hd, tp)
-        self.v_proj = ColumnParallelLinear(d, cfg.num_kv_heads * hd, tp)
+        kv = cfg.num_kv_heads * hd
+        self.qkv = MergedColumnLinear(
+            d, {"q_proj": cfg.n_heads * hd, "k_proj": kv, "v_proj": kv}, tp
+        )
         self.attn_out = RowParallelLinear(cfg.n_heads * hd, d, tp)
         self.ff_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.ff_proj = ColumnParallelLinear(d, cfg.mlp_hidden_size, tp)  # gate (SiLU)
-        self.up_proj = ColumnParallelLinear(d, cfg.mlp_hidden_size, tp)
+        hidden = cfg.mlp_hidden_size  # ff_proj: the SiLU gate
+        self.ff_gate_up = MergedColumnLinear(d, {"ff_proj": hidden, "up_proj": hidden}, tp)
         self.ff_out = RowParallelLinear(cfg.mlp_hidden_size, d, tp)
 
-    def _split(self, x: torch.Tensor, heads: int) -> torch.Tensor:
-        b, s, _ = x.shape
-        return x.view(b, s, heads, self.head_dim).transpose(1, 2)
-
     def attention(self, x, angles, mask, context):
-        q = Rotary.rotate(self._split(self.q_proj(x), self.num_heads), *angles)
-        k = Rotary.rotate(self._split(self.k_proj(x), self.num_kv_heads), *angles)
-        v = self._split(self.v_proj(x), self.num_kv_heads)
+        b, s, _ = x.shape
+        qkv = self.qkv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        rotated = self.num_heads + self.num_kv_heads  # queries and keys rotate together
+        q, k = Rotary.rotate(qkv[:, :rotated], *angles).split(
+            [self.num_heads, self.num_kv_heads], dim=1
+        )
+        v = qkv[:, rotated:]
         return self.attn_out(attend(q, k, v, mask, context)), k, v
 
     def forward(self, x, angles, mask, context=None):
         """angles: the rotary (cos, sin) of the queried positions (`Rotary.angles`)."""
         h, k, v = self.attention(self.attn_norm(x), angles, mask, context)
         x = x + h
-        y = self.ff_norm(x)
-        x = x + self.ff_out(F.silu(self.ff_proj(y)) * self.up_proj(y))
-        return x, k, v
+        gate, up = self.ff_gate_up.split(self.ff_gate_up(self.ff_norm(x)))
+        return x + self.ff_out(F.silu(gate) * up), k, v
 
 
 class Transformer(nn.Module):
@@ -130,12 +132,7 @@ class LLaDAModelLM(nn.Module):
 
     def init_weights(self, seed: int = 0, std: float = 0.02) -> None:
         """Random initialisation (for training from scratch and for tests)."""
-        gen = torch.Generator(next(self.parameters()).device).manual_seed(seed)
-        for name, p in self.named_parameters():
-            if name.endswith("norm.weight") or name.endswith("ln_f.weight"):
-                p.data.fill_(1.0)
-            else:
-                p.data.normal_(0.0, std, generator=gen)
+        init_normal(self, seed, std)
 
 
 FAMILY = ModelFamily(

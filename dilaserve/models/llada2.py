@@ -196,7 +196,7 @@ class LLaDA2Attention(nn.Module):
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.use_qk_norm:
             q, k = self.query_layernorm(q), self.key_layernorm(k)
-        q, k = Rotary.rotate(q, *angles, hf_order=True), Rotary.rotate(k, *angles, hf_order=True)
+        q, k = Rotary.rotate(q, *angles), Rotary.rotate(k, *angles)
         v = v.contiguous()
         return self.dense(attend(q, k, v, mask, context)), k, v
 
@@ -297,8 +297,8 @@ class LLaDA2MoeModelLM(nn.Module):
             mask = block_causal_mask(positions, valid, block_len)
         else:
             context = context_masks(context, positions, block_len)
-        angles = self.rotary.angles(positions)
         x = self.model.word_embeddings(input_ids)
+        angles = self.rotary.angles(positions, x.dtype)
         x, keys, values = run_layers(self.model.layers, x, angles, mask, context, keep_kv)
         return ForwardResult(self.model.norm(x), keys, values)
 
