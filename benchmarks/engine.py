@@ -1,6 +1,11 @@
-"""Engine throughput: generated tokens/s and ms per step by batch size, KV-cache mode and prompt.
+"""Engine throughput: generated tokens/s, steps/s and ms per step by model, batch size, KV-cache
+mode and prompt.
 
-    python benchmarks/engine.py [--model PATH] [--batches 1,8,32,128] [--prompts 64,512]
+    python benchmarks/engine.py [--models PATH,...] [--batches 1,8,32,128] [--prompts 64,512]
+
+`--models` defaults to the bundled models (tiny-llada, tiny-llada2; LLaDA2 runs its exact block
+cache for `prefix` and `dual`). `benchmarks/engine_compare.py` sets runs of two code versions
+side by side.
 
 Each configuration starts `batch` requests at once (prompt of exactly P tokens, output window
 `--gen` tokens, threshold 0.9, early finish off so every request generates the whole window) and
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import replace
+from pathlib import Path
 
 from dilaserve.config import BUNDLED_MODEL, EngineConfig
 from dilaserve.engine.engine import Engine
@@ -25,6 +31,7 @@ from dilaserve.runs import create_run_dir, environment, markdown_table, write_js
 from dilaserve.tasks import arith
 
 COLUMNS = [
+    "model",
     "kv_cache",
     "prompt_len",
     "batch",
@@ -32,6 +39,7 @@ COLUMNS = [
     "tokens",
     "seconds",
     "ms_per_step",
+    "steps_per_s",
     "tokens_per_s",
     "request_s",
 ]
@@ -80,14 +88,20 @@ def run_config(
         "tokens": tokens,
         "seconds": round(seconds, 3),
         "ms_per_step": round(1000 * seconds / steps, 2),
+        "steps_per_s": round(steps / seconds, 2),
         "tokens_per_s": round(tokens / seconds, 1),
         "request_s": round(gen / per_request_tokens_s, 3),
         "complete": not active,
     }
 
 
+BUNDLED = ",".join(str(Path(BUNDLED_MODEL).parent / name) for name in ("tiny-llada", "tiny-llada2"))
+
+
 def ratios(records: list[dict], gen: int) -> dict:
-    key = {(r["kv_cache"], r["prompt_len"], r["batch"]): r for r in records}
+    """The first model's batching and cache gains."""
+    first = records[0]["model"]
+    key = {(r["kv_cache"], r["prompt_len"], r["batch"]): r for r in records if r["model"] == first}
     out = {}
     for mode, prompt, _ in key:
         if (mode, prompt, 1) in key and (mode, prompt, 32) in key:
@@ -102,20 +116,9 @@ def ratios(records: list[dict], gen: int) -> dict:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", default=str(BUNDLED_MODEL))
-    ap.add_argument("--batches", default="1,8,32,128")
-    ap.add_argument("--prompts", default="64,512")
-    ap.add_argument("--modes", default="none,prefix,dual")
-    ap.add_argument("--gen", type=int, default=128)
-    ap.add_argument("--budget", type=float, default=20.0, help="seconds per configuration")
-    ap.add_argument("--out", default="runs")
-    args = ap.parse_args()
-    base = Engine.from_checkpoint(args.model, EngineConfig(early_finish=False))
-    tok = Tokenizer(args.model, base.model.config)
-    run = create_run_dir(args.out, "engine")
-    write_json(run / "config.json", {**vars(args), "environment": environment()})
+def run_model(path: str, args) -> list[dict]:
+    base = Engine.from_checkpoint(path, EngineConfig(early_finish=False))
+    tok = Tokenizer(path, base.model.config)
     records = []
     for mode in args.modes.split(","):
         engine = Engine(base.model, base.special, replace(base.config, kv_cache=mode))
@@ -123,8 +126,27 @@ def main() -> None:
             prompt = make_prompt(tok, prompt_len)
             run_config(engine, tok, prompt, 1, args.gen, 2.0)  # warm-up
             for batch in map(int, args.batches.split(",")):
-                records.append(run_config(engine, tok, prompt, batch, args.gen, args.budget))
+                record = run_config(engine, tok, prompt, batch, args.gen, args.budget)
+                records.append({"model": Path(path).name, **record})
                 print(records[-1], flush=True)
+    return records
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--models", default=BUNDLED, help="checkpoint folders, comma-separated")
+    ap.add_argument("--batches", default="1,8,32,128")
+    ap.add_argument("--prompts", default="64,512")
+    ap.add_argument("--modes", default="none,prefix,dual")
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--budget", type=float, default=20.0, help="seconds per configuration")
+    ap.add_argument("--out", default="runs")
+    args = ap.parse_args()
+    run = create_run_dir(args.out, "engine")
+    write_json(run / "config.json", {**vars(args), "environment": environment()})
+    records = []
+    for model in args.models.split(","):
+        records += run_model(model, args)
     write_records(run / "records.csv", records)
     summary = {"ratios": ratios(records, args.gen), "records": records}
     write_json(run / "summary.json", summary)
