@@ -5,7 +5,8 @@
 Each RUN is a run folder of `benchmarks/engine.py` (its summary.json); run the two versions
 back to back, alternating, several times each (a shared machine's load moves between runs), and
 give the folders here. For every (model, kv_cache, prompt, batch) found in both, the median
-steps/s and ms per step of each side and the after/before ratio of steps/s. Writes a run folder
+steps/s of each side (per wall second and, where recorded, per second of the process's CPU
+time) and the after/before ratios. Writes a run folder
 (summary, report) under `--out`.
 """
 
@@ -32,7 +33,7 @@ def medians(runs: list[str]) -> dict[tuple, dict]:
         key: {
             "runs": len(records),
             "steps_per_s": statistics.median(r["steps"] / r["seconds"] for r in records),
-            "ms_per_step": statistics.median(r["ms_per_step"] for r in records),
+            "steps_per_cpu_s": statistics.median(r.get("steps_per_cpu_s", 0) for r in records),
         }
         for key, records in seen.items()
     }
@@ -48,12 +49,17 @@ def compare(before: dict, after: dict) -> list[dict]:
                 "runs": f"{b['runs']}/{a['runs']}",
                 "before_steps_per_s": round(b["steps_per_s"], 2),
                 "after_steps_per_s": round(a["steps_per_s"], 2),
-                "before_ms": round(b["ms_per_step"], 1),
-                "after_ms": round(a["ms_per_step"], 1),
                 "speedup": round(a["steps_per_s"] / b["steps_per_s"], 2),
+                "before_steps_per_cpu_s": b["steps_per_cpu_s"],
+                "after_steps_per_cpu_s": a["steps_per_cpu_s"],
+                "cpu_speedup": _ratio(a["steps_per_cpu_s"], b["steps_per_cpu_s"]),
             }
         )
     return rows
+
+
+def _ratio(after: float, before: float) -> float | None:
+    return round(after / before, 2) if before and after else None
 
 
 def main() -> None:

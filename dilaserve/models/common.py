@@ -26,10 +26,6 @@ class KVSlot:
         shapes = [(k.shape[1], capacity, k.shape[3]) for k in keys]
         return cls([keys[0].new_zeros(s) for s in shapes], [keys[0].new_zeros(s) for s in shapes])
 
-    @property
-    def capacity(self) -> int:
-        return self.keys[0].shape[1]
-
 
 @dataclass
 class KVContext:
