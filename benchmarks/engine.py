@@ -139,7 +139,9 @@ def run_model(path: str, args) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--models", default=BUNDLED, help="checkpoint folders, comma-separated")
+    ap.add_argument(
+        "--models", "--model", default=BUNDLED, help="checkpoint folders, comma-separated"
+    )
     ap.add_argument("--batches", default="1,8,32,128")
     ap.add_argument("--prompts", default="64,512")
     ap.add_argument("--modes", default="none,prefix,dual")
