@@ -6,8 +6,8 @@ Each RUN is a run folder of `benchmarks/engine.py` (its summary.json); run the t
 back to back, alternating, several times each (a shared machine's load moves between runs), and
 give the folders here. For every (model, kv_cache, prompt, batch) found in both, the median
 steps/s of each side (per wall second and, where recorded, per second of the process's CPU
-time) and the after/before ratios. Writes a run folder
-(summary, report) under `--out`.
+time) and the after/before ratios, and the median CPU ms of a step run wholly against the
+cache. Writes a run folder (summary, report) under `--out`.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ def medians(runs: list[str]) -> dict[tuple, dict]:
             "runs": len(records),
             "steps_per_s": statistics.median(r["steps"] / r["seconds"] for r in records),
             "steps_per_cpu_s": statistics.median(r.get("steps_per_cpu_s", 0) for r in records),
+            "cache_step_cpu_ms": _median([r.get("cache_step_cpu_ms") for r in records]),
         }
         for key, records in seen.items()
     }
@@ -53,9 +54,16 @@ def compare(before: dict, after: dict) -> list[dict]:
                 "before_steps_per_cpu_s": b["steps_per_cpu_s"],
                 "after_steps_per_cpu_s": a["steps_per_cpu_s"],
                 "cpu_speedup": _ratio(a["steps_per_cpu_s"], b["steps_per_cpu_s"]),
+                "before_cache_step_cpu_ms": b["cache_step_cpu_ms"],
+                "after_cache_step_cpu_ms": a["cache_step_cpu_ms"],
             }
         )
     return rows
+
+
+def _median(values: list) -> float | None:
+    known = [v for v in values if v is not None]
+    return round(statistics.median(known), 2) if known else None
 
 
 def _ratio(after: float, before: float) -> float | None:
