@@ -3,8 +3,9 @@ that compares today's data plane with the one it replaced (`tests/test_dataplane
 
     PYTHONPATH=<checkout> python tests/dataplane_golden.py OUT.json
 
-wrote `tests/fixtures/dataplane_golden.json` from the base commit 6961ff2 (padded K/V stacks,
-concatenation in every layer, dense masks). Each scenario steps requests of different prompt
+wrote `tests/fixtures/dataplane_golden.json` from commit e1936f1, the last with the old data
+plane (padded K/V stacks, concatenation in every layer, dense masks), its decoding rules and
+float16-stored bundled weights. Each scenario steps requests of different prompt
 lengths and thresholds, joining at different steps, so that batches mix step kinds, query
 lengths and cached lengths; a log entry is (kind, positions, tokens, confidences) per step,
 the confidences as base64 float32 (`decode`).

@@ -1,7 +1,8 @@
-"""The data plane against the one it replaced (base commit 6961ff2: padded K/V stacks,
+"""The data plane against the one it replaced (commit e1936f1: padded K/V stacks,
 concatenation in every layer, dense masks), through `Engine.execute` on the bundled models
 and a random Dream: the same step kinds, positions and tokens; confidences equal to the bit
-where the arithmetic is the same, within rounding where it is not (`dataplane_golden.py`)."""
+where the arithmetic is the same, within rounding where it is not (`dataplane_golden.py`); in
+bf16 a run may part from the old one only at a near-tie."""
 
 from __future__ import annotations
 
@@ -36,15 +37,33 @@ def logs() -> tuple[dict, dict]:
     return json.loads(GOLDEN.read_text()), json.loads(json.dumps(all_logs()))
 
 
+def first_difference(want: list, got: list) -> int | None:
+    """The first step whose kind, positions or tokens differ (None: none does)."""
+    for i, (a, b) in enumerate(zip(want, got)):
+        if a[:3] != b[:3]:
+            return i
+    return None if len(want) == len(got) else min(len(want), len(got))
+
+
 @pytest.mark.parametrize("key", KEYS)
 def test_steps_and_tokens_are_those_of_the_replaced_data_plane(logs, key):
     want, got = logs[0][key], logs[1][key]
+    dtype = key.split("/")[2]
     assert want.keys() == got.keys()
     for rid in want:
-        assert [s[:3] for s in got[rid]] == [s[:3] for s in want[rid]], rid
-        for a, b in zip(want[rid], got[rid]):
+        split = first_difference(want[rid], got[rid])
+        for a, b in zip(want[rid][:split], got[rid][:split]):
             diff = np.abs(decode(a[3]) - decode(b[3])).max()
-            assert diff == 0.0 if key in BITWISE else diff <= TOLERANCE[key.split("/")[2]]
+            assert diff == 0.0 if key in BITWISE else diff <= TOLERANCE[dtype]
+        if split is None:
+            continue
+        # only bf16 may part, and only at a near-tie: the positions either side picked were
+        # within bf16's rounding of each other in both runs
+        assert dtype == "bfloat16" and split < len(want[rid]) and split < len(got[rid]), rid
+        a, b = want[rid][split], got[rid][split]
+        picked = a[1] + b[1]
+        for conf in (decode(a[3]), decode(b[3])):
+            assert np.ptp(conf[picked]) <= TOLERANCE[dtype], (rid, split, conf[picked])
 
 
 def run_steps(engine, requests, joins: dict[str, int]):
