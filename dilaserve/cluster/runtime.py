@@ -357,8 +357,10 @@ class Cluster:
             return False
         if not isinstance(max_tokens, int) or max_tokens < 1:
             max_tokens = None  # (`intake` names what is wrong)
-        room = self.controller.room
-        if not isinstance(priority, int) or not room.refuses(priority, slo, max_tokens):
+        if not isinstance(priority, int):
+            return False
+        queued = len(self.controller.arrivals)  # let through, not priced yet: ahead of it
+        if not self.controller.room.refuses(priority, slo, max_tokens, queued):
             return False
         self.controller.refused_in_a_row += 1
         return True

@@ -43,7 +43,11 @@ newcomer's load as the least, per output block, of the latest 64 requests priced
 its blocks), not as one step: refused in full, a request waits for the controller's next
 event, and at 3x capacity 60% of the refusals took that path (docs/serving.md). A request
 lighter than every one of the latest 64 may be refused by the room that admission would have
-taken, only while the room is that nearly full.
+taken, only while the room is that nearly full. Requests queued for admission, not priced
+yet, count against it too, each at the least one block adds (`Cluster.is_full` asks the room
+again just before it queues a tokenized request): without them, a burst that came between two
+events all found one request's room, and admission refused the rest after their queue wait
+(docs/serving.md).
 """
 
 from __future__ import annotations
@@ -108,13 +112,22 @@ class Room:
     def spare_within(self, seconds: float) -> float:
         return self.throughput * seconds - self.load
 
-    def refuses(self, priority: int, slo: float | None = None, max_tokens: int | None = None):
-        """`max_tokens`: the answer's length at most (None: one block, the least)."""
+    def refuses(
+        self,
+        priority: int,
+        slo: float | None = None,
+        max_tokens: int | None = None,
+        ahead: int = 0,
+    ):
+        """`max_tokens`: the answer's length at most (None: one block, the least). `ahead`:
+        requests queued for admission, not priced yet (each counted at the least a one-block
+        request adds): they come before this one."""
         if priority > self.lowest_priority or self.lowest_priority == float("inf"):
             return False  # served before everything in flight, or nothing is: asked in full
         blocks = 1 if max_tokens is None else max(-(-max_tokens // self.block_len), 1)
         least = max(self.least, self.least_per_block * blocks)
-        return self.spare_within(self.slo if slo is None else slo) < least
+        unpriced = ahead * max(self.least, self.least_per_block)
+        return self.spare_within(self.slo if slo is None else slo) < least + unpriced
 
 
 class Admission:
