@@ -50,6 +50,7 @@ class InstanceState:
     holds: set[str] = field(default_factory=set)  # requests whose state lives here
     residents: int = 0  # requests assigned here (running, waiting or held)
     resident_tokens: int = 0  # their tokens: what a full-sequence step over them reads
+    lost_residents: int = 0  # of them, requests that cannot meet their deadline any more
     # (tokens, step latency) last asked of each curve: placement asks every candidate, and
     # within a round only the chosen instance's batch changes
     full_memo: tuple[int, float] = (0, 0.0)

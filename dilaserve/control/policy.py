@@ -28,6 +28,7 @@ import enum
 from dataclasses import dataclass, replace
 
 from dilaserve.config import DEFAULT_THRESHOLD
+from dilaserve.control.lost_work import Lost
 from dilaserve.control.on_time import ON_TIME_TARGET
 
 DEFAULT_CANDIDATES = (0.7, 0.8, 0.9)  # where quality was measured (papers.md 1.1)
@@ -76,6 +77,8 @@ class Policy:
     # Alg. 1 prices the remaining time at this quantile of how long requests took against
     # their estimate (`on_time.py`, calibrated online); None: the point estimate, as written
     on_time_target: float | None = None
+    # which requests count as lost and are served after the others (`lost_work.py`)
+    lost_work: Lost = Lost.NEVER
 
     def __post_init__(self):
         if self.fixed_threshold is not None and not 0 < self.fixed_threshold <= 1:
@@ -119,6 +122,9 @@ POLICIES = {
     "dilaserve-budget": replace(
         _DILASERVE, name="dilaserve-budget", load_window=LoadWindow.BUDGET_LEFT
     ),
+    "dilaserve-lost-late": replace(_DILASERVE, name="dilaserve-lost-late", lost_work=Lost.LATE),
+    "dilaserve-lost-point": replace(_DILASERVE, name="dilaserve-lost-point", lost_work=Lost.POINT),
+    "dilaserve-lost-q": replace(_DILASERVE, name="dilaserve-lost-q", lost_work=Lost.QUANTILE),
     "fcfs": _FCFS,
     "infaas": replace(_FCFS, name="infaas", placement=Placement.ON_ARRIVAL),
     "llumnix": replace(

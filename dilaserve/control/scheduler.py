@@ -6,21 +6,13 @@ threshold (`StepLaunch`), which instances must drop a request's state (it moved 
 requests finished, and (from `on_tick`, every planning period) a cluster `Reconfiguration`.
 It never reads a clock and never does I/O; the simulator and the cluster runtime drive it alike.
 
-On every event the requests that are ready (new, or whose step just finished) are placed
-(Algorithm 3, in `placement.py`): each goes to the instance whose latency profile prices a step
-over its whole batch, with the request in it, lowest (with an exact cache: where its next step
-is predicted to finish soonest). With a KV cache a request whose next step is a cache step
-stays where its cache is; it may move only before a recompute step. Step predictions refresh
-every `refresh_every_tokens` newly committed tokens, in one predictor call for every request
-due at most once per `refresh_interval` (a new request is predicted at once), load control
-(Alg. 2/4) re-runs when arrivals or refreshes change the load picture (both in
-`load_control.py`), and the threshold is re-selected (Alg. 1/5) whenever a request moves or its
-predictions refresh, pricing the remaining steps at the load of everything assigned to its
-instance (at the measured speed, `speed.py`) and fitting them into `slo_headroom` of the budget
-left (the policy's, else the config's: 1.0, the paper's rule), or at a calibrated quantile of
-it (`selection.py`). Each instance's gathered batch keeps its own books (`instance.py`); an
-instance whose running step is far overdue (`InstanceState.overdue`) takes no new work until it
-ends, and a tick moves its gathered batch elsewhere.
+On every event the ready requests (new, or whose step just finished) are placed (Alg. 3,
+`placement.py`; a request whose next step is a cache step stays with its approximate cache), a
+lost one after the others where the policy says so (`lost_work.py`). Predictions refresh and
+load control (Alg. 2/4) re-runs in `load_control.py`; the threshold (Alg. 1/5, `selection.py`)
+is re-selected whenever a request moves or its predictions refresh. Each instance's gathered
+batch keeps its own books (`instance.py`); an instance whose running step is far overdue
+(`InstanceState.overdue`) takes no new work until it ends, and a tick moves its batch elsewhere.
 """
 
 from __future__ import annotations
@@ -32,6 +24,7 @@ from dilaserve.control.decisions import Decisions, SchedulerConfig, StepLaunch
 from dilaserve.control.instance import InstanceState
 from dilaserve.control.layout import InstanceSlot
 from dilaserve.control.load_control import LoadControl
+from dilaserve.control.lost_work import Lost, LostWork
 from dilaserve.control.placement import Placer
 from dilaserve.control.policy import Migration, Policy
 from dilaserve.control.profile import LatencyProfile
@@ -52,6 +45,7 @@ class _Tracked:
     bound: str | None = None  # the only instance it may use (no migration / on-arrival)
     needs_threshold: bool = True
     order: tuple = ()  # (-priority, arrival, seq): arrival service order
+    lost: bool = False  # it cannot meet its deadline any more (`lost_work.py`)
 
 
 class Scheduler:
@@ -103,6 +97,10 @@ class Scheduler:
             policy, profile, self._costs, config.slo_headroom, self.speed, self.load_control
         )
         self.deadline = self._selection.deadline  # Alg. 1's calibration (None: point estimate)
+        self._lost = None  # served after the requests still on time (`lost_work.py`), or alike
+        if policy.lost_work is not Lost.NEVER and policy.is_dynamic:
+            self._lost = LostWork(policy.lost_work, self._placer, self._selection, self._move)
+        self._placing = self._lost or self._placer
 
     # -- instances ---------------------------------------------------------------------------
 
@@ -178,9 +176,11 @@ class Scheduler:
         if old is not None:
             old.residents -= 1
             old.resident_tokens -= t.request.num_tokens
+            old.lost_residents -= t.lost
         if to is not None:
             to.residents += 1
             to.resident_tokens += t.request.num_tokens
+            to.lost_residents += t.lost
         t.instance = None if to is None else to.instance_id
 
     def _orphan(self, rid: str) -> None:
@@ -336,9 +336,10 @@ class Scheduler:
                 if t.needs_threshold and self.policy.is_dynamic:  # its predictions refreshed
                     t.request.threshold = self._threshold(t, home, now)
                 continue
-            placed = self._placer.place(t, now, self._open)
+            placed = self._placing.place(t, now, self._open)
             if placed is None:
                 waiting.append(rid)
+                releases += self._lost.park(t) if self._lost is not None else []
                 continue
             releases += self._assign(t, *placed, now)
         self._ready = waiting

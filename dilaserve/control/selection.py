@@ -68,13 +68,25 @@ class ThresholdSelection:
         steps = self.load_control.steps_left(r.request_id, allowed)
         if self._costs.exact and r.request_id not in inst.holds:  # it prefills there first
             slo_left -= self._prefill_extra(r, inst)
-        factor = 1.0 if self.deadline is None else self.deadline.factor(now)
+        factor = self.factor(now)
         recompute = r.num_blocks_to_recompute
         chosen = highest_fitting(allowed, steps, recompute, slo_left / factor, seconds)
-        if self.deadline is not None and r.request_id not in self.deadline:
+        if self.deadline is not None and not t.lost and r.request_id not in self.deadline:
             estimate = seconds_left(steps[allowed.index(chosen)], recompute, seconds)
             self.deadline.admitted(r.request_id, estimate, now)
         return chosen
+
+    def factor(self, now: float) -> float:
+        """Alg. 1's calibrated factor on the point estimate now (1: the point estimate)."""
+        return 1.0 if self.deadline is None else self.deadline.factor(now)
+
+    def lowest_time_left(self, t, inst: InstanceState) -> float:
+        """The point estimate of the request's remaining time on `inst` at the lowest threshold
+        it may run at."""
+        r = t.request
+        lowest = (r.within_bounds(t.allowed) or t.allowed)[-1]
+        steps = self.load_control.steps_left(r.request_id, [lowest])[0]
+        return seconds_left(steps, r.num_blocks_to_recompute, self._step_seconds(inst))
 
     def _step_seconds(self, inst: InstanceState) -> tuple[float, float]:
         """(inner, boundary) step seconds on `inst` as the request's later steps will find it:

@@ -19,6 +19,7 @@ import numpy as np
 
 from dilaserve.control.decision_log import DecisionLog
 from dilaserve.control.decisions import InstanceSpec
+from dilaserve.control.lost_work import Lost
 from dilaserve.control.planner import PlannerConfig
 from dilaserve.control.policy import get_policy
 from dilaserve.control.profile import LatencyProfile
@@ -78,6 +79,8 @@ def policy_for(spec: SimulationSpec):
     policy = get_policy(spec.policy)
     if spec.candidates is not None:
         policy = dataclasses.replace(policy, candidates=tuple(spec.candidates))
+    if spec.lost_work is not None:
+        policy = dataclasses.replace(policy, lost_work=Lost(spec.lost_work))
     if not policy.is_dynamic:
         policy = dataclasses.replace(policy, fixed_threshold=spec.threshold)
     return policy

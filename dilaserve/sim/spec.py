@@ -103,6 +103,12 @@ class SimulationSpec:
         "a dynamic policy's thresholds, e.g. 0.5,0.6,0.7,0.8,0.9,0.95; default: the policy's",
         metavar="C,C,...",
     )
+    lost_work: str | None = setting(
+        None,
+        "a dynamic policy's rule for requests that can no longer meet their deadline "
+        "(control/lost_work.py); default: the policy's",
+        choices=("never", "late", "point", "quantile"),
+    )
     seed: int = setting(0, "random seed of the trace, behaviour and predictor")
 
     def __post_init__(self):

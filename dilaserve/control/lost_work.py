@@ -1,0 +1,86 @@
+"""Lost work (an extension, beyond the paper): a request that can no longer meet its deadline at
+any threshold is served after the ones that still can.
+
+Under continuous batching every request in an instance's batch lengthens every step of that
+batch, so a request that will be late anyway slows the ones that could still make it. With
+`Policy.lost_work` set, a request found lost (`Lost`: its deadline passed, or its remaining
+time at the lowest allowed threshold, a point estimate or at Alg. 1's calibrated quantile, no
+longer fits before it) at a placement (arrival, a block's first step, a move) goes only to an
+instance holding no request that is not lost; where none has room it waits, its state
+released, until one has. It still finishes (at the threshold Alg. 1 gives it then), and it
+stays lost. Once lost it no longer teaches Alg. 1's calibration by its finish (parked, it
+finishes late by choice): its time is taken as what it would have needed from there, the
+estimate that found it lost.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+from dilaserve.control.instance import InstanceState
+
+
+class Lost(str, enum.Enum):
+    NEVER = "never"  # the paper: every request is served alike
+    LATE = "late"  # its deadline has passed
+    POINT = "point"  # the point estimate at the lowest allowed threshold misses the deadline
+    QUANTILE = "quantile"  # ... at Alg. 1's calibrated quantile of it
+
+
+class LostWork:
+    def __init__(self, rule: Lost, placer, selection, move):
+        self.rule, self._placer, self._selection = rule, placer, selection
+        self._instances = placer.instances
+        self._move = move  # the scheduler's: re-home a request (None: nowhere)
+
+    def place(
+        self, t, now: float, open_instances: Sequence[InstanceState]
+    ) -> tuple[InstanceState, object] | None:
+        """Alg. 3's pick for the scheduler's record `t`; for a lost request (or one found lost
+        there) the pick among the instances that hold only lost requests; None: it waits."""
+        if not t.lost:
+            placed = self._placer.place(t, now, open_instances)
+            if placed is None or not self._found_lost(t, placed[0], now):
+                return placed
+        free = [i for i in open_instances if i.residents == i.lost_residents]
+        if t.bound is not None and all(i.instance_id != t.bound for i in free):
+            return None  # bound to an instance that serves requests still on time
+        return self._placer.place(t, now, free) if free else None
+
+    def park(self, t) -> list[tuple[str, str]]:
+        """A lost request that waits gives its instance up; (instance, request) to release."""
+        home = self._home(t)
+        if not t.lost or home is None:
+            return []
+        t.needs_threshold = True
+        self._move(t, None)
+        rid = t.request.request_id
+        if rid not in home.holds:
+            return []
+        home.holds.discard(rid)
+        return [(home.instance_id, rid)]
+
+    def _home(self, t) -> InstanceState | None:
+        return self._instances.get(t.instance) if t.instance is not None else None
+
+    def _found_lost(self, t, inst: InstanceState, now: float) -> bool:
+        """Whether `t` placed on `inst` cannot meet its deadline any more (then marked lost)."""
+        deadline = t.request.deadline
+        left = 0.0
+        if self.rule is Lost.LATE:
+            lost = now >= deadline
+        else:
+            left = self._selection.lowest_time_left(t, inst)
+            factor = self._selection.factor(now) if self.rule is Lost.QUANTILE else 1.0
+            lost = now + left * factor > deadline
+        if not lost:
+            return False
+        t.lost = True
+        home = self._home(t)
+        if home is not None:
+            home.lost_residents += 1
+        calibration = self._selection.deadline
+        if calibration is not None:  # what it would have taken from here, had it been served
+            calibration.finished_at(t.request.request_id, now + left)
+        return True

@@ -1,0 +1,83 @@
+"""Lost work (`control/lost_work.py`): a request that can no longer meet its deadline is served
+after the requests that still can, on an instance that holds only lost ones."""
+
+import pytest
+from scheduler_helpers import BLOCK, PROFILE, FakePredictor, done, only_launch, result
+
+from dilaserve.control.lost_work import Lost
+from dilaserve.control.policy import get_policy
+from dilaserve.control.scheduler import Scheduler, SchedulerConfig
+
+from conftest import make_request
+
+
+def scheduler(rule: Lost, instances=("a",)) -> Scheduler:
+    policy = get_policy("dilaserve", candidates=(0.5, 0.9), lost_work=rule)
+    s = Scheduler(policy, PROFILE, FakePredictor(), SchedulerConfig(block_len=BLOCK, slo=100.0))
+    for name in instances:
+        s.add_instance(name, 1, 10_000)
+    return s
+
+
+def arrive_on_time_then_late(s: Scheduler):
+    on_time = make_request("on-time", gen_len=2 * BLOCK, arrival_time=0.0)
+    assert only_launch(s.on_arrival(on_time, 0.0)).instance_id == "a"
+    late = make_request("late", gen_len=2 * BLOCK, arrival_time=0.0)
+    late.deadline = 0.5  # passed when it arrives at 1.0
+    return on_time, late, s.on_arrival(late, 1.0)
+
+
+def test_without_the_rule_a_lost_request_joins_the_batch_of_one_on_time():
+    s = scheduler(Lost.NEVER)
+    _, _, decisions = arrive_on_time_then_late(s)
+    assert decisions.launches == ()  # a is busy; "late" waits in its next batch
+    assert s.instances["a"].pending == ["late"]
+
+
+def test_a_lost_request_waits_until_no_request_on_time_is_there():
+    s = scheduler(Lost.LATE)
+    on_time, late, decisions = arrive_on_time_then_late(s)
+    assert decisions.launches == () and s.instances["a"].pending == []
+    assert s.requests["late"].lost and s.requests["late"].instance is None
+    # on-time's block ends and it goes on: "late" still waits
+    d = done(s, "a", result(on_time, list(range(BLOCK)), block_done=True), now=2.0)
+    assert [i.request_id for i in only_launch(d).batch.items] == ["on-time"]
+    # on-time finishes: a holds no request on time, and "late" runs there
+    d = done(s, "a", result(on_time, list(range(BLOCK, 2 * BLOCK)), finished=True), now=3.0)
+    assert d.finished == ("on-time",)
+    [item] = only_launch(d).batch.items
+    assert item.request_id == "late" and item.spec is not None
+    assert s.instances["a"].lost_residents == 1 and s.instances["a"].residents == 1
+
+
+def test_a_lost_request_goes_to_an_instance_that_serves_no_request_on_time():
+    s = scheduler(Lost.LATE, instances=("a", "b"))
+    _, _, decisions = arrive_on_time_then_late(s)
+    assert only_launch(decisions).instance_id == "b"
+    assert s.instances["b"].lost_residents == 1 and s.instances["a"].lost_residents == 0
+
+
+@pytest.mark.parametrize("rule", [Lost.POINT, Lost.QUANTILE])
+def test_a_request_whose_estimate_misses_at_the_lowest_threshold_is_lost(rule):
+    s = scheduler(rule)
+    on_time, _, _ = arrive_on_time_then_late(s)
+    tight = make_request("tight", gen_len=2 * BLOCK, arrival_time=1.0)
+    tight.deadline = 1.001  # 4 steps at 0.5 need more than 1 ms on any batch
+    roomy = make_request("roomy", gen_len=2 * BLOCK, arrival_time=1.0)
+    s.on_arrival(tight, 1.0)
+    s.on_arrival(roomy, 1.0)
+    assert s.requests["tight"].lost and not s.requests["roomy"].lost
+    assert s.instances["a"].pending == ["roomy"]
+
+
+def test_a_lost_request_teaches_the_calibration_once_at_the_time_it_was_found_lost():
+    s = scheduler(Lost.LATE)
+    on_time = make_request("on-time", gen_len=2 * BLOCK, arrival_time=0.0)
+    s.on_arrival(on_time, 0.0)
+    assert "on-time" in s.deadline
+    on_time.deadline = 0.5  # squeezed after its threshold was chosen
+    done(s, "a", result(on_time, list(range(BLOCK)), block_done=True), now=2.0)
+    assert s.requests["on-time"].lost and "on-time" not in s.deadline
+    assert s.deadline.finished == 1  # measured when it was found lost
+    done(s, "a", result(on_time, list(range(BLOCK, 2 * BLOCK)), finished=True), now=3.0)
+    assert s.deadline.finished == 1  # its late finish, by choice, teaches nothing
