@@ -46,7 +46,13 @@ POLICIES = (
     "llumnix",
     "fcfs",
 )
-ABLATIONS = ("no-load-control", "no-reconfig", "no-migration", "no-dynamic-threshold")
+ABLATIONS = (
+    "no-load-control",
+    "no-reconfig",
+    "no-migration",
+    "no-lost-work",
+    "no-dynamic-threshold",
+)
 BASELINES = ("infaas", "llumnix", "fcfs")
 # (mechanism, with it, without it): its effect is the first's attainment minus the second's
 EFFECTS = (
@@ -54,6 +60,7 @@ EFFECTS = (
     ("load control", "dilaserve", "no-load-control"),
     ("reconfiguration", "dilaserve", "no-reconfig"),
     ("migration", "dilaserve", "no-migration"),
+    ("lost work", "dilaserve", "no-lost-work"),
     ("calibration", "dilaserve", "dilaserve-paper"),
 )
 # planning every 100 s with a 10 s start-up: three rounds or more within a 300-600 s trace

@@ -5,6 +5,7 @@ import pytest
 from scheduler_helpers import BLOCK, PROFILE, FakePredictor, done, only_launch, result
 
 from dilaserve.control.lost_work import Lost
+from dilaserve.control.on_time import OnTimeCalibration
 from dilaserve.control.policy import get_policy
 from dilaserve.control.scheduler import Scheduler, SchedulerConfig
 
@@ -57,7 +58,7 @@ def test_a_lost_request_goes_to_an_instance_that_serves_no_request_on_time():
     assert s.instances["b"].lost_residents == 1 and s.instances["a"].lost_residents == 0
 
 
-@pytest.mark.parametrize("rule", [Lost.POINT, Lost.QUANTILE])
+@pytest.mark.parametrize("rule", [Lost.POINT, Lost.LIKELY])
 def test_a_request_whose_estimate_misses_at_the_lowest_threshold_is_lost(rule):
     s = scheduler(rule)
     on_time, _, _ = arrive_on_time_then_late(s)
@@ -81,3 +82,28 @@ def test_a_lost_request_teaches_the_calibration_once_at_the_time_it_was_found_lo
     assert s.deadline.finished == 1  # measured when it was found lost
     done(s, "a", result(on_time, list(range(BLOCK, 2 * BLOCK)), finished=True), now=3.0)
     assert s.deadline.finished == 1  # its late finish, by choice, teaches nothing
+
+
+def test_the_low_factor_is_the_calibrations_low_quantile_and_decays_to_one():
+    calibration = OnTimeCalibration(0.95, half_life=10.0, min_evidence=4)
+    for k, taken in enumerate((0.5, 0.6, 1.0, 1.0, 1.2)):
+        calibration.admitted(f"r{k}", 1.0, 0.0)
+        calibration.finished_at(f"r{k}", taken)
+    assert calibration.low_factor(1.2) == pytest.approx(0.52)  # 5% of the way from 0.5 to 0.6
+    assert calibration.low_factor(11.2) == pytest.approx(0.76)  # halved toward 1 in 10 s idle
+    assert calibration.factor(1.2) == pytest.approx(1.16)
+
+
+def test_likely_lost_takes_the_estimate_at_the_low_quantile():
+    s = scheduler(Lost.LIKELY)
+    cal = s.deadline
+    for k in range(16):  # requests ran in a tenth of their estimate
+        cal.admitted(f"old{k}", 10.0, 0.0)
+        cal.finished_at(f"old{k}", 1.0)
+    tight = make_request("tight", gen_len=2 * BLOCK, arrival_time=1.0)
+    tight.deadline = 1.02  # 4 steps at 0.5 on the empty instance: 30 ms; 3 at a tenth
+    s.on_arrival(tight, 1.0)
+    assert not s.requests["tight"].lost
+    s = scheduler(Lost.POINT)
+    s.on_arrival(make_request("tight", gen_len=2 * BLOCK, arrival_time=1.0, deadline=1.02), 1.0)
+    assert s.requests["tight"].lost

@@ -3,14 +3,17 @@ any threshold is served after the ones that still can.
 
 Under continuous batching every request in an instance's batch lengthens every step of that
 batch, so a request that will be late anyway slows the ones that could still make it. With
-`Policy.lost_work` set, a request found lost (`Lost`: its deadline passed, or its remaining
-time at the lowest allowed threshold, a point estimate or at Alg. 1's calibrated quantile, no
-longer fits before it) at a placement (arrival, a block's first step, a move) goes only to an
-instance holding no request that is not lost; where none has room it waits, its state
-released, until one has. It still finishes (at the threshold Alg. 1 gives it then), and it
-stays lost. Once lost it no longer teaches Alg. 1's calibration by its finish (parked, it
-finishes late by choice): its time is taken as what it would have needed from there, the
-estimate that found it lost.
+`Policy.lost_work` set, a request is found lost at a placement (arrival, a block's first step, a
+move) when its deadline has passed (`Lost.LATE`), when the point estimate of its remaining time
+at the lowest allowed threshold misses the deadline (`POINT`), or (`LIKELY`, the default
+policy's) when even that estimate times the low quantile of Alg. 1's calibration misses it: as
+fast as the luckiest 5% of recent requests ran against their estimate (for the 0.95 on-time
+target), it would still be late. A lost request goes only to an instance holding no request
+that is not lost; where none has room it waits, its state released, until one has. It still
+finishes (at the threshold Alg. 1 gives it then), and it stays lost. Once lost it teaches Alg.
+1's calibration once, at the time the estimate that found it lost says it would have needed
+from there; its later finish, late by choice, teaches nothing. Why, and what it gains:
+docs/control/scheduling.md, "Lost work".
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ class Lost(str, enum.Enum):
     NEVER = "never"  # the paper: every request is served alike
     LATE = "late"  # its deadline has passed
     POINT = "point"  # the point estimate at the lowest allowed threshold misses the deadline
-    QUANTILE = "quantile"  # ... at Alg. 1's calibrated quantile of it
+    # ... even at the low quantile of Alg. 1's calibration: lost with the on-time target's odds
+    LIKELY = "likely"
 
 
 class LostWork:
@@ -72,7 +76,7 @@ class LostWork:
             lost = now >= deadline
         else:
             left = self._selection.lowest_time_left(t, inst)
-            factor = self._selection.factor(now) if self.rule is Lost.QUANTILE else 1.0
+            factor = self._selection.low_factor(now) if self.rule is Lost.LIKELY else 1.0
             lost = now + left * factor > deadline
         if not lost:
             return False

@@ -57,6 +57,7 @@ class OnTimeCalibration:
         self._ratios: deque[float] = deque(maxlen=window)
         self._pending: dict[str, tuple[float, float]] = {}  # id -> (admitted at, predicted s)
         self._quantile = 1.0  # of the window, as of the last finished request
+        self._low = 1.0  # its (1 - target) quantile: what the luckiest requests took
         self._last = 0.0  # when the last request finished
         self.finished = 0  # requests measured
         self.late = 0  # of them, later than predicted times the factor then in force
@@ -83,7 +84,8 @@ class OnTimeCalibration:
         self._ratios.append(ratio)
         self._last = now
         if len(self._ratios) >= self.min_evidence:
-            self._quantile = float(np.quantile(self._ratios, self.target))
+            q = np.quantile(self._ratios, (self.target, 1 - self.target))
+            self._quantile, self._low = float(q[0]), float(q[1])
 
     def factor(self, now: float) -> float:
         """How many times its predicted time admission should allow a request (>= 1): the
@@ -92,6 +94,13 @@ class OnTimeCalibration:
         excess = max(self._quantile - 1.0, 0.0)
         idle = max(now - self._last, 0.0)
         return 1.0 + excess * 0.5 ** (idle / self.half_life)
+
+    def low_factor(self, now: float) -> float:
+        """The window's (1 - `target`) quantile of taken over predicted time, decayed toward 1
+        as `factor` is: a request whose prediction times this misses its deadline misses it with
+        probability `target`, going by how requests fared lately (`lost_work.py`)."""
+        idle = max(now - self._last, 0.0)
+        return 1.0 + (self._low - 1.0) * 0.5 ** (idle / self.half_life)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._pending

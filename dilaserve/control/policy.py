@@ -1,20 +1,25 @@
 """Scheduling policies: DiLaServe, its ablations and the baselines, picked by name.
 
 A policy is a small frozen value; the one `Scheduler` reads it. DESIGN section 3 lists them:
-- `dilaserve`: dynamic thresholds (Alg. 1/5), load control (Alg. 2/4), step-level placement
-  (Alg. 3) with migration only where the KV cache allows it (before a recompute step), and
-  ILP reconfiguration of the cluster every planning period;
+- `dilaserve`: dynamic thresholds (Alg. 1/5, at a calibrated quantile), load control (Alg.
+  2/4), step-level placement (Alg. 3) with migration only where the KV cache allows it (before
+  a recompute step), ILP reconfiguration of the cluster every planning period, and requests
+  that can no longer make their deadline served after the others (`lost_work.py`);
 - ablations: `no-load-control`, `no-dynamic-threshold` (fixed default threshold),
   `no-migration`, `oracle-predictor`, `no-reconfig` (the cluster keeps its instances),
-  `migrate-any-step` (migration between any two steps, losing the cache: papers.md Table 6);
+  `migrate-any-step` (migration between any two steps, losing the cache: papers.md Table 6),
+  `no-lost-work` (lost requests served like the others, as the paper does);
 - baselines with a fixed threshold and a fixed cluster: `fcfs` (a plain first-come queue:
   requests wait, in arrival order, until an instance is between steps, and the first free
   instance takes them; a request stays where it started), `infaas` (dispatch on arrival to the
   least-loaded instance by tokens, no migration) and `llumnix` (step-level load balancing,
   migration only at recompute steps);
+- `dilaserve-paper`: the paper's algorithms as written (Alg. 1's point estimate, lost
+  requests served like the others);
 - extensions, tuned deviations from the paper's algorithms, named so that they never pass
-  for it: `dilaserve-headroom` (Alg. 1 fits the predicted time into half the remaining
-  budget, not all of it: `slo_headroom` 0.5) and `dilaserve-budget` (load control's capacity
+  for it: `dilaserve-headroom` (`dilaserve-paper` with Alg. 1 fitting the predicted time into
+  half the remaining budget: `slo_headroom` 0.5) and `dilaserve-budget` (the default with
+  load control's capacity
   covers the mean budget the requests in flight have left, not a whole SLO window; see
   docs/control/thresholds.md);
 - `dws-sjf`: `fcfs` whose waiting requests are served in order of their DWS expected cost
@@ -95,7 +100,7 @@ class Policy:
         return self.fixed_threshold is None
 
 
-_DILASERVE = Policy("dilaserve", on_time_target=ON_TIME_TARGET)
+_DILASERVE = Policy("dilaserve", on_time_target=ON_TIME_TARGET, lost_work=Lost.LIKELY)
 # the baselines: a fixed threshold, no load control, a request stays where it started
 _FCFS = Policy(
     "fcfs",
@@ -115,16 +120,20 @@ POLICIES = {
     "oracle-predictor": replace(_DILASERVE, name="oracle-predictor", predictor="oracle"),
     "no-reconfig": replace(_DILASERVE, name="no-reconfig", reconfigure=False),
     "migrate-any-step": replace(_DILASERVE, name="migrate-any-step", migration=Migration.ANY),
-    "dilaserve-paper": replace(_DILASERVE, name="dilaserve-paper", on_time_target=None),
+    "no-lost-work": replace(_DILASERVE, name="no-lost-work", lost_work=Lost.NEVER),
+    "dilaserve-paper": replace(
+        _DILASERVE, name="dilaserve-paper", on_time_target=None, lost_work=Lost.NEVER
+    ),
     "dilaserve-headroom": replace(
-        _DILASERVE, name="dilaserve-headroom", on_time_target=None, slo_headroom=0.5
+        _DILASERVE,
+        name="dilaserve-headroom",
+        on_time_target=None,
+        slo_headroom=0.5,
+        lost_work=Lost.NEVER,
     ),
     "dilaserve-budget": replace(
         _DILASERVE, name="dilaserve-budget", load_window=LoadWindow.BUDGET_LEFT
     ),
-    "dilaserve-lost-late": replace(_DILASERVE, name="dilaserve-lost-late", lost_work=Lost.LATE),
-    "dilaserve-lost-point": replace(_DILASERVE, name="dilaserve-lost-point", lost_work=Lost.POINT),
-    "dilaserve-lost-q": replace(_DILASERVE, name="dilaserve-lost-q", lost_work=Lost.QUANTILE),
     "fcfs": _FCFS,
     "infaas": replace(_FCFS, name="infaas", placement=Placement.ON_ARRIVAL),
     "llumnix": replace(

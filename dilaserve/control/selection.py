@@ -80,6 +80,10 @@ class ThresholdSelection:
         """Alg. 1's calibrated factor on the point estimate now (1: the point estimate)."""
         return 1.0 if self.deadline is None else self.deadline.factor(now)
 
+    def low_factor(self, now: float) -> float:
+        """The calibration's low quantile of taken over estimated time (1: none kept)."""
+        return 1.0 if self.deadline is None else self.deadline.low_factor(now)
+
     def lowest_time_left(self, t, inst: InstanceState) -> float:
         """The point estimate of the request's remaining time on `inst` at the lowest threshold
         it may run at."""

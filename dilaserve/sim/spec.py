@@ -107,7 +107,7 @@ class SimulationSpec:
         None,
         "a dynamic policy's rule for requests that can no longer meet their deadline "
         "(control/lost_work.py); default: the policy's",
-        choices=("never", "late", "point", "quantile"),
+        choices=("never", "late", "point", "likely"),
     )
     seed: int = setting(0, "random seed of the trace, behaviour and predictor")
 
