@@ -31,6 +31,13 @@ def test_load_control_runs_in_service_order_and_reports_only_changes():
     assert dict(table.run(2100.0, None)) == {"a": 0}
 
 
+def test_a_row_served_last_goes_after_every_other_but_keeps_its_priority():
+    table = filled(ROWS)
+    table.serve_last("c")  # lost: the step up to 0.9 goes to the first on time, a
+    assert dict(table.run(1700.0, None)) == {"a": 0, "b": 1, "c": 1}
+    assert table.lowest_priority() == 0  # admission still reads c's priority 1 as given
+
+
 def test_removed_rows_free_their_slot_and_leave_the_order():
     table = filled(ROWS)
     table.run(1e9, None)
