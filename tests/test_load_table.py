@@ -31,11 +31,11 @@ def test_load_control_runs_in_service_order_and_reports_only_changes():
     assert dict(table.run(2100.0, None)) == {"a": 0}
 
 
-def test_a_row_served_last_goes_after_every_other_but_keeps_its_priority():
+def test_a_row_left_out_takes_no_capacity_but_admission_still_counts_it():
     table = filled(ROWS)
-    table.serve_last("c")  # lost: the step up to 0.9 goes to the first on time, a
-    assert dict(table.run(1700.0, None)) == {"a": 0, "b": 1, "c": 1}
-    assert table.lowest_priority() == 0  # admission still reads c's priority 1 as given
+    table.leave_out("c")  # lost: a and b (800 at 0.5) both step up to 0.9 (+800) within 1700
+    assert dict(table.run(1700.0, None)) == {"a": 0, "b": 0}
+    assert table.lowest_load(float("-inf"), None)[2] == 3  # admission's view: all three rows
 
 
 def test_removed_rows_free_their_slot_and_leave_the_order():

@@ -89,10 +89,10 @@ class LoadControl:
                     self._due[r.request_id] = None
         self._table.count_step(predicted)
 
-    def serve_last(self, request_id: str) -> None:
-        """Alg. 2/4 counts the request after every other (it is lost, `lost_work.py`)."""
+    def leave_out(self, request_id: str) -> None:
+        """Alg. 2/4 no longer counts the request (it is lost, `lost_work.py`)."""
         if request_id in self._table:
-            self._table.serve_last(request_id)
+            self._table.leave_out(request_id)
 
     def forget(self, request_id: str) -> None:
         self._table.remove(request_id)

@@ -28,7 +28,7 @@ class LoadTable:
         self.recompute = np.zeros(0)
         self.ranks = np.zeros(0, dtype=np.int64)
         self._keys = np.zeros((0, 3))  # (-priority, arrival, admission sequence)
-        self._last = np.zeros(0, dtype=bool)  # served after every other row (lost work)
+        self._left_out = np.zeros(0, dtype=bool)  # rows Alg. 2/4 skips (lost work)
         self._grow(capacity)
         self._order: np.ndarray | None = None  # active slots in service order
         self._stepped: list[int] = []  # slots with a step done, not yet counted
@@ -51,7 +51,7 @@ class LoadTable:
         self.steps, self.tokens = extend(self.steps, 0.0), extend(self.tokens, 0.0)
         self.counted = extend(self.counted, 0.0)
         self.recompute, self.ranks = extend(self.recompute, 0.0), extend(self.ranks, 0)
-        self._keys, self._last = extend(self._keys, 0.0), extend(self._last, False)
+        self._keys, self._left_out = extend(self._keys, 0.0), extend(self._left_out, False)
         self._ids += [None] * (size - old)
         self._free += range(size - 1, old - 1, -1)
 
@@ -65,16 +65,15 @@ class LoadTable:
         self._slots[request_id] = slot
         self._ids[slot] = request_id
         self._keys[slot] = order_key
-        self._last[slot] = False
+        self._left_out[slot] = False
         self.tokens[slot] = num_tokens
         self.ranks[slot] = -1  # not yet decided
         self._order = None
 
-    def serve_last(self, request_id: str) -> None:
-        """The row goes after every other in service order (`lost_work.py`); its priority, which
-        admission reads, stays."""
-        self._last[self._slots[request_id]] = True
-        self._order = None
+    def leave_out(self, request_id: str) -> None:
+        """Alg. 2/4 skips the row from now on: it is served after every request still on time
+        (`lost_work.py`), so its load takes none of their capacity. Admission still counts it."""
+        self._left_out[self._slots[request_id]] = True
 
     def remove(self, request_id: str) -> None:
         slot = self._slots.pop(request_id, None)
@@ -138,16 +137,17 @@ class LoadTable:
         if self._order is None:
             slots = np.fromiter(self._slots.values(), dtype=np.int64, count=len(self._slots))
             keys = self._keys[slots]
-            last = self._last[slots]
-            self._order = slots[np.lexsort((keys[:, 2], keys[:, 1], keys[:, 0], last))]
+            self._order = slots[np.lexsort((keys[:, 2], keys[:, 1], keys[:, 0]))]
         return self._order
 
     def run(self, capacity: float, costs) -> list[tuple[str, int]]:
-        """Algorithm 2/4 over every row; returns (request, rank) for rows whose rank changed.
+        """Algorithm 2/4 over every row not left out; returns (request, rank) for rows whose
+        rank changed.
 
         A rank is the index, in the descending threshold ladder, of the highest allowed one.
         """
         order = self._service_order()
+        order = order[~self._left_out[order]]
         if order.size == 0:
             return []
         self._count()

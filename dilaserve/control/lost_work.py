@@ -12,9 +12,9 @@ target), it would still be late. A lost request goes only to an instance holding
 that is not lost; where none has room it waits, its state released, until one has. It still
 finishes (at the threshold Alg. 1 gives it then), and it stays lost. Once lost it teaches Alg.
 1's calibration once, at the time the estimate that found it lost says it would have needed
-from there; its later finish, late by choice, teaches nothing. Load control (Alg. 2/4) counts
-it after every request still on time, so that work lost anyway does not lower their
-thresholds. Why, and what it gains:
+from there; its later finish, late by choice, teaches nothing. Load control (Alg. 2/4) leaves it
+out: served after every request still on time, it takes none of their capacity, and work lost
+anyway no longer lowers their thresholds. Why, and what it gains:
 docs/control/scheduling.md, "Lost work".
 """
 
@@ -83,7 +83,7 @@ class LostWork:
         if not lost:
             return False
         t.lost = True
-        self._selection.load_control.serve_last(t.request.request_id)
+        self._selection.load_control.leave_out(t.request.request_id)
         home = self._home(t)
         if home is not None:
             home.lost_residents += 1
