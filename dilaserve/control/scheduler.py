@@ -100,7 +100,6 @@ class Scheduler:
         self._lost = None  # served after the requests still on time (`lost_work.py`), or alike
         if policy.lost_work is not Lost.NEVER and policy.is_dynamic:
             self._lost = LostWork(policy.lost_work, self._placer, self._selection, self._move)
-        self._placing = self._lost or self._placer
 
     # -- instances ---------------------------------------------------------------------------
 
@@ -336,7 +335,7 @@ class Scheduler:
                 if t.needs_threshold and self.policy.is_dynamic:  # its predictions refreshed
                     t.request.threshold = self._threshold(t, home, now)
                 continue
-            placed = self._placing.place(t, now, self._open)
+            placed = (self._lost or self._placer).place(t, now, self._open)
             if placed is None:
                 waiting.append(rid)
                 releases += self._lost.park(t) if self._lost is not None else []
