@@ -49,6 +49,7 @@ NON_DEFAULT = {
     "predictor_path": ("pred", "pred"),
     "quality": ("q.json", "q.json"),
     "candidates": ("0.7,0.9", (0.7, 0.9)),
+    "lost_work": ("late", "late"),
     "seed": ("3", 3),
 }
 
