@@ -23,13 +23,12 @@ prompt holds.
 
 from __future__ import annotations
 
-from collections import Counter
 from itertools import product
 from pathlib import Path
 
 import torch
 from family_checkpoints import prompt_ids
-from llada2_decoding import answer, quiet_mask
+from llada2_decoding import answer, frequent_token, quiet_mask
 
 from dilaserve.config import EngineConfig, SamplingParams
 from dilaserve.engine.llm import LLM
@@ -119,12 +118,6 @@ def theirs(ref, block: int, mode: str, eos_mode: str, ids: dict, i: int, case: d
     return out, calls, mask_top1
 
 
-def _frequent_token(outputs, grid: list[dict]) -> int:
-    in_prompts = {t for i, c in enumerate(grid) for t in prompt_ids(c["prompt_len"], offset=i)}
-    counts = Counter(t for out, _ in outputs for t in out if t not in in_prompts)
-    return counts.most_common(1)[0][0]
-
-
 def checkpoint(folder: Path, quiet: bool, **overrides) -> Path:
     path = write_random_llada21(folder, **overrides)
     return quiet_mask(path, LLM(path).special.mask) if quiet else path
@@ -140,7 +133,7 @@ def compare(ref_for, block: int, tmp: Path, quiet: bool) -> dict:
     for mode in MODES:
         grid = cases(mode)
         no_stop = ours(path, block, mode, "none", grid)
-        eos = _frequent_token(no_stop, grid)
+        eos = frequent_token(no_stop, grid)
         eos_path = checkpoint(tmp / f"{name}-{mode}-eos", quiet, eos_token_id=eos)
         ids = {"eos": eos, "mask": mask}
         for eos_mode in EOS_MODES:

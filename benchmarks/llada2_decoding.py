@@ -101,7 +101,7 @@ def theirs(ref, block: int, mode: str, mask: int, eos: int, i: int, case: dict):
     return out, calls, mask_top1
 
 
-def _frequent_token(outputs, grid: list[dict]) -> int:
+def frequent_token(outputs, grid: list[dict]) -> int:
     """The token the outputs hold most often, among those no prompt holds (the published step
     stop looks for EOS in the prompt too)."""
     in_prompts = {t for i, c in enumerate(grid) for t in prompt_ids(c["prompt_len"], offset=i)}
@@ -121,7 +121,7 @@ def compare(ref_for, block: int, tmp: Path, quiet: bool) -> dict:
     name = "quiet" if quiet else "random"
     path = checkpoint(tmp / name, quiet)
     no_stop = ours(path, block, "none", grid)
-    eos = _frequent_token(no_stop, grid)
+    eos = frequent_token(no_stop, grid)
     eos_path = checkpoint(tmp / f"{name}-eos", quiet, eos_token_id=eos)
     ids = {"eos": eos, "mask": LLM(path).special.mask}
     summary = {"eos_token": eos, "mask_row_scaled": quiet, "modes": {}}

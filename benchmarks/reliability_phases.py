@@ -108,18 +108,25 @@ async def overload_phase(url: str, rate: float, capacity: float, args) -> dict:
     return summary
 
 
-async def slowdown_watch(url: str, until: float, seen: list) -> None:
-    """Record the server's measured step slowdown (`/metrics`) every second."""
+async def metrics_each_second(url: str, until: float):
+    """`/metrics` as a dict of sample name to value every second until `until` (None for a
+    scrape that got no answer)."""
     async with client_for(url, timeout=5) as client:
         while time.monotonic() < until:
             await asyncio.sleep(1.0)
             try:
                 text = (await client.get("/metrics")).body.decode()
             except (NoAnswer, asyncio.TimeoutError):
+                yield None
                 continue
-            for line in text.splitlines():
-                if line.startswith("dilaserve_step_slowdown "):
-                    seen.append(float(line.split()[1]))
+            yield dict(line.split()[:2] for line in text.splitlines() if " " in line)
+
+
+async def slowdown_watch(url: str, until: float, seen: list) -> None:
+    """Record the server's measured step slowdown (`/metrics`) every second."""
+    async for values in metrics_each_second(url, until):
+        if values and "dilaserve_step_slowdown" in values:
+            seen.append(float(values["dilaserve_step_slowdown"]))
 
 
 # -- faults --------------------------------------------------------------------------------
@@ -184,14 +191,9 @@ GAUGES = ("requests_in_flight", "step_slowdown", "admission_on_time_factor", "de
 
 async def gauge_watch(url: str, until: float, seen: list) -> None:
     """Record `GAUGES` of `/metrics` every second (what admission saw around a fault)."""
-    async with client_for(url, timeout=5) as client:
-        while time.monotonic() < until:
-            await asyncio.sleep(1.0)
-            try:
-                text = (await client.get("/metrics")).body.decode()
-            except (NoAnswer, asyncio.TimeoutError):
-                seen.append(None)
-                continue
-            values = dict(line.split()[:2] for line in text.splitlines() if " " in line)
-            row = [values.get(f"dilaserve_{name}") for name in GAUGES]
-            seen.append([None if v is None else round(float(v), 2) for v in row])
+    async for values in metrics_each_second(url, until):
+        if values is None:
+            seen.append(None)
+            continue
+        row = [values.get(f"dilaserve_{name}") for name in GAUGES]
+        seen.append([None if v is None else round(float(v), 2) for v in row])

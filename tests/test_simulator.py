@@ -295,8 +295,8 @@ def test_with_the_plans_batch_limits_every_request_still_finishes(tmp_path):
 def test_the_simulated_predictor_learns_from_requests_of_the_specs_block_length(
     tmp_path, monkeypatch, predictor
 ):
-    from dilaserve.sim import predictor as sim_predictor
     from dilaserve.control.policy import get_policy
+    from dilaserve.sim import predictor as sim_predictor
     from dilaserve.sim.traces import load_trace
     from dilaserve.sim.workload import make_predictor
 
