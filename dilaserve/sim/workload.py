@@ -206,9 +206,9 @@ def make_predictor(spec: SimulationSpec, policy, trace: traces.Trace, rate=None)
     if name in ("full", "progress"):
         features = FEATURE_NAMES if name == "full" else PROGRESS_FEATURES
         behaviour = ParametricBehaviour(seed=spec.seed + 4, tokens_per_step=rate)
+        block_len, mode = spec.block_len, spec.costs.mode
         return train_sim_predictor(
-            behaviour, shapes, thresholds, block_len=spec.block_len, mode=spec.costs.mode,
-            features=features,
+            behaviour, shapes, thresholds, block_len=block_len, mode=mode, features=features
         )
     if name == "oracle":
         raise ValueError(
