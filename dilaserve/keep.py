@@ -14,6 +14,7 @@ rows, and a nested .txt is a fitted model, so both stay behind.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections import Counter
 from dataclasses import dataclass, field
@@ -96,8 +97,26 @@ def keep_run(run: str | Path, dest: str | Path | None = None) -> Kept:
     if nested:
         (dest / NESTED).write_text(nested_json(nested))
         kept.copied.append(Path(NESTED))
+    for path in kept.copied:
+        if path.suffix == ".md":
+            _unlink_left_out(dest / path)
     (dest / KEPT_NOTE).write_text(_note(kept, run_command(run), len(nested)))
     return kept
+
+
+LINK = re.compile(r"!?\[([^\]]*)\]\(([^)\s:#]+)\)")
+
+
+def _unlink_left_out(markdown: Path) -> None:
+    """A kept report's links to files left in the run folder become plain names, so that every
+    link under docs/ resolves."""
+    text = markdown.read_text()
+
+    def plain(link: re.Match) -> str:
+        label, target = link.groups()
+        return link.group(0) if (markdown.parent / target).exists() else f"{label} (not kept)"
+
+    markdown.write_text(LINK.sub(plain, text))
 
 
 def nested_json(nested: dict[str, object]) -> str:

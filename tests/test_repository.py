@@ -81,6 +81,7 @@ def test_keep_copies_the_small_files_and_names_the_command(tmp_path):
     (run / "sub-1").mkdir(parents=True)
     (run / "config.json").write_text('{"environment": {"command": "dilaserve simulate"}}')
     (run / "summary.json").write_text('{"attainment": 0.9}')
+    (run / "report.md").write_text("[summary](summary.json), [records](records.csv) ![p](p.png)")
     (run / "records.csv").write_text("x\n" * 60_000)  # per-request records stay behind
     (run / "dashboard-data.js").write_text("window.DASHBOARD = {};")
     (run / "sub-1" / "summary.json").write_text('{"attainment": 0.8}')
@@ -90,7 +91,9 @@ def test_keep_copies_the_small_files_and_names_the_command(tmp_path):
     kept = keep_run(run, tmp_path / "kept")
 
     names = sorted(p.name for p in kept.dest.iterdir())
-    assert names == ["KEPT.md", "config.json", "nested.json", "summary.json"]
+    assert names == ["KEPT.md", "config.json", "nested.json", "report.md", "summary.json"]
+    report = (kept.dest / "report.md").read_text()  # links to what stayed behind are names
+    assert report == "[summary](summary.json), records (not kept) p (not kept)"
     nested = (kept.dest / "nested.json").read_text()
     assert json.loads(nested) == {"sub-1/summary.json": {"attainment": 0.8}}
     assert '"sub-1/summary.json": {"attainment": 0.8}' in nested.splitlines()
