@@ -5,31 +5,28 @@ step kind. Rows are grouped into forwards without a cache (FULL, RECOMPUTE and P
 forwards against cached K/V (CACHE, BLOCK and COMMIT steps); each group runs as padded, batched
 forward passes. What a step runs, stores and commits follows the model family's semantics
 (`models/family.py`): its logit shift, an approximate cache (bidirectional attention) or an
-exact one (block-causal attention), and its decoding rule (the candidates of a step, its
-fewest and most commits per row, whether the mask may be picked, when a block ends and when a
-request stops early). The engine owns its requests' token state and K/V caches;
+exact one (block-causal attention), and its decoding rule, which `decide.StepDecider` applies
+to each step's top-1 tokens. The engine owns its requests' token state and K/V caches;
 it knows nothing about SLOs, other instances or the wall clock.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from dilaserve.config import EngineConfig
 from dilaserve.engine import kv_cache
+from dilaserve.engine.decide import Row, StepDecider
 from dilaserve.engine.graphs import CacheStepGraphs
 from dilaserve.engine.sequence import Sequence
-from dilaserve.engine.unmask import select_edits, select_unmask
 from dilaserve.models import registry
 from dilaserve.models.family import ModelFamily
 from dilaserve.models.tokenizer import SpecialIds
 from dilaserve.protocol import (
     APPROXIMATE_KINDS,
-    CACHED_KINDS,
     EosStop,
     KVCacheMode,
     RequestStepResult,
@@ -40,30 +37,6 @@ from dilaserve.protocol import (
 )
 
 STORING_KINDS = (StepKind.RECOMPUTE, StepKind.PREFILL, StepKind.COMMIT)  # store K/V
-
-
-@dataclass
-class _Row:
-    seq: Sequence
-    item: StepItem
-    kind: StepKind
-    q_start: int  # absolute span run through the model
-    q_end: int
-    shift: int  # position i's token is read from the output at i - shift
-
-    @property
-    def attends_cache(self) -> bool:
-        """Whether the row runs against stored K/V (an exact cache may hold none yet)."""
-        return self.kind in CACHED_KINDS and self.seq.cached_len > 0
-
-    @property
-    def window_start(self) -> int:
-        """Output-window index of the first position whose logits this row reads."""
-        return max(self.q_start + self.shift, self.seq.prompt_len) - self.seq.prompt_len
-
-    @property
-    def window_len(self) -> int:
-        return self.q_end - self.seq.prompt_len - self.window_start
 
 
 class Engine:
@@ -92,6 +65,15 @@ class Engine:
         no_cache = self.config.kv_cache is KVCacheMode.NONE
         self.whole_window = self.decoding.whole_window and no_cache
         self.step_budget = config.step_budget or config.block_len
+        self.decider = StepDecider(
+            self.decoding,
+            self.config,
+            special.mask,
+            self.stop_ids,
+            self.eos_stop,
+            self.whole_window,
+            self.step_budget,
+        )
         block_causal = self.family.is_block_causal
         self._model_kwargs = {"block_len": config.block_len} if block_causal else {}
         self._seqs: dict[str, Sequence] = {}
@@ -150,7 +132,7 @@ class Engine:
                     "carries no sequence spec"
                 )
 
-    def _plan_row(self, item: StepItem) -> _Row:
+    def _plan_row(self, item: StepItem) -> Row:
         if item.spec is not None:
             self._seqs[item.request_id] = Sequence(
                 item.request_id,
@@ -168,7 +150,7 @@ class Engine:
             )
         seq = self._seqs[item.request_id]
         kind = self._actual_kind(item.kind, seq)
-        return _Row(seq, item, kind, *self._span(kind, seq), self.shift)
+        return Row(seq, item, kind, *self._span(kind, seq), self.shift)
 
     def _actual_kind(self, requested: StepKind, seq: Sequence) -> StepKind:
         """Without a cache mode every step is FULL; a cache step with no valid cache recomputes.
@@ -203,7 +185,7 @@ class Engine:
         start, end = kv_cache.exact_span(seq)
         return (0 if kind is StepKind.FULL else start), end
 
-    def _chunks(self, rows: list[_Row]):
+    def _chunks(self, rows: list[Row]):
         chunk, tokens = [], 0
         for row in rows:
             size = row.q_end - row.q_start
@@ -215,7 +197,7 @@ class Engine:
         if chunk:
             yield chunk
 
-    def _run(self, rows: list[_Row], cached: bool) -> dict[str, RequestStepResult]:
+    def _run(self, rows: list[Row], cached: bool) -> dict[str, RequestStepResult]:
         ids, positions, valid = self._inputs(rows)
         seqs, query_lens = [r.seq for r in rows], [r.q_end - r.q_start for r in rows]
         graphs = self._graphs
@@ -226,9 +208,13 @@ class Engine:
         else:
             hidden = self._forward(rows, ids, positions, valid)
         conf, top = self._top1(rows, hidden)
-        return self._decide(rows, conf, top)
+        results = self.decider.decide(rows, conf, top)
+        for request_id, result in results.items():
+            if result.is_finished:
+                self.release(request_id)
+        return results
 
-    def _forward(self, rows: list[_Row], ids, positions, valid) -> torch.Tensor:
+    def _forward(self, rows: list[Row], ids, positions, valid) -> torch.Tensor:
         """Forward pass with no cache; recompute and prefill rows store their K/V."""
         keep_kv = any(r.kind in STORING_KINDS for r in rows)
         out = self.model(ids, positions, valid, keep_kv=keep_kv, **self._model_kwargs)
@@ -237,7 +223,7 @@ class Engine:
                 self._store(row.seq, out.keys, out.values, i)
         return out.hidden
 
-    def _forward_cached(self, rows: list[_Row], ids, positions, valid, query_lens):
+    def _forward_cached(self, rows: list[Row], ids, positions, valid, query_lens):
         """Forward pass against each row's slot, in place; a commit step's stored block is
         already there."""
         context = kv_cache.build_context([r.seq for r in rows], query_lens)
@@ -254,7 +240,7 @@ class Engine:
         elif kv_cache.exact_store_end(seq) > seq.cached_len:
             kv_cache.store_exact(seq, keys, values, row)
 
-    def _inputs(self, rows: list[_Row]):
+    def _inputs(self, rows: list[Row]):
         """ids, positions and valid [rows, longest query], right-padded; valid None when no row
         is padded."""
         lengths = [r.q_end - r.q_start for r in rows]
@@ -270,7 +256,7 @@ class Engine:
         valid = None if min(lengths) == longest else valid.to(self.device)
         return ids.to(self.device), positions.to(self.device), valid
 
-    def _top1(self, rows: list[_Row], hidden: torch.Tensor):
+    def _top1(self, rows: list[Row], hidden: torch.Tensor):
         """Top-1 token and probability for each row's logit window, [rows, longest window]."""
         longest = max(r.window_len for r in rows)
         index = torch.zeros(len(rows), longest, dtype=torch.long)
@@ -289,141 +275,6 @@ class Engine:
             probs = torch.softmax(logits, dim=-1)
         conf, top = probs.max(dim=-1)
         return conf.cpu(), top.cpu()
-
-    def _decide(self, rows, conf, top) -> dict[str, RequestStepResult]:
-        candidates = torch.zeros(conf.shape, dtype=torch.bool)
-        blocks = [r.seq.block for r in rows]
-        for i, r in enumerate(rows):
-            w0 = r.window_start
-            lo, hi = self._candidate_span(r)
-            candidates[i, lo - w0 : hi - w0] = torch.from_numpy(r.seq.is_masked[lo:hi])
-        thresholds = torch.tensor([r.item.threshold for r in rows], dtype=conf.dtype)
-        commit = select_unmask(
-            conf, candidates, thresholds, self._min_commits(rows), self._max_commits(rows)
-        )
-        edits = torch.zeros_like(commit)
-        if self.decoding.editing is not None:
-            edits = self._edits(rows, conf, top)
-        return {
-            r.item.request_id: self._apply(
-                r, blocks[i], conf[i], top[i], commit[i] | edits[i], bool(edits[i].any())
-            )
-            for i, r in enumerate(rows)
-        }
-
-    def _edits(self, rows: list[_Row], conf, top) -> torch.Tensor:
-        """Token editing: which committed tokens of each row's current block this step
-        replaces, at the edit threshold the row's threshold sets (`TokenEditing`)."""
-        editable = torch.zeros(conf.shape, dtype=torch.bool)
-        current = torch.zeros(conf.shape, dtype=top.dtype)
-        for i, r in enumerate(rows):
-            w0, seq = r.window_start, r.seq
-            lo, hi = self._block_window(r)
-            editable[i, lo - w0 : hi - w0] = torch.from_numpy(~seq.is_masked[lo:hi])
-            current[i, lo - w0 : hi - w0] = seq.ids[seq.prompt_len + lo : seq.prompt_len + hi]
-        rule = self.decoding.editing
-        edit_thresholds = torch.tensor(
-            [rule.edit_threshold_for(r.item.threshold) for r in rows], dtype=conf.dtype
-        )
-        return select_edits(conf, top, current, editable, edit_thresholds)
-
-    def _candidate_span(self, row: _Row) -> tuple[int, int]:
-        """Output-window [lo, hi) whose masked positions this step may commit: the current
-        block's within the row's logit window (its first position, if the step opens it), or
-        the whole window under a whole-window rule."""
-        if self.whole_window:
-            return row.window_start, row.window_start + row.window_len
-        lo, hi = self._block_window(row)
-        return (lo, lo + 1) if self._opens_block(row, lo, hi) else (lo, hi)
-
-    def _block_window(self, row: _Row) -> tuple[int, int]:
-        """Output-window [lo, hi) of the row's current block within its logit window."""
-        b_start, b_end = row.seq.block_span(row.seq.block)
-        w0 = row.window_start
-        return max(b_start, w0), min(b_end, w0 + row.window_len)
-
-    def _max_commits(self, rows: list[_Row]) -> torch.Tensor | None:
-        """Each row's most commits this step (None: no cap), by a whole-window rule's budget."""
-        if not self.whole_window:
-            return None
-        return torch.tensor(
-            [
-                self.decoding.max_commits(
-                    r.seq.gen_len, self.step_budget, r.seq.num_steps, r.seq.num_committed
-                )
-                for r in rows
-            ]
-        )
-
-    def _opens_block(self, row: _Row, lo: int, hi: int) -> bool:
-        """Whether this step opens its block by the rule's first position (a recompute step of
-        a block with nothing committed yet; a recompute after a move is not one)."""
-        opens = self.decoding.first_opens_block and row.kind is StepKind.RECOMPUTE
-        return opens and bool(row.seq.is_masked[lo:hi].all())
-
-    def _min_commits(self, rows: list[_Row]) -> torch.Tensor:
-        """Each row's fewest commits this step, by the family's rule and the row's steps."""
-        block_len = self.config.block_len
-        return torch.tensor(
-            [self.decoding.min_commits(block_len, self._steps(r), r.seq.block_step) for r in rows]
-        )
-
-    def _steps(self, row: _Row) -> int:
-        """The row's steps per block (a step schedule's)."""
-        return row.item.steps or self.config.steps or self.config.block_len
-
-    def _ends_block(self, row: _Row, block: int) -> bool:
-        """Whether a schedule's steps for the block ran out with positions still masked: the
-        published loop then moves on, leaving them the mask."""
-        seq = row.seq
-        ran_out = self.decoding.step_schedule and seq.block_step + 1 >= self._steps(row)
-        return ran_out and seq.block == block
-
-    def _apply(self, row: _Row, block: int, conf, top, commit, edited: bool) -> RequestStepResult:
-        seq, w0, n = row.seq, row.window_start, row.window_len
-        b_start, b_end = seq.block_span(block)
-        masks_before = bool(seq.is_masked[b_start:b_end].any())
-        window_conf = conf[:n].numpy()
-        still_masked = seq.is_masked[w0 : w0 + n]
-        seq.conf[w0 : w0 + n][still_masked] = window_conf[still_masked]
-        picked = np.flatnonzero(commit[:n].numpy())
-        picked = picked[top[:n].numpy()[picked] != self.special.mask]  # a picked mask stays
-        positions = (picked + w0).astype(np.int32)
-        tokens = top[:n].numpy()[picked].astype(np.int32)
-        seq.commit(positions, tokens, window_conf[picked])
-        if self.decoding.editing is not None:
-            self._edit_progress(seq, block, masks_before, edited)
-        if self._ends_block(row, block):
-            seq.leave_masked(block)
-        block_done = seq.block != block
-        seq.block_step = 0 if block_done else seq.block_step + 1
-        seq.num_steps += 1
-        committed_stop = bool(np.isin(tokens, list(self.stop_ids)).any())
-        finished = seq.is_finished(self.stop_ids, self.eos_stop, committed_stop, block_done)
-        result = RequestStepResult(
-            request_id=seq.request_id,
-            kind=row.kind,
-            positions=positions,
-            tokens=tokens,
-            confidences=seq.conf.copy(),
-            block_index=block,
-            is_block_done=finished or block_done,
-            is_finished=finished,
-        )
-        if finished:
-            self.release(seq.request_id)
-        return result
-
-    def _edit_progress(self, seq: Sequence, block: int, masks_before: bool, edited: bool) -> None:
-        """Token editing: a block whose masks are all committed stays open for edit-only steps
-        until one edits nothing, or after `max_post_steps` of them (the published loop)."""
-        b_start, b_end = seq.block_span(block)
-        seq.post_steps += not masks_before
-        if seq.is_masked[b_start:b_end].any():
-            return
-        limit = self.decoding.editing.max_post_steps
-        done = (not masks_before and not edited) or seq.post_steps >= limit
-        seq.edit_block, seq.post_steps = (None, 0) if done else (block, seq.post_steps)
 
 
 def _eos_stop(config: EngineConfig, family_default: EosStop) -> EosStop:
