@@ -1,9 +1,7 @@
 """The repository stays a codebase, not a store of run output (docs/results/README.md).
 
 Run folders go to the ignored `runs/`; what a doc quotes is a summary under docs/results/ made
-by `dilaserve keep`. The run folders still tracked under benchmarks/results/ are the last of an
-older layout, named here so that none can be added; they leave the tree over the next
-submissions, which is what holds the tree's size above its target until then.
+by `dilaserve keep`.
 """
 
 import json
@@ -18,12 +16,6 @@ from dilaserve.keep import keep_run
 ROOT = Path(__file__).resolve().parents[1]
 MAX_FILES = 1500
 MAX_BYTES = 30_000_000
-# removed a few at a time: a submission's diffs are bounded, and deleting a file counts its text
-LEGACY_RUN_FOLDERS = {
-    "reproduce-20261201-233219",
-    "reproduce-20261202-013308",
-    "reproduce-20261202-083929",
-}
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
@@ -37,24 +29,17 @@ def tracked() -> list[Path]:
     return [Path(name) for name in done.stdout.decode().split("\0") if name]
 
 
-def test_no_run_folder_is_tracked_but_the_legacy_ones():
-    legacy = {p.parts[2] for p in tracked() if p.parts[:2] == ("benchmarks", "results")}
-    assert legacy <= LEGACY_RUN_FOLDERS, (
-        f"run folders belong in runs/: {legacy - LEGACY_RUN_FOLDERS}"
-    )
+def test_no_run_folder_is_tracked():
     assert not [p for p in tracked() if p.parts[0] == "runs"]
+    assert not [p for p in tracked() if p.parts[:2] == ("benchmarks", "results")]
 
 
-def outside_legacy() -> list[Path]:
-    return [p for p in tracked() if p.parts[:2] != ("benchmarks", "results")]
+def test_the_tree_stays_under_its_file_count():
+    assert len(tracked()) < MAX_FILES
 
 
-def test_the_tree_stays_under_its_file_count_outside_the_legacy_run_folders():
-    assert len(outside_legacy()) < MAX_FILES
-
-
-def test_the_tree_stays_under_its_size_outside_the_legacy_run_folders():
-    size = sum((ROOT / p).stat().st_size for p in outside_legacy() if (ROOT / p).is_file())
+def test_the_tree_stays_under_its_size():
+    size = sum((ROOT / p).stat().st_size for p in tracked() if (ROOT / p).is_file())
     assert size < MAX_BYTES, f"{size / 1e6:.1f} MB tracked"
 
 

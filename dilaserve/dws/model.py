@@ -25,6 +25,8 @@ from dilaserve.dws.encoders import make_encoder
 from dilaserve.dws.surface import HORIZONS, support, surface_from_logits
 
 REMAINDER_DIM = 16
+# trained in float32, stored in float16: half the bytes, and loading reads it into float32
+STORED_DTYPE = torch.float16
 
 
 def _head(inp: int, hidden: int, out: int) -> nn.Sequential:
@@ -105,7 +107,7 @@ class DWSPredictor:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         weights = {
-            k: v.contiguous()
+            k: v.to(STORED_DTYPE).contiguous()
             for k, v in self.model.state_dict().items()
             if not k.startswith("encoder.model.")  # a sentence-transformers model stays put
         }
