@@ -128,7 +128,7 @@ class RequestStepResult:
 
     positions: output-window indices committed this step (each was masked before it, except
     where a token-editing rule replaced a committed token of the current block); tokens: their
-    ids.
+    ids (the mask token where an edit to the mask masked a committed position again).
     confidences: float32 [gen_len], the latest top-1 probability of every masked position and
     the commit-time probability of every committed one.
     """

@@ -179,11 +179,14 @@ class Request:
         editing, held a token of the current block), and blocks complete in order, as the
         engine decodes them."""
         newly = int((self.output_ids[result.positions] == self.mask_id).sum())
-        if self.edits:
-            self._edit_progress(result)
+        remasked = int((result.tokens == self.mask_id).sum())  # edits to the mask
+        start, end = self.block_span(result.block_index)
+        masks_before = bool((self.output_ids[start:end] == self.mask_id).any())
         self.output_ids.put(result.positions, result.tokens)  # 3x `a[i] = v` for int32 indices
+        if self.edits:
+            self._edit_progress(result, masks_before)
         self.confidences = result.confidences
-        self.num_committed += newly
+        self.num_committed += newly - remasked
         self.current_block = result.block_index + int(result.is_block_done)
         self.num_steps += 1
         self.steps_by_kind[result.kind] = self.steps_by_kind.get(result.kind, 0) + 1
@@ -197,16 +200,16 @@ class Request:
             self.status = RequestStatus.FINISHED
             self.finish_time = now
 
-    def _edit_progress(self, result: RequestStepResult) -> None:
-        """Follow the engine's token-editing state (`Engine._edit_progress`), so that the
+    def _edit_progress(self, result: RequestStepResult, masks_before: bool) -> None:
+        """Follow the engine's token-editing state (`StepDecider._edit_progress`), so that the
         request resumes mid-edit on another instance."""
         start, end = self.block_span(result.block_index)
-        masked = self.output_ids[start:end] == self.mask_id
         if result.is_block_done:
             self.edit_block, self.post_steps = None, 0
-        elif not set(np.flatnonzero(masked) + start) - set(result.positions.tolist()):
+            return
+        self.post_steps += not masks_before
+        if not (self.output_ids[start:end] == self.mask_id).any():
             self.edit_block = result.block_index  # its masks are all committed now
-            self.post_steps += not masked.any()
 
     @property
     def mean_threshold(self) -> float:

@@ -59,18 +59,21 @@ def test_an_edit_only_step_is_a_block_step_the_control_plane_prices_as_one(path)
     costs = StepCosts("block", BLOCK)
     llm = LLM(path, EngineConfig("block", block_len=BLOCK, editing="speed", early_finish=False))
     (request,) = llm.make_requests([prompt_ids(5)], SamplingParams(0.5, 16), chat=False)
-    priced = []
+    priced, edit_only = [], []
 
     def on_step(r, result):
-        if r.edit_block is not None:  # the next step edits only
+        if r.edit_block is not None:  # the next step edits (and commits what an edit masked)
             kind = costs.next_kind(r, has_cache=True)
             priced.append((kind, costs.request_tokens(kind, r)))
+            start, end = r.block_span(r.edit_block)
+            if not (r.output_ids[start:end] == r.mask_id).any():
+                edit_only.append(r.num_steps)  # the index of the step that edits only
 
     llm.run([request], 1, on_step)
     assert priced and set(priced) == {(StepKind.BLOCK, BLOCK)}
-    # each is counted as a step (the predictor's data) that committed no new token
+    # each is counted as a step (the predictor's data); an edit-only one commits no new token
     assert request.num_steps == len(request.step_tokens)
-    assert request.step_tokens.count(0) == len(priced)
+    assert edit_only and all(request.step_tokens[i] == 0 for i in edit_only)
 
 
 def test_a_request_moved_mid_edit_ends_as_one_never_moved(path):

@@ -13,7 +13,7 @@ from dilaserve.config import EngineConfig
 from dilaserve.engine.engine import Engine
 from dilaserve.engine.unmask import select_edits
 from dilaserve.models.common import ForwardResult
-from dilaserve.models.family import TokenEditing
+from dilaserve.models.family import MASK_PICK_STEPS, TokenEditing
 from dilaserve.models.llada import FAMILY as LLADA
 from dilaserve.models.llada2 import FAMILY, LLADA21_MODES
 from dilaserve.models.tokenizer import SpecialIds
@@ -140,3 +140,28 @@ def test_edit_only_steps_stop_after_max_post_steps():
     request, steps, _ = run_script(script, 0.7, replace(QUALITY, max_post_steps=2))
     assert len(steps) == 3 and request.is_finished  # the filling step, then two edit-only
     assert request.output_ids.tolist() == [3] * 4
+
+
+def test_an_edit_to_the_mask_masks_the_position_again():
+    # LLaDA2.1's published loop writes the top-1 wherever it edits, the mask token included
+    script = [
+        [dist(1, 0.9), dist(2, 0.9), dist(3, 0.9), LOW],  # commits 0-2
+        [dist(1, 0.9), dist(MASK, 0.8), dist(3, 0.9), dist(4, 0.9)],  # masks 1 again, commits 3
+        [dist(1, 0.9), dist(5, 0.9), dist(3, 0.9), dist(4, 0.9)],  # commits 1 again
+        [dist(1, 0.9), dist(5, 0.9), dist(3, 0.9), dist(4, 0.9)],  # edits nothing: the end
+    ]
+    request, steps, _ = run_script(script, 0.7, QUALITY)
+    assert steps == [([0, 1, 2], [1, 2, 3]), ([3, 1], [4, MASK]), ([1], [5]), ([], [])]
+    assert request.output_ids.tolist() == [1, 5, 3, 4] and request.num_committed == 4
+    assert request.step_tokens == [3, 1, 1, 0]
+
+
+def test_a_block_whose_top1_stays_the_mask_still_ends():
+    # the published loop picks the mask for ever; the engine stops picking it after
+    # MASK_PICK_STEPS steps per position and commits the best other token, one a step
+    stuck = [[dist(MASK, 0.6)] * BLOCK] * (MASK_PICK_STEPS * BLOCK + BLOCK + 1)
+    request, steps, _ = run_script(stuck, 0.7, QUALITY)
+    picking_mask = MASK_PICK_STEPS * BLOCK
+    assert steps[:picking_mask] == [([], [])] * picking_mask
+    assert [len(p) for p, _ in steps[picking_mask:]] == [1, 1, 1, 1, 0]
+    assert request.is_finished and MASK not in request.output_ids.tolist()

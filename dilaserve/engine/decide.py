@@ -78,9 +78,7 @@ class StepDecider:
         if self.decoding.editing is not None:
             edits = self._edits(rows, conf, top)
         return {
-            r.item.request_id: self._apply(
-                r, blocks[i], conf[i], top[i], commit[i] | edits[i], bool(edits[i].any())
-            )
+            r.item.request_id: self._apply(r, blocks[i], conf[i], top[i], commit[i], edits[i])
             for i, r in enumerate(rows)
         }
 
@@ -152,20 +150,25 @@ class StepDecider:
         ran_out = self.decoding.step_schedule and seq.block_step + 1 >= self._steps(row)
         return ran_out and seq.block == block
 
-    def _apply(self, row: Row, block: int, conf, top, commit, edited: bool) -> RequestStepResult:
+    def _apply(self, row: Row, block: int, conf, top, commit, edits) -> RequestStepResult:
         seq, w0, n = row.seq, row.window_start, row.window_len
         b_start, b_end = seq.block_span(block)
         masks_before = bool(seq.is_masked[b_start:b_end].any())
         window_conf = conf[:n].numpy()
         still_masked = seq.is_masked[w0 : w0 + n]
         seq.conf[w0 : w0 + n][still_masked] = window_conf[still_masked]
-        picked = np.flatnonzero(commit[:n].numpy())
-        picked = picked[top[:n].numpy()[picked] != self.mask]  # a picked mask stays
-        positions = (picked + w0).astype(np.int32)
-        tokens = top[:n].numpy()[picked].astype(np.int32)
-        seq.commit(positions, tokens, window_conf[picked])
+        window_top = top[:n].numpy()
+        picked = np.flatnonzero((commit | edits)[:n].numpy())
+        to_mask = window_top[picked] == self.mask  # a picked mask stays; an edit to it masks
+        remasked = (picked[to_mask & edits[:n].numpy()[picked]] + w0).astype(np.int32)
+        seq.remask(remasked)
+        picked = picked[~to_mask]
+        tokens = window_top[picked].astype(np.int32)
+        seq.commit((picked + w0).astype(np.int32), tokens, window_conf[picked])
+        positions = np.concatenate(((picked + w0).astype(np.int32), remasked))
+        tokens = np.concatenate((tokens, np.full(len(remasked), self.mask, np.int32)))
         if self.decoding.editing is not None:
-            self._edit_progress(seq, block, masks_before, edited)
+            self._edit_progress(seq, block, masks_before, bool(edits.any()))
         if self._ends_block(row, block):
             seq.leave_masked(block)
         block_done = seq.block != block

@@ -268,8 +268,9 @@ class Engine:
         logits = self.model.logits(picked).float()
         if self.decoding.mask_in_softmax:
             probs = torch.softmax(logits, dim=-1)
-            if not self.decoding.commits_mask:
-                probs[..., self.special.mask] = 0.0
+            block_len = self.config.block_len
+            barred = [not self.decoding.picks_mask(block_len, r.seq.block_step) for r in rows]
+            probs[torch.tensor(barred, device=probs.device), :, self.special.mask] = 0.0
         else:
             logits[..., self.special.mask] = float("-inf")
             probs = torch.softmax(logits, dim=-1)

@@ -129,6 +129,12 @@ class Sequence:
         self.is_masked[positions] = False
         self.conf[positions] = conf
 
+    def remask(self, positions: np.ndarray) -> None:
+        """Mask committed positions again (an edit to the mask token)."""
+        self.ids[self.prompt_len + positions] = self.mask_id
+        self.is_masked[positions] = True
+        self.conf[positions] = 0.0
+
     def leave_masked(self, block: int) -> None:
         """End a block with its masked positions decided as the mask token (a rule whose
         steps for the block ran out)."""

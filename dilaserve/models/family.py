@@ -32,6 +32,8 @@ APPROXIMATE_MODES = (KVCacheMode.NONE, KVCacheMode.PREFIX, KVCacheMode.DUAL)
 
 
 EDITING_OFF = "off"
+# steps per block position after which a rule with no step schedule stops picking the mask
+MASK_PICK_STEPS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,9 +76,13 @@ class DecodingRule:
     tokens a step may commit; the committed token is never the mask, unless `commits_mask`.
     commits_mask: the top-1 is over the whole vocabulary too (LLaDA2's published `generate`): a
     step that picks the mask at a position counts it among its commits and leaves the position
-    masked, and a block whose `steps` run out keeps the mask where it is left (the published
-    loop moves on; the answer's text ends before it). A trained model does not rank the mask
-    first, so this changes none of its answers.
+    masked, an edit to the mask masks its position again (LLaDA2.1's), and a block whose
+    `steps` run out keeps the mask where it is left (the published loop moves on; the answer's
+    text ends before it). Without a step schedule nothing bounds a block whose top-1 stays the
+    mask (LLaDA2.1's published loop then never ends), so from a block's
+    `MASK_PICK_STEPS` x `block_len`-th step on the top-1 is over the other tokens
+    (`picks_mask`). A trained model does not rank the mask first, so this changes none of its
+    answers.
     first_opens_block: a block's first step with an approximate cache (a recompute step, prefix
     or dual) commits the block's first position only, its top-1 whatever its confidence
     (Fast-dLLM's Dream decoders); the threshold rule runs from the block's second step on.
@@ -95,6 +101,12 @@ class DecodingRule:
     first_opens_block: bool = False
     editing: TokenEditing | None = None
     whole_window: bool = False
+
+    def picks_mask(self, block_len: int, block_step: int) -> bool:
+        """Whether a block's step number `block_step` may pick the mask as its top-1."""
+        if not self.commits_mask:
+            return False
+        return self.step_schedule or block_step < MASK_PICK_STEPS * block_len
 
     def min_commits(self, block_len: int, steps: int, block_step: int) -> int:
         """Fewest commits of a block's step number `block_step` (0-based); never below one,

@@ -313,7 +313,9 @@ class LLaDA2MoeModelLM(nn.Module):
 # LLaDA2.1's published decoding (its `generate`: mask-to-token by threshold, at least one a step,
 # no steps schedule; token-to-token edits; stop after a block holding EOS) in its two published
 # modes, the first the default (SGLang's JointThreshold defaults): (threshold, edit threshold)
-LLADA21_DECODING = DecodingRule(eos_stop=EosStop.BLOCK, eos_only=True, mask_in_softmax=True)
+LLADA21_DECODING = DecodingRule(
+    eos_stop=EosStop.BLOCK, eos_only=True, mask_in_softmax=True, commits_mask=True
+)
 LLADA21_MODES = (TokenEditing("speed", 0.5, 0.0), TokenEditing("quality", 0.7, 0.5))
 
 FAMILY = ModelFamily(
