@@ -29,6 +29,9 @@ class StepKind(str, enum.Enum):
 
 
 # steps that run one or two blocks against stored K/V (the rest run the whole sequence)
+# token editing: a block whose masks are all committed runs at most this many edit-only steps
+# (LLaDA2.1's published `max_post_steps`)
+MAX_EDIT_STEPS = 16
 CACHED_KINDS = frozenset((StepKind.CACHE, StepKind.BLOCK, StepKind.COMMIT))
 # the kinds a bidirectional model's steps take (none, prefix or dual cache) ...
 APPROXIMATE_KINDS = (StepKind.FULL, StepKind.RECOMPUTE, StepKind.CACHE)

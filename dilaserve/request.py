@@ -51,6 +51,9 @@ class Request:
     steps: int | None = None
     max_tokens: int | None = None  # the answer's length at most (None: the whole window)
     edits: bool = False  # the engine's rule edits committed tokens of the current block
+    # a whole-window rule (Dream `none`): tokens a step commits at most, plus the rejections
+    # carried over (EngineConfig.step_budget); None: the rule decodes block by block
+    step_budget: int | None = None
     status: RequestStatus = RequestStatus.WAITING
     output_ids: np.ndarray = field(init=False)
     confidences: np.ndarray = field(init=False)
@@ -78,6 +81,8 @@ class Request:
             )
         if self.steps is not None and self.steps <= 0:
             raise ValueError(f"request {self.request_id}: {self.steps=} must be positive")
+        if self.step_budget is not None and self.step_budget <= 0:
+            raise ValueError(f"request {self.request_id}: {self.step_budget=} must be positive")
         self.num_committed = 0
         self.current_block = 0
         self.output_ids = np.full(self.gen_len, self.mask_id, dtype=np.int32)
@@ -117,6 +122,7 @@ class Request:
             self.steps,
             self.max_tokens,
             self.edits,
+            self.step_budget,
         )
 
     def block_span(self, block: int) -> tuple[int, int]:

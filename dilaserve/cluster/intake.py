@@ -33,6 +33,7 @@ class Submission:
     max_tokens: int | None = None  # the answer's length at most (None: the whole window)
     steps: int | None = None  # steps per block of the family's step schedule
     edits: bool = False  # the family's rule edits committed tokens (token editing)
+    step_budget: int | None = None  # a whole-window rule's budget a step (Dream `none`)
 
     def request(
         self, request_id: str, submitted: float, block_len: int, mask_id: int, aligned: bool = False
@@ -54,6 +55,7 @@ class Submission:
             steps=self.steps,
             max_tokens=self.max_tokens,
             edits=self.edits,
+            step_budget=self.step_budget,
         )
 
 
@@ -70,6 +72,7 @@ class Intake:
     aligned: bool = False  # blocks at absolute positions (block diffusion)
     decoding: DecodingRule = DecodingRule()  # the model family's, as the engines run it
     engine_steps: int | None = None  # EngineConfig.steps
+    step_budget: int | None = None  # the engines' whole-window budget (`DecodingRule.budget_for`)
 
     @property
     def max_prompt_chars(self) -> int:
@@ -115,7 +118,7 @@ class Intake:
                 "priority", f"priority={priority} must be an integer in {list(PRIORITIES)}"
             )
         cost, prior = self._estimate(
-            text or (prompt if isinstance(prompt, str) else None), ids, gen_len
+            text or (prompt if isinstance(prompt, str) else None), ids, gen_len, steps
         )
         prior = prior if self.dws_prior else None
         return Submission(
@@ -130,6 +133,7 @@ class Intake:
             max_tokens,
             steps,
             self.decoding.editing is not None,
+            self.step_budget,
         )
 
     def _steps(self, steps: int | None) -> int | None:
@@ -186,11 +190,13 @@ class Intake:
             )
         return gen_len
 
-    def _estimate(self, text: str | None, ids: list[int], gen_len: int):
-        """DWS's expected cost and step prior for a new request (None, None without DWS)."""
+    def _estimate(self, text: str | None, ids: list[int], gen_len: int, steps: int | None):
+        """DWS's expected cost and step prior for a new request (None, None without DWS),
+        under its steps per block and the family's token editing."""
         if self.dws is None or text is None:
             return None, None
-        return self.dws.estimate([text], [len(ids)], gen_len)[0]
+        edits = self.decoding.editing is not None
+        return self.dws.estimate([text], [len(ids)], gen_len, steps, edits)[0]
 
 
 def longest_token_chars(tokenizer) -> int:

@@ -95,6 +95,8 @@ class Cluster:
 
     def _intake(self, model_config, family) -> Intake:
         config = self.config
+        engine = config.worker.engine
+        decoding = family.decoding_for(model_config, engine.editing)
         return Intake(
             self.tokenizer,
             self.block_len,
@@ -105,8 +107,11 @@ class Cluster:
             config.dws_prior,
             longest_token_chars(self.tokenizer),
             aligned=family.is_block_causal,
-            decoding=family.decoding_for(model_config, config.worker.engine.editing),
-            engine_steps=config.worker.engine.steps,
+            decoding=decoding,
+            engine_steps=engine.steps,
+            step_budget=decoding.budget_for(
+                family.cache_mode(engine.kv_cache), engine.step_budget, engine.block_len
+            ),
         )
 
     # -- lifecycle ---------------------------------------------------------------------------

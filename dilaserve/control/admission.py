@@ -59,6 +59,7 @@ import numpy as np
 
 from dilaserve.control.features import request_states
 from dilaserve.control.on_time import OnTimeCalibration
+from dilaserve.control.step_limits import within_limits
 from dilaserve.control.thresholds import (
     InstanceLoad,
     LoadView,
@@ -266,12 +267,16 @@ class Admission:
         return self.scheduler.profile
 
     def _predicted_steps(self, request: Request, threshold: float) -> float:
+        """As load control predicts it: DWS's prior or the predictor, within the request's
+        step limits."""
         if request.prior_steps is not None:  # DWS's estimate, as load control uses it
-            return request.prior_steps[threshold]
-        predictor = self._loads.predictor
-        column = list(predictor.thresholds).index(threshold)
-        rows = predictor.predict([request.request_id], request_states([request]))
-        return float(rows[0, column])
+            steps = request.prior_steps[threshold]
+        else:
+            predictor = self._loads.predictor
+            column = list(predictor.thresholds).index(threshold)
+            rows = predictor.predict([request.request_id], request_states([request]))
+            steps = rows[0, column]
+        return float(within_limits(np.array([[steps]]), [request])[0, 0])
 
     def _load(self, requests: list[Request], steps: list[float]) -> float:
         loads = load_matrix(

@@ -134,12 +134,20 @@ def request_states(requests) -> np.ndarray:
     """`state_matrix` of `Request`s in flight, in one pass. Blocks complete in order, so the
     progress columns come from each request's counters (the committed positions are the blocks
     before `current_block` and part of it); only the confidences are read as arrays, shorter
-    outputs padded to the longest."""
+    outputs padded to the longest. A block whose masks are all committed but whose edit-only
+    steps go on (token editing) counts as done, as its committed positions alone say (the
+    trajectories the predictor learns from record commits, not the edit phase)."""
     gen_len = np.array([r.gen_len for r in requests])
     block_len = requests[0].block_len
     counters = np.array(
         [
-            (r.num_steps, r.num_committed, r.current_block, r.num_blocks, r.block_offset)
+            (
+                r.num_steps,
+                r.num_committed,
+                r.current_block + (r.edit_block is not None),
+                r.num_blocks,
+                r.block_offset,
+            )
             for r in requests
         ]
     )

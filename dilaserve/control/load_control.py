@@ -6,7 +6,8 @@ a `LoadTable` and decides when to refresh them and when to re-run load control:
 
 - a new request is predicted at once; a request `refresh_every_tokens` past its last refresh is
   due, and every due request is predicted together, at most once per `refresh_interval`, in one
-  predictor call (a DWS step prior stands in before a request's first step);
+  predictor call (a DWS step prior stands in before a request's first step), each prediction
+  held within the steps the request's decoding knobs allow (`step_limits.py`);
 - load control re-runs when requests come or go, and when refreshes change the picture at most
   once per `load_control_interval`; a request whose highest allowed threshold changes, or whose
   predictions refresh, is marked for threshold selection (Alg. 1/5, in the scheduler).
@@ -29,6 +30,7 @@ from dilaserve.control.load_table import LoadTable
 from dilaserve.control.policy import LoadWindow
 from dilaserve.control.profile import LatencyProfile
 from dilaserve.control.speed import MeasuredSpeed
+from dilaserve.control.step_limits import within_limits
 from dilaserve.control.thresholds import instance_capacity
 
 
@@ -125,6 +127,7 @@ class LoadControl:
             t.needs_threshold = True
             if r.request_id not in self._table:
                 self._table.add(r.request_id, t.order, r.num_tokens)
+        rows = within_limits(rows, requests)  # the request's decoding knobs (`step_limits.py`)
         self._table.set_rows(due, rows, [r.num_blocks_to_recompute for r in requests])
         return True
 

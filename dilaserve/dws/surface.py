@@ -87,6 +87,14 @@ def support(surface: np.ndarray, gen_len: int, block_len: int, prompt_tokens=Non
     return out
 
 
+def step_cap(surface: np.ndarray, steps: int) -> np.ndarray:
+    """The surface of a step schedule of `steps` a block: a block ends after at most that many
+    steps, so the cells from step `steps` on never run (no renormalisation)."""
+    out = surface.copy()
+    out[..., max(steps, 1) :] = 0.0
+    return out
+
+
 @dataclass
 class Labels:
     texts: list[str]

@@ -62,9 +62,11 @@ class Engine:
         # a cache step reads the position before its block only if that block's first position
         # may still be masked there (a block opened by its first position never is)
         self.cache_shift = 0 if self.decoding.first_opens_block else self.shift
-        no_cache = self.config.kv_cache is KVCacheMode.NONE
-        self.whole_window = self.decoding.whole_window and no_cache
-        self.step_budget = config.step_budget or config.block_len
+        self.budget = self.decoding.budget_for(
+            self.config.kv_cache, config.step_budget, config.block_len
+        )  # a whole-window rule's step budget (None: block by block)
+        self.whole_window = self.budget is not None
+        self.step_budget = self.budget or config.block_len
         self.decider = StepDecider(
             self.decoding,
             self.config,

@@ -92,6 +92,7 @@ class LLM:
                     steps=steps,
                     max_tokens=params.max_tokens,
                     edits=self.engine.decoding.editing is not None,
+                    step_budget=self.engine.budget,
                 )
             )
         return requests

@@ -20,7 +20,7 @@ from __future__ import annotations
 import enum
 from dataclasses import asdict, dataclass, replace
 
-from dilaserve.protocol import EosStop, KVCacheMode
+from dilaserve.protocol import MAX_EDIT_STEPS, EosStop, KVCacheMode
 
 
 class Attention(str, enum.Enum):
@@ -52,7 +52,7 @@ class TokenEditing:
     mode: str
     threshold: float
     edit_threshold: float
-    max_post_steps: int = 16
+    max_post_steps: int = MAX_EDIT_STEPS
 
     def edit_threshold_for(self, threshold: float) -> float:
         return self.edit_threshold * (threshold / self.threshold)  # exact at the mode's own
@@ -123,6 +123,13 @@ class DecodingRule:
         scheduled `gen_len / budget` steps, what is left (each appended step's budget); never
         below one."""
         return max(min((num_steps + 1) * budget, gen_len) - num_committed, 1)
+
+    def budget_for(self, kv_cache: KVCacheMode, step_budget: int | None, block_len: int):
+        """A request's whole-window budget (`max_commits`) under the cache mode the engine
+        runs (None: the rule decodes block by block there); `step_budget` None: `block_len`."""
+        if not (self.whole_window and kv_cache is KVCacheMode.NONE):
+            return None
+        return step_budget or block_len
 
     def steps_for(self, steps: int, max_tokens: int) -> int | None:
         """The steps per block a request gets (None: no schedule): the published generate caps

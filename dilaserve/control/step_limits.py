@@ -1,0 +1,60 @@
+"""The steps a request's decoding knobs allow it: what every step prediction (the trained
+predictor, the one-shot table, DWS's prior) is held within before the control plane prices it.
+
+A step predictor learns the steps of the rule it was calibrated under; a request may run under
+knobs its calibration never saw. The family's rule fixes hard limits that hold whatever the
+predictor learned:
+
+- a step schedule (`Request.steps`, LLaDA2's `steps`): a block ends after at most that many
+  steps (each commits its share of the block; `DecodingRule.min_commits`), and no rule takes
+  more steps on a block than it has positions;
+- token editing (`Request.edits`): after a block's masks are committed it runs at most
+  `MAX_EDIT_STEPS` edit-only steps (`Request.post_steps` of them run so far);
+- a whole-window budget (`Request.step_budget`, Dream `none`): after k steps at most k times the
+  budget are committed (`DecodingRule.max_commits`), so the window takes at least
+  ceil(gen_len / budget) steps in all. The floor is the whole window's: an answer that stops
+  early at a stop token takes fewer, so it is priced on the safe side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from dilaserve.protocol import MAX_EDIT_STEPS
+
+MIN_STEPS = 1.0
+
+
+def step_limits(requests: Sequence) -> tuple[np.ndarray, np.ndarray]:
+    """(fewest, most) remaining steps of each request as it stands, float64 [n] each."""
+    most = np.array([_most_steps(r) for r in requests], dtype=np.float64)
+    fewest = np.array([_fewest_steps(r) for r in requests], dtype=np.float64)
+    return np.minimum(fewest, most), most
+
+
+def within_limits(rows: np.ndarray, requests: Sequence) -> np.ndarray:
+    """`rows` [n, thresholds] of predicted remaining steps, each request's row held within its
+    `step_limits`."""
+    fewest, most = step_limits(requests)
+    return np.clip(np.asarray(rows, dtype=np.float64), fewest[:, None], most[:, None])
+
+
+def _most_steps(r) -> float:
+    """Steps left at most: the current block's, then each later block's full allowance."""
+    mask_steps = min(r.steps or r.block_len, r.block_len)
+    edit_steps = MAX_EDIT_STEPS if r.edits else 0
+    if r.edits and r.edit_block is not None:  # the current block edits only now
+        current = MAX_EDIT_STEPS - r.post_steps
+    else:
+        current = mask_steps - r.block_step + edit_steps
+    later = max(r.num_blocks - r.current_block - 1, 0)
+    return max(float(current + later * (mask_steps + edit_steps)), MIN_STEPS)
+
+
+def _fewest_steps(r) -> float:
+    """Steps left at least: the whole window's at a whole-window budget, else one."""
+    if r.step_budget is None:
+        return MIN_STEPS
+    return max(float(-(-r.gen_len // r.step_budget) - r.num_steps), MIN_STEPS)
