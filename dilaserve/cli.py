@@ -198,6 +198,13 @@ def _add_calibrate_command(sub) -> None:
         "its step predictor",
     )
     ca.add_argument(
+        "--editing",
+        choices=["speed", "quality", "off"],
+        default=None,
+        help="token editing while the step predictor's trajectories are recorded, so that it "
+        "learns the edit-only steps (serve with the same mode); default: the checkpoint's",
+    )
+    ca.add_argument(
         "--strict",
         action="store_true",
         help="exit 2 when the step predictor's held-out error is implausible (over 35.1%%), "

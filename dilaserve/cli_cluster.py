@@ -150,6 +150,7 @@ def calibrate_if_missing(args) -> bool:
             tuple(sorted(tps)),
             threads=args.threads,
             calibration=args.calibration,
+            editing=args.editing,
         )
         calibrate(cfg)
         return True

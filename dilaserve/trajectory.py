@@ -25,10 +25,24 @@ class Trajectory:
     commits: tuple[np.ndarray, ...]  # output positions committed by each step
     confidences: np.ndarray  # [num_steps, gen_len], after each step
     block_offset: int = 0  # block-causal models: blocks start at absolute positions
+    edits: bool = False  # token editing: a step that commits nothing is an edit-only step
 
     @property
     def num_steps(self) -> int:
         return len(self.commits)
+
+    def edit_steps_by_block(self) -> dict[int, int]:
+        """Token editing: the edit-only steps each block ran after its masks were committed
+        (the steps that committed nothing, each counted to the block of the last commit);
+        empty without editing."""
+        out: dict[int, int] = {}
+        block = None
+        for positions in self.commits:
+            if positions.size:
+                block = int(positions.max() + self.block_offset) // self.block_len
+            elif self.edits and block is not None:
+                out[block] = out.get(block, 0) + 1
+        return out
 
     def states(self) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
         """(steps done, committed mask, confidences) before each step."""
@@ -65,6 +79,7 @@ def save_trajectories(path: str | Path, trajectories: list[Trajectory]) -> None:
         confidences=conf,
         kinds=kinds,
         offsets=np.array([t.block_offset for t in trajectories], dtype=np.int32),
+        edits=np.array([t.edits for t in trajectories], dtype=bool),
     )
 
 
@@ -74,9 +89,10 @@ def load_trajectories(path: str | Path) -> list[Trajectory]:
     conf, kinds = data["confidences"], data["kinds"]
     # files written before block-causal models had no offsets: every block at the window
     offsets = data["offsets"] if "offsets" in data else np.zeros(len(meta), dtype=np.int32)
+    edits = data["edits"] if "edits" in data else np.zeros(len(meta), dtype=bool)  # (older: none)
     out, step, pos = [], 0, 0
-    for (prompt_index, threshold, prompt_len, gen_len, block_len, num_steps), offset in zip(
-        meta, offsets
+    for (prompt_index, threshold, prompt_len, gen_len, block_len, num_steps), offset, edit in zip(
+        meta, offsets, edits
     ):
         n, gen_len = int(num_steps), int(gen_len)
         commits = []
@@ -94,6 +110,7 @@ def load_trajectories(path: str | Path) -> list[Trajectory]:
                 tuple(commits),
                 conf[step : step + n, :gen_len],
                 int(offset),
+                bool(edit),
             )
         )
         step += n

@@ -85,6 +85,7 @@ class Plan:
     source: str  # where the prompts came from
     gen_len: int  # the output window of the prompts' trajectories
     prompt_len: float = 0.0  # the prompts' mean length in tokens
+    editing: str = "off"  # the token-editing mode the trajectories run (the family's, resolved)
 
     @property
     def kinds(self) -> tuple[StepKind, ...]:
@@ -128,7 +129,10 @@ def create_plan(cfg, with_prompts: bool = True) -> Plan:
     for tp in cfg.tp:
         model_config.check_tensor_parallel(tp)
     mode = family.cache_mode(KVCacheMode.DUAL)  # the exact block cache of block diffusion
-    engine = EngineConfig(mode, dtype=cfg.dtype, device=cfg.device, cuda_graphs=cfg.cuda_graphs)
+    engine = EngineConfig(
+        mode, dtype=cfg.dtype, device=cfg.device, cuda_graphs=cfg.cuda_graphs, editing=cfg.editing
+    )
+    editing = family.decoding_for(model_config, cfg.editing).editing  # a mode it lacks: refused
     window = SamplingParams(max_tokens=cfg.max_tokens or default_max_tokens(cfg.model))
     gen_len = window.gen_len(engine.block_len)
     # a commit step needs a block after the first: the profiled window holds two at least
@@ -147,4 +151,7 @@ def create_plan(cfg, with_prompts: bool = True) -> Plan:
         raise ValueError(f"fewer than 5 prompts of {source} fit the context with {gen_len} tokens")
     prompt_len = sum(n for _, n in fitting) / max(len(fitting), 1)
     kept = tuple(p for p, _ in fitting)
-    return Plan(key, engine, grid, tokenizer.special.mask, kept, source, gen_len, prompt_len)
+    mode_name = editing.mode if editing is not None else "off"
+    return Plan(
+        key, engine, grid, tokenizer.special.mask, kept, source, gen_len, prompt_len, mode_name
+    )

@@ -36,7 +36,7 @@ from dilaserve.calibration.store import (
     processor_name,
     writable_folder,
 )
-from dilaserve.config import MEASURED_THRESHOLDS
+from dilaserve.config import EDITING_CHOICES, MEASURED_THRESHOLDS
 from dilaserve.runs import create_run_dir, environment, markdown_table, write_json, write_records
 
 DEFAULT_THRESHOLDS = MEASURED_THRESHOLDS
@@ -64,8 +64,13 @@ class CalibrateConfig:
     dws: bool = False  # also fit the DWS cost kernel (dws/profile.py) into the folder
     profile_only: bool = False  # add TP degrees to an existing calibration, keep its predictor
     strict: bool = False  # a step predictor over MAX_PREDICTOR_ERROR is an error, not a warning
+    # token editing while trajectories are recorded (EngineConfig.editing; None: the
+    # checkpoint's own), so that the step predictor learns the edit-only steps served
+    editing: str | None = None
 
     def __post_init__(self):
+        if self.editing not in EDITING_CHOICES:
+            raise ValueError(f"{self.editing=} must be one of {EDITING_CHOICES}")
         if not self.tp or min(self.tp) < 1:
             raise ValueError(f"{self.tp=} must list TP degrees >= 1")
         if self.num_prompts < 5:
@@ -155,6 +160,8 @@ def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
     calibration.save({"created": time.strftime("%Y-%m-%dT%H:%M:%S"), **_provenance(cfg)})
     _write_run(plan, folder, cfg, entries, fitted, warnings)
     error = f"; step predictor held-out error {fitted['errors']['full']:.1%}" if fitted else ""
+    edits = (fitted or {}).get("edit_steps_per_block")
+    error += f"; {edits:.2f} edit-only steps a block ({plan.editing})" if edits is not None else ""
     log(f"calibration written to {folder} (tp={','.join(map(str, tps))}){error}")
     for text in _predictor_warnings(fitted):
         log(f"warning: {text}")
@@ -218,7 +225,7 @@ def _fit_predictor(cfg: CalibrateConfig, plan: Plan, folder: Path, progress) -> 
     num = len(plan.prompts)
     predictor = PredictorConfig(cfg.model, str(out), num, cfg.thresholds, plan.gen_len)
     out.mkdir(exist_ok=True)
-    return fit_and_report(trajs, predictor, out, log=lambda _: None)
+    return fit_and_report(trajs, predictor, out, lambda _: None, {"editing": plan.editing})
 
 
 @contextmanager
@@ -308,6 +315,8 @@ def _write_run(plan: Plan, folder: Path, cfg, entries, fitted: dict | None, warn
             "num_prompts": len(plan.prompts),
             "predictor_errors": fitted["errors"],
             "refresh_every_tokens": fitted["refresh_every_tokens"],
+            "editing": plan.editing,
+            "edit_steps_per_block": fitted.get("edit_steps_per_block"),
         }
     write_json(folder / "summary.json", summary)
     columns = ["tp", "kind", "num_requests", "batch_tokens", "ms", "spread"]

@@ -42,6 +42,7 @@ def record_trajectories(
                     tuple(commits),
                     np.stack(confs),
                     r.block_offset,
+                    r.edits,
                 )
             )
     return out

@@ -103,6 +103,19 @@ def one_shot_rates(trajs: list[Trajectory]) -> dict[float, float]:
     return {g: float(np.mean(v)) for g, v in rates.items()}
 
 
+def edit_steps_per_block(trajs: list[Trajectory]) -> float | None:
+    """Token editing: the mean edit-only steps a block ran after its masks were committed,
+    over the blocks of the trajectories recorded with editing (None: none were)."""
+    edited = [t for t in trajs if t.edits]
+    blocks = sum(
+        len({(int(p) + t.block_offset) // t.block_len for c in t.commits for p in c})
+        for t in edited
+    )
+    if not blocks:
+        return None
+    return sum(sum(t.edit_steps_by_block().values()) for t in edited) / blocks
+
+
 def split(trajs: list[Trajectory], fraction: float, seed: int):
     prompts = sorted({t.prompt_index for t in trajs})
     rng = np.random.default_rng(seed)
@@ -133,7 +146,13 @@ def choose_tree_shape(train: list[Trajectory], features, cfg: PredictorConfig, l
     return best
 
 
-def fit_and_report(trajs: list[Trajectory], cfg: PredictorConfig, run: Path, log=print) -> dict:
+def fit_and_report(
+    trajs: list[Trajectory], cfg: PredictorConfig, run: Path, log=print, extra: dict | None = None
+) -> dict:
+    """Fit and compare the predictors, save the full and progress ones to `cfg.out` (their
+    meta: the refresh period, the one-shot table, the edit-only steps per block and `extra`),
+    and report into `run`."""
+
     train, test = split(trajs, cfg.held_out_fraction, cfg.seed)
     tr_rows, tr_labels = rows_and_labels(train)
     te_states, te_thr, te_labels, te_committed, te_owner = trajectory_rows(test)
@@ -154,12 +173,14 @@ def fit_and_report(trajs: list[Trajectory], cfg: PredictorConfig, run: Path, log
     curve = refresh_curve(full_pred, te_labels, te_committed, te_owner)
     k = choose_k(curve)
     out = Path(cfg.out)
+    meta = {
+        "refresh_every_tokens": k,
+        "one_shot_steps_per_token": one_shot_rates(train),
+        "edit_steps_per_block": edit_steps_per_block(trajs),
+        **(extra or {}),
+    }
     for name in ("progress", "full"):
-        save_gbm(
-            predictors[name],
-            out,
-            {"refresh_every_tokens": k, "one_shot_steps_per_token": one_shot_rates(train)},
-        )
+        save_gbm(predictors[name], out, meta)
     table = [
         {"variant": n, "mean_relative_error": round(e, 4), "paper": PAPER_ERRORS[n]}
         for n, e in errors.items()
@@ -171,6 +192,7 @@ def fit_and_report(trajs: list[Trajectory], cfg: PredictorConfig, run: Path, log
         "num_train_states": len(tr_labels),
         "num_test_states": len(te_labels),
         "num_trajectories": len(trajs),
+        "edit_steps_per_block": meta["edit_steps_per_block"],
         "tree_shapes": {"progress": shapes[PROGRESS_FEATURES], "full": shapes[FEATURE_NAMES]},
     }
     columns = ["variant", "mean_relative_error", "paper"]
