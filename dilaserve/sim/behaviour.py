@@ -17,6 +17,8 @@ confidences (the inputs of the step predictor's features), and when the request 
 - `ReplayBehaviour`: recorded trajectories of the real engine (`dilaserve train-predictor` writes
   them), replayed per (prompt, threshold); when the threshold changes mid-request the replay
   continues from the step of the new threshold's trajectory that had committed as many tokens.
+  Trajectories recorded with token editing (`calibrate --editing`) replay each block's
+  edit-only steps after its masks are committed, as many as the recorded run took there.
 - `QualityModel`: accuracy as a function of a request's token-weighted mean threshold,
   interpolated from an evaluation table (the bundled model's `dilaserve eval`, or LLaDA-8B's
   GSM8K figures from the paper).
@@ -149,21 +151,25 @@ def _commit_order(r: Request, keys: np.ndarray) -> np.ndarray:
 
 
 class ReplayBehaviour:
-    """Steps taken from recorded trajectories: `assign(request_id, prompt_index)` first."""
+    """Steps taken from recorded trajectories: `assign(request_id, prompt_index)` first. Where
+    they were recorded with token editing (`edits`), a block whose masks are committed runs the
+    edit-only steps its trajectory ran on it before the block is done."""
 
     def __init__(self, trajectories: Sequence[Trajectory]):
         self._by_key = {(t.prompt_index, t.threshold): t for t in trajectories}
         self.prompts = sorted({t.prompt_index for t in trajectories})
         self.thresholds = sorted({t.threshold for t in trajectories})
+        self.edits = any(t.edits for t in trajectories)  # requests replay edit phases
+        self._edit_steps = {key: t.edit_steps_by_block() for key, t in self._by_key.items()}
         self._prompt: dict[str, int] = {}
         self._committed: dict[str, int] = {}  # tokens each request has committed so far
+        self._post: dict[str, int] = {}  # edit-only steps run in the block being edited
 
     def remaining_steps(self, request_id: str, threshold: float) -> float:
         """The oracle: steps the recorded run at `threshold` still takes from where the
         request is now."""
         t = self._trajectory(request_id, threshold)
-        done = np.cumsum([0] + [len(c) for c in t.commits])
-        s = int(np.searchsorted(done, self._committed.get(request_id, 0), side="right")) - 1
+        s = self._step_index(t, self._committed.get(request_id, 0), self._post.get(request_id))
         return float(max(t.num_steps - s, 0))
 
     def tokens_per_step(self, threshold: float) -> float:
@@ -180,30 +186,46 @@ class ReplayBehaviour:
     def forget(self, request_id: str) -> None:
         self._prompt.pop(request_id, None)
         self._committed.pop(request_id, None)
+        self._post.pop(request_id, None)
+
+    def _key(self, request_id: str, threshold: float) -> tuple[int, float]:
+        i = min(bisect.bisect_left(self.thresholds, threshold), len(self.thresholds) - 1)
+        return self._prompt[request_id], self.thresholds[i]
 
     def _trajectory(self, request_id: str, threshold: float) -> Trajectory:
-        prompt = self._prompt[request_id]
-        i = min(bisect.bisect_left(self.thresholds, threshold), len(self.thresholds) - 1)
-        return self._by_key[prompt, self.thresholds[i]]
+        return self._by_key[self._key(request_id, threshold)]
+
+    @staticmethod
+    def _step_index(t: Trajectory, committed: int, post: int | None) -> int:
+        """The step of `t` a request with `committed` tokens is at: the one that starts with as
+        many committed (past the steps that commit nothing), or, in an edit phase that has run
+        `post` edit-only steps, the edit-only step after them."""
+        done = np.cumsum([0] + [len(c) for c in t.commits])
+        if post is not None:
+            return int(np.searchsorted(done, committed, side="left")) + post
+        return int(np.searchsorted(done, committed, side="right")) - 1
 
     def step(self, r: Request, threshold: float, kind: StepKind) -> RequestStepResult:
+        if r.edits and r.edit_block is not None:
+            return self._edit_step(r, threshold, kind)
         t = self._trajectory(r.request_id, threshold)
-        done = np.cumsum([0] + [len(c) for c in t.commits])
-        # the step of this trajectory that starts with as many tokens committed as we have
-        s = min(int(np.searchsorted(done, r.num_committed, side="right")) - 1, t.num_steps - 1)
+        s = min(self._step_index(t, r.num_committed, None), t.num_steps - 1)
         masked = r.output_ids == r.mask_id
         wanted = t.commits[s]
         positions = wanted[masked[wanted]]
         block = r.current_block
+        lo, hi = r.block_span(block)
         if positions.size == 0:  # our state left this trajectory: commit its count in order
-            free = np.flatnonzero(masked[block * r.block_len : (block + 1) * r.block_len])
-            positions = (free[: max(1, len(wanted))] + block * r.block_len).astype(np.int32)
+            free = np.flatnonzero(masked[lo:hi])
+            positions = (free[: max(1, len(wanted))] + lo).astype(np.int32)
         after = masked.copy()
         after[positions] = False
-        lo, hi = r.block_span(block)
         block_done = not after[lo:hi].any()
         finished = s == t.num_steps - 1 or not after.any()
         self._committed[r.request_id] = r.num_committed + positions.size
+        if r.edits and block_done and self._edits_left(r, threshold, block, 0):
+            block_done = finished = False  # its edit-only steps follow
+            self._post[r.request_id] = 0
         return RequestStepResult(
             r.request_id,
             kind,
@@ -212,6 +234,37 @@ class ReplayBehaviour:
             t.confidences[s].copy(),
             block,
             block_done or finished,
+            finished,
+        )
+
+    def _edits_left(self, r: Request, threshold: float, block: int, post: int) -> bool:
+        """Whether the recorded run at `threshold` ran more than `post` edit-only steps on
+        `block`."""
+        return self._edit_steps[self._key(r.request_id, threshold)].get(block, 0) > post
+
+    def _edit_step(self, r: Request, threshold: float, kind: StepKind) -> RequestStepResult:
+        """An edit-only step of the block whose masks are all committed: it commits nothing
+        (the recorded edits rewrite tokens this model does not track), and the block is done
+        after as many as its trajectory ran on it."""
+        t = self._trajectory(r.request_id, threshold)
+        post = r.post_steps + 1
+        block_done = not self._edits_left(r, threshold, r.edit_block, post)
+        if block_done:
+            self._post.pop(r.request_id, None)
+        else:
+            self._post[r.request_id] = post
+        s = min(self._step_index(t, r.num_committed, r.post_steps), t.num_steps - 1)
+        total = sum(len(c) for c in t.commits)
+        masks_left = bool((r.output_ids == r.mask_id).any())
+        finished = block_done and (r.num_committed >= total or not masks_left)
+        return RequestStepResult(
+            r.request_id,
+            kind,
+            np.zeros(0, np.int32),
+            np.zeros(0, np.int32),
+            t.confidences[s].copy(),
+            r.edit_block,
+            block_done,
             finished,
         )
 

@@ -178,7 +178,17 @@ def workload(spec: SimulationSpec, trace: traces.Trace, policy, model: str | Non
     for i, arrival in enumerate(trace.arrival.tolist()):
         t = behaviour.assign(f"r{i}", int(rng.choice(behaviour.prompts)))
         requests.append(
-            Request(f"r{i}", (3,) * t.prompt_len, t.gen_len, t.block_len, 1, 0.9, arrival)
+            Request(
+                f"r{i}",
+                (3,) * t.prompt_len,
+                t.gen_len,
+                t.block_len,
+                1,
+                0.9,
+                arrival,
+                block_offset=t.block_offset,  # blocks at absolute positions (block diffusion)
+                edits=t.edits,  # its blocks' edit phases are replayed
+            )
         )
     if policy.predictor == "oracle":
         return behaviour, requests, OraclePredictor(MEASURED_THRESHOLDS, behaviour.remaining_steps)
