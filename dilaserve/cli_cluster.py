@@ -127,7 +127,33 @@ def control_inputs(args, tps: set[int], warned: bool = False):
     log = logging.getLogger("dilaserve.calibration")
     for warning in () if warned else inputs.warnings:
         log.warning(warning)
+    for warning in editing_warnings(args.model, getattr(args, "editing", None), inputs.predictor):
+        log.warning(warning)
     return inputs
+
+
+def editing_warnings(model: str, editing: str | None, predictor: str | None) -> list[str]:
+    """A line when the step predictor was calibrated with another token-editing mode than
+    the engines decode with (`editing`, resolved for the checkpoint): its edit-only steps are
+    then not the ones served. Predictors that do not say their mode are not judged."""
+    import json
+
+    from dilaserve.models.registry import family_of, load_config
+
+    meta = Path(predictor) / "gbm-full.json" if predictor else None
+    calibrated = json.loads(meta.read_text()).get("editing") if meta and meta.is_file() else None
+    if calibrated is None:
+        return []
+    config = load_config(model)
+    rule = family_of(config).decoding_for(config, editing).editing
+    served = rule.mode if rule is not None else "off"
+    if served == calibrated:
+        return []
+    return [
+        f"the step predictor in {predictor} was calibrated with editing={calibrated!r} and "
+        f"the engines decode with editing={served!r}: its steps are not the ones served (run "
+        f"dilaserve calibrate --editing {served})"
+    ]
 
 
 def calibrate_if_missing(args) -> bool:

@@ -70,3 +70,17 @@ def test_editing_on_a_family_without_it_is_refused_by_name(tmp_path, capsys):
 def test_calibrate_config_refuses_an_unknown_mode():
     with pytest.raises(ValueError, match="editing"):
         run.CalibrateConfig("m", editing="fast")
+
+
+def test_serving_another_editing_mode_than_calibrated_is_warned(tmp_path):
+    from dilaserve.cli_cluster import editing_warnings
+
+    checkpoint = write_random_llada21(tmp_path / "llada21")
+    predictor = tmp_path / "predictor"
+    predictor.mkdir()
+    (predictor / "gbm-full.json").write_text(json.dumps({"editing": "quality"}))
+    [line] = editing_warnings(str(checkpoint), None, str(predictor))  # the checkpoint's: speed
+    assert "editing='quality'" in line and "editing='speed'" in line
+    assert editing_warnings(str(checkpoint), "quality", str(predictor)) == []
+    (predictor / "gbm-full.json").write_text(json.dumps({}))  # an older predictor: not judged
+    assert editing_warnings(str(checkpoint), "off", str(predictor)) == []
