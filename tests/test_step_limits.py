@@ -23,15 +23,17 @@ def test_the_current_blocks_steps_run_count_against_its_schedule():
     assert step_limits([r])[1][0] == 1 + 2 * 3
 
 
-def test_without_a_schedule_a_block_takes_at_most_a_step_per_position():
+def test_without_a_schedule_a_request_takes_at_most_a_step_per_masked_position():
     r = make_request("r", gen_len=2 * BLOCK)
     assert step_limits([r])[1][0] == 2 * BLOCK
+    r.num_committed = 3
+    assert step_limits([r])[1][0] == 2 * BLOCK - 3
 
 
 def test_token_editing_allows_each_block_its_edit_only_steps():
     r = make_request("r", gen_len=2 * BLOCK, edits=True)
     assert step_limits([r])[1][0] == 2 * (BLOCK + MAX_EDIT_STEPS)
-    r.edit_block, r.post_steps = 0, 5  # the first block's masks are all in: it edits only
+    r.num_committed, r.edit_block, r.post_steps = BLOCK, 0, 5  # block 0 edits only now
     assert step_limits([r])[1][0] == MAX_EDIT_STEPS - 5 + BLOCK + MAX_EDIT_STEPS
 
 

@@ -6,8 +6,8 @@ knobs its calibration never saw. The family's rule fixes hard limits that hold w
 predictor learned:
 
 - a step schedule (`Request.steps`, LLaDA2's `steps`): a block ends after at most that many
-  steps (each commits its share of the block; `DecodingRule.min_commits`), and no rule takes
-  more steps on a block than it has positions;
+  steps (`DecodingRule.min_commits`, `StepDecider._ends_block`); without one, every step
+  commits a masked position at least, so no more steps are left than masked positions;
 - token editing (`Request.edits`): after a block's masks are committed it runs at most
   `MAX_EDIT_STEPS` edit-only steps (`Request.post_steps` of them run so far);
 - a whole-window budget (`Request.step_budget`, Dream `none`): after k steps at most k times the
@@ -42,15 +42,16 @@ def within_limits(rows: np.ndarray, requests: Sequence) -> np.ndarray:
 
 
 def _most_steps(r) -> float:
-    """Steps left at most: the current block's, then each later block's full allowance."""
-    mask_steps = min(r.steps or r.block_len, r.block_len)
-    edit_steps = MAX_EDIT_STEPS if r.edits else 0
-    if r.edits and r.edit_block is not None:  # the current block edits only now
-        current = MAX_EDIT_STEPS - r.post_steps
+    """Steps left at most: a schedule's steps for each block left (less those the current one
+    ran), else one per masked position (every such step commits one at least), plus each block
+    left's edit-only steps (less those the current one ran)."""
+    blocks_left = max(r.num_blocks - r.current_block, 1)  # the current one included
+    if r.steps is not None:
+        mask_steps = r.steps * blocks_left - r.block_step
     else:
-        current = mask_steps - r.block_step + edit_steps
-    later = max(r.num_blocks - r.current_block - 1, 0)
-    return max(float(current + later * (mask_steps + edit_steps)), MIN_STEPS)
+        mask_steps = r.gen_len - r.num_committed
+    edit_steps = MAX_EDIT_STEPS * blocks_left - r.post_steps if r.edits else 0
+    return max(float(mask_steps + edit_steps), MIN_STEPS)
 
 
 def _fewest_steps(r) -> float:
