@@ -144,3 +144,16 @@ def test_steps_for_a_family_without_a_step_schedule_are_refused():
     with pytest.raises(InvalidRequest, match="no per-block step schedule") as err:
         check(intake(), steps=4)
     assert err.value.param == "steps"
+
+
+def test_a_request_carries_the_knobs_the_control_plane_prices_and_dws_sees_them():
+    class Seen:
+        def estimate(self, texts, prompt_lengths, gen_len, steps=None, edits=False):
+            self.knobs = (steps, edits)
+            return [(1.0, None)]
+
+    dws = Seen()
+    schedule = intake(decoding=DecodingRule(step_schedule=True), dws=dws, step_budget=None)
+    assert check(schedule, steps=3, text="two words").steps == 3 and dws.knobs == (3, False)
+    whole = check(intake(step_budget=4)).request("r", 0.0, 8, 9)
+    assert whole.step_budget == 4 and not whole.edits

@@ -102,3 +102,14 @@ def test_a_block_in_its_edit_phase_has_the_features_its_commits_give():
     r.num_committed, r.num_steps, r.edit_block, r.post_steps = BLOCK, 4, 0, 2
     expected = state_matrix(r.committed[None], r.confidences[None], np.array([4]), BLOCK)
     np.testing.assert_array_equal(request_states([r]), expected)
+
+
+def test_a_whole_window_budget_applies_only_where_the_rule_decodes_the_whole_window():
+    from dilaserve.models.family import DecodingRule
+    from dilaserve.protocol import KVCacheMode
+
+    whole = DecodingRule(whole_window=True)
+    assert whole.budget_for(KVCacheMode.NONE, None, 32) == 32  # the published default
+    assert whole.budget_for(KVCacheMode.NONE, 4, 32) == 4
+    assert whole.budget_for(KVCacheMode.DUAL, 4, 32) is None  # block by block with a cache
+    assert DecodingRule().budget_for(KVCacheMode.NONE, 4, 32) is None
