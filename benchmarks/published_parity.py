@@ -23,7 +23,7 @@ names (`tests/family_checkpoints.py`), and reports
   counts, case by case;
 - Dream's decoding in the none, prefix and dual cache modes against Fast-dLLM's Dream decoders
   (`dream_decoding.py`; `none`: the whole-window decoder, at two step budgets), the same way.
-Prints the tables docs/models.md carries.
+Prints the tables docs/models/parity.md and docs/models/llada2.md carry.
 
 Writes `summary.json` in a run folder under `--out`.
 """
