@@ -3,6 +3,7 @@ an independent re-statement of it), the one-position logit shift, the approximat
 batch invariance and tensor parallelism."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -233,3 +234,31 @@ def test_it_calibrates_and_serves_through_the_cluster(path, tmp_path):
         served = [cluster.submit(p, threshold=0.9).result(HANG_GUARD_S).text for p in prompts]
     offline = LLM(path).generate(prompts, SamplingParams(0.9, 32))
     assert served == [c.text for c in offline]
+
+
+def test_dual_cache_steps_on_static_buffers_commit_the_same_tokens(path):
+    """engine/graphs.py's path (eager here: graphs are captured only on CUDA) runs Dream's
+    dual-cache steps too, whose blocks open by their first position, with padding rows (3 -> 4)
+    and fallbacks (4 requests > 3): the same tokens and steps as the plain path."""
+
+    def run(cuda_graphs: int):
+        config = EngineConfig("dual", block_len=BLOCK, cuda_graphs=cuda_graphs)
+        llm = LLM(path, replace(config, early_finish=False))
+        calls = []
+        if cuda_graphs:
+            hidden = llm.engine._graphs.hidden
+            llm.engine._graphs.hidden = lambda seqs, *a: calls.append(len(seqs)) or hidden(seqs, *a)
+        cases = [(5, 16, 0.5), (8, 24, 0.9), (13, 16, 0.7), (9, 32, 0.3)]
+        requests = []
+        for i, (n, max_tokens, threshold) in enumerate(cases):
+            params = SamplingParams(threshold, max_tokens)
+            (r,) = llm.make_requests([prompt_ids(n, offset=i)], params, chat=False)
+            r.request_id = str(i)
+            requests.append(r)
+        llm.run(requests, len(requests))
+        return [(r.output_ids.tolist(), r.num_steps) for r in requests], calls
+
+    plain, _ = run(0)
+    graphed, calls = run(3)
+    assert graphed == plain
+    assert calls and max(calls) <= 3 and 3 in calls

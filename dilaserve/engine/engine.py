@@ -80,7 +80,9 @@ class Engine:
         self._model_kwargs = {"block_len": config.block_len} if block_causal else {}
         self._seqs: dict[str, Sequence] = {}
         self._graphs = None
-        graphable = self.config.kv_cache is KVCacheMode.DUAL and self.shift == 0  # LLaDA's
+        # a dual-cache step that runs its block alone (LLaDA's; Dream's, whose blocks open by
+        # their first position)
+        graphable = self.config.kv_cache is KVCacheMode.DUAL and self.cache_shift == 0
         if config.cuda_graphs and graphable and _single_gpu(model):
             self._graphs = CacheStepGraphs(
                 model, config.cuda_graphs, config.cuda_graph_context, config.block_len

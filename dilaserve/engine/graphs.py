@@ -1,4 +1,6 @@
-"""CUDA graphs for small dual-cache steps: one replay instead of thousands of kernel launches.
+"""CUDA graphs for small dual-cache steps (LLaDA's, and Dream's, whose blocks open by their
+first position so that a cache step runs the block alone): one replay instead of thousands of
+kernel launches.
 
 A dual-cache step of a few requests is launch-bound on a GPU: an LLaDA-8B-shaped model takes
 ~21 ms issuing kernels for a step whose weights read in ~4 ms, and the same step replayed as a
