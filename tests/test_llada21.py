@@ -138,3 +138,33 @@ def test_recorded_trajectories_hold_each_steps_new_commits_and_every_step(path):
     assert sorted(committed.tolist()) == list(range(t.gen_len))  # each position once
     assert any(len(c) == 0 for c in t.commits)  # the edit-only steps, counted as steps
     assert t.num_steps == len(t.kinds) == t.confidences.shape[0]
+
+
+@pytest.mark.parametrize("editing", ["off", "speed"])  # LLaDA2.0's rule, and 2.1's edits
+def test_block_steps_on_static_buffers_commit_the_same_tokens(path, editing):
+    """engine/graphs.py's path (eager here: graphs are captured only on CUDA) runs the exact
+    cache's block steps, edit-only ones included, with padding rows (3 -> 4) and fallbacks
+    (prefill and commit steps, 4 requests > 3): the same tokens and steps as the plain path."""
+
+    def run(cuda_graphs: int):
+        config = EngineConfig(
+            "block", block_len=BLOCK, editing=editing, early_finish=False, cuda_graphs=cuda_graphs
+        )
+        llm = LLM(path, config)
+        calls = []
+        if cuda_graphs:
+            hidden = llm.engine._graphs.hidden
+            llm.engine._graphs.hidden = lambda seqs, *a: calls.append(len(seqs)) or hidden(seqs, *a)
+        requests = []
+        for i, (n, max_tokens, threshold) in enumerate(CASES + [(9, 32, 0.3)]):
+            params = SamplingParams(threshold, max_tokens)
+            (r,) = llm.make_requests([prompt_ids(n, offset=i)], params, chat=False)
+            r.request_id = str(i)
+            requests.append(r)
+        llm.run(requests, len(requests))
+        return [(r.output_ids.tolist(), r.num_steps) for r in requests], calls
+
+    plain, _ = run(0)
+    graphed, calls = run(3)
+    assert graphed == plain
+    assert calls and max(calls) <= 3 and 3 in calls

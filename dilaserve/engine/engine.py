@@ -20,7 +20,7 @@ import torch
 from dilaserve.config import EngineConfig
 from dilaserve.engine import kv_cache
 from dilaserve.engine.decide import Row, StepDecider
-from dilaserve.engine.graphs import CacheStepGraphs
+from dilaserve.engine.graphs import GRAPHED_KINDS, CacheStepGraphs
 from dilaserve.engine.sequence import Sequence
 from dilaserve.models import registry
 from dilaserve.models.family import ModelFamily
@@ -80,12 +80,17 @@ class Engine:
         self._model_kwargs = {"block_len": config.block_len} if block_causal else {}
         self._seqs: dict[str, Sequence] = {}
         self._graphs = None
-        # a dual-cache step that runs its block alone (LLaDA's; Dream's, whose blocks open by
-        # their first position)
-        graphable = self.config.kv_cache is KVCacheMode.DUAL and self.cache_shift == 0
+        # a step that runs its block alone against the cache: a dual-cache step (LLaDA's;
+        # Dream's, whose blocks open by their first position) or an exact cache's block step
+        mode = self.config.kv_cache
+        graphable = (mode is KVCacheMode.DUAL and self.cache_shift == 0) or block_causal
         if config.cuda_graphs and graphable and _single_gpu(model):
             self._graphs = CacheStepGraphs(
-                model, config.cuda_graphs, config.cuda_graph_context, config.block_len
+                model,
+                config.cuda_graphs,
+                config.cuda_graph_context,
+                config.block_len,
+                self._model_kwargs,
             )
 
     @classmethod
@@ -205,7 +210,8 @@ class Engine:
         ids, positions, valid = self._inputs(rows)
         seqs, query_lens = [r.seq for r in rows], [r.q_end - r.q_start for r in rows]
         graphs = self._graphs
-        if cached and graphs is not None and graphs.fits(seqs, query_lens):
+        graphed = graphs is not None and all(r.kind in GRAPHED_KINDS for r in rows)
+        if cached and graphed and graphs.fits(seqs, query_lens):
             hidden = graphs.hidden(seqs, ids, positions)
         elif cached:
             hidden = self._forward_cached(rows, ids, positions, valid, query_lens)

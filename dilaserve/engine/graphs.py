@@ -1,6 +1,6 @@
-"""CUDA graphs for small dual-cache steps (LLaDA's, and Dream's, whose blocks open by their
-first position so that a cache step runs the block alone): one replay instead of thousands of
-kernel launches.
+"""CUDA graphs for small steps that run one block against the cache and store nothing
+(`GRAPHED_KINDS`: LLaDA's and Dream's dual-cache steps, LLaDA2's block steps): one replay
+instead of thousands of kernel launches.
 
 A dual-cache step of a few requests is launch-bound on a GPU: an LLaDA-8B-shaped model takes
 ~21 ms issuing kernels for a step whose weights read in ~4 ms, and the same step replayed as a
@@ -14,8 +14,8 @@ the bucket's context length, the positions between masked. Padding rows attend t
 position and their outputs are dropped.
 
 A request's cached K/V is copied into its static row only when that row last held something
-else: between two recompute steps a request's cache does not change, so a request stepping on
-the same row copies nothing.
+else: between two stores (a recompute, prefill or commit step) a request's cache does not change,
+so a request stepping on the same row copies nothing.
 
 Graphs are captured only on CUDA, and only for single-GPU instances (the engine does not use them
 under tensor parallelism, whose all-reduces it does not capture). On a CPU the same static-buffer
@@ -29,18 +29,29 @@ import weakref
 import torch
 
 from dilaserve.models.common import KVContext, KVSlot
+from dilaserve.protocol import StepKind
 
 CONTEXT_STEP = 256  # cached-length bucket (tokens)
+# the steps that run one block against a request's cached K/V and store nothing
+GRAPHED_KINDS = frozenset((StepKind.CACHE, StepKind.BLOCK))
 
 
 class CacheStepGraphs:
-    def __init__(self, model: torch.nn.Module, max_requests: int, max_context: int, block_len: int):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        max_requests: int,
+        max_context: int,
+        block_len: int,
+        model_kwargs: dict | None = None,
+    ):
         if max_requests < 1 or max_context < 1:
             raise ValueError(f"{max_requests=} and {max_context=} must be positive")
         cfg = model.config
         param = next(model.parameters())
         device, dtype = param.device, param.dtype
         self.model = model
+        self.model_kwargs = model_kwargs or {}  # a block-causal model's block length
         self.max_requests = max_requests
         self.max_context = max_context
         self.block_len = block_len
@@ -109,7 +120,7 @@ class CacheStepGraphs:
             [self.block_len] * rows,
             [self._row_mask(r, ctx, end) for r in range(rows)],
         )
-        out = self.model(self.ids[:rows], self.positions[:rows], None, context)
+        out = self.model(self.ids[:rows], self.positions[:rows], None, context, **self.model_kwargs)
         return out.hidden
 
     def _row_mask(self, row: int, ctx: int, end: int) -> torch.Tensor:

@@ -244,16 +244,19 @@ def block_causal_mask(
 
 def context_masks(context: KVContext, positions: torch.Tensor, block_len: int) -> KVContext:
     """The context with each row's block-causal mask: its cached keys (positions [0, start),
-    all in earlier blocks) are all visible; its queried ones (from position `start` on) are
-    seen block-causally. None for a row whose queries lie in one block."""
+    all in earlier blocks) are all visible, or those its given mask marks valid; its queried
+    ones (from position `start` on) are seen block-causally. A row whose queries lie in one
+    block keeps its given mask (None: every key visible)."""
     masks = []
     for i, (start, n) in enumerate(zip(context.starts, context.lengths)):
+        given = context.masks[i]
         if start // block_len == (start + n - 1) // block_len:
-            masks.append(None)
+            masks.append(given)
             continue
         queried = block_causal_mask(positions[i : i + 1, :n], None, block_len)[0]
         seen = torch.ones(1, n, start, dtype=torch.bool, device=positions.device)
-        masks.append(torch.cat((seen, queried), dim=2)[None])
+        mask = torch.cat((seen, queried), dim=2)[None]
+        masks.append(mask if given is None else mask & given)
     return replace(context, masks=masks)
 
 
