@@ -46,7 +46,7 @@ class EngineConfig:
     else off); a family without token editing refuses a mode. step_budget: a family whose `none`
     mode decodes the whole window (Dream's, Fast-dLLM's `generation_utils.py`) commits at most
     this many tokens a step plus the rejections carried over (None: `block_len`, the published
-    setting's `gen_len / steps`); it must divide `block_len`. cuda_graphs: cache and block steps of
+    setting's `gen_len / steps`); it must divide `block_len`. cuda_graphs: cached steps of
     up to this many requests, each with at most `cuda_graph_context` cached tokens, replay CUDA
     graphs (engine/graphs.py; 0: off; tensor-parallel instances and CPUs run the same steps without
     graphs). max_forward_tokens: a step batch runs as forward passes of at most this many tokens

@@ -143,8 +143,9 @@ def test_recorded_trajectories_hold_each_steps_new_commits_and_every_step(path):
 @pytest.mark.parametrize("editing", ["off", "speed"])  # LLaDA2.0's rule, and 2.1's edits
 def test_block_steps_on_static_buffers_commit_the_same_tokens(path, editing):
     """engine/graphs.py's path (eager here: graphs are captured only on CUDA) runs the exact
-    cache's block steps, edit-only ones included, with padding rows (3 -> 4) and fallbacks
-    (prefill and commit steps, 4 requests > 3): the same tokens and steps as the plain path."""
+    cache's block steps, edit-only ones included, and its commit steps, which store the
+    finished block, with padding rows (3 -> 4) and fallbacks (prefills, 4 requests > 3): the
+    same tokens and steps as the plain path."""
 
     def run(cuda_graphs: int):
         config = EngineConfig(
@@ -154,7 +155,9 @@ def test_block_steps_on_static_buffers_commit_the_same_tokens(path, editing):
         calls = []
         if cuda_graphs:
             hidden = llm.engine._graphs.hidden
-            llm.engine._graphs.hidden = lambda seqs, *a: calls.append(len(seqs)) or hidden(seqs, *a)
+            llm.engine._graphs.hidden = lambda seqs, ids, *a: (
+                calls.append((len(seqs), ids.shape[1])) or hidden(seqs, ids, *a)
+            )
         requests = []
         for i, (n, max_tokens, threshold) in enumerate(CASES + [(9, 32, 0.3)]):
             params = SamplingParams(threshold, max_tokens)
@@ -167,4 +170,5 @@ def test_block_steps_on_static_buffers_commit_the_same_tokens(path, editing):
     plain, _ = run(0)
     graphed, calls = run(3)
     assert graphed == plain
-    assert calls and max(calls) <= 3 and 3 in calls
+    rows, queried = zip(*calls)
+    assert max(rows) == 3 and set(queried) == {BLOCK, 2 * BLOCK}  # block and commit steps

@@ -91,6 +91,8 @@ class Engine:
                 config.cuda_graph_context,
                 config.block_len,
                 self._model_kwargs,
+                # an exact cache's commit step queries two blocks
+                (config.block_len, 2 * config.block_len) if block_causal else None,
             )
 
     @classmethod
@@ -120,8 +122,9 @@ class Engine:
         results: dict[str, RequestStepResult] = {}
         for cached in (False, True):
             group = [r for r in rows if r.attends_cache == cached]
-            for chunk in self._chunks(group):
-                results.update(self._run(chunk, cached))
+            for part in self._graph_parts(group) if cached else (group,):
+                for chunk in self._chunks(part):
+                    results.update(self._run(chunk, cached))
         num_tokens = sum(r.q_end - r.q_start for r in rows)
         return StepOutput(tuple(results[i.request_id] for i in batch.items), num_tokens)
 
@@ -194,6 +197,17 @@ class Engine:
         start, end = kv_cache.exact_span(seq)
         return (0 if kind is StepKind.FULL else start), end
 
+    def _graph_parts(self, rows: list[Row]) -> list[list[Row]]:
+        """Cached rows by how many tokens they query, when steps may run on graphs (a graph
+        runs rows of one query length: an exact cache's commit steps apart from its block
+        steps); else all of them."""
+        if self._graphs is None:
+            return [rows]
+        parts: dict[int, list[Row]] = {}
+        for row in rows:
+            parts.setdefault(row.q_end - row.q_start, []).append(row)
+        return list(parts.values())
+
     def _chunks(self, rows: list[Row]):
         chunk, tokens = [], 0
         for row in rows:
@@ -213,6 +227,9 @@ class Engine:
         graphed = graphs is not None and all(r.kind in GRAPHED_KINDS for r in rows)
         if cached and graphed and graphs.fits(seqs, query_lens):
             hidden = graphs.hidden(seqs, ids, positions)
+            for i, row in enumerate(rows):
+                if row.kind is StepKind.COMMIT:
+                    graphs.store(i, row.seq)
         elif cached:
             hidden = self._forward_cached(rows, ids, positions, valid, query_lens)
         else:
