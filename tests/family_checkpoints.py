@@ -1,11 +1,15 @@
 """Helpers for the Dream and LLaDA2 tests: the package's random-checkpoint writers
-(`dilaserve/training/random_checkpoint.py`) under the names the tests use, prompt ids, a step
-driver, log comparison, a tensor-parallel executor, and a mask row scaled down."""
+(`dilaserve/training/random_checkpoint.py`) under the names the tests use, prompt ids, cases run
+as one batch (with and without the graph path's static buffers), a step driver, log comparison,
+a tensor-parallel executor, and a mask row scaled down."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
+from dilaserve.config import EngineConfig, SamplingParams
+from dilaserve.engine.llm import LLM
 from dilaserve.training.random_checkpoint import (  # noqa: F401 (re-exported)
     DREAM_KEYS,
     DREAM_SPECIALS,
@@ -43,6 +47,43 @@ def prompt_ids(n: int, offset: int = 0) -> tuple[int, ...]:
     """n ordinary word ids (no special token)."""
     first = len(LLADA2_SPECIALS) + 1
     return tuple(first + (offset + 3 * i) % len(WORDS) for i in range(n))
+
+
+def run_cases(llm: LLM, cases, which=None) -> list:
+    """Cases (prompt length, max_tokens, threshold) `which` (all by default) as requests named
+    by their index, prompt i offset by i, run as one batch."""
+    requests = []
+    for i in range(len(cases)) if which is None else which:
+        n, max_tokens, threshold = cases[i]
+        params = SamplingParams(threshold, max_tokens)
+        (r,) = llm.make_requests([prompt_ids(n, offset=i)], params, chat=False)
+        r.request_id = str(i)
+        requests.append(r)
+    llm.run(requests, len(requests))
+    return requests
+
+
+def plain_and_graphed(path: Path, config: EngineConfig, cases):
+    """The cases' (output window, steps) without the graph path and with its static buffers
+    (`config.cuda_graphs` rows; eager on a CPU), and the graph path's calls as (rows, queried
+    tokens each)."""
+    outcomes, calls = [], []
+    for cuda_graphs in (0, config.cuda_graphs):
+        llm = LLM(path, replace(config, cuda_graphs=cuda_graphs))
+        graphs = llm.engine._graphs
+        if graphs is not None:
+            graphs.hidden = _counted(graphs.hidden, calls)
+        requests = run_cases(llm, cases)
+        outcomes.append([(r.output_ids.tolist(), r.num_steps) for r in requests])
+    return *outcomes, calls
+
+
+def _counted(hidden, calls: list):
+    def counted(seqs, ids, *args):
+        calls.append((len(seqs), ids.shape[1]))
+        return hidden(seqs, ids, *args)
+
+    return counted
 
 
 def drive(execute, requests, mode: str, delays: dict[str, int] | None = None) -> dict:

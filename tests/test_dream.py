@@ -3,7 +3,6 @@ an independent re-statement of it), the one-position logit shift, the approximat
 batch invariance and tensor parallelism."""
 
 import json
-from dataclasses import replace
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ from family_checkpoints import (
     DREAM_KEYS,
     dream_checkpoint,
     drive,
+    plain_and_graphed,
     prompt_ids,
     same_logs,
     tensor_parallel_execute,
@@ -241,24 +241,9 @@ def test_dual_cache_steps_on_static_buffers_commit_the_same_tokens(path):
     dual-cache steps too, whose blocks open by their first position, with padding rows (3 -> 4)
     and fallbacks (4 requests > 3): the same tokens and steps as the plain path."""
 
-    def run(cuda_graphs: int):
-        config = EngineConfig("dual", block_len=BLOCK, cuda_graphs=cuda_graphs)
-        llm = LLM(path, replace(config, early_finish=False))
-        calls = []
-        if cuda_graphs:
-            hidden = llm.engine._graphs.hidden
-            llm.engine._graphs.hidden = lambda seqs, *a: calls.append(len(seqs)) or hidden(seqs, *a)
-        cases = [(5, 16, 0.5), (8, 24, 0.9), (13, 16, 0.7), (9, 32, 0.3)]
-        requests = []
-        for i, (n, max_tokens, threshold) in enumerate(cases):
-            params = SamplingParams(threshold, max_tokens)
-            (r,) = llm.make_requests([prompt_ids(n, offset=i)], params, chat=False)
-            r.request_id = str(i)
-            requests.append(r)
-        llm.run(requests, len(requests))
-        return [(r.output_ids.tolist(), r.num_steps) for r in requests], calls
-
-    plain, _ = run(0)
-    graphed, calls = run(3)
+    config = EngineConfig("dual", block_len=BLOCK, early_finish=False, cuda_graphs=3)
+    cases = [(5, 16, 0.5), (8, 24, 0.9), (13, 16, 0.7), (9, 32, 0.3)]
+    plain, graphed, calls = plain_and_graphed(path, config, cases)
     assert graphed == plain
-    assert calls and max(calls) <= 3 and 3 in calls
+    rows, queried = zip(*calls)
+    assert max(rows) == 3 and set(queried) == {BLOCK}

@@ -6,7 +6,7 @@ scheduled one rejects."""
 
 import pytest
 import torch
-from family_checkpoints import dream_checkpoint, prompt_ids
+from family_checkpoints import dream_checkpoint, prompt_ids, run_cases
 
 from dilaserve.config import EngineConfig, SamplingParams
 from dilaserve.engine.engine import Engine
@@ -52,14 +52,7 @@ def restated(model, prompt, gen_len: int, budget: int, threshold: float, mask: i
 
 def run(path, budget: int | None, cases):
     llm = LLM(path, EngineConfig("none", block_len=BLOCK, early_finish=False, step_budget=budget))
-    requests = []
-    for k, (prompt_len, gen_len, threshold) in enumerate(cases):
-        params = SamplingParams(threshold, gen_len)
-        (request,) = llm.make_requests([prompt_ids(prompt_len, offset=k)], params, chat=False)
-        request.request_id = str(k)
-        requests.append(request)
-    llm.run(requests, max_batch=len(requests))
-    return llm, requests
+    return llm, run_cases(llm, cases)
 
 
 def test_the_budget_carries_rejections_and_appended_steps_take_what_is_left():

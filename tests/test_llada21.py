@@ -4,7 +4,7 @@ a move to another instance mid-edit, and through the OpenAI API."""
 
 import numpy as np
 import pytest
-from family_checkpoints import prompt_ids
+from family_checkpoints import plain_and_graphed, prompt_ids, run_cases
 
 from dilaserve.cluster.runtime import ClusterConfig
 from dilaserve.cluster.worker import WorkerConfig
@@ -28,14 +28,7 @@ def path(tmp_path_factory):
 def outputs(path, cache: str, mode: str | None, which=range(len(CASES))):
     """The output windows and step counts of cases `which`, run as one batch."""
     llm = LLM(path, EngineConfig(cache, block_len=BLOCK, editing=mode, early_finish=False))
-    requests = []
-    for i in which:
-        n, max_tokens, threshold = CASES[i]
-        params = SamplingParams(threshold, max_tokens)
-        (r,) = llm.make_requests([prompt_ids(n, offset=i)], params, chat=False)
-        r.request_id = str(i)
-        requests.append(r)
-    llm.run(requests, len(requests))
+    requests = run_cases(llm, CASES, which)
     return [(r.output_ids.tolist(), r.num_steps) for r in requests], requests
 
 
@@ -147,28 +140,10 @@ def test_block_steps_on_static_buffers_commit_the_same_tokens(path, editing):
     finished block, with padding rows (3 -> 4) and fallbacks (prefills, 4 requests > 3): the
     same tokens and steps as the plain path."""
 
-    def run(cuda_graphs: int):
-        config = EngineConfig(
-            "block", block_len=BLOCK, editing=editing, early_finish=False, cuda_graphs=cuda_graphs
-        )
-        llm = LLM(path, config)
-        calls = []
-        if cuda_graphs:
-            hidden = llm.engine._graphs.hidden
-            llm.engine._graphs.hidden = lambda seqs, ids, *a: (
-                calls.append((len(seqs), ids.shape[1])) or hidden(seqs, ids, *a)
-            )
-        requests = []
-        for i, (n, max_tokens, threshold) in enumerate(CASES + [(9, 32, 0.3)]):
-            params = SamplingParams(threshold, max_tokens)
-            (r,) = llm.make_requests([prompt_ids(n, offset=i)], params, chat=False)
-            r.request_id = str(i)
-            requests.append(r)
-        llm.run(requests, len(requests))
-        return [(r.output_ids.tolist(), r.num_steps) for r in requests], calls
-
-    plain, _ = run(0)
-    graphed, calls = run(3)
+    config = EngineConfig(
+        "block", block_len=BLOCK, editing=editing, early_finish=False, cuda_graphs=3
+    )
+    plain, graphed, calls = plain_and_graphed(path, config, CASES + [(9, 32, 0.3)])
     assert graphed == plain
     rows, queried = zip(*calls)
     assert max(rows) == 3 and set(queried) == {BLOCK, 2 * BLOCK}  # block and commit steps
