@@ -8,6 +8,7 @@ import sys
 
 from dilaserve import runs
 from dilaserve.cli_args import (
+    EDITING_CHOICES,
     apply_config_file,
     engine_args,
     engine_config,
@@ -199,7 +200,7 @@ def _add_calibrate_command(sub) -> None:
     )
     ca.add_argument(
         "--editing",
-        choices=["speed", "quality", "off"],
+        choices=EDITING_CHOICES,
         default=None,
         help="token editing while the step predictor's trajectories are recorded, so that it "
         "learns the edit-only steps (serve with the same mode); default: the checkpoint's",

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from dilaserve.protocol import EosStop
 
+EDITING_CHOICES = ("speed", "quality", "off")  # LLaDA2.1's published modes, or none
+
 
 def model_arg(p: argparse.ArgumentParser) -> None:
     """The checkpoint folder, as a positional MODEL (as vLLM and SGLang take it) or --model."""
@@ -112,7 +114,7 @@ def decoding_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--editing",
-        choices=["speed", "quality", "off"],
+        choices=EDITING_CHOICES,
         default=None,
         help="token editing (LLaDA2.1's published decoding) in its speed or quality mode, or "
         "off; default: the checkpoint's (speed where config.json's model_type is llada21_moe)",
