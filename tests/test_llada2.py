@@ -305,7 +305,10 @@ def test_the_cluster_answers_as_the_offline_engine_with_the_exact_caches_steps(p
     assert all(h.request.block_offset == h.request.prompt_len % 32 for h in handles)
 
 
-def test_the_openai_api_answers_through_it(path, served):
+def test_the_openai_api_answers_through_it_and_steps_reach_the_schedule(path, served):
+    """Completions and chat answer as the offline engine does; `steps` in the request body sets
+    the request's schedule (threshold 1: a step commits exactly the schedule's count), and a bad
+    value is a 400 naming it. One server for both (a cluster's start is most of the time)."""
     from fastapi.testclient import TestClient
 
     from dilaserve.server.main import build_app
@@ -313,9 +316,12 @@ def test_the_openai_api_answers_through_it(path, served):
     app, _ = build_app(served[1])
     common = {"model": path.name, "max_tokens": 32, "threshold": 0.9}
     chat = {**common, "messages": [{"role": "user", "content": PROMPTS[0]}]}
+    body = {**common, "threshold": 1.0, "prompt": PROMPTS[1]}
     with TestClient(app) as client:
         raw = client.post("/v1/completions", json={**common, "prompt": PROMPTS[1]})
         templated = client.post("/v1/chat/completions", json=chat)
+        replies = {s: client.post("/v1/completions", json={**body, "steps": s}) for s in (2, 4)}
+        bad = [client.post("/v1/completions", json={**body, "steps": v}) for v in (0, 1.5, "2")]
     assert raw.status_code == templated.status_code == 200, (raw.text, templated.text)
     llm, params = LLM(path), SamplingParams(0.9, 32)
     assert (
@@ -323,21 +329,6 @@ def test_the_openai_api_answers_through_it(path, served):
     )
     answer = templated.json()["choices"][0]["message"]["content"]
     assert answer == llm.generate([PROMPTS[0]], params)[0].text
-
-
-def test_steps_per_request_reach_the_schedule_over_http(path, served):
-    """`steps` in the request body sets the request's schedule (threshold 1: a step commits
-    exactly the schedule's count); a bad value is a 400 naming it."""
-    from fastapi.testclient import TestClient
-
-    from dilaserve.server.main import build_app
-
-    app, _ = build_app(served[1])
-    body = {"model": path.name, "max_tokens": 32, "threshold": 1.0, "prompt": PROMPTS[1]}
-    with TestClient(app) as client:
-        replies = {s: client.post("/v1/completions", json={**body, "steps": s}) for s in (2, 4)}
-        bad = [client.post("/v1/completions", json={**body, "steps": v}) for v in (0, 1.5, "2")]
-    llm = LLM(path)
     for steps, reply in replies.items():
         assert reply.status_code == 200, reply.text
         (offline,) = llm.generate([PROMPTS[1]], SamplingParams(1.0, 32, steps), chat=False)
