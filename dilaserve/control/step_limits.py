@@ -7,7 +7,9 @@ predictor learned:
 
 - a step schedule (`Request.steps`, LLaDA2's `steps`): a block ends after at most that many
   steps (`DecodingRule.min_commits`, `StepDecider._ends_block`); without one, every step
-  commits a masked position at least, so no more steps are left than masked positions;
+  commits a masked position at least, so no more steps are left than masked positions (a pick
+  of the mask token, LLaDA2.1's, commits none, but only weights that rank the mask first make
+  one, which a trained model's do not);
 - token editing (`Request.edits`): after a block's masks are committed it runs at most
   `MAX_EDIT_STEPS` edit-only steps (`Request.post_steps` of them run so far);
 - a whole-window budget (`Request.step_budget`, Dream `none`): after k steps at most k times the
