@@ -123,31 +123,39 @@ def graph_ms(fn, device: torch.device, repeats: int) -> float | None:
     return timed(graph.replay, device, repeats)
 
 
-def recompute_step(model, rows: int, seq: int, device):
+def recompute_step(model, rows: int, seq: int, device, logit_tokens: int = 256, **model_kwargs):
+    """A whole-sequence step storing its K/V, logits for the last `logit_tokens` positions;
+    `model_kwargs` go to the forward (a block-causal model's `block_len`)."""
     ids = torch.randint(0, model.config.vocab_size, (rows, seq), device=device)
     pos = torch.arange(seq, device=device).expand(rows, seq)
-    return lambda: model.logits(model(ids, pos, None, keep_kv=True).hidden[:, -256:])
+
+    def step():
+        out = model(ids, pos, None, keep_kv=True, **model_kwargs)
+        return model.logits(out.hidden[:, -logit_tokens:])
+
+    return step
 
 
 def recompute_ms(model, rows: int, seq: int, device, repeats: int) -> float:
     return timed(recompute_step(model, rows, seq, device), device, repeats)
 
 
-def cache_step(model, rows: int, context: int, device):
-    """One cache step against each row's slot, in place; every layer of a row reads the same
-    slot tensors (each is far larger than L2)."""
+def cache_step(model, rows: int, context: int, device, query: int = BLOCK, **model_kwargs):
+    """One step of `query` tokens a row against each row's slot of `context` cached tokens, in
+    place; every layer of a row reads the same slot tensors (each is far larger than L2).
+    `model_kwargs` go to the forward (a block-causal model's `block_len`)."""
     cfg = model.config
     dtype = next(model.parameters()).dtype
-    shape = (cfg.num_kv_heads, context + BLOCK, cfg.head_dim)
+    shape = (cfg.num_kv_heads, context + query, cfg.head_dim)
     slots = []
     for _ in range(rows):
         k = torch.randn(shape, device=device, dtype=dtype)
         v = torch.randn(shape, device=device, dtype=dtype)
-        slots.append(KVSlot([k] * cfg.n_layers, [v] * cfg.n_layers))
-    ctx = KVContext(slots, [context] * rows, [BLOCK] * rows, [None] * rows)
-    ids = torch.randint(0, cfg.vocab_size, (rows, BLOCK), device=device)
-    pos = (context + torch.arange(BLOCK, device=device)).expand(rows, BLOCK)
-    return lambda: model.logits(model(ids, pos, None, context=ctx).hidden)
+        slots.append(KVSlot([k] * cfg.num_layers, [v] * cfg.num_layers))
+    ctx = KVContext(slots, [context] * rows, [query] * rows, [None] * rows)
+    ids = torch.randint(0, cfg.vocab_size, (rows, query), device=device)
+    pos = (context + torch.arange(query, device=device)).expand(rows, query)
+    return lambda: model.logits(model(ids, pos, None, context=ctx, **model_kwargs).hidden)
 
 
 def cache_ms(model, rows: int, context: int, device, repeats: int) -> float:
@@ -234,16 +242,34 @@ def single_request(model, device, repeats: int, prompt_len: int, gen: int) -> di
     }
 
 
-def engine_run(model, shape: str, device, batch: int, prompt_len: int, gen: int, graphs: int = 0):
-    """The serving path: `Engine.execute` on `batch` requests (random prompts, seeded), each
-    step timed; the record and every request's output tokens."""
+def special_ids(shape: str) -> SpecialIds:
     cfg = SHAPES[shape]
-    special = SpecialIds(mask=cfg["mask_token_id"], eos=cfg["eos_token_id"], eot=None)
+    return SpecialIds(mask=cfg["mask_token_id"], eos=cfg["eos_token_id"], eot=None)
+
+
+def make_engine(model, special: SpecialIds, device, graphs: int = 0) -> Engine:
+    """An engine on `model`: dual cache (a block-causal model's exact one), early finish off."""
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     config = EngineConfig(
         "dual", dtype=dtype, device=str(device), early_finish=False, cuda_graphs=graphs
     )
-    engine = Engine(model, special, config)
+    return Engine(model, special, config)
+
+
+def engine_run(
+    model,
+    special: SpecialIds,
+    device,
+    batch: int,
+    prompt_len: int,
+    gen: int,
+    graphs: int = 0,
+    engine: Engine | None = None,
+):
+    """The serving path: `Engine.execute` on `batch` requests (random prompts, seeded), each
+    step timed, on `engine` or a new one; the record and every request's output tokens."""
+    engine = engine or make_engine(model, special, device, graphs)
+    mode = engine.config.kv_cache  # a block-causal model's exact cache
     requests = [
         Request(f"r{i}", random_prompt(prompt_len, special.mask, i), gen, BLOCK, special.mask, 0.9)
         for i in range(batch)
@@ -253,9 +279,7 @@ def engine_run(model, shape: str, device, batch: int, prompt_len: int, gen: int,
     committed = 0
     total = time.perf_counter()
     while requests:
-        items = tuple(
-            r.step_item(config.kv_cache, engine.has_request(r.request_id)) for r in requests
-        )
+        items = tuple(r.step_item(mode, engine.has_request(r.request_id)) for r in requests)
         sync(device)
         t0 = time.perf_counter()
         out = engine.execute(StepBatch(items))
@@ -270,7 +294,7 @@ def engine_run(model, shape: str, device, batch: int, prompt_len: int, gen: int,
         engine.release(f"r{i}")
     record = {
         "batch": batch,
-        "cuda_graphs": graphs,
+        "cuda_graphs": engine.config.cuda_graphs,
         "prompt_len": prompt_len,
         "gen": gen,
         "steps": {k: len(v) for k, v in ms.items()},
@@ -291,8 +315,9 @@ def graph_section(model, shape, device, prompt_len: int, gen: int) -> list[dict]
     """The engine with and without CUDA graphs for its cache steps (engine/graphs.py)."""
     rows = []
     for batch in (1, 8):
-        eager, eager_out = engine_run(model, shape, device, batch, prompt_len, gen)
-        graphed, graphed_out = engine_run(model, shape, device, batch, prompt_len, gen, 8)
+        special = special_ids(shape)
+        eager, eager_out = engine_run(model, special, device, batch, prompt_len, gen)
+        graphed, graphed_out = engine_run(model, special, device, batch, prompt_len, gen, 8)
         same = sum(np.array_equal(a, b) for a, b in zip(eager_out, graphed_out))
         rows.append(
             {
@@ -309,10 +334,11 @@ def graph_section(model, shape, device, prompt_len: int, gen: int) -> list[dict]
 
 
 def engine_section(model, shape, device, prompt_len: int, gen: int) -> list[dict]:
-    engine_run(model, shape, device, 1, prompt_len, 2 * BLOCK)  # warm-up
+    special = special_ids(shape)
+    engine_run(model, special, device, 1, prompt_len, 2 * BLOCK)  # warm-up
     runs = []
     for batch in ENGINE_BATCHES:
-        run, _ = engine_run(model, shape, device, batch, prompt_len, gen)
+        run, _ = engine_run(model, special, device, batch, prompt_len, gen)
         med = run["median_ms"]
         run["request_tokens_per_s_at_0.9"] = tokens_per_s(
             gen, med[StepKind.RECOMPUTE.value], med[StepKind.CACHE.value], TOKENS_PER_STEP_0_9

@@ -181,8 +181,8 @@ BLOCK_PRESETS: dict[str, tuple[ModelShape, GPUSpec]] = {
     "llada2-flash-h200": (LLADA2_FLASH, H200_SXM),
 }
 WEIGHT_SHARE_OF_HBM = 0.9  # ASSUMED: a TP degree serves a model whose weights fit in 90% of HBM
-# Measured profiles shipped with the package (benchmarks/gpu_profile.py; TP-1 only).
-MEASURED = {"llada-8b-h200": ASSETS / "llada-8b-h200-profile.json"}
+# Measured profiles the package ships (gpu_profile.py, gpu_dataplane.py; TP-1), before presets
+MEASURED = {n: ASSETS / f"{n}-profile.json" for n in ("llada-8b-h200", "llada2-mini-h200")}
 
 # Batch-token grids: powers of two and the midpoints 3 x 2^e between them.
 FULL_GRID = tuple(sorted({2**e for e in range(7, 17)} | {3 * 2**e for e in range(6, 15)}))
@@ -387,12 +387,14 @@ def preset_profile(name: str, tp_degrees=(1, 2, 4, 8)) -> LatencyProfile:
 
 
 def load_profile(spec: str | Path) -> LatencyProfile:
-    """A preset (`PRESETS`) or shipped measured profile (`MEASURED`) by name, or a
-    latency-profile JSON file by path."""
+    """A shipped measured profile (`MEASURED`, where its file is there) or a preset (`PRESETS`,
+    `BLOCK_PRESETS`) by name, or a latency-profile JSON file by path."""
+    if isinstance(spec, str) and spec in MEASURED and MEASURED[spec].is_file():
+        return LatencyProfile.from_file(MEASURED[spec])
     if isinstance(spec, str) and (spec in PRESETS or spec in BLOCK_PRESETS):
         return preset_profile(spec)
     path = MEASURED.get(spec, Path(spec)) if isinstance(spec, str) else Path(spec)
     if not path.is_file():
-        names = ", ".join([*PRESETS, *BLOCK_PRESETS, *MEASURED])
+        names = ", ".join(dict.fromkeys([*PRESETS, *BLOCK_PRESETS, *MEASURED]))
         raise ValueError(f"{str(spec)!r} is neither a latency-profile file nor a profile ({names})")
     return LatencyProfile.from_file(path)
