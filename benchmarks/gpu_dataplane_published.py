@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -25,15 +26,18 @@ from dilaserve.training.random_checkpoint import LLADA_8B_CONFIG
 DROPPED_KEYS = ("auto_map", "architectures", "torch_dtype")  # not config-class arguments
 
 
-def _import(folder: str, module: str):
-    """`module` from the folder `folder` (on sys.path first)."""
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    return importlib.import_module(module)
+def _import(folder: str, module: str, package: bool = False):
+    """`module` from the folder `folder` (on sys.path first), or from the package `folder`
+    (its parent on sys.path: the module imports its siblings relatively)."""
+    path = Path(folder).resolve()
+    root = str(path.parent if package else path)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    return importlib.import_module(f"{path.name}.{module}" if package else module)
 
 
-def _mirror(theirs: torch.nn.Module, ours: torch.nn.Module) -> int:
-    """Random normal parameters, then ours copied in where name and shape agree; the count."""
+def _mirror(theirs: torch.nn.Module, ours: torch.nn.Module) -> str:
+    """Random normal parameters, then ours copied in where name and shape agree: "copied/all"."""
     with torch.no_grad():
         for p in theirs.parameters():
             p.normal_(0.0, 0.02)
@@ -43,7 +47,7 @@ def _mirror(theirs: torch.nn.Module, ours: torch.nn.Module) -> int:
             if name in mine and mine[name].shape == p.shape:
                 p.copy_(mine[name])
                 copied += 1
-    return copied
+    return f"{copied}/{len(theirs.state_dict())}"
 
 
 def _timed(fn, device: torch.device):
@@ -99,8 +103,8 @@ def fastdllm(code: str, ours, prompt: list[int], gen: int, block: int, threshold
 
 def llada2(code: str, ours, prompt: list[int], gen: int, block: int, threshold: float) -> dict:
     """LLaDA2's published `generate` on one request (its cache-free block decoding)."""
-    modeling = _import(code, "modeling_llada2_moe")
-    config_mod = _import(code, "configuration_llada2_moe")
+    modeling = _import(code, "modeling_llada2_moe", package=True)
+    config_mod = _import(code, "configuration_llada2_moe", package=True)
     raw = {k: v for k, v in ours.config.to_dict().items() if k not in DROPPED_KEYS}
     config = config_mod.LLaDA2MoeConfig(**raw)
     config._attn_implementation = "sdpa"
@@ -141,7 +145,7 @@ def llada2(code: str, ours, prompt: list[int], gen: int, block: int, threshold: 
     return _record("LLaDA2 published generate", gen, seconds, forwards, copied)
 
 
-def _record(name: str, gen: int, seconds: float, forwards, copied: int) -> dict:
+def _record(name: str, gen: int, seconds: float, forwards, copied: str) -> dict:
     return {
         "decoder": name,
         "gen": gen,
