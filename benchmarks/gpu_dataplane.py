@@ -18,7 +18,7 @@ For each model, built in memory with random bf16 weights (no checkpoint, no down
 2. tokens/s through `Engine.execute` (threshold 0.9, dual cache, CUDA graphs for as many
    requests as the batch; batch 1, also without graphs, then 8 and 32 as time allows): random
    weights commit one token a step (top-1 fallback); `steady_tokens_per_s` composes the median
-   step times (no graph captures, no outliers);
+   step times (no graph captures, no outliers); batch 1 runs before the published decoders;
 3. when the published code is given, the same single request through Fast-dLLM's LLaDA
    generator and LLaDA2's published `generate` (`gpu_dataplane_published.py`); skipped with a
    note otherwise.
@@ -121,8 +121,13 @@ def build(name: str, smoke: bool, device: torch.device, dtype: torch.dtype):
         cfg, cls = LLaDAConfig(**raw), LLaDAModelLM
     else:
         cfg, cls = LLaDA2Config(**raw), LLaDA2MoeModelLM
-    with torch.device(device):
-        model = cls(cfg).to(dtype)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in bf16 on the GPU: no float32 copy of 16B weights
+    try:
+        with torch.device(device):
+            model = cls(cfg)
+    finally:
+        torch.set_default_dtype(previous)
     model.init_weights(0)
     getattr(model, "reset_buffers", lambda: model.model.rotary.reset())()
     special = SpecialIds(mask=raw["mask_token_id"], eos=raw["eos_token_id"], eot=None)
@@ -179,35 +184,48 @@ def step_grid(name, model, rates, device, budget: Budget, args) -> list[dict]:
                     row = measure(model, info, rates, kind, query, rows, device, args.repeats)
                 out.append({"model": name, **row})
                 print({k: out[-1][k] for k in COLUMNS}, flush=True)
-            except torch.cuda.OutOfMemoryError as err:
-                budget.skipped.append(f"{what}: out of memory ({str(err).splitlines()[0]})")
+            except RuntimeError as err:  # out of memory, a kernel refusing a shape: noted
+                failed(budget, what, err)
             free(device)
     return out
 
 
-def engine_runs(name, model, special, device, budget: Budget, args) -> list[dict]:
-    """Tokens/s through `Engine.execute`, CUDA graphs on (batch 1 also without): the first
-    batch-1 run on an engine captures its graphs, the second is timed."""
+def failed(budget: Budget, what: str, err: Exception) -> None:
+    budget.skipped.append(f"{what}: {type(err).__name__}: {str(err).splitlines()[0][:200]}")
+    print(f"failed {budget.skipped[-1]}", flush=True)
+
+
+def engine_runs(name, model, special, device, budget: Budget, args, batches) -> list[dict]:
+    """Tokens/s through `Engine.execute`, CUDA graphs on for as many requests as the batch
+    (batch 1 also without): the first batch-1 run on an engine captures its graphs, the second
+    is timed."""
     out = []
     graphed = device.type == "cuda"
-    plan = [(1, int(graphed)), (1, 0)] + [(b, b * graphed) for b in ENGINE_BATCHES[1:]]
-    for batch, cuda_graphs in list(dict.fromkeys(plan))[: 2 if args.smoke else None]:
+    plan = [(b, b * graphed) for b in batches] + ([(1, 0)] if 1 in batches else [])
+    for batch, cuda_graphs in dict.fromkeys(plan):
         what = f"{name} Engine.execute, batch {batch}, cuda_graphs {cuda_graphs}"
         if not budget.allows(what, 15 + batch):
             continue
-        engine = gp.make_engine(model, special, device, cuda_graphs)
-        if batch == 1:
-            gp.engine_run(model, special, device, 1, args.prompt_len, args.gen, engine=engine)
-        record, _ = gp.engine_run(
-            model, special, device, batch, args.prompt_len, args.gen, engine=engine
-        )
-        steady = sum(record["median_ms"][k] * n for k, n in record["steps"].items())
-        record["steady_tokens_per_s"] = round(record["tokens"] / (steady / 1e3), 1)
-        out.append({"model": name, **record})
-        print({"engine": out[-1]}, flush=True)
-        del engine
+        try:
+            record = engine_record(model, special, device, batch, cuda_graphs, args)
+            out.append({"model": name, **record})
+            print({"engine": out[-1]}, flush=True)
+        except RuntimeError as err:
+            failed(budget, what, err)
         free(device)
     return out
+
+
+def engine_record(model, special, device, batch: int, cuda_graphs: int, args) -> dict:
+    engine = gp.make_engine(model, special, device, cuda_graphs)
+    if batch == 1:
+        gp.engine_run(model, special, device, 1, args.prompt_len, args.gen, engine=engine)
+    record, _ = gp.engine_run(
+        model, special, device, batch, args.prompt_len, args.gen, engine=engine
+    )
+    steady = sum(record["median_ms"][k] * n for k, n in record["steps"].items())
+    record["steady_tokens_per_s"] = round(record["tokens"] / (steady / 1e3), 1)
+    return record
 
 
 def reference_run(name, model, special, device, budget: Budget, args) -> dict:
@@ -303,9 +321,11 @@ def main(argv=None) -> Path:
         print(f"{name} built in {time.perf_counter() - t0:.1f} s", flush=True)
         mine = step_grid(name, model, rates, device, part, args)
         steps += mine
-        engine += engine_runs(name, model, special, device, part, args)
+        engine += engine_runs(name, model, special, device, part, args, ENGINE_BATCHES[:1])
         refs[name] = reference_run(name, model, special, device, part, args)
         print({"published": refs[name]}, flush=True)
+        more = ENGINE_BATCHES[1:2] if args.smoke else ENGINE_BATCHES[1:]
+        engine += engine_runs(name, model, special, device, part, args, more)
         if mine:
             file = run / f"{name}-{gpu_tag(rates)}-profile.json"
             write_json(file, profile(name, mine, rates, dtype))

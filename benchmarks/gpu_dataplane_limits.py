@@ -45,6 +45,8 @@ def accounting(model) -> dict:
 def touched_experts(model, step) -> int:
     """Distinct routed experts one run of `step` reads, summed over layers (0: dense)."""
     routers = [m for m in model.modules() if isinstance(m, Router)]
+    if not routers:
+        return 0
     seen: list[int] = []
     hooks = [
         r.register_forward_hook(lambda _m, _i, out: seen.append(out[0].unique().numel()))

@@ -118,3 +118,18 @@ def test_a_shipped_profile_file_replaces_the_analytic_preset(tmp_path, monkeypat
     profile = latency.load_profile("llada2-mini-h200")
     assert profile.meta["source"] == "measured"
     assert profile.step_latency(1, 32, "block") == pytest.approx(0.005)
+
+
+def test_a_setting_that_fails_is_noted_and_the_run_goes_on(dataplane, tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 54.00 GiB")
+
+    monkeypatch.setattr(dataplane.gp, "cache_step", refuse)
+    run = dataplane.main(["--smoke", "--out", str(tmp_path), "--models", "llada-8b"])
+    summary = json.loads((run / "summary.json").read_text())
+    assert {s["kind"] for s in summary["steps"]} == {"recompute"}
+    assert any(
+        s.startswith("llada-8b cache step, 1 requests: RuntimeError: CUDA out of memory")
+        for s in summary["skipped"]
+    )
+    assert summary["engine"] and summary["profiles"] == {"llada-8b": "llada-8b-cpu-profile.json"}
