@@ -65,7 +65,7 @@ LLADA2_MINI = dict(
     num_experts_per_tok=8, n_group=8, topk_group=4, num_shared_experts=1,
     first_k_dense_replace=1, routed_scaling_factor=2.5, rope_theta=600000.0,
     partial_rotary_factor=0.5, rms_norm_eps=1e-6, vocab_size=157184, use_bias=False,
-    max_position_embeddings=32768, mask_token_id=156895, eos_token_id=156892,
+    max_position_embeddings=16384, mask_token_id=156895, eos_token_id=156892,
 )  # fmt: skip
 TINY_LLADA2 = dict(
     LLADA2_MINI, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -312,7 +312,15 @@ def main(argv=None) -> Path:
     write_json(run / "config.json", {**vars(args), "environment": environment()})
     rates = limits.probe_rates(device, dtype, args.smoke)
     print({"rates": rates}, flush=True)
-    steps, engine, refs, profiles = [], [], {}, {}
+    summary = {"rates": rates, "steps": [], "engine": [], "published": {}, "profiles": {}}
+
+    def save() -> None:  # after every part: a run stopped by `timeout` keeps what it measured
+        summary["targets"] = limits.targets(summary["steps"], summary["engine"], refs)
+        summary["skipped"] = budget.skipped
+        summary["wall_s"] = round(args.deadline - budget.left(), 1)
+        write_json(run / "summary.json", summary)
+
+    refs, engine = summary["published"], summary["engine"]
     names = args.models.split(",")
     for i, name in enumerate(names):
         part = budget.share(len(names) - i)
@@ -320,40 +328,37 @@ def main(argv=None) -> Path:
         model, special = build(name, args.smoke, device, dtype)
         print(f"{name} built in {time.perf_counter() - t0:.1f} s", flush=True)
         mine = step_grid(name, model, rates, device, part, args)
-        steps += mine
-        engine += engine_runs(name, model, special, device, part, args, ENGINE_BATCHES[:1])
-        refs[name] = reference_run(name, model, special, device, part, args)
-        print({"published": refs[name]}, flush=True)
-        more = ENGINE_BATCHES[1:2] if args.smoke else ENGINE_BATCHES[1:]
-        engine += engine_runs(name, model, special, device, part, args, more)
+        summary["steps"] += mine
         if mine:
             file = run / f"{name}-{gpu_tag(rates)}-profile.json"
             write_json(file, profile(name, mine, rates, dtype))
-            profiles[name] = file.name
+            summary["profiles"][name] = file.name
+        save()
+        engine += engine_runs(name, model, special, device, part, args, ENGINE_BATCHES[:1])
+        refs[name] = reference_run(name, model, special, device, part, args)
+        print({"published": refs[name]}, flush=True)
+        save()
+        more = ENGINE_BATCHES[1:2] if args.smoke else ENGINE_BATCHES[1:]
+        engine += engine_runs(name, model, special, device, part, args, more)
+        save()
         del model
         free(device)
-        summary = {
-            "rates": rates,
-            "targets": limits.targets(steps, engine, refs),
-            "steps": steps,
-            "engine": engine,
-            "published": refs,
-            "profiles": profiles,
-            "skipped": budget.skipped,
-            "wall_s": round(args.deadline - budget.left(), 1),
-        }
-        write_json(run / "summary.json", summary)
-    table = markdown_table(steps, COLUMNS)
-    engine_table = markdown_table(
-        engine, ["model", "batch", "cuda_graphs", "tokens_per_s", "steady_tokens_per_s"]
-    )
-    (run / "report.md").write_text(
-        f"# GPU data plane ({rates['device']})\n\n{table}\n\n{engine_table}\n\n"
-        f"published: {refs}\n\ntargets: {summary['targets']}\n\nskipped: {budget.skipped}\n"
-    )
-    print(table, engine_table, {"published": refs}, {"targets": summary["targets"]}, sep="\n\n")
-    print(f"skipped: {budget.skipped or 'nothing'}\nrun folder: {run}", flush=True)
+    report(run, summary)
     return run
+
+
+def report(run: Path, summary: dict) -> None:
+    table = markdown_table(summary["steps"], COLUMNS)
+    engine_table = markdown_table(
+        summary["engine"], ["model", "batch", "cuda_graphs", "tokens_per_s", "steady_tokens_per_s"]
+    )
+    refs, targets, skipped = summary["published"], summary["targets"], summary["skipped"]
+    (run / "report.md").write_text(
+        f"# GPU data plane ({summary['rates']['device']})\n\n{table}\n\n{engine_table}\n\n"
+        f"published: {refs}\n\ntargets: {targets}\n\nskipped: {skipped}\n"
+    )
+    print(table, engine_table, {"published": refs}, {"targets": targets}, sep="\n\n")
+    print(f"skipped: {skipped or 'nothing'}\nrun folder: {run}", flush=True)
 
 
 if __name__ == "__main__":
