@@ -11,8 +11,8 @@
 # FASTDLLM_CODE (Fast-dLLM's llada/ folder) and LLADA2_CODE (a folder with LLaDA2's
 # modeling_llada2_moe.py, e.g. ZHZisZZ/dllm's dllm/pipelines/llada2/models); by default
 # shared/published/Fast-dLLM/llada and shared/published/dllm/dllm/pipelines/llada2/models.
-# SITE: a folder with the transformers version that code wants (pip install --target), put
-# on PYTHONPATH. Without them the summary says the comparison was skipped.
+# SITE: a folder with what that code wants and the machine may lack (transformers 4.5x, einops;
+# pip install --target), put on PYTHONPATH. Without them the summary says what was skipped.
 set -u
 OUT=${OUT:-runs}
 DEADLINE=${DEADLINE:-400}  # the script's own budget; `timeout` stops it 60 s after, whatever

@@ -96,7 +96,7 @@ def fastdllm(code: str, ours, prompt: list[int], gen: int, block: int, threshold
             threshold=threshold,
         )  # fmt: skip
 
-    run(ids[:, :64], 2 * block)  # warm-up
+    run(ids[:, :64], block)  # warm-up: one block
     (_, forwards), seconds = _timed(lambda: run(ids, gen), param.device)
     return _record("Fast-dLLM generate_with_dual_cache", gen, seconds, forwards, copied)
 
@@ -139,7 +139,7 @@ def llada2(code: str, ours, prompt: list[int], gen: int, block: int, threshold: 
                 mask_id=cfg.mask_token_id,
             )  # fmt: skip
 
-    run(ids[:, :64], 2 * block)  # warm-up
+    run(ids[:, :64], block)  # warm-up: one block
     forwards = 0
     _, seconds = _timed(lambda: run(ids, gen), param.device)
     return _record("LLaDA2 published generate", gen, seconds, forwards, copied)
