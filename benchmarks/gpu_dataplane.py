@@ -135,13 +135,15 @@ def build(name: str, smoke: bool, device: torch.device, dtype: torch.dtype):
 
 
 def make_step(model, kind: str, query: int | None, rows: int, device, kwargs: dict):
-    """The step's closure and (batch tokens, keys each query attends to)."""
+    """The step's closure, its batch tokens, the keys each query attends to (block-causal: half
+    the sequence on average) and the tokens given logits (a whole-sequence step: its last
+    block, as the engine's)."""
     if query is None:
         seq = REF_CONTEXT + BLOCK
         fn = gp.recompute_step(model, rows, seq, device, BLOCK, **kwargs)
-        return fn, rows * seq, (seq // 2 if kind == "prefill" else seq)
+        return fn, rows * seq, (seq // 2 if kind == "prefill" else seq), rows * BLOCK
     fn = gp.cache_step(model, rows, REF_CONTEXT, device, query, **kwargs)
-    return fn, rows * query, REF_CONTEXT + query
+    return fn, rows * query, REF_CONTEXT + query, rows * query
 
 
 def timed_ms(fn, device, repeats: int) -> float:
@@ -155,7 +157,7 @@ def timed_ms(fn, device, repeats: int) -> float:
 
 def measure(model, info: dict, rates: dict, kind, query, rows, device, repeats) -> dict:
     kwargs = {"block_len": BLOCK} if isinstance(model, LLaDA2MoeModelLM) else {}
-    fn, tokens, keys = make_step(model, kind, query, rows, device, kwargs)
+    fn, tokens, keys, logits = make_step(model, kind, query, rows, device, kwargs)
     row = {"kind": kind, "num_requests": rows, "batch_tokens": tokens, "context_len": REF_CONTEXT}
     row["eager_ms"] = timed_ms(fn, device, repeats)
     row["graph_ms"] = None
@@ -166,7 +168,7 @@ def measure(model, info: dict, rates: dict, kind, query, rows, device, repeats) 
             row["graph_error"] = str(err).splitlines()[0]
     row["experts_touched"] = limits.touched_experts(model, fn)
     row["ms"] = row["graph_ms"] or row["eager_ms"]
-    row.update(limits.limits(row, info, rates, tokens, keys))
+    row.update(limits.limits(row, info, rates, tokens, keys, logits))
     return row
 
 

@@ -21,7 +21,8 @@ from dilaserve.sim.hardware import GH200, H100_SXM, H200_SXM
 
 def accounting(model) -> dict:
     """Bytes a step reads besides the routed experts, bytes of one expert, parameters a token
-    multiplies (routed experts: top-k of them), and the attention width."""
+    multiplies (routed experts: top-k of them; the output head among them), the attention
+    width and the output head's parameters (which multiply only the tokens given logits)."""
     cfg = model.config
     params = list(model.parameters())
     total = sum(p.numel() for p in params)
@@ -32,6 +33,7 @@ def accounting(model) -> dict:
     top_k = getattr(cfg, "num_experts_per_tok", 0)
     size = params[0].element_size()
     heads = getattr(cfg, "n_heads", None) or cfg.num_attention_heads
+    hidden = getattr(cfg, "d_model", None) or cfg.hidden_size
     return {
         "params": total,
         "dense_bytes": (total - embed - routed) * size,
@@ -39,6 +41,7 @@ def accounting(model) -> dict:
         "moe_layers": len(banks),
         "matmul_params": total - embed - routed + len(banks) * top_k * expert,
         "attention_width": cfg.num_layers * heads * cfg.head_dim,
+        "head_params": getattr(cfg, "padded_vocab_size", cfg.vocab_size) * hidden,
     }
 
 
@@ -84,11 +87,15 @@ def probe_rates(device: torch.device, dtype: torch.dtype, smoke: bool) -> dict:
     }
 
 
-def limits(row: dict, info: dict, rates: dict, tokens: int, keys: int) -> dict:
-    """The step's weight bytes, FLOPs, both limits in ms and how near `row["ms"]` came."""
+def limits(row: dict, info: dict, rates: dict, tokens: int, keys: int, logits: int) -> dict:
+    """The step's weight bytes, FLOPs (`tokens` through the layers, each attending to `keys`,
+    `logits` of them through the output head), both limits in ms and how near `row["ms"]`
+    came."""
     ms = row["ms"]
     weight_bytes = info["dense_bytes"] + row["experts_touched"] * info["expert_bytes"]
-    flops = 2 * info["matmul_params"] * tokens + 4 * info["attention_width"] * tokens * keys
+    layers = info["matmul_params"] - info["head_params"]
+    flops = 2 * layers * tokens + 2 * info["head_params"] * logits
+    flops += 4 * info["attention_width"] * tokens * keys
     weight_ms = round(1e3 * weight_bytes / rates["hbm_bytes_per_s"], 6)
     matrix_ms = round(1e3 * flops / rates["peak_flops_per_s"], 6)
     return {
@@ -117,20 +124,29 @@ def targets(steps: list[dict], engine: list[dict], refs: dict) -> dict:
         name = f"{r['model']} {r['kind']}"
         if r["num_requests"] >= largest.get(name, {}).get("num_requests", 0):
             largest[name] = {"num_requests": r["num_requests"], "pct": r["pct_matrix_rate"]}
-    ours = [e for e in engine if e["model"] == "llada-8b" and e["batch"] == 1 and e["cuda_graphs"]]
-    theirs = refs.get("llada-8b", {}).get("tokens_per_s")
+
+    def over_published(model: str):
+        """Our single request's tokens/s (CUDA graphs on where they ran) over the published
+        decoder's."""
+        ours = sorted(
+            (e for e in engine if e["model"] == model and e["batch"] == 1),
+            key=lambda e: -e["cuda_graphs"],
+        )
+        theirs = refs.get(model, {}).get("tokens_per_s")
+        return round(ours[0]["tokens_per_s"] / theirs, 2) if ours and theirs else None
+
     return {
         "llada8b_cache_1_ms": one("llada-8b", "cache", 1, "ms"),
         "llada8b_cache_1_over_weight_limit": one("llada-8b", "cache", 1, "over_weight_limit"),
         "pct_matrix_rate_at_most_requests": largest,
         "llada2_block_1_over_touched_limit": one("llada2-mini", "block", 1, "over_weight_limit"),
-        "llada8b_tokens_per_s_over_fastdllm": (
-            round(ours[0]["tokens_per_s"] / theirs, 2) if ours and theirs else None
-        ),
+        "llada8b_tokens_per_s_over_fastdllm": over_published("llada-8b"),
+        "llada2_tokens_per_s_over_published": over_published("llada2-mini"),
         "wanted": {
             "llada8b_cache_1_over_weight_limit": "<= 1.5 (<= 5.6 ms on an H200)",
             "pct_matrix_rate_at_most_requests": ">= 70 at 128 requests",
             "llada2_block_1_over_touched_limit": "<= 2",
             "llada8b_tokens_per_s_over_fastdllm": ">= 2",
+            "llada2_tokens_per_s_over_published": "(not a target: for the record)",
         },
     }

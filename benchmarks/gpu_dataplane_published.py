@@ -21,8 +21,6 @@ from pathlib import Path
 
 import torch
 
-from dilaserve.training.random_checkpoint import LLADA_8B_CONFIG
-
 DROPPED_KEYS = ("auto_map", "architectures", "torch_dtype")  # not config-class arguments
 
 
@@ -62,6 +60,10 @@ def _timed(fn, device: torch.device):
 
 def fastdllm(code: str, ours, prompt: list[int], gen: int, block: int, threshold: float) -> dict:
     """Fast-dLLM's dual-cache LLaDA generator on one request; tokens/s over its wall time."""
+    # the published config's keys (imported here: the module needs safetensors, which the GPU
+    # machine's environment may lack)
+    from dilaserve.training.random_checkpoint import LLADA_8B_CONFIG
+
     generate = _import(code, "generate")
     config_mod = _import(code, "model.configuration_llada")
     cfg = ours.config
