@@ -159,7 +159,10 @@ class _Cluster:
         )
         self.accepting, self.in_flight = True, 0
         stats = {"migrations": 0, "reconfigurations": 0, "failures": 0}
-        self.controller = SimpleNamespace(stats=stats, rollout=SimpleNamespace(log=[]))
+        stalls = SimpleNamespace(count=0)
+        self.controller = SimpleNamespace(
+            stats=stats, stalls=stalls, rollout=SimpleNamespace(log=[])
+        )
         inst = {"i0": SimpleNamespace(tp=1), "i1": SimpleNamespace(tp=2)}
         self.scheduler = SimpleNamespace(instances=inst, requests={})
 

@@ -114,3 +114,33 @@ def test_while_lost_capacity_is_restored_finished_requests_teach_admission_nothi
     assert outcome(cluster, after) == "admitted"
     run_until(cluster, lambda: straddles.future.done() and after.future.done())
     assert on_time.finished == 1  # "after" alone
+
+
+def test_a_stall_of_the_controller_teaches_neither_speed_nor_admission():
+    # a planner round's solves held the controller up 1.3 s on a busy machine: the steps and
+    # requests then in flight read as 10x and 12x slow, and admission refused (docs/serving.md)
+    cluster, clock = virtual_cluster(instances=(1, 1), slo=60.0)
+    handles = [submit(cluster, f"r{k}", slo=600.0) for k in range(8)]
+    assert [outcome(cluster, h) for h in handles] == ["admitted"] * 8
+    run_until(cluster, lambda: len(clock._running) == 2)  # both instances run a step
+    on_time = cluster.controller.admission.on_time
+    in_flight = [h.request_id for h in handles if not h.future.done()]
+    assert all(rid in on_time for rid in in_flight)  # priced, to be learnt from
+    tick, steps = cluster.scheduler.on_tick, cluster.controller.steps_run
+
+    def slow_round(now):  # the next tick takes 1.5 s of the clock
+        clock.t += 1.5
+        cluster.scheduler.on_tick = tick
+        return tick(now)
+
+    cluster.scheduler.on_tick = slow_round
+    cluster.controller._next_tick = clock.t  # the tick comes now, while both steps run
+    run_until(cluster, lambda: cluster.controller.steps_run >= steps + 2)
+    assert cluster.controller.stalls.count == 1
+    assert cluster.step_slowdown < 1.5  # the two steps it held up were not measured
+    assert not any(rid in on_time for rid in in_flight)
+    after = submit(cluster, "after", slo=600.0)  # admitted after it: priced as usual
+    assert outcome(cluster, after) == "admitted" and "after" in on_time
+    run_until(cluster, lambda: all(h.future.done() for h in [*handles, after]))
+    assert all(h.future.exception() is None for h in [*handles, after])
+    assert cluster.controller.stalls.count == 1  # no event since took over a tick

@@ -4,28 +4,20 @@
 own clock reading: requests that `Cluster` queued from any thread (`on_arrival`, once admitted
 by capacity: `control.admission`), their cancellations, steps that instances report done
 (`on_step_done`), ticks every `tick` seconds (`on_tick`: deferred requests, planner rounds) and
-instances coming up or dying. It carries out the decisions: step commands to instances (sent
-without waiting, so steps on different instances overlap), releases, finished requests, and
-reconfigurations through the same `Rollout` as the simulator (it is the rollout's driver); it
-streams each request's committed text and ends it with its result or error (`Answers`). It
-never sees a caller: `Cluster` checks requests, queues them, and owns the clock (`now`).
+instances coming up or dying. It carries out the decisions (steps sent without waiting, releases,
+finished requests, reconfigurations through the simulator's `Rollout`) and streams answers
+(`Answers`). `Cluster` queues requests and owns the clock (`now`). A run, recorded, replays
+in the simulator to the same decision log (`sim.replay`); that is tested.
 
-Because the simulator drives the same scheduler and rollout, a run here, recorded
-(`Recording`: each admitted request, each launch with its clock times and outcome), replays in
-the simulator to the same decision log (`sim.replay`); that parity is tested.
-
-Faults: if an instance's process dies, its requests continue elsewhere from their last
-committed tokens (the step it was running is lost), the failure is counted and logged, and a
-replacement with the same GPUs is started (`replace_failed`); an instance whose step runs past
-its step timeout (`step_timeout_of`: the configured or derived timeout times the instance's
-measured slowdown) is taken for hung and killed, to the same end; the last instance serving
-only once past `LAST_INSTANCE_GRACE` times that (`hangs.py`): slowness alone never leaves the
-cluster with none. A replacement that cannot be started or dies loading is retried with backoff
-(`replacements`). If the engine raises on a step (a batch too big for memory, a request that
-breaks it), the step's requests resume from their last committed tokens, each alone from then
-on; one whose step fails alone fails. An exception in the controller itself (a bug) fails only
-what the event it was handling concerned: one request, or one instance (taken out and
-replaced); the controller goes on (`_survive`).
+Faults: a dead instance's requests continue elsewhere from their last committed tokens (its
+running step is lost), the failure is counted and logged, and a replacement with the same GPUs
+is started (`replace_failed`; retried with backoff: `replacements`); an instance whose step
+runs past its step timeout (`step_timeout_of`: the configured or derived timeout times its
+measured slowdown) is killed as hung, the last one serving only past `LAST_INSTANCE_GRACE`
+times that (`hangs.py`): slowness alone never leaves none. If the engine raises on a step, its
+requests resume, each alone from then on; one whose step fails alone fails. An exception in
+the controller (a bug) fails only what its event concerned, one request or one instance (taken
+out and replaced), and it goes on (`_survive`). A stall of its own: `stalls.py`.
 """
 
 from __future__ import annotations
@@ -48,6 +40,7 @@ from dilaserve.cluster.requests import (
     Recording,
     RequestHandle,
 )
+from dilaserve.cluster.stalls import StallWatch
 from dilaserve.control.admission import LOWEST_PRIORITY, Admission, Room
 from dilaserve.control.decision_log import DecisionLog
 from dilaserve.control.decisions import Decisions, InstanceSpec
@@ -81,6 +74,7 @@ class Controller:
         self.now = now
         self.rollout = Rollout(scheduler, self, config.max_batch_tokens)
         self.admission = Admission(scheduler, config.overload)
+        self.stalls = StallWatch(config.tick)
         self.hangs = HangWatch(config.derived_step_timeout(scheduler.profile), scheduler.speed)
         self.log = DecisionLog(keep_lines=config.record)
         self.recording = Recording() if config.record else None
@@ -132,8 +126,11 @@ class Controller:
         """The controller thread: one event at a time until `closing` is set."""
         while not self.closing.is_set():
             try:
+                began = self.now()
                 self._next_event()
                 if self._handling[0] != "poll":  # the load or the instances may have changed
+                    if self.stalls.handled(began, self.now(), self._inflight):
+                        self._forget_all_timings()  # it held up every result (`stalls.py`)
                     self.room = self.admission.room(self._last)
             except Exception as e:  # a controller bug: fail what it concerned, never the rest
                 self._survive(e)
@@ -277,12 +274,15 @@ class Controller:
         self.step_times.append((now - launched, event.seconds))
         self.steps_run += 1
         tp = self.scheduler.instances[iid].tp
-        if self.config.measured_speed:  # the step's cost, end to end
+        measured = self.stalls.measured(iid)  # (not across a stall of ours: `stalls.py`)
+        if self.config.measured_speed and measured:  # the step's cost, end to end
             self.scheduler.speed.observe(tp, batch, now - launched, iid, now)
         if self.observer is not None:
             self.observer.step_done(iid, tp, event.output, event.seconds)
         if self.recording is not None:
             self.recording.launches.append((iid, launched, now, event.output.results))
+            if not measured:
+                self.recording.unmeasured.add((iid, launched))
         decisions = self.scheduler.on_step_done(iid, event.output, now)
         self.apply(decisions, now, f"d{iid}")
         for result in event.output.results:  # stream what they committed
@@ -331,10 +331,9 @@ class Controller:
             self._replace(iid, replacement, now)
 
     def _forget_all_timings(self) -> None:
-        """A fault begins or ends (an instance stalled or died, or its replacement is up): the
-        requests in flight were priced for a cluster that is no more, and their times teach
-        admission nothing (after SIGSTOP, they took 4x their prediction, and its factor then
-        refused a load the cluster had room for: docs/serving.md)."""
+        """A fault begins or ends (an instance stalled, died or is replaced), or the controller
+        stalled (`stalls.py`): the requests in flight teach admission nothing (after SIGSTOP,
+        they took 4x their prediction, and it then refused a load there was room for)."""
         for rid in list(self.handles):
             self.admission.dropped(rid)
 
@@ -355,6 +354,7 @@ class Controller:
             self.stats["migrations"] += 1
             self.backend.release(instance_id, [rid])
         for launch in d.launches:
+            self.stalls.launched(launch.instance_id)
             self._inflight[launch.instance_id] = (now, launch.batch)
             self.backend.step(launch.instance_id, launch.batch)
         for rid in d.finished:

@@ -247,3 +247,6 @@ class Recording:
     launches: list[tuple[str, float, float, tuple[RequestStepResult, ...]]] = field(
         default_factory=list
     )
+    # (instance, launched at) of the launches whose time a stall of the controller's held up:
+    # the measured speed did not learn it (`stalls.py`)
+    unmeasured: set[tuple[str, float]] = field(default_factory=set)

@@ -152,6 +152,7 @@ def _parity(cluster: Cluster, config: ClusterConfig) -> dict:
             config.tick,
             config.max_batch_tokens,
             config.measured_speed,
+            recording.unmeasured,
         )
     except ParityError as e:
         return {"identical": False, "error": str(e)}

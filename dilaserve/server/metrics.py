@@ -194,6 +194,8 @@ class _ClusterCollector:
             ("dilaserve_instance_failures", "failures", "Instances that died"),
         ):
             yield CounterMetricFamily(name, text, value=c.controller.stats[key])
+        text = "Events that held the controller up for over a tick (their steps not measured)"
+        yield CounterMetricFamily("dilaserve_controller_stalls", text, c.controller.stalls.count)
 
 
 def _gauge(name: str, text: str, value: float) -> GaugeMetricFamily:

@@ -13,6 +13,7 @@ differ; either means the simulator would not predict what the runtime does.
 from __future__ import annotations
 
 from collections import defaultdict, deque
+from collections.abc import Collection
 
 from dilaserve.control.build import ControlSpec, build_scheduler
 from dilaserve.control.decision_log import DecisionLog
@@ -72,9 +73,11 @@ def replay(
     tick: float,
     max_batch_tokens: int,
     measured_speed: bool = True,
+    unmeasured: Collection[tuple[str, float]] = (),
 ) -> tuple[SimResult, list[str]]:
     """The simulator's run of a recorded cluster run, and its decision log's lines.
-    `measured_speed`: the run's (`ClusterConfig.measured_speed`)."""
+    `measured_speed`: the run's (`ClusterConfig.measured_speed`); `unmeasured`: the recording's
+    (instance, launched at) of the steps its measured speed did not learn (`cluster/stalls.py`)."""
     scheduler = build_scheduler(control)
     log = DecisionLog(keep_lines=True)
     simulator = Simulator(
@@ -85,6 +88,7 @@ def replay(
         SimConfig(tick=tick, max_batch_tokens=max_batch_tokens, measured_speed=measured_speed),
         durations=RecordedDurations(launches),
         log=log,
+        unmeasured=unmeasured,
     )
     result = simulator.run([r.fresh() for r in requests])
     return result, log.lines

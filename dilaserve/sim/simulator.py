@@ -19,7 +19,7 @@ simulator makes that run's decisions (`sim.replay`).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,6 +88,7 @@ class Simulator:
         config: SimConfig = SimConfig(),
         durations: Callable[[str, StepBatch, float], float] | None = None,
         log: DecisionLog | None = None,
+        unmeasured: Collection[tuple[str, float]] = (),
     ):
         self.scheduler = scheduler
         self.profile = profile
@@ -95,13 +96,17 @@ class Simulator:
         self.config = config
         self._costs = scheduler.config.costs  # (a property that builds one: read once)
         self.durations = durations or self._profile_duration
+        # (instance, launched at) of steps the measured speed does not learn (a replay: those a
+        # stall of the cluster's controller held up, `cluster/stalls.py`)
+        self.unmeasured = frozenset(unmeasured)
         self.log = log or DecisionLog()
         self.rng = np.random.default_rng(config.seed)
         self.rollout = Rollout(scheduler, self, config.max_batch_tokens)
         self._heap: list = []
         self._seq = 0
         self._releases = 0
-        self._running: dict[str, tuple[StepBatch, float]] = {}  # instance -> (batch, seconds)
+        # instance -> (batch, seconds, launched at)
+        self._running: dict[str, tuple[StepBatch, float, float]] = {}
         self._done: list[Request] = []
         self.instance_log: list[tuple[float, dict[int, int]]] = []
         self.queue_log: list[tuple[float, int]] = []
@@ -157,9 +162,9 @@ class Simulator:
         )
 
     def _step_done(self, instance_id: str, now: float) -> None:
-        batch, seconds = self._running.pop(instance_id)
+        batch, seconds, launched = self._running.pop(instance_id)
         requests = self.scheduler.requests
-        if self.config.measured_speed:
+        if self.config.measured_speed and (instance_id, launched) not in self.unmeasured:
             tp = self.scheduler.instances[instance_id].tp
             self.scheduler.speed.observe(tp, batch, seconds, instance_id, now)
         results = tuple(
@@ -177,7 +182,7 @@ class Simulator:
         self._releases += len(d.releases)
         for launch in d.launches:
             seconds = self.durations(launch.instance_id, launch.batch, now)
-            self._running[launch.instance_id] = (launch.batch, seconds)
+            self._running[launch.instance_id] = (launch.batch, seconds, now)
             self._push(now + seconds, STEP_DONE, launch.instance_id)
         for rid in d.finished:
             self._finish(rid)
