@@ -54,6 +54,9 @@ class Request:
     # a whole-window rule (Dream `none`): tokens a step commits at most, plus the rejections
     # carried over (EngineConfig.step_budget); None: the rule decodes block by block
     step_budget: int | None = None
+    # seconds its client gave it, from when it was submitted (None: the server's, or a trace's
+    # deadline - arrival): its SLO class for the planner, whatever its wait for the controller
+    slo: float | None = None
     status: RequestStatus = RequestStatus.WAITING
     output_ids: np.ndarray = field(init=False)
     confidences: np.ndarray = field(init=False)
@@ -123,6 +126,7 @@ class Request:
             self.max_tokens,
             self.edits,
             self.step_budget,
+            self.slo,
         )
 
     def block_span(self, block: int) -> tuple[int, int]:

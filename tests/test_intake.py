@@ -93,6 +93,7 @@ def test_request_carries_the_checked_fields():
     sub = check(it, slo=2.0, priority=3, min_threshold=0.6)
     r = sub.request("r1", submitted=10.0, block_len=8, mask_id=9)
     assert (r.gen_len, r.deadline, r.priority, r.threshold_bounds) == (16, 12.0, 3, (0.6, 1.0))
+    assert r.slo == 2.0  # as given: the planner classes it by that, whatever its wait
     assert (r.cost, r.prior_steps) == (16.0, {0.9: 3.0})
     without_prior = check(intake(dws=FixedEstimate()))
     assert (without_prior.cost, without_prior.prior_steps) == (16.0, None)

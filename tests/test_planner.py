@@ -134,6 +134,22 @@ def test_monitor_rates_carry_the_safety_buffer_and_forget_old_arrivals():
     assert [c.output_len for c in m.classes(19.4)] == [256]  # the small ones left the window
 
 
+def test_a_request_is_classed_by_the_slo_its_client_gave_not_less_its_wait():
+    # deadline - arrival took each request's wait for the controller off its SLO: a class per
+    # millisecond of wait (26-44 classes in 15 s at 40 requests/s), and planner rounds that
+    # held the controller up to 0.39 s (docs/serving.md)
+    planner = Reconfigurer(PROFILE, config(period=10.0), WorkloadMonitor(window=10.0))
+    for k in range(20):
+        submitted = 0.1 * k
+        r = Request(f"r{k}", (2,) * 64, 64, 32, 9, 0.9, deadline=submitted + 2.0, slo=2.0)
+        r.arrival_time = submitted + 0.001 * k  # it waited k ms for the controller
+        planner.record(r, r.arrival_time)
+    assert [c.slo for c in planner.monitor.classes(2.0)] == [2.0]
+    trace = Request("t", (2,) * 64, 64, 32, 9, 0.9, arrival_time=3.0, deadline=5.5)
+    planner.record(trace, 3.0)  # no SLO of its own (a trace's): deadline - arrival
+    assert sorted(c.slo for c in planner.monitor.classes(3.0)) == [2.0, 2.5]
+
+
 def test_a_rising_load_is_planned_for_until_the_next_window():
     rising = WorkloadMonitor(window=10.0, safety=1.1, trend=True)
     for t in range(10):  # 10 arrivals in the first half of the window, 20 in the second

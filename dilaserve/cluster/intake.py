@@ -56,6 +56,7 @@ class Submission:
             max_tokens=self.max_tokens,
             edits=self.edits,
             step_budget=self.step_budget,
+            slo=self.slo,
         )
 
 
