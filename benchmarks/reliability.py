@@ -3,7 +3,7 @@ overload, storms, a CPU-hungry neighbour and faults, judged against issue 38's t
 
     python benchmarks/reliability.py [--fuzz 1500] [--overload-seconds 60] [--slo-ms 2000]
                                      [--storm-clients 400] [--drain-timeout 2] [--beside-hog]
-                                     [--worker-nice N]
+                                     [--worker-nice N] [--planner-period S]
 
 Starts `dilaserve serve` (the bundled model, two TP-1 instances, on 127.0.0.1 only) in a
 process group of its own and runs these phases, each bounded in time:
@@ -36,7 +36,8 @@ process group of its own and runs these phases, each bounded in time:
    end with `[DONE]`, and the exit within the drain timeout plus one second.
 
 `--beside-hog` runs all of it beside a CPU hog on every core (a busy machine); `--worker-nice N`
-passes serve's option (the workers' CPU priority against the front).
+passes serve's option (the workers' CPU priority against the front); `--planner-period S` too
+(a planner round within a fault phase: serve's default puts the first 300 s after the start).
 
 The load comes from the load client of `dilaserve bench` (`dilaserve/bench/client.py`, aiohttp),
 which sends every request once: a connection the server closes unanswered is a failed request.
@@ -102,6 +103,8 @@ def start_server(port: int, args, log: Path) -> subprocess.Popen:
     command += ["--log-interval", "0", "--slo-headroom", str(args.slo_headroom)]
     if args.worker_nice is not None:
         command += ["--worker-nice", str(args.worker_nice)]
+    if args.planner_period is not None:
+        command += ["--planner-period", str(args.planner_period)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = log.open("w")
     server = subprocess.Popen(command, env=env, stdout=out, stderr=out, start_new_session=True)
@@ -332,6 +335,7 @@ def main() -> None:
         "--beside-hog", action="store_true", help="run beside a CPU hog on every core"
     )
     parser.add_argument("--worker-nice", type=int, metavar="N", help="serve's (default: its)")
+    parser.add_argument("--planner-period", type=float, metavar="S", help="serve's (default: its)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--cases",
