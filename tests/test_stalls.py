@@ -10,6 +10,7 @@ from dilaserve.cluster.backends import WorkerEvent
 from dilaserve.control.instance import STALL_FACTOR, STALL_SECONDS, InstanceState
 from dilaserve.server.app import ServerSettings, create_app
 from dilaserve.server.metrics import ServerMetrics
+from dilaserve.sim.replay import replay
 
 from conftest import make_request
 
@@ -116,6 +117,20 @@ def test_while_lost_capacity_is_restored_finished_requests_teach_admission_nothi
     assert on_time.finished == 1  # "after" alone
 
 
+def stall_next_tick(cluster, clock, seconds: float) -> None:
+    """The controller's next event is a tick that takes `seconds` of the clock (a planner
+    round on a busy machine), and it comes now."""
+    tick = cluster.scheduler.on_tick
+
+    def slow_round(now):
+        clock.t += seconds
+        cluster.scheduler.on_tick = tick
+        return tick(now)
+
+    cluster.scheduler.on_tick = slow_round
+    cluster.controller._next_tick = clock.t
+
+
 def test_a_stall_of_the_controller_teaches_neither_speed_nor_admission():
     # a planner round's solves held the controller up 1.3 s on a busy machine: the steps and
     # requests then in flight read as 10x and 12x slow, and admission refused (docs/serving.md)
@@ -126,15 +141,8 @@ def test_a_stall_of_the_controller_teaches_neither_speed_nor_admission():
     on_time = cluster.controller.admission.on_time
     in_flight = [h.request_id for h in handles if not h.future.done()]
     assert all(rid in on_time for rid in in_flight)  # priced, to be learnt from
-    tick, steps = cluster.scheduler.on_tick, cluster.controller.steps_run
-
-    def slow_round(now):  # the next tick takes 1.5 s of the clock
-        clock.t += 1.5
-        cluster.scheduler.on_tick = tick
-        return tick(now)
-
-    cluster.scheduler.on_tick = slow_round
-    cluster.controller._next_tick = clock.t  # the tick comes now, while both steps run
+    steps = cluster.controller.steps_run
+    stall_next_tick(cluster, clock, seconds=1.5)
     run_until(cluster, lambda: cluster.controller.steps_run >= steps + 2)
     assert cluster.controller.stalls.count == 1
     assert cluster.step_slowdown < 1.5  # the two steps it held up were not measured
@@ -144,3 +152,24 @@ def test_a_stall_of_the_controller_teaches_neither_speed_nor_admission():
     run_until(cluster, lambda: all(h.future.done() for h in [*handles, after]))
     assert all(h.future.exception() is None for h in [*handles, after])
     assert cluster.controller.stalls.count == 1  # no event since took over a tick
+
+
+def test_a_run_with_a_stall_replays_to_the_same_decisions():
+    # the steps a stall held up are recorded unmeasured; a replay that measured them would
+    # price the requests after it 11x slower (the test above) and decide otherwise
+    cluster, clock = virtual_cluster(instances=(1, 1), slo=60.0, record=True)
+    handles = [submit(cluster, f"r{k}", slo=600.0) for k in range(8)]
+    assert [outcome(cluster, h) for h in handles] == ["admitted"] * 8
+    run_until(cluster, lambda: len(clock._running) == 2)
+    stall_next_tick(cluster, clock, seconds=1.5)
+    run_until(cluster, lambda: all(h.future.done() for h in handles))
+    after = [submit(cluster, f"a{k}", slo=0.3) for k in range(10)]  # tight: speed matters
+    assert [outcome(cluster, h) for h in after] == ["admitted"] * 10
+    run_until(cluster, lambda: all(h.future.done() for h in after))
+    recording, config = cluster.controller.recording, cluster.config
+    assert len(recording.unmeasured) == 2
+    args = (config.control, config.initial_specs(), config.tick, config.max_batch_tokens)
+    _, lines = replay(recording.requests, recording.launches, *args, True, recording.unmeasured)
+    assert lines == cluster.controller.log.lines
+    _, measured = replay(recording.requests, recording.launches, *args, True)
+    assert measured != cluster.controller.log.lines
