@@ -178,7 +178,7 @@ class _AdmittingCluster:
         self.config = ClusterConfig()
         self.accepting, self.in_flight = True, 0
         stats = {"migrations": 0, "reconfigurations": 0, "failures": 0}
-        self.controller = SimpleNamespace(stats=stats)
+        self.controller = SimpleNamespace(stats=stats, stalls=SimpleNamespace(count=0))
         self.intake = SimpleNamespace(check_text_length=lambda chars, param: None)
 
     def submit(self, prompt, **kw):

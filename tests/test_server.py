@@ -292,7 +292,7 @@ class _RefusingCluster:
         )
         self.accepting, self.in_flight = not isinstance(error, Closed), 0
         stats = {"migrations": 0, "reconfigurations": 0, "failures": 0}
-        self.controller = SimpleNamespace(stats=stats)
+        self.controller = SimpleNamespace(stats=stats, stalls=SimpleNamespace(count=0))
 
     def submit(self, *args, **kwargs):
         raise self.error
