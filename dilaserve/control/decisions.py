@@ -25,9 +25,9 @@ class SchedulerConfig:
     # an extension: Alg. 3 prices each instance's step at that instance's measured speed
     # (`speed.py`), so that a straggler the profile does not know looks as slow as it is
     instance_speed: bool = False
-    # beyond the paper: a request leaves its instance for Alg. 3's pick only if its next step
-    # ends there (after that instance's running step) this many seconds before it would at home
-    # (`placement.py`); 0: the move pays whenever the step ends sooner away
+    # beyond the paper: a request leaves its instance for Alg. 3's pick only if the move saves
+    # this many request-seconds of the next step (its own, after that instance's running step,
+    # and the other requests' of both batches; `placement.py`); 0: whenever it saves any
     migration_price: float = 0.0
 
     def __post_init__(self):

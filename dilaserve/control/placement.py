@@ -12,8 +12,9 @@ full-step curve of the instance's TP degree (ties go to an idle instance); with
 `SchedulerConfig.instance_speed` (an extension) it is taken times the instance's measured speed
 over the profile's (`speed.py`), so that a straggler the profile does not know is priced as it
 runs. A request that has a home moves to Alg. 3's pick only when the move pays (beyond the
-paper): its next step must end there, the wait for that instance's running step included, more
-than `SchedulerConfig.migration_price` seconds before it would at home (`_move_pays`). With an
+paper): its next step must end there, the wait for that instance's running step included, sooner
+than at home by more than it lengthens the steps of the requests it joins there (less what it
+spares those it leaves) and `SchedulerConfig.migration_price` seconds (`_move_pays`). With an
 exact cache (block diffusion, beyond the paper) a move costs a prefill, so there
 the request goes where its step is predicted to finish first: a busy instance starts the
 gathered batch, its running step's requests included, when that step ends. Least-tokens
@@ -134,17 +135,29 @@ class Placer:
         now: float,
     ) -> bool:
         """Whether moving to Alg. 3's pick `to` beats staying at `home` by more than the move
-        costs: the request's next step must end there `config.migration_price` seconds before
-        it would at home, each instance's next batch with the request in it starting when its
-        running step ends (the home the request's last step just left is free now). Alg. 3's
-        price does not see that wait: with an approximate cache a request moves only at a
-        block's first step, a recompute at home or away alike (the sequence travels with the
-        step), so waiting for a busy instance's running step is what a move costs; unpriced,
-        it made `dilaserve` lose to `no-migration` (docs/control/scheduling.md, "Migration that
-        pays")."""
-        ends = self._step_end(to, kind, self.tokens(t, kind), now)
-        stays = self._step_end(home, home_kind, self.tokens(t, home_kind), now)
+        costs, in request-seconds of the next step: the request's own step must end sooner
+        there (each instance's next batch with the request in it starting when its running
+        step ends; the home the request's last step just left is free now), by more than what
+        its tokens add to the step of every request in `to`'s next batch, less what leaving
+        spares those in home's, plus `config.migration_price` seconds. Alg. 3's price does not
+        see that wait: with an approximate cache a request moves only at a block's first step,
+        a recompute at home or away alike (the sequence travels with the step), so waiting for
+        a busy instance's running step is what a move costs the request, and lengthening the
+        step of the batch it joins is what it costs the others; priced by its own step alone,
+        migration sat below `no-migration` on the Azure conversation trace
+        (docs/control/scheduling.md, "Migration that pays")."""
+        n_to, n_home = self.tokens(t, kind), self.tokens(t, home_kind)
+        ends = self._step_end(to, kind, n_to, now) + self._slows(to, kind, n_to)
+        stays = self._step_end(home, home_kind, n_home, now) + self._slows(home, home_kind, n_home)
         return ends + self.config.migration_price < stays
+
+    @staticmethod
+    def _slows(inst: InstanceState, kind: StepKind, n: int) -> float:
+        """Seconds a step of `kind` processing `n` tokens adds to the requests of the
+        instance's next batch together (each waits for the longer step)."""
+        full, cache = inst.next_batch()
+        with_it = (full, cache + n) if kind in CACHED_KINDS else (full + n, cache)
+        return inst.next_batch_requests() * (inst.latency(*with_it) - inst.latency(full, cache))
 
     def _step_end(self, inst: InstanceState, kind: StepKind, n: int, now: float) -> float:
         """When the instance's next step, with a step of `kind` processing `n` tokens in it,
