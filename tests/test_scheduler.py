@@ -106,6 +106,28 @@ def test_a_request_moves_only_when_its_step_ends_first_there_by_more_than_the_pr
     assert s.requests["r1"].instance == ("b" if moves else "a")
 
 
+@pytest.mark.parametrize("waiting_there, moves", [(0, True), (10, False)])
+def test_a_move_pays_only_net_of_the_steps_it_lengthens_where_it_goes(waiting_there, moves):
+    # r's recompute ends sooner on the idle TP-2 b (0.6x) than alone at home on a; but joining
+    # b's batch of ten cache steps lengthens each of theirs by most of its own step
+    from types import SimpleNamespace
+
+    from dilaserve.control.placement import Placer
+
+    s = scheduler(instances=(("a", 1), ("b", 2)))
+    a, b = s.instances["a"], s.instances["b"]
+    for i in range(waiting_there):
+        b.gather(f"x{i}", StepKind.CACHE, BLOCK)
+    placer = Placer(s.policy, s.config, s.instances, s.requests)
+    t = SimpleNamespace(request=make_request("r", prompt_len=400, gen_len=2 * BLOCK))
+    kind = StepKind.RECOMPUTE
+    own_saving = a.latency(t.request.num_tokens, 0) - b.latency(
+        t.request.num_tokens, BLOCK * waiting_there
+    )
+    assert own_saving > 0  # the mover alone would always go
+    assert placer._move_pays(t, b, kind, a, kind, now=0.0) is moves
+
+
 def test_no_migration_keeps_a_request_on_its_first_instance():
     s = scheduler("no-migration", instances=(("a", 1), ("b", 1)))
     req = make_request("r", gen_len=2 * BLOCK)
