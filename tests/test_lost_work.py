@@ -12,8 +12,8 @@ from dilaserve.control.scheduler import Scheduler, SchedulerConfig
 from conftest import make_request
 
 
-def scheduler(rule: Lost, instances=("a",)) -> Scheduler:
-    policy = get_policy("dilaserve", candidates=(0.5, 0.9), lost_work=rule)
+def scheduler(rule: Lost, instances=("a",), name="dilaserve") -> Scheduler:
+    policy = get_policy(name, candidates=(0.5, 0.9), lost_work=rule)
     s = Scheduler(policy, PROFILE, FakePredictor(), SchedulerConfig(block_len=BLOCK, slo=100.0))
     for name in instances:
         s.add_instance(name, 1, 10_000)
@@ -107,3 +107,23 @@ def test_likely_lost_takes_the_estimate_at_the_low_quantile():
     s = scheduler(Lost.POINT)
     s.on_arrival(make_request("tight", gen_len=2 * BLOCK, arrival_time=1.0, deadline=1.02), 1.0)
     assert s.requests["tight"].lost
+
+
+def test_a_lost_request_bound_to_an_instance_that_goes_away_runs_elsewhere():
+    # no-migration binds a request to its first instance; found lost there beside a request on
+    # time it waits, its state released. Its instance then drains: it must not wait for it
+    s = scheduler(Lost.LATE, name="no-migration")
+    soon = make_request("soon", gen_len=2 * BLOCK, arrival_time=0.0)
+    soon.deadline = 2.0
+    later = make_request("later", gen_len=2 * BLOCK, arrival_time=0.0)
+    s.on_arrival(soon, 0.0)
+    s.on_arrival(later, 0.0)
+    done(s, "a", result(soon, [0]), now=1.0)  # both in a's next batch
+    outputs = [result(r, list(range(1, BLOCK)), block_done=r is soon) for r in (soon, later)]
+    done(s, "a", *outputs, now=3.0)  # soon's block ends, late: found lost beside later
+    assert s.requests["soon"].lost and s.requests["soon"].instance is None
+    assert s.requests["soon"].bound == "a"
+    s.add_instance("b", 1, 10_000)
+    launch = only_launch(s.drain_instance("a", 3.5))
+    assert launch.instance_id == "b" and launch.batch.items[0].request_id == "soon"
+    assert s.requests["soon"].instance == "b"

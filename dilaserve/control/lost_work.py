@@ -50,6 +50,9 @@ class LostWork:
             if placed is None or not self._found_lost(t, placed[0], now):
                 return placed
         free = [i for i in open_instances if i.residents == i.lost_residents]
+        bound = self._instances.get(t.bound) if t.bound is not None else None
+        if t.bound is not None and (bound is None or not bound.takes_work):
+            t.bound = None  # its instance went away while it waited: bind again where it lands
         if t.bound is not None and all(i.instance_id != t.bound for i in free):
             return None  # bound to an instance that serves requests still on time
         return self._placer.place(t, now, free) if free else None
