@@ -366,7 +366,7 @@ def test_the_room_prices_a_request_by_its_blocks_at_the_least_load_seen_per_bloc
 
 def test_over_capacity_the_room_refuses_at_once_what_admission_would():
     # the room counted a newcomer as one step: at 3x capacity 60% of the refusals waited for
-    # the controller's next event instead (docs/serving.md)
+    # the controller's next event instead (docs/serving/reliability.md)
     cluster, clock = virtual_cluster(instances=(1, 1), slo=0.5)
     seen = {"room": 0, "admission": 0, "admitted": 0}
     for k in range(400):  # every 5 ms of the virtual clock: over its capacity

@@ -2,9 +2,10 @@
 virtual clock of `test_admission_recovery`: counts of who refused what, never times.
 
 A refusal made by admission in full costs the client its tokenizing and its queue wait for the
-controller (the tail of the refusals' latency at 3x capacity, docs/serving.md); one the room
-makes is answered at once. Requests that come in a burst between two controller events all
-found the room left for one before the room counted the requests queued ahead of them."""
+controller (the tail of the refusals' latency at 3x capacity,
+docs/serving/reliability.md); one the room makes is answered at once. Requests that come in a
+burst between two controller events all found the room left for one before the room counted the
+requests queued ahead of them."""
 
 from collections import Counter
 

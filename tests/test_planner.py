@@ -137,7 +137,7 @@ def test_monitor_rates_carry_the_safety_buffer_and_forget_old_arrivals():
 def test_a_request_is_classed_by_the_slo_its_client_gave_not_less_its_wait():
     # deadline - arrival took each request's wait for the controller off its SLO: a class per
     # millisecond of wait (26-44 classes in 15 s at 40 requests/s), and planner rounds that
-    # held the controller up to 0.39 s (docs/serving.md)
+    # held the controller up to 0.39 s (docs/serving/reliability.md)
     planner = Reconfigurer(PROFILE, config(period=10.0), WorkloadMonitor(window=10.0))
     for k in range(20):
         submitted = 0.1 * k

@@ -133,7 +133,8 @@ def stall_next_tick(cluster, clock, seconds: float) -> None:
 
 def test_a_stall_of_the_controller_teaches_neither_speed_nor_admission():
     # a planner round's solves held the controller up 1.3 s on a busy machine: the steps and
-    # requests then in flight read as 10x and 12x slow, and admission refused (docs/serving.md)
+    # requests then in flight read as 10x and 12x slow, and admission refused
+    # (docs/serving/reliability.md)
     cluster, clock = virtual_cluster(instances=(1, 1), slo=60.0)
     handles = [submit(cluster, f"r{k}", slo=600.0) for k in range(8)]
     assert [outcome(cluster, h) for h in handles] == ["admitted"] * 8

@@ -5,7 +5,7 @@ meanwhile looks, to the controller, as slow as the event was long, and so does e
 then in flight. A planner round held the controller 0.1-0.4 s on this 2-core machine, and over
 a second in the reliability suite (a class per millisecond of wait then: `reconfigure.py`);
 learnt, such a stall read as steps 10x the profile's time and requests 12x their prediction,
-and admission refused a load the cluster had room for (docs/serving.md).
+and admission refused a load the cluster had room for (docs/serving/reliability.md).
 So the steps running across a stall teach the measured speed nothing (`measured`), and the
 controller forgets the requests in flight for admission's on-time factor, as at a fault.
 

@@ -41,14 +41,13 @@ everything in flight), which the HTTP front reads to refuse at once, before toke
 queueing for the controller; what it does not refuse is asked in full here. The room counts a
 newcomer's load as the least, per output block, of the latest 64 requests priced here (times
 its blocks), not as one step: refused in full, a request waits for the controller's next
-event, and at 3x capacity 60% of the refusals took that path (docs/serving.md). A request
-lighter than every one of the latest 64 may be refused by the room that admission would have
-taken, only while the room is that nearly full. Requests queued for admission, not priced
-yet, count against it too, each at the least one block adds (`Cluster.is_full` asks the room
-again just before it queues a tokenized request): without them, a burst that came between two
-events all found one request's room, and admission refused the rest after their queue wait
-(docs/serving.md).
-"""
+event, and at 3x capacity 60% of the refusals took that path
+(docs/serving/reliability.md). A request lighter than every one of the latest 64 may be
+refused by the room that admission would have taken, only while the room is that nearly
+full. Requests queued for admission, not priced yet, count against it too, each at the least one
+block adds (`Cluster.is_full` asks the room again just before it queues a tokenized request):
+without them, a burst that came between two events all found one request's room, and admission
+refused the rest after their queue wait (docs/serving/reliability.md)."""
 
 from __future__ import annotations
 

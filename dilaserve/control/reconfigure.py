@@ -147,7 +147,7 @@ class Reconfigurer:
         assert request.deadline is not None  # the scheduler sets it at arrival
         # the SLO its client gave it: deadline - arrival would take its wait for the controller
         # off, a class per millisecond of wait (hundreds over a loaded server's window), and a
-        # planner round that long held the controller over a second (docs/serving.md)
+        # planner round that long held the controller over a second (docs/serving/reliability.md)
         slo = request.slo if request.slo is not None else request.deadline - request.arrival_time
         self.monitor.record(now, request.prompt_len, request.gen_len, slo)
 

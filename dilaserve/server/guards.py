@@ -16,7 +16,7 @@ so that nothing of a refused request is read or parsed):
   by its `max_tokens` too (`admission.Room`). A 429 carries Retry-After
   and `retry-after-ms` (`retry_headers`), which OpenAI's clients read first: Retry-After
   jittered to 0.5-1.5 times its value, so that clients refused together do not come back
-  together (the front answers each wave of their retries at once: docs/serving.md);
+  together (the front answers each wave of their retries at once: docs/serving/reliability.md);
 - the body size: a declared Content-Length over the limit, or a body that grows past it, is
   refused with 413 in OpenAI's shape before it is parsed.
 

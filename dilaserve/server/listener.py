@@ -3,7 +3,7 @@
 Closing a listening socket resets every connection in the kernel's accept queue: connections
 the kernel completed but the server had not yet taken, whose clients have sent their requests
 and get no answer. At capacity that queue is long (the reliability suite's drain under 400
-clients: 255 connections reset, docs/serving.md). So the listener is closed in steps
+clients: 255 connections reset, docs/serving/reliability.md). So the listener is closed in steps
 (`close_listeners`):
 
 1. a socket filter that keeps no byte of any packet (classic BPF `ret #0`, `SO_ATTACH_FILTER`)
@@ -21,8 +21,8 @@ clients: 255 connections reset, docs/serving.md). So the listener is closed in s
    server took but on which no request has come yet: a client that has just connected is
    about to send one (beside a CPU hog, 85 connections were in that state when uvicorn
    closed them, and each of their requests was lost, "Can not write request body": the
-   reliability suite's drain, docs/serving.md). Only an idle keep-alive connection, one that
-   was answered and carries nothing, is closed at once.
+   reliability suite's drain, docs/serving/reliability.md). Only an idle keep-alive
+   connection, one that was answered and carries nothing, is closed at once.
 
 The server (`main.py`) attaches the filter before the drain's last second, and before it
 fails the requests the drain left running, so that their clients' next connections are turned

@@ -99,7 +99,7 @@ def freeze_start_up_heap() -> None:
     garbage collector, and collect less often. Each full pass walked that heap and held the
     interpreter for 130-160 ms, stalling the HTTP front and the controller alike (under 3x
     overload, a refusal's p99); frozen, 20-50 ms, and with the higher thresholds a full pass
-    is rare (measured on the bundled model: docs/serving.md)."""
+    is rare (measured on the bundled model: docs/serving/reliability.md)."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(10_000, 20, 20)  # (Python's defaults: 700, 10, 10)
