@@ -293,6 +293,7 @@ def test_calibration_profiles_the_exact_caches_step_kinds(served):
     assert {e["kind"] for e in profile["entries"]} == {"prefill", "block", "commit"}
 
 
+@pytest.mark.slow  # in part by the OpenAI API test below, through the same cluster config
 def test_the_cluster_answers_as_the_offline_engine_with_the_exact_caches_steps(path, served):
     with Cluster(served[1]) as cluster:
         assert cluster.scheduler.config.kv_cache.value == "block"

@@ -51,6 +51,7 @@ BOUNDARY_SUBMISSIONS = [
 ]
 
 
+@pytest.mark.slow  # in part by test_the_monitor_takes_an_slo_of_zero_or_less, above
 def test_no_extension_value_at_its_bounds_stops_the_controller():
     # (deprioritize: a request that cannot meet its SLO is still admitted, and recorded)
     with Cluster(config(control=PLANNER, overload="deprioritize")) as cluster:
