@@ -110,6 +110,7 @@ class HangsOnce(LocalBackend):
         self.swallowed = True
 
 
+@pytest.mark.slow  # in part by test_admission_recovery.py's hung last instance (virtual clock)
 def test_an_instance_whose_step_hangs_is_killed_and_its_request_served_elsewhere():
     expected = LLM().generate(QUESTIONS[:1], SamplingParams(0.9, 64))[0].text
     # two instances: the hung one is not the last serving, so it is killed at its step timeout
