@@ -72,16 +72,23 @@ def test_requests_behind_a_stopped_worker_finish_before_it_is_killed():
         assert "dilaserve_instances_stalled 1.0" in client.get("/metrics").text
 
 
-def test_requests_in_flight_when_an_instance_dies_teach_admission_nothing():
-    # priced for the capacity the fault took away, and then served behind the dead instance's
-    # requests: their lateness is the fault's (after SIGSTOP, admission refused for it)
+def both_instances_stepping():
+    """A virtual two-instance cluster with 8 requests admitted and both instances running a
+    step: (cluster, clock, the handles, the ids in flight, each priced to be learnt from)."""
     cluster, clock = virtual_cluster(instances=(1, 1), slo=60.0)
     handles = [submit(cluster, f"r{k}", slo=600.0) for k in range(8)]
     assert [outcome(cluster, h) for h in handles] == ["admitted"] * 8
-    run_until(cluster, lambda: len(clock._running) == 2)  # both instances run a step
-    on_time = cluster.controller.admission.on_time
+    run_until(cluster, lambda: len(clock._running) == 2)
     in_flight = [h.request_id for h in handles if not h.future.done()]
-    assert any(rid in on_time for rid in in_flight)  # priced, to be learnt from
+    assert in_flight and all(rid in cluster.controller.admission.on_time for rid in in_flight)
+    return cluster, clock, handles, in_flight
+
+
+def test_requests_in_flight_when_an_instance_dies_teach_admission_nothing():
+    # priced for the capacity the fault took away, and then served behind the dead instance's
+    # requests: their lateness is the fault's (after SIGSTOP, admission refused for it)
+    cluster, clock, handles, in_flight = both_instances_stepping()
+    on_time = cluster.controller.admission.on_time
     clock.kill("i0")
     run_until(cluster, lambda: cluster.controller.stats["failures"] == 1)
     assert not any(rid in on_time for rid in in_flight)
@@ -135,13 +142,8 @@ def test_a_stall_of_the_controller_teaches_neither_speed_nor_admission():
     # a planner round's solves held the controller up 1.3 s on a busy machine: the steps and
     # requests then in flight read as 10x and 12x slow, and admission refused
     # (docs/serving/reliability.md)
-    cluster, clock = virtual_cluster(instances=(1, 1), slo=60.0)
-    handles = [submit(cluster, f"r{k}", slo=600.0) for k in range(8)]
-    assert [outcome(cluster, h) for h in handles] == ["admitted"] * 8
-    run_until(cluster, lambda: len(clock._running) == 2)  # both instances run a step
+    cluster, clock, handles, in_flight = both_instances_stepping()
     on_time = cluster.controller.admission.on_time
-    in_flight = [h.request_id for h in handles if not h.future.done()]
-    assert all(rid in on_time for rid in in_flight)  # priced, to be learnt from
     steps = cluster.controller.steps_run
     stall_next_tick(cluster, clock, seconds=1.5)
     run_until(cluster, lambda: cluster.controller.steps_run >= steps + 2)
