@@ -203,3 +203,17 @@ def planner_config(gpus_per_node=(2,), **kw) -> PlannerConfig:
     kw.setdefault("costs", StepCosts(KVCacheMode.NONE))
     kw.setdefault("tolerance", 1e-7)  # hold objective 1 exactly, so hand numbers hold
     return PlannerConfig(gpus_per_node, TOKENS_PER_STEP, tp_degrees=(1, 2), **kw)
+
+
+def import_benchmark(name: str):
+    """`benchmarks/<name>.py` as a module (a benchmark imports its siblings, so benchmarks/ is
+    on sys.path while it loads)."""
+    import importlib
+    import sys
+
+    folder = str(Path(__file__).resolve().parent.parent / "benchmarks")
+    sys.path.insert(0, folder)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(folder)

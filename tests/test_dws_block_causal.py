@@ -9,7 +9,6 @@ prompts and a hand-made kernel keep it to seconds.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +23,8 @@ from dilaserve.dws.surface import Labels
 from dilaserve.dws.train import DWSCommandConfig, train_dws_command
 from dilaserve.protocol import StepKind
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+from conftest import import_benchmark
+
 PROFILE = BUNDLED_LLADA2_MODEL / "dilaserve-calibration" / "cpu-float32" / "profile.json"
 
 
@@ -84,13 +84,7 @@ def _kernel() -> CostKernel:
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import dws
-
-        yield dws
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    return import_benchmark("dws")
 
 
 def test_alone_step_ms_prices_the_exact_cache_steps(bench):

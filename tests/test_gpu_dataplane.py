@@ -4,25 +4,17 @@ shapes (no published code, no timing bounds), and the profile hook its output sh
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from dilaserve.sim import latency
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+from conftest import import_benchmark
 
 
 @pytest.fixture(scope="module")
 def dataplane():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import gpu_dataplane
-
-        yield gpu_dataplane
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    return import_benchmark("gpu_dataplane")
 
 
 @pytest.fixture(scope="module")
