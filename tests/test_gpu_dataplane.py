@@ -107,7 +107,7 @@ def test_a_shipped_profile_file_replaces_the_analytic_preset(tmp_path, monkeypat
     }
     path = tmp_path / "llada2-mini-h200-profile.json"
     path.write_text(json.dumps(measured))
-    monkeypatch.setitem(latency.MEASURED, "llada2-mini-h200", path)
+    monkeypatch.setattr(latency, "ASSETS", tmp_path)
     profile = latency.load_profile("llada2-mini-h200")
     assert profile.meta["source"] == "measured"
     assert profile.step_latency(1, 32, "block") == pytest.approx(0.005)

@@ -181,8 +181,9 @@ BLOCK_PRESETS: dict[str, tuple[ModelShape, GPUSpec]] = {
     "llada2-flash-h200": (LLADA2_FLASH, H200_SXM),
 }
 WEIGHT_SHARE_OF_HBM = 0.9  # ASSUMED: a TP degree serves a model whose weights fit in 90% of HBM
-# Measured profiles the package ships (gpu_profile.py, gpu_dataplane.py; TP-1), before presets
-MEASURED = {n: ASSETS / f"{n}-profile.json" for n in ("llada-8b-h200", "llada2-mini-h200")}
+# A measured profile the package ships for a name (gpu_profile.py, gpu_dataplane.py; TP-1):
+# `<name>-profile.json` in the assets; where it is there, it replaces the preset of that name
+PROFILE_SUFFIX = "-profile.json"
 
 # Batch-token grids: powers of two and the midpoints 3 x 2^e between them.
 FULL_GRID = tuple(sorted({2**e for e in range(7, 17)} | {3 * 2**e for e in range(6, 15)}))
@@ -387,14 +388,16 @@ def preset_profile(name: str, tp_degrees=(1, 2, 4, 8)) -> LatencyProfile:
 
 
 def load_profile(spec: str | Path) -> LatencyProfile:
-    """A shipped measured profile (`MEASURED`, where its file is there) or a preset (`PRESETS`,
-    `BLOCK_PRESETS`) by name, or a latency-profile JSON file by path."""
-    if isinstance(spec, str) and spec in MEASURED and MEASURED[spec].is_file():
-        return LatencyProfile.from_file(MEASURED[spec])
+    """A measured profile the package ships (`<name>-profile.json` in its assets) or a preset
+    (`PRESETS`, `BLOCK_PRESETS`) by name, or a latency-profile JSON file by path."""
+    shipped = ASSETS / f"{spec}{PROFILE_SUFFIX}" if isinstance(spec, str) else None
+    if shipped is not None and shipped.is_file():
+        return LatencyProfile.from_file(shipped)
     if isinstance(spec, str) and (spec in PRESETS or spec in BLOCK_PRESETS):
         return preset_profile(spec)
-    path = MEASURED.get(spec, Path(spec)) if isinstance(spec, str) else Path(spec)
+    path = Path(spec)
     if not path.is_file():
-        names = ", ".join(dict.fromkeys([*PRESETS, *BLOCK_PRESETS, *MEASURED]))
+        measured = [p.name.removesuffix(PROFILE_SUFFIX) for p in ASSETS.glob(f"*{PROFILE_SUFFIX}")]
+        names = ", ".join(dict.fromkeys([*PRESETS, *BLOCK_PRESETS, *sorted(measured)]))
         raise ValueError(f"{str(spec)!r} is neither a latency-profile file nor a profile ({names})")
     return LatencyProfile.from_file(path)
