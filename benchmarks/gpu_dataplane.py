@@ -221,10 +221,8 @@ def engine_runs(name, model, special, device, budget: Budget, args, batches) -> 
 def engine_record(model, special, device, batch: int, cuda_graphs: int, args) -> dict:
     engine = gp.make_engine(model, special, device, cuda_graphs)
     if batch == 1:
-        gp.engine_run(model, special, device, 1, args.prompt_len, args.gen, engine=engine)
-    record, _ = gp.engine_run(
-        model, special, device, batch, args.prompt_len, args.gen, engine=engine
-    )
+        gp.engine_run(engine, device, 1, args.prompt_len, args.gen)
+    record, _ = gp.engine_run(engine, device, batch, args.prompt_len, args.gen)
     steady = sum(record["median_ms"][k] * n for k, n in record["steps"].items())
     record["steady_tokens_per_s"] = round(record["tokens"] / (steady / 1e3), 1)
     return record

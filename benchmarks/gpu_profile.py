@@ -256,19 +256,10 @@ def make_engine(model, special: SpecialIds, device, graphs: int = 0) -> Engine:
     return Engine(model, special, config)
 
 
-def engine_run(
-    model,
-    special: SpecialIds,
-    device,
-    batch: int,
-    prompt_len: int,
-    gen: int,
-    graphs: int = 0,
-    engine: Engine | None = None,
-):
+def engine_run(engine: Engine, device, batch: int, prompt_len: int, gen: int):
     """The serving path: `Engine.execute` on `batch` requests (random prompts, seeded), each
-    step timed, on `engine` or a new one; the record and every request's output tokens."""
-    engine = engine or make_engine(model, special, device, graphs)
+    step timed; the record and every request's output tokens."""
+    special = engine.special
     mode = engine.config.kv_cache  # a block-causal model's exact cache
     requests = [
         Request(f"r{i}", random_prompt(prompt_len, special.mask, i), gen, BLOCK, special.mask, 0.9)
@@ -315,9 +306,11 @@ def graph_section(model, shape, device, prompt_len: int, gen: int) -> list[dict]
     """The engine with and without CUDA graphs for its cache steps (engine/graphs.py)."""
     rows = []
     for batch in (1, 8):
-        special = special_ids(shape)
-        eager, eager_out = engine_run(model, special, device, batch, prompt_len, gen)
-        graphed, graphed_out = engine_run(model, special, device, batch, prompt_len, gen, 8)
+        eager_engine, graphed_engine = (
+            make_engine(model, special_ids(shape), device, graphs) for graphs in (0, 8)
+        )
+        eager, eager_out = engine_run(eager_engine, device, batch, prompt_len, gen)
+        graphed, graphed_out = engine_run(graphed_engine, device, batch, prompt_len, gen)
         same = sum(np.array_equal(a, b) for a, b in zip(eager_out, graphed_out))
         rows.append(
             {
@@ -335,10 +328,10 @@ def graph_section(model, shape, device, prompt_len: int, gen: int) -> list[dict]
 
 def engine_section(model, shape, device, prompt_len: int, gen: int) -> list[dict]:
     special = special_ids(shape)
-    engine_run(model, special, device, 1, prompt_len, 2 * BLOCK)  # warm-up
+    engine_run(make_engine(model, special, device), device, 1, prompt_len, 2 * BLOCK)  # warm-up
     runs = []
     for batch in ENGINE_BATCHES:
-        run, _ = engine_run(model, special, device, batch, prompt_len, gen)
+        run, _ = engine_run(make_engine(model, special, device), device, batch, prompt_len, gen)
         med = run["median_ms"]
         run["request_tokens_per_s_at_0.9"] = tokens_per_s(
             gen, med[StepKind.RECOMPUTE.value], med[StepKind.CACHE.value], TOKENS_PER_STEP_0_9
