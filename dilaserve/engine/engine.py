@@ -226,10 +226,8 @@ class Engine:
         graphs = self._graphs
         graphed = graphs is not None and all(r.kind in GRAPHED_KINDS for r in rows)
         if cached and graphed and graphs.fits(seqs, query_lens):
-            hidden = graphs.hidden(seqs, ids, positions)
-            for i, row in enumerate(rows):
-                if row.kind is StepKind.COMMIT:
-                    graphs.store(i, row.seq)
+            commits = [i for i, row in enumerate(rows) if row.kind is StepKind.COMMIT]
+            hidden = graphs.hidden(seqs, ids, positions, commits)
         elif cached:
             hidden = self._forward_cached(rows, ids, positions, valid, query_lens)
         else:

@@ -37,7 +37,7 @@ from dilaserve.protocol import StepKind
 CONTEXT_STEP = 256  # cached-length bucket (tokens)
 # the steps that run against a request's cached K/V: one block (a dual-cache step, an exact
 # cache's block step), or the block just finished and the next one (a commit step, which then
-# stores the finished block's K/V in the request's slot: `store`)
+# stores the finished block's K/V in the request's slot: `_store`)
 GRAPHED_KINDS = frozenset((StepKind.CACHE, StepKind.BLOCK, StepKind.COMMIT))
 
 
@@ -74,7 +74,6 @@ class CacheStepGraphs:
         self.values = [torch.zeros_like(k) for k in self.keys]
         self.key_valid = torch.ones(rows, ctx + query, dtype=torch.bool, device=device)
         self._resident: list[weakref.ref | None] = [None] * rows  # the CachedKV each row holds
-        self._ctx = 0  # the context bucket of the last step
         self._graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph | None, object]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
 
@@ -87,14 +86,14 @@ class CacheStepGraphs:
             and all(s.kv.length <= self.max_context for s in seqs)
         )
 
-    def hidden(self, seqs, ids, positions) -> torch.Tensor:
+    def hidden(self, seqs, ids, positions, stores=()) -> torch.Tensor:
         """The model's final hidden states [len(seqs), query, d] for this step (each row
-        queries the same number of tokens)."""
+        queries the same number of tokens); the rows in `stores` ran commit steps, whose
+        finished blocks are then stored (`_store`)."""
         n, query = ids.shape
         rows = _bucket_rows(n)
         longest = max(s.kv.length for s in seqs)
         ctx = min(-(-longest // CONTEXT_STEP) * CONTEXT_STEP, self.max_context)
-        self._ctx = ctx
         self.ids[:n, :query].copy_(ids)
         self.positions[:n, :query].copy_(positions)
         for i, seq in enumerate(seqs):
@@ -108,14 +107,17 @@ class CacheStepGraphs:
             out = self._forward(rows, ctx, query)
         else:
             graph.replay()
+        for i in stores:
+            self._store(i, seqs[i], ctx)
         return out[:n]
 
-    def store(self, row: int, seq) -> None:
+    def _store(self, row: int, seq, ctx: int) -> None:
         """After a commit step on static row `row`: the finished block's K/V (the first
-        queried tokens, written at the bucket's context length) go to the end of the request's
-        stored prefix, in its slot and in the static row, which then still holds its cache."""
+        queried tokens, written at the bucket's context length `ctx`) go to the end of the
+        request's stored prefix, in its slot and in the static row, which then still holds its
+        cache."""
         start, end = seq.cached_len, kv_cache.exact_store_end(seq)
-        n, ctx = end - start, self._ctx
+        n = end - start
         for static, cached in zip(self.keys + self.values, seq.kv.slot.keys + seq.kv.slot.values):
             block = static[row, :, ctx : ctx + n].clone()  # the two spans may overlap
             cached[:, start:end].copy_(block)
