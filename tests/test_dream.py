@@ -236,14 +236,17 @@ def test_it_calibrates_and_serves_through_the_cluster(path, tmp_path):
     assert served == [c.text for c in offline]
 
 
-def test_dual_cache_steps_on_static_buffers_commit_the_same_tokens(path):
+@pytest.mark.parametrize("mode", ["dual", "prefix"])
+def test_cache_steps_on_static_buffers_commit_the_same_tokens(path, mode):
     """engine/graphs.py's path (eager here: graphs are captured only on CUDA) runs Dream's
-    dual-cache steps too, whose blocks open by their first position, with padding rows (3 -> 4)
-    and fallbacks (4 requests > 3): the same tokens and steps as the plain path."""
+    dual- and prefix-cache steps too, whose blocks open by their first position, with padding
+    rows (3 -> 4) and fallbacks (4 requests > 3): the same tokens and steps as the plain path.
+    A prefix-cache step queries its block and the rest of the window."""
 
-    config = EngineConfig("dual", block_len=BLOCK, early_finish=False, cuda_graphs=3)
+    config = EngineConfig(mode, block_len=BLOCK, early_finish=False, cuda_graphs=3)
     cases = [(5, 16, 0.5), (8, 24, 0.9), (13, 16, 0.7), (9, 32, 0.3)]
     plain, graphed, calls = plain_and_graphed(path, config, cases)
     assert graphed == plain
     rows, queried = zip(*calls)
-    assert max(rows) == 3 and set(queried) == {BLOCK}
+    windows = {BLOCK} if mode == "dual" else {BLOCK * n for n in (1, 2, 3, 4)}
+    assert max(rows) == 3 and set(queried) == windows

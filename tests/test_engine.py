@@ -250,25 +250,32 @@ def test_migrated_request_continues_from_its_committed_tokens(tiny_checkpoint, t
     assert np.array_equal(stay.output_ids, moved.output_ids)
 
 
+@pytest.mark.parametrize("mode", ["dual", "prefix"])
 @pytest.mark.parametrize("graph_requests", [1, 3, 8])
 def test_static_buffer_cache_steps_commit_the_same_tokens(
-    tiny_checkpoint, tiny_tokenizer, graph_requests
+    tiny_checkpoint, tiny_tokenizer, graph_requests, mode
 ):
     """engine/graphs.py's path (eager here: graphs are captured only on CUDA) matches the plain
-    one, with padding rows (3 -> 4), fallbacks (4 requests > 1) and rows reused across steps."""
+    one, with padding rows (3 -> 4), fallbacks (4 requests > 1) and rows reused across steps;
+    a prefix-cache step queries the rest of its window (1 to 4 blocks here), each length a
+    graph of its own."""
     thresholds = [0.3, 0.5, 0.7, 0.9]
     plain = _requests(tiny_tokenizer, thresholds)
-    run_to_end(tiny_engine(tiny_checkpoint, "dual"), *plain)
+    run_to_end(tiny_engine(tiny_checkpoint, mode), *plain)
     graphed = _requests(tiny_tokenizer, thresholds)
-    engine = tiny_engine(tiny_checkpoint, "dual", cuda_graphs=graph_requests)
+    engine = tiny_engine(tiny_checkpoint, mode, cuda_graphs=graph_requests)
     calls = []
     hidden = engine._graphs.hidden
-    engine._graphs.hidden = lambda seqs, *a: calls.append(len(seqs)) or hidden(seqs, *a)
+    engine._graphs.hidden = lambda seqs, ids, *a: (
+        calls.append((len(seqs), ids.shape[1])) or hidden(seqs, ids, *a)
+    )
     run_to_end(engine, *graphed)
     for a, b in zip(plain, graphed):
         assert np.array_equal(a.output_ids, b.output_ids)
         assert a.num_steps == b.num_steps
-    assert calls and max(calls) <= graph_requests
+    assert calls and max(rows for rows, _ in calls) <= graph_requests
+    queried = {tokens for _, tokens in calls}
+    assert queried == ({BLOCK_LEN} if mode == "dual" else {BLOCK_LEN * n for n in (1, 2, 3, 4)})
 
 
 def test_cache_steps_beyond_the_graph_context_run_eagerly(tiny_checkpoint, tiny_tokenizer):

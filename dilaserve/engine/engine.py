@@ -20,7 +20,7 @@ import torch
 from dilaserve.config import EngineConfig
 from dilaserve.engine import kv_cache
 from dilaserve.engine.decide import Row, StepDecider
-from dilaserve.engine.graphs import GRAPHED_KINDS, CacheStepGraphs
+from dilaserve.engine.graphs import GRAPHED_KINDS, CacheStepGraphs, graph_query_lens
 from dilaserve.engine.sequence import Sequence
 from dilaserve.models import registry
 from dilaserve.models.family import ModelFamily
@@ -80,10 +80,12 @@ class Engine:
         self._model_kwargs = {"block_len": config.block_len} if block_causal else {}
         self._seqs: dict[str, Sequence] = {}
         self._graphs = None
-        # a step that runs its block alone against the cache: a dual-cache step (LLaDA's;
-        # Dream's, whose blocks open by their first position) or an exact cache's block step
+        # a step against the cache that queries whole blocks: a dual- or prefix-cache step
+        # (LLaDA's; Dream's, whose blocks open by their first position) or an exact cache's
+        # block or commit step
         mode = self.config.kv_cache
-        graphable = (mode is KVCacheMode.DUAL and self.cache_shift == 0) or block_causal
+        approximate = mode in (KVCacheMode.DUAL, KVCacheMode.PREFIX)
+        graphable = (approximate and self.cache_shift == 0) or block_causal
         if config.cuda_graphs and graphable and _single_gpu(model):
             self._graphs = CacheStepGraphs(
                 model,
@@ -91,8 +93,7 @@ class Engine:
                 config.cuda_graph_context,
                 config.block_len,
                 self._model_kwargs,
-                # an exact cache's commit step queries two blocks
-                (config.block_len, 2 * config.block_len) if block_causal else None,
+                graph_query_lens(mode, config.block_len, block_causal),
             )
 
     @classmethod

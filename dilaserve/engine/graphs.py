@@ -1,12 +1,13 @@
 """CUDA graphs for small steps against the cache (`GRAPHED_KINDS`: LLaDA's and Dream's
-dual-cache steps, LLaDA2's block and commit steps): one replay instead of thousands of kernel
-launches.
+dual- and prefix-cache steps, LLaDA2's block and commit steps): one replay instead of thousands
+of kernel launches.
 
 A dual-cache step of a few requests is launch-bound on a GPU: an LLaDA-8B-shaped model takes
 ~21 ms issuing kernels for a step whose weights read in ~4 ms, and the same step replayed as a
 CUDA graph takes ~10.5 ms (one H200, docs/engine.md). A graph replays fixed kernels on fixed
 addresses, so the step's inputs live in static buffers sized for `max_requests` requests of
-at most `max(query_lens)` query tokens (a block; two for a commit step) against at most
+at most `max(query_lens)` query tokens (a block; two for a commit step; up to
+`PREFIX_GRAPH_BLOCKS` for a prefix-cache step) against at most
 `max_context` cached tokens each; a step runs on the graph captured for its bucket (requests
 rounded up to a power of two, context to a multiple of `CONTEXT_STEP`, its query length),
 capturing it the first time the bucket is seen. Each static row is the slot
@@ -32,13 +33,26 @@ import torch
 
 from dilaserve.engine import kv_cache
 from dilaserve.models.common import KVContext, KVSlot
-from dilaserve.protocol import StepKind
+from dilaserve.protocol import KVCacheMode, StepKind
 
 CONTEXT_STEP = 256  # cached-length bucket (tokens)
 # the steps that run against a request's cached K/V: one block (a dual-cache step, an exact
 # cache's block step), or the block just finished and the next one (a commit step, which then
 # stores the finished block's K/V in the request's slot: `_store`)
 GRAPHED_KINDS = frozenset((StepKind.CACHE, StepKind.BLOCK, StepKind.COMMIT))
+# a prefix-cache step queries its block and every block after it: graphed up to this many
+PREFIX_GRAPH_BLOCKS = 8  # (256 tokens at LLaDA's block of 32: the papers' answer length)
+
+
+def graph_query_lens(mode: KVCacheMode, block_len: int, block_causal: bool) -> tuple[int, ...]:
+    """The tokens a graphed step queries per request: one block (a dual-cache step, an exact
+    cache's block step), two (an exact cache's commit step), or, for a prefix-cache step, the
+    block and the blocks after it, up to `PREFIX_GRAPH_BLOCKS`."""
+    if block_causal:
+        return (block_len, 2 * block_len)
+    if mode is KVCacheMode.PREFIX:
+        return tuple(block_len * n for n in range(1, PREFIX_GRAPH_BLOCKS + 1))
+    return (block_len,)
 
 
 class CacheStepGraphs:
