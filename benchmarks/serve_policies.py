@@ -29,6 +29,7 @@ import socket
 import subprocess
 import sys
 import time
+from math import nan
 from pathlib import Path
 
 import httpx
@@ -39,6 +40,7 @@ from dilaserve.runs import create_run_dir, environment, markdown_table, write_js
 COLUMNS = (
     "slo_attainment",
     "accuracy",
+    "accuracy_answered",
     "latency_mean",
     "latency_p50",
     "latency_p99",
@@ -103,7 +105,8 @@ def mean_rows(rows: list[dict]) -> list[dict]:
     for (policy, rps), runs in groups.items():
         attainment = [r["slo_attainment"] for r in runs]
         row = {"policy": policy, "rps": rps, "runs": len(runs)}
-        row |= {c: round(sum(r[c] for r in runs) / len(runs), 4) for c in COLUMNS}
+        # (a column a run folder of before it lacks reads nan)
+        row |= {c: round(sum(r.get(c, nan) for r in runs) / len(runs), 4) for c in COLUMNS}
         out.append(row | {"slo_min": min(attainment), "slo_max": max(attainment)})
     return out
 
@@ -131,6 +134,12 @@ def _compare(fcfs: dict, ours: dict) -> dict:
         "fcfs_accuracy": fcfs["accuracy"],
         "dilaserve_accuracy": ours["accuracy"],
         "accuracy_cost_points": round(100 * (fcfs["accuracy"] - ours["accuracy"]), 1),
+        # what the lower thresholds cost the answers given (refusals aside)
+        "answered_accuracy_cost_points": round(
+            100 * (fcfs["accuracy_answered"] - ours["accuracy_answered"]), 1
+        ),
+        "fcfs_answered": fcfs["ok"],
+        "dilaserve_answered": ours["ok"],
     }
 
 

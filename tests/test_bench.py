@@ -161,7 +161,8 @@ def test_bench_against_stub(server, trace_csv, tmp_path, endpoint):
 
     assert summary["requests"] == n and summary["ok"] == n - 1
     assert summary["errors"] == {"429": 1}
-    assert summary["accuracy"] == round((n - len(WRONG) - 1) / n, 4)
+    assert summary["accuracy"] == round((n - len(WRONG) - 1) / n, 4)  # the refused one wrong
+    assert summary["accuracy_answered"] == round((n - len(WRONG) - 1) / (n - 1), 4)
     assert not records[SLOW]["met_slo"]
     assert summary["slo_attainment"] == round(sum(r["met_slo"] for r in records) / n, 4)
     assert summary["ttft_p50"] <= summary["latency_p50"] <= summary["latency_p99"]

@@ -293,6 +293,8 @@ def summarize(records: list[dict], wall: float) -> dict:
         "errors": errors,
         "slo_attainment": round(float(np.mean([r["met_slo"] for r in records])), 4),
         "accuracy": round(float(np.mean([r["correct"] for r in records])), 4),
+        # the answers' own quality (what the threshold costs), apart from the requests refused
+        "accuracy_answered": _share([r["correct"] for r in ok]),
         "latency_mean": _mean(latency),
         "latency_p50": _pct(latency, 50),
         "latency_p90": _pct(latency, 90),
@@ -305,6 +307,10 @@ def summarize(records: list[dict], wall: float) -> dict:
         "send_lag_max": round(max(r["sent"] - r["arrival"] for r in records), 6),
         "wall_seconds": round(wall, 3),
     }
+
+
+def _share(flags: list[bool]) -> float:
+    return round(float(np.mean(flags)), 4) if flags else math.nan
 
 
 def _mean(a: np.ndarray) -> float:
