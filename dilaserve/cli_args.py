@@ -49,7 +49,7 @@ def precision_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         metavar="N",
-        help="replay CUDA graphs for dual-cache steps of up to N requests (GPU; 0: off)",
+        help="replay CUDA graphs for cache steps of up to N requests (GPU; 0: off)",
     )
 
 

@@ -27,6 +27,7 @@ def cluster_config(args, record: bool = False, warned: bool = False):
         args,
         max_forward_tokens=args.max_forward_tokens,
         cuda_graph_context=args.cuda_graph_context,
+        kv_memory=args.kv_memory,
     )
     scheduler = _scheduler_config(args, inputs.predictor)
     nodes = _nodes(args.nodes, instances)

@@ -171,6 +171,13 @@ def _batch_args(p: argparse.ArgumentParser) -> None:
         "--cuda-graphs: cached tokens per request a graph holds at most",
     )
     option(
+        "--kv-memory",
+        EngineConfig,
+        float,
+        "GiB an instance's K/V and graph buffers may take (default: no bound); past it the least "
+        "recently stepped requests' caches are dropped and their next steps recompute",
+    )
+    option(
         "--refresh-interval", SchedulerConfig, float, "seconds between batched prediction refreshes"
     )
     option(

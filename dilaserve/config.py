@@ -51,6 +51,9 @@ class EngineConfig:
     graphs (engine/graphs.py; 0: off; tensor-parallel instances and CPUs run the same steps without
     graphs). max_forward_tokens: a step batch runs as forward passes of at most this many tokens
     each (memory, not scheduling: the scheduler's batch limit is `ClusterConfig.max_batch_tokens`).
+    kv_memory: GiB the requests' K/V slots and the graphs' static buffers may take together on
+    an instance (engine/kv_budget.py; None: no bound); past it the least recently stepped
+    requests' caches are dropped, and their next steps recompute.
     """
 
     kv_cache: KVCacheMode = KVCacheMode.DUAL
@@ -65,6 +68,7 @@ class EngineConfig:
     max_forward_tokens: int = 65_536
     cuda_graphs: int = 0
     cuda_graph_context: int = 2048
+    kv_memory: float | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "kv_cache", KVCacheMode(self.kv_cache))
@@ -86,6 +90,8 @@ class EngineConfig:
             )
         if self.max_forward_tokens <= 0:
             raise ValueError(f"{self.max_forward_tokens=} must be positive")
+        if self.kv_memory is not None and not self.kv_memory > 0:
+            raise ValueError(f"{self.kv_memory=} must be positive GiB (or None: no bound)")
         if self.cuda_graphs < 0 or self.cuda_graph_context <= 0:
             raise ValueError(
                 f"{self.cuda_graphs=} must be >= 0 and {self.cuda_graph_context=} positive"

@@ -21,6 +21,7 @@ from dilaserve.config import EngineConfig
 from dilaserve.engine import kv_cache
 from dilaserve.engine.decide import Row, StepDecider
 from dilaserve.engine.graphs import GRAPHED_KINDS, CacheStepGraphs, graph_query_lens
+from dilaserve.engine.kv_budget import KVBudget
 from dilaserve.engine.sequence import Sequence
 from dilaserve.models import registry
 from dilaserve.models.family import ModelFamily
@@ -95,6 +96,9 @@ class Engine:
                 self._model_kwargs,
                 graph_query_lens(mode, config.block_len, block_causal),
             )
+        reserved = 0 if self._graphs is None else self._graphs.static_bytes
+        self.kv_budget = KVBudget(config.kv_memory, reserved)
+        self._stepping: set[str] = set()  # the requests of the step running: never dropped
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, config: EngineConfig = EngineConfig()) -> Engine:
@@ -113,12 +117,15 @@ class Engine:
 
     def release(self, request_id: str) -> None:
         self._seqs.pop(request_id, None)
+        self.kv_budget.release(request_id)
 
     # -- one step ---------------------------------------------------------------------------
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> StepOutput:
         self._validate(batch)
+        self._stepping = {item.request_id for item in batch.items}
+        self.kv_budget.stepped(self._stepping)
         rows = [self._plan_row(item) for item in batch.items]
         results: dict[str, RequestStepResult] = {}
         for cached in (False, True):
@@ -261,10 +268,22 @@ class Engine:
 
     def _store(self, seq: Sequence, keys, values, row: int) -> None:
         mode = self.config.kv_cache
-        if mode is not KVCacheMode.BLOCK:
-            kv_cache.store(mode, seq, keys, values, row, self.cache_shift)
-        elif kv_cache.exact_store_end(seq) > seq.cached_len:
+        exact = mode is KVCacheMode.BLOCK
+        if exact and kv_cache.exact_store_end(seq) == seq.cached_len:
+            return  # nothing before the current block to store
+        if seq.kv is None and not self._room_for_slot(seq, keys):
+            return  # no room even after dropping the others' slots (`kv_budget.py`)
+        if exact:
             kv_cache.store_exact(seq, keys, values, row)
+        else:
+            kv_cache.store(mode, seq, keys, values, row, self.cache_shift)
+
+    def _room_for_slot(self, seq: Sequence, keys) -> bool:
+        size = kv_cache.slot_bytes(keys, seq.total_len)
+        return self.kv_budget.take(seq.request_id, size, self._stepping, self._drop_cache)
+
+    def _drop_cache(self, request_id: str) -> None:
+        self._seqs[request_id].kv = None  # its next step recomputes or prefills
 
     def _inputs(self, rows: list[Row]):
         """ids, positions and valid [rows, longest query], right-padded; valid None when no row

@@ -91,6 +91,11 @@ class CacheStepGraphs:
         self._graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph | None, object]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
 
+    @property
+    def static_bytes(self) -> int:
+        """Bytes of the static K/V buffers (what `EngineConfig.kv_memory` reserves for them)."""
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
     def fits(self, seqs, query_lens) -> bool:
         """Whether a cache step of these sequences can run on a graph."""
         return (

@@ -98,6 +98,13 @@ def build_context(seqs: list[Sequence], query_lens: list[int]) -> KVContext:
     )
 
 
+def slot_bytes(keys, capacity: int) -> int:
+    """Bytes of a slot of `capacity` positions shaped like a forward's per-layer keys (and as
+    many values)."""
+    per_position = sum(k.shape[1] * k.shape[3] for k in keys) * keys[0].element_size()
+    return 2 * per_position * capacity
+
+
 def _slot(seq: Sequence, keys) -> KVSlot:
     """The sequence's slot, allocated for its whole length at its first store."""
     if seq.kv is not None:
