@@ -8,7 +8,8 @@ import pytest
 from dilaserve.config import BUNDLED_LLADA2_MODEL, BUNDLED_MODEL, EngineConfig, SamplingParams
 from dilaserve.engine.kv_budget import GIB, KVBudget
 from dilaserve.engine.llm import LLM
-from dilaserve.protocol import StepBatch, StepKind
+from dilaserve.protocol import StepBatch, StepKind, StepOutput
+from dilaserve.server.metrics import ServerMetrics
 from dilaserve.tasks import arith
 
 QUARTER = GIB // 4
@@ -51,8 +52,9 @@ def alternate(llm: LLM, prompts: list[str], max_tokens: int, on_step) -> list:
         for r in active:
             item = r.step_item(llm.config.kv_cache, r.request_id in sent)
             sent.add(r.request_id)
-            r.apply(llm.engine.execute(StepBatch((item,))).results[0])
-            on_step(llm.engine.kv_budget)
+            output = llm.engine.execute(StepBatch((item,)))
+            r.apply(output.results[0])
+            on_step(llm.engine.kv_budget, output)
     return requests
 
 
@@ -60,7 +62,7 @@ def one_slot(model, config: EngineConfig, prompt: str, max_tokens: int) -> int:
     """Bytes of the slot `prompt`'s request takes (under a bound far above it)."""
     held = []
     llm = LLM(model, replace(config, kv_memory=1024.0))
-    alternate(llm, [prompt], max_tokens, lambda budget: held.append(budget.held_bytes))
+    alternate(llm, [prompt], max_tokens, lambda budget, output: held.append(budget.held_bytes))
     return max(held)
 
 
@@ -71,14 +73,20 @@ def test_past_the_budget_caches_are_dropped_and_the_bound_holds(model, exact):
     (LLaDA2's exact one, which thus commits the same tokens as with no bound)."""
     prompts = [p.question for p in arith.generate(3, seed=7, split="test")]
     config = EngineConfig("dual", block_len=32)
-    free = alternate(LLM(model, config), prompts, 64, lambda budget: None)
+    free = alternate(LLM(model, config), prompts, 64, lambda budget, output: None)
     slot = one_slot(model, config, prompts[0], 64)
     limit = 1.5 * slot
     bounded_llm = LLM(model, replace(config, kv_memory=limit / GIB))
-    held = []
-    bounded = alternate(bounded_llm, prompts, 64, lambda budget: held.append(budget.held_bytes))
+    held, drops = [], []
+
+    def watch(budget, output):
+        held.append(budget.held_bytes)
+        drops.append(output.kv_drops)
+
+    bounded = alternate(bounded_llm, prompts, 64, watch)
     budget = bounded_llm.engine.kv_budget
     assert max(held) <= limit and budget.evictions > 0 and budget.unstored == 0
+    assert sum(drops) == budget.evictions  # each step reports its own (/metrics counts them)
     assert all(r.is_finished for r in bounded)
     opening = StepKind.PREFILL if exact else StepKind.RECOMPUTE
     assert sum(r.steps_by_kind[opening] for r in bounded) > sum(
@@ -91,6 +99,13 @@ def test_past_the_budget_caches_are_dropped_and_the_bound_holds(model, exact):
 def test_a_budget_below_one_slot_stores_nothing_and_every_step_recomputes():
     llm = LLM(BUNDLED_MODEL, EngineConfig("dual", block_len=32, kv_memory=1 / GIB))
     [problem] = arith.generate(1, seed=7, split="test")
-    [request] = alternate(llm, [problem.question], 64, lambda budget: None)
+    [request] = alternate(llm, [problem.question], 64, lambda budget, output: None)
     assert request.is_finished and llm.engine.kv_budget.unstored == request.num_steps
     assert set(request.steps_by_kind) == {StepKind.RECOMPUTE}
+
+
+def test_the_drops_a_step_reports_are_counted_in_metrics():
+    metrics = ServerMetrics()
+    metrics.step_done("i0", 1, StepOutput((), 0, kv_drops=3), 0.01)
+    metrics.step_done("i0", 1, StepOutput((), 0), 0.01)
+    assert 'dilaserve_kv_cache_drops_total{instance="i0"} 3.0' in metrics.render().decode()

@@ -125,7 +125,9 @@ class Engine:
     def execute(self, batch: StepBatch) -> StepOutput:
         self._validate(batch)
         self._stepping = {item.request_id for item in batch.items}
-        self.kv_budget.stepped(self._stepping)
+        budget = self.kv_budget
+        budget.stepped(self._stepping)
+        drops = budget.evictions + budget.unstored
         rows = [self._plan_row(item) for item in batch.items]
         results: dict[str, RequestStepResult] = {}
         for cached in (False, True):
@@ -134,7 +136,8 @@ class Engine:
                 for chunk in self._chunks(part):
                     results.update(self._run(chunk, cached))
         num_tokens = sum(r.q_end - r.q_start for r in rows)
-        return StepOutput(tuple(results[i.request_id] for i in batch.items), num_tokens)
+        drops = budget.evictions + budget.unstored - drops
+        return StepOutput(tuple(results[i.request_id] for i in batch.items), num_tokens, drops)
 
     def _validate(self, batch: StepBatch) -> None:
         seen: set[str] = set()

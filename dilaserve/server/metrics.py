@@ -72,6 +72,12 @@ class ServerMetrics:
             ["instance"],
             registry=self.registry,
         )
+        self.kv_drops = Counter(
+            "dilaserve_kv_cache_drops",
+            "Caches dropped, and stores skipped, to keep within --kv-memory, by instance",
+            ["instance"],
+            registry=self.registry,
+        )
         self.thresholds = Histogram(
             "dilaserve_step_threshold",
             "Confidence threshold of each request step",
@@ -93,6 +99,7 @@ class ServerMetrics:
         kind = step_label(output)
         self.steps.labels(instance_id, kind.value).observe(seconds)
         self.step_tokens.labels(instance_id).inc(output.num_tokens)
+        self.kv_drops.labels(instance_id).inc(output.kv_drops)
         self.dashboard.step_done(instance_id, kind.value, output, seconds)
 
     def request_done(self, result: RequestResult, thresholds: list[float]) -> None:
