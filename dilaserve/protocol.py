@@ -150,8 +150,9 @@ class RequestStepResult:
 class StepOutput:
     results: tuple[RequestStepResult, ...]
     num_tokens: int  # tokens the forward passes processed (the batch size the profile indexes)
-    # caches this step dropped, and stores it skipped, to keep within the K/V memory budget
-    kv_drops: int = 0
+    # requests this step left without a cache to keep within the K/V memory budget (dropped, or
+    # not stored): their next steps recompute, wherever they run (`engine/kv_budget.py`)
+    kv_dropped: tuple[str, ...] = ()
 
     def by_id(self) -> dict[str, RequestStepResult]:
         return {r.request_id: r for r in self.results}

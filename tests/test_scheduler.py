@@ -46,6 +46,18 @@ def test_alg3_prices_the_step_with_the_whole_batch_not_when_the_instance_is_free
     assert s.instances["b"].pending == ["x"]
 
 
+def test_a_request_whose_cache_the_engine_dropped_recomputes_and_may_move():
+    s = scheduler(instances=(("a", 1), ("b", 1)))
+    req = make_request("r", gen_len=2 * BLOCK)
+    assert only_launch(s.on_arrival(req, 0.0)).instance_id == "a"
+    # mid-block, its next step would be a cache step at home; the engine dropped the cache
+    output = StepOutput((result(req, [0]),), 0, kv_dropped=("r",))
+    launch = only_launch(s.on_step_done("a", output, now=1.0))
+    [item] = launch.batch.items
+    assert item.kind is StepKind.RECOMPUTE and item.spec is not None
+    assert "r" in s.instances[launch.instance_id].holds  # its new cache, once stored
+
+
 def test_request_migrates_only_before_a_recompute_step():
     s = scheduler(instances=(("a", 1), ("b", 1)))
     first = make_request("r1", gen_len=2 * BLOCK)

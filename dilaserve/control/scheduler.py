@@ -235,6 +235,7 @@ class Scheduler:
         if inst.stalled:  # its step ended: it takes work again
             inst.stalled = False
             self._open = self._open_instances()
+        inst.holds.difference_update(output.kv_dropped)  # (their next steps: recomputes)
         finished, going_on = [], []
         for result in output.results:
             rid = result.request_id

@@ -125,9 +125,8 @@ class Engine:
     def execute(self, batch: StepBatch) -> StepOutput:
         self._validate(batch)
         self._stepping = {item.request_id for item in batch.items}
-        budget = self.kv_budget
-        budget.stepped(self._stepping)
-        drops = budget.evictions + budget.unstored
+        self.kv_budget.stepped(self._stepping)
+        self._dropped: list[str] = []
         rows = [self._plan_row(item) for item in batch.items]
         results: dict[str, RequestStepResult] = {}
         for cached in (False, True):
@@ -136,8 +135,8 @@ class Engine:
                 for chunk in self._chunks(part):
                     results.update(self._run(chunk, cached))
         num_tokens = sum(r.q_end - r.q_start for r in rows)
-        drops = budget.evictions + budget.unstored - drops
-        return StepOutput(tuple(results[i.request_id] for i in batch.items), num_tokens, drops)
+        results = tuple(results[i.request_id] for i in batch.items)
+        return StepOutput(results, num_tokens, tuple(self._dropped))
 
     def _validate(self, batch: StepBatch) -> None:
         seen: set[str] = set()
@@ -275,7 +274,8 @@ class Engine:
         if exact and kv_cache.exact_store_end(seq) == seq.cached_len:
             return  # nothing before the current block to store
         if seq.kv is None and not self._room_for_slot(seq, keys):
-            return  # no room even after dropping the others' slots (`kv_budget.py`)
+            self._dropped.append(seq.request_id)  # no room even after dropping the others'
+            return
         if exact:
             kv_cache.store_exact(seq, keys, values, row)
         else:
@@ -287,6 +287,7 @@ class Engine:
 
     def _drop_cache(self, request_id: str) -> None:
         self._seqs[request_id].kv = None  # its next step recomputes or prefills
+        self._dropped.append(request_id)
 
     def _inputs(self, rows: list[Row]):
         """ids, positions and valid [rows, longest query], right-padded; valid None when no row

@@ -99,7 +99,7 @@ class ServerMetrics:
         kind = step_label(output)
         self.steps.labels(instance_id, kind.value).observe(seconds)
         self.step_tokens.labels(instance_id).inc(output.num_tokens)
-        self.kv_drops.labels(instance_id).inc(output.kv_drops)
+        self.kv_drops.labels(instance_id).inc(len(output.kv_dropped))
         self.dashboard.step_done(instance_id, kind.value, output, seconds)
 
     def request_done(self, result: RequestResult, thresholds: list[float]) -> None:
