@@ -118,7 +118,7 @@ def run_until(cluster: Cluster, done, limit: int = 200_000) -> int:
         controller._next_event()
         if controller._handling[0] != "poll":
             if controller.stalls.handled(began, controller.now(), controller._inflight):
-                controller._forget_all_timings()
+                controller._void_timings()
             controller.room = controller.admission.room(controller._last)
     raise AssertionError(f"not done after {limit} events")
 

@@ -140,6 +140,7 @@ def test_a_recorded_run_replays_in_the_simulator_to_the_same_decisions():
         cfg.tick,
         cfg.max_batch_tokens,
         unmeasured=recording.unmeasured,  # (steps a stall of the controller held up)
+        voided=recording.voided,  # (requests a stall or a fault delayed)
     )
     assert len(sim.requests) == len(QUESTIONS) and not sim.unfinished
     # an arrival line per request, and step launches beyond them (how many depends on how the

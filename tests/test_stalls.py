@@ -176,3 +176,22 @@ def test_a_run_with_a_stall_replays_to_the_same_decisions():
     assert lines == cluster.controller.log.lines
     _, measured = replay(recording.requests, recording.launches, *args, True)
     assert measured != cluster.controller.log.lines
+
+
+def test_a_stall_of_the_controller_teaches_alg_1_nothing_either():
+    # Alg. 1's own on-time factor (threshold selection) learnt from the requests a stall
+    # delayed, so those after it ran at the lowest threshold and taught admission's in turn
+    cluster, clock = virtual_cluster(instances=(1, 1), slo=60.0)
+    handles = [submit(cluster, f"r{k}", slo=600.0) for k in range(32)]
+    assert [outcome(cluster, h) for h in handles] == ["admitted"] * 32
+    run_until(cluster, lambda: len(clock._running) == 2)
+    alg_1 = cluster.scheduler.deadline
+    in_flight = [h.request_id for h in handles if not h.future.done()]
+    assert len(in_flight) > 16 and all(rid in alg_1 for rid in in_flight)
+    learnt, factor = alg_1.finished, alg_1.factor(clock.t)
+    stall_next_tick(cluster, clock, seconds=1.5)
+    run_until(cluster, lambda: all(h.future.done() for h in handles))
+    assert cluster.controller.stalls.count == 1
+    assert alg_1.finished == learnt  # none of those the stall delayed was measured
+    assert alg_1.factor(clock.t) == factor
+    assert not alg_1._void  # (each void request forgotten once it ended)

@@ -130,7 +130,7 @@ class Controller:
                 self._next_event()
                 if self._handling[0] != "poll":  # the load or the instances may have changed
                     if self.stalls.handled(began, self.now(), self._inflight):
-                        self._forget_all_timings()  # it held up every result (`stalls.py`)
+                        self._void_timings()  # it held up every result (`stalls.py`)
                     self.room = self.admission.room(self._last)
             except Exception as e:  # a controller bug: fail what it concerned, never the rest
                 self._survive(e)
@@ -187,7 +187,7 @@ class Controller:
         speed = self.scheduler.speed
         for iid, inst in self.scheduler.instances.items():  # (the tick stalls these)
             if inst.takes_work and inst.overdue(now, speed.instance_ratio(iid)):
-                self._forget_all_timings()  # a stall is a fault too
+                self._void_timings()  # a stall is a fault too
         self.apply(self.scheduler.on_tick(now), now, "t")
         for replacement in self.replacements.due(now):
             self._replace("(retry)", replacement, now)
@@ -255,7 +255,7 @@ class Controller:
         iid = event.instance_id
         if event.kind == "up":
             if self.replacements.pending:  # (lost capacity restored)
-                self._forget_all_timings()
+                self._void_timings()
             self.replacements.up(iid)
             if iid in self._specs:
                 self.rollout.on_up(self._specs[iid], now)
@@ -274,6 +274,8 @@ class Controller:
         self.step_times.append((now - launched, event.seconds))
         self.steps_run += 1
         tp = self.scheduler.instances[iid].tp
+        if not self.is_whole:  # what they take now is the fault's
+            self._void_timings(item.request_id for item in batch.items)
         measured = self.stalls.measured(iid)  # (not across a stall of ours: `stalls.py`)
         if self.config.measured_speed and measured:  # the step's cost, end to end
             self.scheduler.speed.observe(tp, batch, now - launched, iid, now)
@@ -318,7 +320,7 @@ class Controller:
         self.stats["failures"] += 1
         log.error("instance %s failed: %s", iid, error)
         if iid in self.scheduler.instances:
-            self._forget_all_timings()
+            self._void_timings()
         self._inflight.pop(iid, None)
         self.hangs.gone(iid)
         spec = self._specs.pop(iid, None)
@@ -330,16 +332,17 @@ class Controller:
         if replacement is not None:
             self._replace(iid, replacement, now)
 
-    def _forget_all_timings(self) -> None:
+    def _void_timings(self, request_ids=None) -> None:
         """A fault begins or ends (an instance stalled, died or is replaced), or the controller
-        stalled (`stalls.py`): the requests in flight teach admission nothing (after SIGSTOP,
-        they took 4x their prediction, and it then refused a load there was room for)."""
-        for rid in list(self.handles):
-            self.admission.dropped(rid)
+        stalled: the requests in flight (or `request_ids`) teach no on-time factor (`stalls.py`)."""
+        request_ids = list(self.scheduler.requests if request_ids is None else request_ids)
+        self.admission.void(request_ids)
+        if self.recording is not None:
+            self.recording.voided.update(request_ids)
 
     @property
     def is_whole(self) -> bool:
-        """No instance stalled or being replaced: finished requests teach admission."""
+        """No instance stalled or being replaced (else the requests that step teach nothing)."""
         return not (self.replacements.pending or self.scheduler.num_stalled)
 
     def _replace(self, iid: str, replacement: InstanceSpec, now: float) -> None:
@@ -387,10 +390,7 @@ class Controller:
 
     def _finish(self, rid: str, now: float) -> None:
         handle = self.handles.pop(rid, None)
-        if self.is_whole:
-            self.admission.finished(rid, now)
-        else:  # what it took is the fault's (`_forget_all_timings`)
-            self.admission.dropped(rid)
+        self.admission.finished(rid, now)
         if handle is not None:
             self.answers.finish(handle, now)
 

@@ -153,6 +153,7 @@ def _parity(cluster: Cluster, config: ClusterConfig) -> dict:
             config.max_batch_tokens,
             config.measured_speed,
             recording.unmeasured,
+            recording.voided,
         )
     except ParityError as e:
         return {"identical": False, "error": str(e)}

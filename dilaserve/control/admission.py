@@ -220,6 +220,16 @@ class Admission:
         self._priced.pop(request_id, None)
         self.on_time.forget(request_id)
 
+    def void(self, request_ids: list[str]) -> None:
+        """These requests, admitted, teach no on-time factor, admission's or Alg. 1's
+        (`Scheduler.deadline`), whenever they finish: a fault or a stall of the controller
+        delayed them (`on_time.py`, `cluster/stalls.py`; after SIGSTOP they took 4x their
+        prediction, and admission refused a load there was room for). The cluster's recording
+        lists them (`Recording.voided`), and a replay voids them too."""
+        for calibration in (self.on_time, self.scheduler.deadline):
+            if calibration is not None:
+                calibration.void(request_ids)
+
     def _ran_as_priced(self, request: Request) -> bool:
         lowest = self._loads.ladder[-1]
         return all(threshold <= lowest for threshold in request.threshold_steps)

@@ -18,7 +18,9 @@ thresholds and took longer by choice. `target` is the one number a user sets: an
 probability (a service-level target), not a margin fitted to a trace.
 
 Alg. 1 (threshold selection) keeps a second instance, fed each request's first threshold
-choice (`Scheduler.deadline`, `Policy.on_time_target`); admission keeps its own.
+choice (`Scheduler.deadline`, `Policy.on_time_target`); admission keeps its own. A request in
+flight at a fault or at a stall of the controller (`cluster/stalls.py`) is `void` in both: what
+it took is the fault's, and it teaches neither, even if it is priced again later.
 
 An estimate is not a fact (DESIGN.md 7): with no request finishing (nothing admitted, e.g.
 because the factor itself refuses everything) the factor decays toward 1 with a half-life, so
@@ -56,6 +58,7 @@ class OnTimeCalibration:
         self.min_evidence = min_evidence
         self._ratios: deque[float] = deque(maxlen=window)
         self._pending: dict[str, tuple[float, float]] = {}  # id -> (admitted at, predicted s)
+        self._void: set[str] = set()  # in flight, and never to teach (`void`)
         self._quantile = 1.0  # of the window, as of the last finished request
         self._low = 1.0  # its (1 - target) quantile: what the luckiest requests took
         self._last = 0.0  # when the last request finished
@@ -64,16 +67,27 @@ class OnTimeCalibration:
 
     def admitted(self, request_id: str, predicted_seconds: float, now: float) -> None:
         """A request was admitted (or its threshold chosen) at `now`, predicted to finish in
-        `predicted_seconds`."""
+        `predicted_seconds`. (A void request is not recorded.)"""
+        if request_id in self._void:
+            return
         if predicted_seconds > 0 and len(self._pending) < MAX_PENDING:
             self._pending[request_id] = (now, predicted_seconds)
 
     def forget(self, request_id: str) -> None:
         """A request ended without finishing (cancelled, failed): nothing to learn."""
         self._pending.pop(request_id, None)
+        self._void.discard(request_id)
+
+    def void(self, request_ids) -> None:
+        """These requests (in flight, or yet to come) teach nothing, until they end: a fault
+        or a stall of the controller delayed them (`cluster/stalls.py`)."""
+        for request_id in request_ids:
+            self._pending.pop(request_id, None)
+            self._void.add(request_id)
 
     def finished_at(self, request_id: str, now: float) -> None:
         """A request finished at `now`: its time against its prediction joins the window."""
+        self._void.discard(request_id)
         admitted = self._pending.pop(request_id, None)
         if admitted is None:
             return

@@ -74,11 +74,16 @@ def replay(
     max_batch_tokens: int,
     measured_speed: bool = True,
     unmeasured: Collection[tuple[str, float]] = (),
+    voided: Collection[str] = (),
 ) -> tuple[SimResult, list[str]]:
     """The simulator's run of a recorded cluster run, and its decision log's lines.
     `measured_speed`: the run's (`ClusterConfig.measured_speed`); `unmeasured`: the recording's
-    (instance, launched at) of the steps its measured speed did not learn (`cluster/stalls.py`)."""
+    (instance, launched at) of the steps its measured speed did not learn (`cluster/stalls.py`);
+    `voided`: its requests that taught Alg. 1's on-time factor nothing (a fault's or a stall's;
+    void from the start here: a void request never teaches, whenever it was voided)."""
     scheduler = build_scheduler(control)
+    if scheduler.deadline is not None:
+        scheduler.deadline.void(voided)
     log = DecisionLog(keep_lines=True)
     simulator = Simulator(
         scheduler,
