@@ -186,7 +186,8 @@ async def kill_phase(url: str, server: subprocess.Popen, rate: float, slo_ms: fl
 
 
 GAUGES = ("requests_in_flight", "step_slowdown", "admission_on_time_factor", "deadline_factor",
-          "instances_stalled", "queue_length")  # fmt: skip
+          "instances_stalled", "queue_length", "admission_capacity",
+          "admission_modelled_capacity")  # fmt: skip
 
 
 async def gauge_watch(url: str, until: float, seen: list) -> None:

@@ -150,6 +150,7 @@ class _Cluster:
     on_time = SimpleNamespace(finished=0, late=0)
     deadline_factor = 1.25
     deadline = SimpleNamespace(finished=4, late=1)
+    admission_capacity = (900.0, 1000.0)  # (served, modelled) token-steps per second
 
     def __init__(self):
         self.config = SimpleNamespace(

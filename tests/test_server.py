@@ -264,6 +264,8 @@ def test_metrics_expose_outcomes_thresholds_instances_and_steps(live):
         "dilaserve_slo_attainment",
         "dilaserve_admission_on_time_factor",
         "dilaserve_admission_on_time_measured_total",
+        "dilaserve_admission_capacity",
+        "dilaserve_admission_modelled_capacity",
         "dilaserve_deadline_factor",
         "dilaserve_deadline_measured_total",
         "dilaserve_migrations_total",
@@ -281,7 +283,7 @@ class _RefusingCluster:
     instances_stalled = 0
     on_time_factor = 1.0
     on_time = SimpleNamespace(finished=0, late=0)
-    deadline = deadline_factor = None
+    deadline = deadline_factor = admission_capacity = None
 
     def __init__(self, error):
         self.error = error

@@ -217,6 +217,15 @@ class Cluster:
         return self.controller.admission.on_time
 
     @property
+    def admission_capacity(self) -> tuple[float, float] | None:
+        """Token-steps per second admission counts on (before its on-time factor), and load
+        control's model of it alone (`control/admission.py`); None without load control."""
+        admission = self.controller.admission
+        if not admission.enabled:
+            return None
+        return admission.capacity(self.now()), admission.modelled_capacity()
+
+    @property
     def on_time_factor(self) -> float:
         """How many times its predicted time admission allows a request now (>= 1)."""
         return self.on_time.factor(self.now())

@@ -14,7 +14,9 @@ predicted remaining steps times the tokens each step processes (Alg. 4 with a KV
 thresholds) admit every request; the count limit (`max_in_flight`) still holds.
 
 Capacity and the time a request needs are at the measured speed (`speed.py`): without it, on
-this project's loaded 2-core machine, admission refused nothing at 3x capacity.
+this project's loaded 2-core machine, admission refused nothing at 3x capacity. Capacity is
+also no more than what each instance's steps measured they got through (`capacity`:
+`speed.ServedRates`; the model assumes full batches), decaying back to the model when stale.
 
 Each request is priced against its own SLO: capacity over the time its deadline leaves
 (`deadline - now`), not over the server's default SLO, so that a request that gives itself a
@@ -152,7 +154,7 @@ class Admission:
             return Room()  # nothing in flight: the next request is admitted (a probe)
         load, tokens, count = self._loads.lowest_load(float("-inf"))
         mean_tokens = tokens / count if count else 0.0
-        throughput = self._throughput(mean_tokens) / self.on_time.factor(now)
+        throughput = self.capacity(now, mean_tokens) / self.on_time.factor(now)
         block_len = self.scheduler.config.costs.block_len
         least = block_len  # one step over one block
         per_block = min(self._per_block) if len(self._per_block) >= MIN_RECENT else 0.0
@@ -187,7 +189,7 @@ class Admission:
         self._per_block.append(own / request.num_blocks)
         load, tokens, count = self._loads.lowest_load(request.priority)
         load += own
-        queued = load / self._throughput((tokens + request.num_tokens) / (count + 1))
+        queued = load / self.capacity(now, (tokens + request.num_tokens) / (count + 1))
         self._predicted = max(queued, alone)
         factor = self.on_time.factor(now)
         if queued * factor > left:
@@ -296,10 +298,19 @@ class Admission:
         )
         return float(loads.sum())
 
-    def _throughput(self, mean_tokens: float) -> float:
-        """Load control's cluster throughput (token-steps per second) for requests of
-        `mean_tokens`, at the measured speed."""
-        return self._loads.throughput(self.scheduler.instances.values(), mean_tokens)
+    def capacity(self, now: float, mean_tokens: float | None = None) -> float:
+        """The cluster's throughput (token-steps per second) for requests of `mean_tokens`
+        (default: those in flight): load control's model at the measured speed, instance by
+        instance, or what the instance's steps measured where that is less (`speed.py`)."""
+        return self.scheduler.speed.served.capacity(self._modelled(mean_tokens), now)
+
+    def modelled_capacity(self, mean_tokens: float | None = None) -> float:
+        """Load control's model of `capacity` alone (`/metrics` shows both)."""
+        return sum(self._modelled(mean_tokens).values())
+
+    def _modelled(self, mean_tokens: float | None) -> dict[str, float]:
+        instances = list(self.scheduler.instances.items())  # (`/metrics` reads it too)
+        return {iid: self._loads.throughput([i], mean_tokens) for iid, i in instances}
 
 
 def _too_late(needed: float, left: float) -> Refusal | None:

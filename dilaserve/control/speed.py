@@ -28,6 +28,18 @@ its excess over 1 every `HALF_LIFE` seconds once no step has been observed for `
 times the latest step's duration (while steps keep coming, the measurements alone steer it).
 Admission also probes: a request that comes while nothing is in flight is admitted
 (`admission.py`), and its steps measure the machine as it is now.
+
+Served throughput (`ServedRates`, an extension): admission prices the load ahead of a request
+over the cluster's throughput, which load control models (`LoadControl.throughput`) as Alg. 4's
+steady block pattern at `max_requests_per_instance` requests a batch, over `slowdown`: full
+batches, and a mean of per-step ratios, each step priced at its own batch. Where batches are
+smaller than the model's, or the machine adds a fixed cost to every step (a step waits for a
+core beside a CPU hog: small steps slow down far more than large ones), the instances get
+through less than that, and admission's on-time factor (`on_time.py`) grew to cover it. So each
+instance's steps are also measured as the tokens they processed (the unit of admission's load)
+over their round trips, a ratio of running sums; admission counts on the least of that and the
+model, instance by instance, and its on-time factor corrects what is left. Once stale (as
+above), what an instance measured decays toward the model with the same half-life.
 """
 
 from __future__ import annotations
@@ -83,6 +95,53 @@ class Estimate:
         return max(now - self._seen - self._fresh_for, 0.0)
 
 
+class Served:
+    """One instance's tokens processed over its steps' seconds: running sums, decaying toward
+    a model once stale."""
+
+    __slots__ = ("work", "seconds", "_seen", "_fresh_for")
+
+    def __init__(self):
+        self.work = 0.0  # tokens processed, running (each step `WEIGHT` of the sum)
+        self.seconds = 0.0  # their steps' round trips, the same
+        self._seen = 0.0  # the event time of the latest step
+        self._fresh_for = 0.0  # seconds after it that it counts as current
+
+    def observe(self, tokens: float, seconds: float, now: float) -> None:
+        self.work += WEIGHT * (tokens - self.work)
+        self.seconds += WEIGHT * (seconds - self.seconds)
+        self._seen, self._fresh_for = now, STALE_STEPS * seconds
+
+    def rate(self, modelled: float, now: float) -> float:
+        """Tokens per second it serves as measured, or `modelled` where that is less; toward
+        `modelled` by the stale part of the time since its latest step (`HALF_LIFE`)."""
+        measured = min(self.work / self.seconds, modelled)
+        stale = max(now - self._seen - self._fresh_for, 0.0)
+        return modelled + (measured - modelled) * 0.5 ** (stale / HALF_LIFE)
+
+
+class ServedRates:
+    """`Served` by instance: what each instance's steps got through (`capacity`)."""
+
+    def __init__(self):
+        self.by_instance: dict[str, Served] = {}
+
+    def observe(self, instance_id: str, tokens: float, seconds: float, now: float) -> None:
+        """A step on the instance processed `tokens` in `seconds`, launch to result, ending at
+        event time `now`."""
+        if seconds > 0 and tokens > 0:
+            self.by_instance.setdefault(instance_id, Served()).observe(tokens, seconds, now)
+
+    def capacity(self, modelled: dict[str, float], now: float) -> float:
+        """Tokens per second the instances serve: each one's `modelled` rate (instance id ->
+        tokens per second), or what its steps measured where that is less (`Served.rate`)."""
+        total = 0.0
+        for instance_id, rate in modelled.items():
+            served = self.by_instance.get(instance_id)
+            total += rate if served is None else served.rate(rate, now)
+        return total
+
+
 class MeasuredSpeed:
     def __init__(self, profile: LatencyProfile, costs: StepCosts, tracked: Mapping):
         self.profile = profile
@@ -90,6 +149,7 @@ class MeasuredSpeed:
         self._tracked = tracked  # request id -> the scheduler's record of it
         self.overall = Estimate()  # measured over predicted step time, running
         self.by_instance: dict[str, Estimate] = {}  # the same, per instance
+        self.served = ServedRates()  # tokens each instance's steps processed per second
         self.now = 0.0  # the latest event time it was told (`advance`)
         self.steps = 0  # steps observed
         self._measured = self._predicted = 0.0  # their seconds, measured and predicted, summed
@@ -152,10 +212,13 @@ class MeasuredSpeed:
         """A step of `batch` on a TP-`tp` instance took `seconds`, launch to result, and
         ended at event time `now` (default: the latest `advance`). (Call it before the
         scheduler hears of the step: its requests are still tracked.)"""
-        predicted = batch_seconds(self.profile, tp, batch, self.costs, self._tracked)
+        sequence, cached = batch_tokens(batch, self.costs, self._tracked)
+        predicted = tokens_seconds(self.profile, tp, sequence, cached, self.costs)
         if predicted <= 0:
             return
         self.now = self.now if now is None else max(self.now, now)
+        if instance_id:
+            self.served.observe(instance_id, sequence + cached, seconds, self.now)
         ratio = seconds / predicted
         self.overall.blend(ratio, seconds, self.now)
         if instance_id:
@@ -182,6 +245,11 @@ def batch_seconds(
     it (`step_costs.py`): its sequence steps on one curve plus its cached steps on another.
     `tracked`: request id -> the scheduler's record of it (requests it no longer tracks, e.g.
     cancelled while the step ran, are left out)."""
+    return tokens_seconds(profile, tp, *batch_tokens(batch, costs, tracked), costs)
+
+
+def batch_tokens(batch: StepBatch, costs: StepCosts, tracked: Mapping) -> tuple[int, int]:
+    """(sequence, cached) tokens a step of `batch` processes (`batch_seconds`)."""
     sequence = cached = 0
     for item in batch.items:
         record = tracked.get(item.request_id)
@@ -192,6 +260,13 @@ def batch_seconds(
             cached += tokens
         else:
             sequence += tokens
+    return sequence, cached
+
+
+def tokens_seconds(
+    profile: LatencyProfile, tp: int, sequence: int, cached: int, costs: StepCosts
+) -> float:
+    """The profile's time of a step of `sequence` and `cached` tokens (`batch_seconds`)."""
     seconds = profile.step_latency(tp, sequence, costs.sequence_kind) if sequence else 0.0
     if cached:
         seconds += profile.step_latency(tp, cached, costs.inner_kind)

@@ -166,6 +166,7 @@ class _ClusterCollector:
             "decays toward 1 while none finishes)"
         )
         yield _gauge("dilaserve_admission_on_time_factor", factor, c.on_time_factor)
+        yield from _capacity_metrics(c.admission_capacity)
         yield CounterMetricFamily(
             "dilaserve_admission_on_time_measured",
             "Admitted requests whose time admission's on-time calibration measured",
@@ -207,6 +208,21 @@ class _ClusterCollector:
 
 def _gauge(name: str, text: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, text, value=value)
+
+
+def _capacity_metrics(capacity: tuple[float, float] | None):
+    """Admission's capacity (`control/admission.py`), when it prices by load."""
+    if capacity is None:
+        return
+    served, modelled = capacity
+    text = (
+        "Token-steps per second admission counts on (before its on-time factor): the model "
+        "below, or what each instance's steps measured where that is less (decays back to "
+        "the model while an instance runs no step)"
+    )
+    yield _gauge("dilaserve_admission_capacity", text, served)
+    text = "Load control's model of that throughput: the latency profile at the step slowdown"
+    yield _gauge("dilaserve_admission_modelled_capacity", text, modelled)
 
 
 def _deadline_metrics(calibration, factor: float | None):
