@@ -33,13 +33,13 @@ Served throughput (`ServedRates`, an extension): admission prices the load ahead
 over the cluster's throughput, which load control models (`LoadControl.throughput`) as Alg. 4's
 steady block pattern at `max_requests_per_instance` requests a batch, over `slowdown`: full
 batches, and a mean of per-step ratios, each step priced at its own batch. Where batches are
-smaller than the model's, or the machine adds a fixed cost to every step (a step waits for a
-core beside a CPU hog: small steps slow down far more than large ones), the instances get
-through less than that, and admission's on-time factor (`on_time.py`) grew to cover it. So each
-instance's steps are also measured as the tokens they processed (the unit of admission's load)
-over their round trips, a ratio of running sums; admission counts on the least of that and the
-model, instance by instance, and its on-time factor corrects what is left. Once stale (as
-above), what an instance measured decays toward the model with the same half-life.
+smaller (one request a batch gets through half of it on the bundled profile), the instances get
+through less than that (0.55-0.80 of it live beside other work: docs/serving/reliability.md),
+and admission's on-time factor (`on_time.py`) grew to cover it. So each instance's steps are
+also measured as the tokens they processed (the unit of admission's load) over their round
+trips, a ratio of running sums; admission counts on the least of that and the model, instance
+by instance, and its on-time factor corrects what is left. Once stale (as above), what an
+instance measured decays toward the model with the same half-life.
 """
 
 from __future__ import annotations
