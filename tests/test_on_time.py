@@ -84,3 +84,17 @@ def test_admission_counts_on_what_finished_requests_took():
     later = 5.0 + 10 * admission.on_time.half_life
     again = make_request("again", gen_len=32, deadline=later + 2 * needed)
     assert admission.refusal(again, later) is None
+
+
+def test_a_void_request_teaches_nothing_even_if_priced_again_until_it_ends():
+    calibration = OnTimeCalibration(min_evidence=1)
+    calibration.admitted("slow", 1.0, 0.0)
+    calibration.void(["slow", "later"])  # in flight at a fault; "later" not priced yet
+    assert "slow" not in calibration
+    calibration.admitted("later", 1.0, 0.0)  # priced after it: still void
+    calibration.finished_at("slow", 9.0)
+    calibration.finished_at("later", 9.0)
+    assert calibration.finished == 0 and calibration.factor(9.0) == 1.0
+    calibration.admitted("slow", 1.0, 10.0)  # an id used again, after it ended, counts
+    calibration.finished_at("slow", 13.0)
+    assert calibration.finished == 1 and calibration.factor(13.0) == 3.0

@@ -332,13 +332,12 @@ class Controller:
         if replacement is not None:
             self._replace(iid, replacement, now)
 
-    def _void_timings(self, request_ids=None) -> None:
+    def _void_timings(self, only=None) -> None:
         """A fault begins or ends (an instance stalled, died or is replaced), or the controller
-        stalled: the requests in flight (or `request_ids`) teach no on-time factor (`stalls.py`)."""
-        request_ids = list(self.scheduler.requests if request_ids is None else request_ids)
-        self.admission.void(request_ids)
+        stalled (`stalls.py`): the requests in flight (`only` these) teach no on-time factor."""
+        voided = self.admission.void(self.scheduler.requests if only is None else only)
         if self.recording is not None:
-            self.recording.voided.update(request_ids)
+            self.recording.voided.update(voided)
 
     @property
     def is_whole(self) -> bool:

@@ -54,6 +54,7 @@ refused the rest after their queue wait (docs/serving/reliability.md)."""
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -222,15 +223,17 @@ class Admission:
         self._priced.pop(request_id, None)
         self.on_time.forget(request_id)
 
-    def void(self, request_ids: list[str]) -> None:
-        """These requests, admitted, teach no on-time factor, admission's or Alg. 1's
-        (`Scheduler.deadline`), whenever they finish: a fault or a stall of the controller
-        delayed them (`on_time.py`, `cluster/stalls.py`; after SIGSTOP they took 4x their
-        prediction, and admission refused a load there was room for). The cluster's recording
-        lists them (`Recording.voided`), and a replay voids them too."""
+    def void(self, request_ids: Iterable[str]) -> list[str]:
+        """Those of these requests in flight (returned) teach no on-time factor, admission's
+        or Alg. 1's (`Scheduler.deadline`), whenever they finish: a fault or a stall of the
+        controller delayed them (`on_time.py`, `cluster/stalls.py`; after SIGSTOP they took 4x
+        their prediction, and admission refused a load there was room for). The cluster's
+        recording lists them (`Recording.voided`), and a replay voids them too."""
+        request_ids = [rid for rid in request_ids if rid in self.scheduler.requests]
         for calibration in (self.on_time, self.scheduler.deadline):
             if calibration is not None:
                 calibration.void(request_ids)
+        return request_ids
 
     def _ran_as_priced(self, request: Request) -> bool:
         lowest = self._loads.ladder[-1]
