@@ -250,5 +250,5 @@ class Recording:
     # (instance, launched at) of the launches whose time a stall of the controller's held up:
     # the measured speed did not learn it (`stalls.py`)
     unmeasured: set[tuple[str, float]] = field(default_factory=set)
-    # requests whose times teach no on-time calibration (a fault's or a stall's: `Controller._void`)
+    # requests whose times teach no on-time factor (a fault's, a stall's: `Admission.void`)
     voided: set[str] = field(default_factory=set)

@@ -8,9 +8,9 @@ learnt, such a stall read as steps 10x the profile's time and requests 12x their
 and admission refused a load the cluster had room for (docs/serving/reliability.md).
 So the steps running across a stall teach the measured speed nothing (`measured`), and the
 requests in flight teach no on-time factor, admission's or Alg. 1's, as at a fault
-(`Controller._void_timings`, `Admission.void`): before, Alg. 1's still learnt from them, and
+(`Controller._void_timings`, `Admission.void`). Before, Alg. 1's still learnt from them, and
 the requests after a stall ran at the lowest threshold and taught admission's in turn (a
-replay: its factor 1.0 before the stall, 2.79 after).
+scratch replay: admission's factor 1.0 before the stall, 2.73 after; now 1.0 after).
 
 A tick is the controller's own period: an event that outlasts it held back a tick too. The
 steps left unmeasured are recorded with the run, so that a replay leaves them unmeasured as

@@ -217,13 +217,12 @@ class MeasuredSpeed:
         if predicted <= 0:
             return
         self.now = self.now if now is None else max(self.now, now)
-        if instance_id:
-            self.served.observe(instance_id, sequence + cached, seconds, self.now)
         ratio = seconds / predicted
         self.overall.blend(ratio, seconds, self.now)
         if instance_id:
             mine = self.by_instance.setdefault(instance_id, Estimate())
             mine.blend(ratio, seconds, self.now)
+            self.served.observe(instance_id, sequence + cached, seconds, self.now)
         if seconds > 0:
             self.steps += 1
             self._measured += seconds
