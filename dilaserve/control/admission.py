@@ -144,6 +144,7 @@ class Admission:
         self._priced: dict[str, Request] = {}  # admitted, their predicted time on record
         self._predicted = 0.0  # seconds the last request asked about needs (`refusal`)
         self._per_block: deque[float] = deque(maxlen=RECENT)  # load per block, latest priced
+        self._mean_tokens = 0.0  # of the requests in flight, as of the latest `room`
 
     @property
     def enabled(self) -> bool:
@@ -154,7 +155,7 @@ class Admission:
         if not self.enabled or not self.scheduler.instances or not self.scheduler.requests:
             return Room()  # nothing in flight: the next request is admitted (a probe)
         load, tokens, count = self._loads.lowest_load(float("-inf"))
-        mean_tokens = tokens / count if count else 0.0
+        mean_tokens = self._mean_tokens = tokens / count if count else 0.0
         throughput = self.capacity(now, mean_tokens) / self.on_time.factor(now)
         block_len = self.scheduler.config.costs.block_len
         least = block_len  # one step over one block
@@ -303,8 +304,9 @@ class Admission:
 
     def capacity(self, now: float, mean_tokens: float | None = None) -> float:
         """The cluster's throughput (token-steps per second) for requests of `mean_tokens`
-        (default: those in flight): load control's model at the measured speed, instance by
-        instance, or what the instance's steps measured where that is less (`speed.py`)."""
+        (default: those in flight as of the latest `room`, which other threads may read):
+        load control's model at the measured speed, instance by instance, or what the
+        instance's steps measured where that is less (`speed.py`)."""
         return self.scheduler.speed.served.capacity(self._modelled(mean_tokens), now)
 
     def modelled_capacity(self, mean_tokens: float | None = None) -> float:
@@ -312,8 +314,10 @@ class Admission:
         return sum(self._modelled(mean_tokens).values())
 
     def _modelled(self, mean_tokens: float | None) -> dict[str, float]:
-        instances = list(self.scheduler.instances.items())  # (`/metrics` reads it too)
-        return {iid: self._loads.throughput([i], mean_tokens) for iid, i in instances}
+        """(Given `mean_tokens`, load control's table is not read: `/metrics` asks too.)"""
+        tokens = self._mean_tokens if mean_tokens is None else mean_tokens
+        instances = list(self.scheduler.instances.items())
+        return {iid: self._loads.throughput([i], tokens) for iid, i in instances}
 
 
 def _too_late(needed: float, left: float) -> Refusal | None:
