@@ -42,6 +42,7 @@ POLICIES = (
     "dilaserve-paper",
     "dilaserve-headroom",
     "dilaserve-budget",
+    "dilaserve-slo-load",
     "infaas",
     "llumnix",
     "fcfs",

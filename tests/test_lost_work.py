@@ -127,3 +127,12 @@ def test_a_lost_request_bound_to_an_instance_that_goes_away_runs_elsewhere():
     launch = only_launch(s.drain_instance("a", 3.5))
     assert launch.instance_id == "b" and launch.batch.items[0].request_id == "soon"
     assert s.requests["soon"].instance == "b"
+
+
+def test_a_lost_request_leaves_load_controls_budget_window():
+    # the default's window is the mean budget left to the requests Alg. 2/4 counts: on-time's
+    # 99 s at 1.0, not the mean with the lost request's deadline, long passed (49.25 s)
+    s = scheduler(Lost.LATE)
+    arrive_on_time_then_late(s)
+    assert s.requests["late"].lost
+    assert s.load_control.window_seconds(1.0) == pytest.approx(99.0)

@@ -139,8 +139,8 @@ def test_the_instance_speed_extension_prices_a_straggler_at_its_measured_speed()
 
 def test_measured_slowdown_shrinks_load_controls_capacity():
     # two requests fit at 0.9 in a 100 ms window (2 x 168 of 500 token-steps); at 1.9x slower
-    # steps it holds 263: the early one at 0.9 and the later at 0.5 (84) only
-    s = scheduler(instances=(("a", 1),), slo=0.1, kv_cache="none")
+    # steps it holds 263: the early one at 0.9 and the later at 0.5 (84) only (Alg. 2/4's window)
+    s = scheduler("dilaserve-slo-load", instances=(("a", 1),), slo=0.1, kv_cache="none")
     s.speed.ratio = 1.9
     s.on_arrival(make_request("early", arrival_time=0.0), 0.0)
     s.on_arrival(make_request("late", arrival_time=0.01), 0.01)
@@ -175,12 +175,13 @@ def test_bounds_that_are_not_thresholds_are_refused():
 
 
 # 21-token requests without a cache: load 8 x 21 = 168 token-steps at 0.9, 84 at 0.5. TP-1's best
-# throughput is 5,000 tokens/s, so a 60 ms window holds 300: one request at 0.9 plus one at 0.5.
+# throughput is 5,000 tokens/s, so a 60 ms window holds 300: one request at 0.9 plus one at 0.5
+# (Alg. 2/4's one SLO window: `dilaserve-slo-load`).
 SHORT_SLO = 0.06
 
 
 def test_load_control_caps_late_arrivals_when_capacity_is_short():
-    s = scheduler(instances=(("a", 1),), slo=SHORT_SLO, kv_cache="none")
+    s = scheduler("dilaserve-slo-load", instances=(("a", 1),), slo=SHORT_SLO, kv_cache="none")
     early, late = make_request("early", arrival_time=0.0), make_request("late", arrival_time=1.0)
     s.on_arrival(early, 0.0)
     s.on_arrival(late, 1.0)
@@ -188,21 +189,38 @@ def test_load_control_caps_late_arrivals_when_capacity_is_short():
     assert s.requests["late"].allowed == (0.5,)
 
 
-def test_the_budget_window_extension_binds_where_a_whole_slo_window_does_not():
+def test_the_budget_window_binds_where_a_whole_slo_window_does_not():
     # a 100 ms SLO holds 500 token-steps: both requests at 0.9 (336) fit. At 80 ms the two have
-    # 20 and 100 ms left, 60 ms on average: 300 token-steps, so the late one gets 0.5 only
+    # 20 and 100 ms left, 60 ms on average: 300 token-steps, so the late one gets 0.5 only.
+    # `dilaserve-slo-load` is Alg. 2/4's window as written; the default takes the budget left
     allowed = {}
-    for policy in ("dilaserve", "dilaserve-budget"):
+    for policy in ("dilaserve-slo-load", "dilaserve-budget", "dilaserve"):
         s = scheduler(policy, instances=(("a", 1),), slo=0.1, kv_cache="none")
         s.on_arrival(make_request("early", arrival_time=0.0), 0.0)
         s.on_arrival(make_request("late", arrival_time=0.08), 0.08)
         allowed[policy] = (s.requests["early"].allowed, s.requests["late"].allowed)
-    assert allowed["dilaserve"] == ((0.9, 0.5), (0.9, 0.5))
+    assert allowed["dilaserve-slo-load"] == ((0.9, 0.5), (0.9, 0.5))
     assert allowed["dilaserve-budget"] == ((0.9, 0.5), (0.5,))
+    assert allowed["dilaserve"] == ((0.9, 0.5), (0.5,))
+
+
+def test_the_default_prices_the_work_in_flight_at_how_late_requests_turned_out():
+    # a 200 ms SLO; at 10.01 s the two requests have 190 and 200 ms left, 195 ms on average:
+    # 975 token-steps. Both at 0.9 (336) fit at the point estimate; once requests took three
+    # times their estimate, 336 x 3 = 1,008 does not, and 0.9 then 0.5 (252 x 3 = 756) does
+    allowed = {}
+    for policy in ("dilaserve-budget", "dilaserve"):
+        s = scheduler(policy, instances=(("a", 1),), slo=0.2, kv_cache="none")
+        learned_lateness(s, 3.0, now=10.0)
+        s.on_arrival(make_request("early", arrival_time=10.0), 10.0)
+        s.on_arrival(make_request("late", arrival_time=10.01), 10.01)
+        allowed[policy] = (s.requests["early"].allowed, s.requests["late"].allowed)
+    assert allowed["dilaserve-budget"] == ((0.9, 0.5), (0.9, 0.5))
+    assert allowed["dilaserve"] == ((0.9, 0.5), (0.5,))
 
 
 def test_load_control_serves_a_later_high_priority_request_first():
-    s = scheduler(instances=(("a", 1),), slo=SHORT_SLO, kv_cache="none")
+    s = scheduler("dilaserve-slo-load", instances=(("a", 1),), slo=SHORT_SLO, kv_cache="none")
     s.on_arrival(make_request("early", arrival_time=0.0), 0.0)
     s.on_arrival(make_request("urgent", arrival_time=1.0, priority=1), 1.0)
     assert s.requests["urgent"].allowed == (0.9, 0.5)

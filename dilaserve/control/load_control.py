@@ -13,10 +13,14 @@ a `LoadTable` and decides when to refresh them and when to re-run load control:
   predictions refresh, is marked for threshold selection (Alg. 1/5, in the scheduler).
 
 The cluster's capacity is its throughput times a window: one SLO, as Alg. 2/4 write it, or
-(`LoadWindow.BUDGET_LEFT`, an extension) the mean budget the requests in flight have left.
-Under continuous batching every request in flight shares the throughput, so the work in
-flight fits one SLO window until the *mean* request has a whole SLO of work ahead of it: the
-written bound binds only once most requests already miss (docs/simulator/mechanisms.md measures it).
+(`LoadWindow.BUDGET_LEFT`, the default policy's) the mean budget left to the requests it
+counts (a lost request leaves the window as it leaves the table, `lost_work.py`). The work
+is priced at the predicted steps, as written, or (`LoadEstimate.QUANTILE`, the default
+policy's) at Alg. 1's calibrated factor: the work in flight times how much longer than
+estimated requests took, at the on-time target's quantile. Under continuous batching every
+request in flight shares the throughput, so the work in flight fits one SLO window until the
+*mean* request has a whole SLO of work ahead of it: the written bound binds only once most
+requests already miss, and with lost work on it binds nowhere (docs/control/thresholds.md).
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ class LoadControl:
         self._deadlines: dict[str, float] = {}  # request -> deadline (BUDGET_LEFT only)
         self._deadline_sum = 0.0
         self._tracked = tracked
+        self.calibration = None  # Alg. 1's OnTimeCalibration where work is priced at its quantile
         self._columns = [list(predictor.thresholds).index(g) for g in ladder]
         self._table = LoadTable(len(ladder))
         self._unpredicted: dict[str, None] = {}  # admitted, no prediction yet (insertion order)
@@ -95,11 +100,15 @@ class LoadControl:
         """Alg. 2/4 no longer counts the request (it is lost, `lost_work.py`)."""
         if request_id in self._table:
             self._table.leave_out(request_id)
+        self._drop_deadline(request_id)
 
     def forget(self, request_id: str) -> None:
         self._table.remove(request_id)
         self._unpredicted.pop(request_id, None)
         self._due.pop(request_id, None)
+        self._drop_deadline(request_id)
+
+    def _drop_deadline(self, request_id: str) -> None:
         deadline = self._deadlines.pop(request_id, None)
         if deadline is not None:
             self._deadline_sum -= deadline
@@ -140,17 +149,23 @@ class LoadControl:
         if not (load_changed or (refreshed and stale)):
             return
         self._last_run = now
-        capacity = self.throughput(instances) * self._window(now)
+        capacity = self.throughput(instances) * self.window_seconds(now) / self._factor(now)
         for rid, rank in self._table.run(capacity, self._costs):
             t = self._tracked[rid]
             t.allowed = self.ladder[rank:]
             t.needs_threshold = True
 
-    def _window(self, now: float) -> float:
-        """Seconds the capacity covers: one SLO, or the mean budget left in flight (>= 0)."""
+    def window_seconds(self, now: float) -> float:
+        """Seconds the capacity covers: one SLO, or the mean budget left to the requests
+        counted (>= 0)."""
         if self.window is LoadWindow.SLO or not self._deadlines:
             return self.config.slo
         return max(self._deadline_sum / len(self._deadlines) - now, 0.0)
+
+    def _factor(self, now: float) -> float:
+        """How much longer than predicted the work in flight may take: 1 (the point estimate,
+        as Alg. 2/4 write it), or Alg. 1's calibrated factor at its on-time quantile."""
+        return 1.0 if self.calibration is None else self.calibration.factor(now)
 
     def throughput(self, instances, mean_tokens: float | None = None) -> float:
         """Token-steps per second the instances process (Alg. 4's throughput) for requests of

@@ -2,7 +2,8 @@
 
 A policy is a small frozen value; the one `Scheduler` reads it. DESIGN section 3 lists them:
 - `dilaserve`: dynamic thresholds (Alg. 1/5, at a calibrated quantile), load control (Alg.
-  2/4), step-level placement (Alg. 3) with migration only where the KV cache allows it (before
+  2/4, its work priced at the same quantile against the budget the requests it counts have
+  left), step-level placement (Alg. 3) with migration only where the KV cache allows it (before
   a recompute step), ILP reconfiguration of the cluster every planning period, and requests
   that can no longer make their deadline served after the others (`lost_work.py`);
 - ablations: `no-load-control`, `no-dynamic-threshold` (fixed default threshold),
@@ -14,14 +15,15 @@ A policy is a small frozen value; the one `Scheduler` reads it. DESIGN section 3
   instance takes them; a request stays where it started), `infaas` (dispatch on arrival to the
   least-loaded instance by tokens, no migration) and `llumnix` (step-level load balancing,
   migration only at recompute steps);
-- `dilaserve-paper`: the paper's algorithms as written (Alg. 1's point estimate, lost
-  requests served like the others);
+- `dilaserve-paper`: the paper's algorithms as written (Alg. 1's point estimate, Alg. 2/4's
+  one SLO window at the point estimate, lost requests served like the others);
+- readings of load control beside the default's: `dilaserve-slo-load` (the default with Alg.
+  2/4 as written: one SLO window, the point estimate; the default before 2026-12-05's load
+  change) and `dilaserve-budget` (the default's window at the point estimate); see
+  docs/control/thresholds.md;
 - extensions, tuned deviations from the paper's algorithms, named so that they never pass
   for it: `dilaserve-headroom` (`dilaserve-paper` with Alg. 1 fitting the predicted time into
-  half the remaining budget: `slo_headroom` 0.5) and `dilaserve-budget` (the default with
-  load control's capacity
-  covers the mean budget the requests in flight have left, not a whole SLO window; see
-  docs/control/thresholds.md);
+  half the remaining budget: `slo_headroom` 0.5);
 - `dws-sjf`: `fcfs` whose waiting requests are served in order of their DWS expected cost
   (papers.md 2.8): shortest first, non-preemptive (a request that has started goes ahead of
   every waiting one), each waiting request's cost aged by 10% per 30 s waited.
@@ -55,7 +57,12 @@ class Placement(str, enum.Enum):
 
 class LoadWindow(str, enum.Enum):
     SLO = "slo"  # Alg. 2/4 as written: capacity over one whole SLO window
-    BUDGET_LEFT = "budget-left"  # over the mean budget the requests in flight have left
+    BUDGET_LEFT = "budget-left"  # over the mean budget left to the requests it counts
+
+
+class LoadEstimate(str, enum.Enum):
+    POINT = "point"  # Alg. 2/4 as written: the work in flight at its predicted steps
+    QUANTILE = "quantile"  # that work times Alg. 1's calibrated factor (its on-time quantile)
 
 
 class Order(str, enum.Enum):
@@ -70,6 +77,7 @@ class Policy:
     fixed_threshold: float | None = None  # None: SLO-aware selection within the allowed range
     load_control: bool = True
     load_window: LoadWindow = LoadWindow.SLO  # the time load control's capacity covers
+    load_estimate: LoadEstimate = LoadEstimate.POINT  # how load control prices the work
     migration: Migration = Migration.RECOMPUTE
     placement: Placement = Placement.FASTEST_STEP
     predictor: str = "full"  # which step predictor: full | progress | one-shot | oracle
@@ -100,7 +108,14 @@ class Policy:
         return self.fixed_threshold is None
 
 
-_DILASERVE = Policy("dilaserve", on_time_target=ON_TIME_TARGET, lost_work=Lost.LIKELY)
+_DILASERVE = Policy(
+    "dilaserve",
+    load_window=LoadWindow.BUDGET_LEFT,
+    load_estimate=LoadEstimate.QUANTILE,
+    on_time_target=ON_TIME_TARGET,
+    lost_work=Lost.LIKELY,
+)
+_PAPER_LOAD = {"load_window": LoadWindow.SLO, "load_estimate": LoadEstimate.POINT}  # as written
 # the baselines: a fixed threshold, no load control, a request stays where it started
 _FCFS = Policy(
     "fcfs",
@@ -121,8 +136,13 @@ POLICIES = {
     "no-reconfig": replace(_DILASERVE, name="no-reconfig", reconfigure=False),
     "migrate-any-step": replace(_DILASERVE, name="migrate-any-step", migration=Migration.ANY),
     "no-lost-work": replace(_DILASERVE, name="no-lost-work", lost_work=Lost.NEVER),
+    "dilaserve-slo-load": replace(_DILASERVE, name="dilaserve-slo-load", **_PAPER_LOAD),
     "dilaserve-paper": replace(
-        _DILASERVE, name="dilaserve-paper", on_time_target=None, lost_work=Lost.NEVER
+        _DILASERVE,
+        name="dilaserve-paper",
+        on_time_target=None,
+        lost_work=Lost.NEVER,
+        **_PAPER_LOAD,
     ),
     "dilaserve-headroom": replace(
         _DILASERVE,
@@ -130,9 +150,10 @@ POLICIES = {
         on_time_target=None,
         slo_headroom=0.5,
         lost_work=Lost.NEVER,
+        **_PAPER_LOAD,
     ),
     "dilaserve-budget": replace(
-        _DILASERVE, name="dilaserve-budget", load_window=LoadWindow.BUDGET_LEFT
+        _DILASERVE, name="dilaserve-budget", load_estimate=LoadEstimate.POINT
     ),
     "fcfs": _FCFS,
     "infaas": replace(_FCFS, name="infaas", placement=Placement.ON_ARRIVAL),

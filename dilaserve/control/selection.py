@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dilaserve.control.instance import InstanceState
 from dilaserve.control.on_time import OnTimeCalibration
-from dilaserve.control.policy import Policy
+from dilaserve.control.policy import LoadEstimate, Policy
 from dilaserve.control.profile import LatencyProfile
 from dilaserve.control.speed import MeasuredSpeed
 from dilaserve.control.step_costs import StepCosts
@@ -45,6 +45,8 @@ class ThresholdSelection:
             if policy.on_time_target is not None and policy.is_dynamic
             else None
         )
+        if load_control is not None and policy.load_estimate is LoadEstimate.QUANTILE:
+            load_control.calibration = self.deadline  # Alg. 2/4 prices work at its quantile
 
     def choose(self, t, inst: InstanceState, now: float) -> float:
         """Alg. 1 for the scheduler's record `t` of a request on `inst`: its threshold (kept
