@@ -172,7 +172,8 @@ def test_a_run_with_a_stall_replays_to_the_same_decisions():
     recording, config = cluster.controller.recording, cluster.config
     assert len(recording.unmeasured) == 2
     args = (config.control, config.initial_specs(), config.tick, config.max_batch_tokens)
-    _, lines = replay(recording.requests, recording.launches, *args, True, recording.unmeasured)
+    voided, unmeasured = recording.voided, recording.unmeasured
+    _, lines = replay(recording.requests, recording.launches, *args, True, unmeasured, voided)
     assert lines == cluster.controller.log.lines
     _, measured = replay(recording.requests, recording.launches, *args, True)
     assert measured != cluster.controller.log.lines
