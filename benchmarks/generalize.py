@@ -51,6 +51,7 @@ ABLATIONS = (
     "no-load-control",
     "no-reconfig",
     "no-migration",
+    "no-placement",
     "no-lost-work",
     "no-dynamic-threshold",
 )
@@ -61,6 +62,7 @@ EFFECTS = (
     ("load control", "dilaserve", "no-load-control"),
     ("reconfiguration", "dilaserve", "no-reconfig"),
     ("migration", "dilaserve", "no-migration"),
+    ("placement", "dilaserve", "no-placement"),
     ("lost work", "dilaserve", "no-lost-work"),
     ("calibration", "dilaserve", "dilaserve-paper"),
 )

@@ -11,8 +11,8 @@ request the instance holds (running, gathered or between steps), in tokens, and 
 full-step curve of the instance's TP degree (ties go to an idle instance); with
 `SchedulerConfig.instance_speed` (an extension) it is taken times the instance's measured speed
 over the profile's (`speed.py`), so that a straggler the profile does not know is priced as it
-runs. A request that has a home moves to Alg. 3's pick only when the move pays (beyond the
-paper): its next step must end there, the wait for that instance's running step included, sooner
+runs. A request that has a home moves to placement's pick only when the move pays (beyond the
+paper; `Policy.priced_moves`, off for the baselines): its next step must end there, the wait for that instance's running step included, sooner
 than at home by more than it lengthens the steps of the requests it joins there (less what it
 spares those it leaves) and `SchedulerConfig.migration_price` seconds (`_move_pays`). With an
 exact cache (block diffusion, beyond the paper) a move costs a prefill, so there
@@ -54,6 +54,8 @@ class Placer:
         # Alg. 3 as written prices the whole batch; an exact cache, where the step ends first
         self._fastest = policy.placement is Placement.FASTEST_STEP
         self._alg3 = self._fastest and not self._costs.exact
+        # a move must pay (`_move_pays`): with an approximate cache, whatever placement picks
+        self._priced = policy.priced_moves and not self._costs.exact
         self._speed = speed if config.instance_speed else None
 
     def service_key(self, now: float):
@@ -119,7 +121,7 @@ class Placer:
             key = (self._cost(inst, kind, n, joining, now), inst.busy, inst.instance_id)
             if best_key is None or key < best_key:
                 best, best_key = (inst, kind), key
-        if self._alg3 and can_stay and best is not None and best[0] is not home:
+        if self._priced and can_stay and best is not None and best[0] is not home:
             assert home is not None  # it has room, so it is a candidate
             if not self._move_pays(t, best[0], best[1], home, home_kind, now):
                 return home, home_kind

@@ -9,7 +9,9 @@ A policy is a small frozen value; the one `Scheduler` reads it. DESIGN section 3
 - ablations: `no-load-control`, `no-dynamic-threshold` (fixed default threshold),
   `no-migration`, `oracle-predictor`, `no-reconfig` (the cluster keeps its instances),
   `migrate-any-step` (migration between any two steps, losing the cache: papers.md Table 6),
-  `no-lost-work` (lost requests served like the others, as the paper does);
+  `no-lost-work` (lost requests served like the others, as the paper does), `no-placement`
+  (Alg. 3 replaced by least-tokens placement, as `llumnix` places; a move still taken only
+  when it pays, so migration and everything else stay `dilaserve`'s);
 - baselines with a fixed threshold and a fixed cluster: `fcfs` (a plain first-come queue:
   requests wait, in arrival order, until an instance is between steps, and the first free
   instance takes them; a request stays where it started), `infaas` (dispatch on arrival to the
@@ -92,6 +94,10 @@ class Policy:
     on_time_target: float | None = None
     # which requests count as lost and are served after the others (`lost_work.py`)
     lost_work: Lost = Lost.NEVER
+    # a request with a home moves to placement's pick only when its next step ends sooner
+    # there, net of what it costs the batch it joins (`Placer._move_pays`); the baselines move
+    # whenever placement picks another instance
+    priced_moves: bool = True
 
     def __post_init__(self):
         if self.fixed_threshold is not None and not 0 < self.fixed_threshold <= 1:
@@ -124,6 +130,7 @@ _FCFS = Policy(
     migration=Migration.NONE,
     placement=Placement.FIRST_FREE,
     reconfigure=False,
+    priced_moves=False,
 )
 POLICIES = {
     "dilaserve": _DILASERVE,
@@ -137,6 +144,7 @@ POLICIES = {
     "migrate-any-step": replace(_DILASERVE, name="migrate-any-step", migration=Migration.ANY),
     "no-lost-work": replace(_DILASERVE, name="no-lost-work", lost_work=Lost.NEVER),
     "dilaserve-slo-load": replace(_DILASERVE, name="dilaserve-slo-load", **_PAPER_LOAD),
+    "no-placement": replace(_DILASERVE, name="no-placement", placement=Placement.LEAST_TOKENS),
     "dilaserve-paper": replace(
         _DILASERVE,
         name="dilaserve-paper",
