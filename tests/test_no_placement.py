@@ -23,9 +23,7 @@ def test_no_placement_differs_from_dilaserve_only_in_placement():
 
 
 @pytest.mark.parametrize("policy, first", [("dilaserve", "b"), ("no-placement", "a")])
-def test_alg3_picks_the_faster_instance_where_least_tokens_takes_the_first_empty_one(
-    policy, first
-):
+def test_alg3_picks_the_faster_instance_where_least_tokens_takes_the_first_empty_one(policy, first):
     s = scheduler(policy)  # a: TP-1, b: TP-2 (0.6x the latency); both empty
     assert only_launch(s.on_arrival(make_request("r", gen_len=2 * BLOCK), 0.0)).instance_id == first
 
@@ -34,9 +32,7 @@ def test_alg3_picks_the_faster_instance_where_least_tokens_takes_the_first_empty
     "policy, now, moves",
     [("no-placement", 4.0, True), ("no-placement", 2.0, False), ("llumnix", 2.0, True)],
 )
-def test_no_placement_moves_a_request_only_when_the_move_pays_as_dilaserve_does(
-    policy, now, moves
-):
+def test_no_placement_moves_a_request_only_when_the_move_pays_as_dilaserve_does(policy, now, moves):
     # tests/test_scheduler.py's move case: b (r2's) holds fewer tokens than a (the long r3), so
     # least tokens picks b for r1's recompute; at 2.0 waiting for b's running step costs more
     # than it saves, and only the baseline, which does not price moves, goes

@@ -12,9 +12,10 @@ full-step curve of the instance's TP degree (ties go to an idle instance); with
 `SchedulerConfig.instance_speed` (an extension) it is taken times the instance's measured speed
 over the profile's (`speed.py`), so that a straggler the profile does not know is priced as it
 runs. A request that has a home moves to placement's pick only when the move pays (beyond the
-paper; `Policy.priced_moves`, off for the baselines): its next step must end there, the wait for that instance's running step included, sooner
-than at home by more than it lengthens the steps of the requests it joins there (less what it
-spares those it leaves) and `SchedulerConfig.migration_price` seconds (`_move_pays`). With an
+paper; `Policy.priced_moves`, off for the baselines): its next step must end there, the wait
+for that instance's running step included, sooner than at home by more than it lengthens the
+steps of the requests it joins there (less what it spares those it leaves) and
+`SchedulerConfig.migration_price` seconds (`_move_pays`). With an
 exact cache (block diffusion, beyond the paper) a move costs a prefill, so there
 the request goes where its step is predicted to finish first: a busy instance starts the
 gathered batch, its running step's requests included, when that step ends. Least-tokens
