@@ -105,6 +105,8 @@ def start_server(port: int, args, log: Path) -> subprocess.Popen:
         command += ["--worker-nice", str(args.worker_nice)]
     if args.planner_period is not None:
         command += ["--planner-period", str(args.planner_period)]
+    if args.admission_time is not None:
+        command += ["--admission-time", args.admission_time]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = log.open("w")
     server = subprocess.Popen(command, env=env, stdout=out, stderr=out, start_new_session=True)
@@ -336,6 +338,9 @@ def main() -> None:
     )
     parser.add_argument("--worker-nice", type=int, metavar="N", help="serve's (default: its)")
     parser.add_argument("--planner-period", type=float, metavar="S", help="serve's (default: its)")
+    parser.add_argument(
+        "--admission-time", choices=["batched", "queue"], help="serve's (default: its)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--cases",

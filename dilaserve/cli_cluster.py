@@ -53,6 +53,7 @@ def cluster_config(args, record: bool = False, warned: bool = False):
         start_timeout=args.start_timeout,
         max_in_flight=args.max_in_flight,
         overload=args.overload,
+        admission_time=args.admission_time,
         measured_speed=args.measured_speed,
         step_timeout=args.step_timeout,
         record=record,

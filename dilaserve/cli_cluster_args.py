@@ -131,6 +131,14 @@ def _protection_args(p: argparse.ArgumentParser) -> None:
         "Retry-After), or served after everything else",
     )
     p.add_argument(
+        "--admission-time",
+        choices=["batched", "queue"],
+        default="batched",
+        help="a request's predicted time at admission: its own steps in the batch it will "
+        "share with the requests in flight (batched), or the load ahead of it over the "
+        "cluster's throughput (queue)",
+    )
+    p.add_argument(
         "--step-timeout",
         type=float,
         default=None,

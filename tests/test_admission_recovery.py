@@ -364,10 +364,13 @@ def test_the_room_prices_a_request_by_its_blocks_at_the_least_load_seen_per_bloc
     assert not room.refuses(1, max_tokens=64)  # served before everything in flight
 
 
-def test_over_capacity_the_room_refuses_at_once_what_admission_would():
+@pytest.mark.parametrize("model", ["queue", "batched"])
+def test_over_capacity_the_room_refuses_at_once_what_admission_would(model):
     # the room counted a newcomer as one step: at 3x capacity 60% of the refusals waited for
-    # the controller's next event instead (docs/serving/reliability.md)
-    cluster, clock = virtual_cluster(instances=(1, 1), slo=0.5)
+    # the controller's next event instead (docs/serving/reliability.md); with the batched
+    # time model (`Room.fits`) a request in flight the newcomer would make late may finish
+    # between the room's event and the newcomer's pricing: most, not all, by the room
+    cluster, clock = virtual_cluster(instances=(1, 1), slo=0.5, admission_time=model)
     seen = {"room": 0, "admission": 0, "admitted": 0}
     for k in range(400):  # every 5 ms of the virtual clock: over its capacity
         arrival = clock.t + 0.005
@@ -375,4 +378,8 @@ def test_over_capacity_the_room_refuses_at_once_what_admission_would():
         handle = submit(cluster, f"r{k}")
         kind = "room" if isinstance(handle, Overloaded) else outcome(cluster, handle)
         seen[{"refused": "admission"}.get(kind, kind)] += 1
-    assert seen["room"] > 0 and seen["admission"] == 0 and seen["admitted"] > 0
+    assert seen["admitted"] > 0
+    if model == "queue":
+        assert seen["room"] > 0 and seen["admission"] == 0
+    else:
+        assert seen["room"] > 2 * seen["admission"]

@@ -151,6 +151,7 @@ class _Cluster:
     deadline_factor = 1.25
     deadline = SimpleNamespace(finished=4, late=1)
     admission_capacity = (900.0, 1000.0)  # (served, modelled) token-steps per second
+    admission_predicted = 0.5  # seconds, the latest request priced
 
     def __init__(self):
         self.config = SimpleNamespace(

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from dilaserve.cluster.backends import Backend, LocalBackend
 from dilaserve.cluster.worker import WorkerConfig
-from dilaserve.control.admission import OVERLOAD_MODES
+from dilaserve.control.admission import OVERLOAD_MODES, TIME_MODELS
 from dilaserve.control.build import ControlSpec
 from dilaserve.control.decisions import InstanceSpec
 from dilaserve.control.profile import LatencyProfile
@@ -35,6 +35,8 @@ class ClusterConfig:
     record: bool = False  # keep a `Recording` (for replay in the simulator)
     max_in_flight: int = 1024  # a backstop: more waiting or running requests are refused
     overload: str = "reject"  # a request over capacity (`admission`): "reject" | "deprioritize"
+    admission_time: str = "batched"  # a request's predicted time at admission: "batched" (its
+    # steps in the batch it shares, `control/batched_time.py`) | "queue" (the load ahead of it)
     measured_speed: bool = True  # price steps at their measured slowdown (`control/speed.py`)
     dws: str | None = None  # a DWS predictor folder: expected cost and step prior at admission
     dws_cost: str | None = None  # its cost kernel (`dilaserve profile --dws`); None: unit cost
@@ -49,6 +51,8 @@ class ClusterConfig:
             raise ValueError(f"{self.tick=} and {self.step_timeout=} must be positive")
         if self.overload not in OVERLOAD_MODES:
             raise ValueError(f"{self.overload=} must be one of {OVERLOAD_MODES}")
+        if self.admission_time not in TIME_MODELS:
+            raise ValueError(f"{self.admission_time=} must be one of {TIME_MODELS}")
         engine, scheduler = self.worker.engine.block_len, self.control.scheduler.block_len
         if engine != scheduler:
             raise ValueError(f"engine block_len={engine} differs from the scheduler's {scheduler}")

@@ -73,7 +73,7 @@ class Controller:
         self.observer = observer
         self.now = now
         self.rollout = Rollout(scheduler, self, config.max_batch_tokens)
-        self.admission = Admission(scheduler, config.overload)
+        self.admission = Admission(scheduler, config.overload, model=config.admission_time)
         self.stalls = StallWatch(config.tick)
         self.hangs = HangWatch(config.derived_step_timeout(scheduler.profile), scheduler.speed)
         self.log = DecisionLog(keep_lines=config.record)

@@ -226,6 +226,11 @@ class Cluster:
         return admission.capacity(self.now()), admission.modelled_capacity()
 
     @property
+    def admission_predicted(self) -> float:
+        """Seconds admission predicted the latest request it priced needs (`Admission`)."""
+        return self.controller.admission.predicted
+
+    @property
     def on_time_factor(self) -> float:
         """How many times its predicted time admission allows a request now (>= 1)."""
         return self.on_time.factor(self.now())

@@ -195,6 +195,7 @@ def _predicted(
         slowdown,
         config.measured_speed,
         by_batch,
+        config.admission_time,
     )
     predicted = prediction_summary(result)
     return {

@@ -2,25 +2,21 @@
 
 Load control (papers.md 1.5, `control/load_control.py`) walks requests in service order and
 grants each the widest threshold range whose worst case still fits the cluster's capacity over
-one SLO window, every later request counted at the lowest threshold. A new request comes after
-every request of its priority or higher; if their load at the lowest threshold plus its own
-already exceeds that capacity, no threshold lets them all finish in time: the newcomer cannot
-meet its SLO without others missing theirs. Nor can one that, alone at the lowest threshold,
-would not finish by its deadline (it waited too long before it got here). It is then refused
-(`reject`: the HTTP layer's 429 with Retry-After) or admitted at the lowest priority
-(`deprioritize`: served after everything else). Load and capacity are load control's own:
-predicted remaining steps times the tokens each step processes (Alg. 4 with a KV cache) against
-`instance_capacity` summed over the instances. Policies without load control (fixed
-thresholds) admit every request; the count limit (`max_in_flight`) still holds.
+one SLO window. Admission asks it of a newcomer, at the lowest threshold: if no threshold lets
+it and the requests in flight finish in time, it is refused (`reject`: the HTTP layer's 429
+with Retry-After) or admitted at the lowest priority (`deprioritize`: served after everything
+else). Policies without load control (fixed thresholds) admit every request; the count limit
+(`max_in_flight`) still holds.
 
-Capacity and the time a request needs are at the measured speed (`speed.py`): without it, on
-this project's loaded 2-core machine, admission refused nothing at 3x capacity. Capacity is
-also no more than what each instance's steps measured they got through (`capacity`:
-`speed.ServedRates`; the model assumes full batches), decaying back to the model when stale.
-
-Each request is priced against its own SLO: capacity over the time its deadline leaves
-(`deadline - now`), not over the server's default SLO, so that a request that gives itself a
-minute is not refused for what a 10 s window holds.
+The time a request needs (`ClusterConfig.admission_time`): by default (`batched`,
+`batched_time.py`) its own predicted steps, each at the latency of the batch it shares with
+the requests in flight, at the measured speed; and a newcomer is refused too if it would make
+late a request in flight that would finish in time without it. Or (`queue`) the load of it and
+of every request served before it (predicted remaining steps times the tokens each step
+processes, Alg. 4 with a KV cache) over the cluster's throughput: load control's model at the
+measured speed (`speed.py`), or what each instance's steps measured where that is less
+(`capacity`: `speed.ServedRates`), decaying back to the model when stale. Each request is
+priced against its own SLO (`deadline - now`), not the server's default.
 
 Predicted times are multiplied by admission's on-time factor (`on_time.py`: how much longer
 than predicted admitted requests took), learnt only from the requests that ran every step at
@@ -40,25 +36,23 @@ names the field, the HTTP layer's 400; with `deprioritize` it is served last, as
 
 Between events the controller publishes a `Room` (what is left for a request served after
 everything in flight), which the HTTP front reads to refuse at once, before tokenizing or
-queueing for the controller; what it does not refuse is asked in full here. The room counts a
-newcomer's load as the least, per output block, of the latest 64 requests priced here (times
-its blocks), not as one step: refused in full, a request waits for the controller's next
-event, and at 3x capacity 60% of the refusals took that path
-(docs/serving/reliability.md). A request lighter than every one of the latest 64 may be
-refused by the room that admission would have taken, only while the room is that nearly
-full. Requests queued for admission, not priced yet, count against it too, each at the least one
-block adds (`Cluster.is_full` asks the room again just before it queues a tokenized request):
-without them, a burst that came between two events all found one request's room, and admission
-refused the rest after their queue wait (docs/serving/reliability.md)."""
+queueing for the controller; what it does not refuse is asked in full here. It prices a
+newcomer by the least load (queue) or time alone (batched) per output block of the latest 64
+requests priced (times its blocks), and counts the requests queued for admission ahead of it
+(`Cluster.is_full` asks again just before it queues a tokenized request); with the batched
+model, also how many newcomers the requests in flight take (`Room.fits`). Refused in full, a
+request waits for the controller's next event (at 3x capacity that was the refusals' tail:
+docs/serving/reliability.md)."""
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from dilaserve.control.batched_time import BatchedTime, ahead_index
 from dilaserve.control.features import request_states
 from dilaserve.control.on_time import OnTimeCalibration
 from dilaserve.control.step_limits import within_limits
@@ -71,6 +65,8 @@ from dilaserve.control.thresholds import (
 from dilaserve.request import Request
 
 OVERLOAD_MODES = ("reject", "deprioritize")
+TIME_MODELS = ("batched", "queue")  # a request's predicted time (`batched_time.py`), or the
+# load ahead of it over the cluster's throughput
 RECENT = 64  # requests priced whose load per block the `Room` keeps (the latest)
 MIN_RECENT = 16  # of them, before the least of them is used
 LOWEST_PRIORITY = -(2**31)  # (intake.PRIORITIES[0]) where a deprioritized request goes
@@ -106,6 +102,13 @@ class Room:
     slo: float = float("inf")  # the server's default SLO, seconds
     least_per_block: float = 0.0  # of the latest requests priced, the least load per block
     block_len: int = 1  # output tokens per block
+    # the batched time model (`batched_time.py`; none: the queue's): of the latest requests
+    # priced, the least seconds per block alone at the profile's speed; and the times that a
+    # newcomer takes in the batch, after `batched_time.AHEAD` requests not priced yet (the
+    # measured slowdown and the on-time factor included)
+    alone_per_block: float = 0.0
+    scales: tuple[float, ...] = ()
+    fits: int = 0  # (batched) newcomers the requests in flight take (`tolerated`)
 
     @property
     def spare(self) -> float:
@@ -128,15 +131,31 @@ class Room:
         if priority > self.lowest_priority or self.lowest_priority == float("inf"):
             return False  # served before everything in flight, or nothing is: asked in full
         blocks = 1 if max_tokens is None else max(-(-max_tokens // self.block_len), 1)
+        slo = self.slo if slo is None else slo
+        if self.scales:
+            late = ahead + 1 > self.fits
+            return late or self.alone_per_block * blocks * self.scales[ahead_index(ahead)] > slo
         least = max(self.least, self.least_per_block * blocks)
         unpriced = ahead * max(self.least, self.least_per_block)
-        return self.spare_within(self.slo if slo is None else slo) < least + unpriced
+        return self.spare_within(slo) < least + unpriced
 
 
 class Admission:
-    def __init__(self, scheduler, mode: str = "reject", on_time: OnTimeCalibration | None = None):
+    def __init__(
+        self,
+        scheduler,
+        mode: str = "reject",
+        on_time: OnTimeCalibration | None = None,
+        model: str = "batched",
+    ):
         if mode not in OVERLOAD_MODES:
             raise ValueError(f"overload mode {mode!r} must be one of {OVERLOAD_MODES}")
+        if model not in TIME_MODELS:
+            raise ValueError(f"admission time model {model!r} must be one of {TIME_MODELS}")
+        self.model = model
+        self._batched = BatchedTime(scheduler) if model == "batched" else None
+        self._alone_per_block: deque[tuple[float, float]] = deque(maxlen=RECENT)  # (batched)
+        # of the latest priced: (seconds alone at the profile's speed, steps), per block
         self.scheduler = scheduler  # control.scheduler.Scheduler, read on the controller thread
         self.mode = mode
         self._loads = scheduler.load_control  # None for fixed-threshold policies
@@ -145,6 +164,11 @@ class Admission:
         self._predicted = 0.0  # seconds the last request asked about needs (`refusal`)
         self._per_block: deque[float] = deque(maxlen=RECENT)  # load per block, latest priced
         self._mean_tokens = 0.0  # of the requests in flight, as of the latest `room`
+
+    @property
+    def predicted(self) -> float:
+        """Seconds the latest request priced needs, before the on-time factor (`/metrics`)."""
+        return self._predicted
 
     @property
     def enabled(self) -> bool:
@@ -161,7 +185,18 @@ class Admission:
         least = block_len  # one step over one block
         per_block = min(self._per_block) if len(self._per_block) >= MIN_RECENT else 0.0
         lowest = self._loads.lowest_priority()
-        return Room(lowest, throughput, load, least, self._slo, per_block, block_len)
+        room = Room(lowest, throughput, load, least, self._slo, per_block, block_len)
+        if self._batched is None or len(self._alone_per_block) < MIN_RECENT:
+            return room
+        alone, steps = min(self._alone_per_block)
+        rows = self._loads.lowest_rows()
+        count, tokens = len(rows[0]), float(rows[3].sum())
+        scales = self._batched.scales(count, tokens, self._loads.ladder[-1], steps)
+        factor = self.on_time.factor(now)
+        times = self.scheduler.speed.slowdown * factor
+        fits = self._batched.tolerated(count, tokens, self._lefts(rows[0], now) / factor, rows)
+        scales = tuple(x * times for x in scales)
+        return replace(room, alone_per_block=alone, scales=scales, fits=fits)
 
     def refusal(self, request: Request, now: float, submitted: float | None = None):
         """Why `request` is not admitted now (a `Refusal`; None: admit it). Its SLO counts
@@ -189,6 +224,8 @@ class Admission:
             return _too_late(needed, left)
         own = self._load([request], [steps])
         self._per_block.append(own / request.num_blocks)
+        if self._batched is not None:
+            return self._batched_refusal(request, now, left, lowest, steps, needed)
         load, tokens, count = self._loads.lowest_load(request.priority)
         load += own
         queued = load / self.capacity(now, (tokens + request.num_tokens) / (count + 1))
@@ -201,6 +238,37 @@ class Admission:
                 f"{left:.2f} s are left"
             )
         return _too_late(alone * factor, left)
+
+    def _batched_refusal(self, request, now, left, lowest, steps, needed):
+        """`refusal` by the batched time model (`batched_time.py`): its own steps in the batch
+        it will share with every request in flight, at the measured speed."""
+        blocks = request.num_blocks
+        self._alone_per_block.append((needed / blocks, steps / blocks))
+        rows = self._loads.lowest_rows()  # every request in flight shares the batches
+        count, tokens = len(rows[0]), float(rows[3].sum())
+        view = _view(request, lowest, steps)
+        self._predicted = self._batched.seconds(view, lowest, count, tokens)
+        factor = self.on_time.factor(now)
+        if self._predicted * factor > left:
+            return Refusal(
+                f"over capacity: in a batch with the {count} requests in flight it takes "
+                f"{self._predicted:.2f} s (x{factor:.2f} to be on time "
+                f"{self.on_time.target:.0%} of the time), and {left:.2f} s are left"
+            )
+        lefts = self._lefts(rows[0], now) / factor
+        late = self._batched.late(count, tokens, lefts, rows, 1, request.num_tokens)
+        if late:
+            return Refusal(
+                f"over capacity: {late} of the {count} requests in flight would no longer "
+                f"finish in time in a batch one larger"
+            )
+        return None
+
+    def _lefts(self, request_ids: list[str], now: float) -> np.ndarray:
+        """Seconds to each request's deadline (inf: none)."""
+        tracked = self.scheduler.requests
+        deadlines = [tracked[rid].request.deadline for rid in request_ids]
+        return np.array([np.inf if d is None else d - now for d in deadlines])
 
     def admitted(self, request: Request, now: float) -> None:
         """The request last asked about was admitted: its predicted time is on record for the
@@ -262,13 +330,7 @@ class Admission:
 
     def _fastest_seconds(self, request: Request, threshold: float, steps: float) -> float:
         """Seconds `request` needs alone on the fastest instance, at the profile's speed."""
-        view = LoadView(
-            request.request_id,
-            0.0,
-            request.num_tokens,
-            {threshold: steps},
-            request.num_blocks_to_recompute,
-        )
+        view = _view(request, threshold, steps)
         costs = self.scheduler.config.costs
         return min(
             predicted_time_left(
@@ -318,6 +380,14 @@ class Admission:
         tokens = self._mean_tokens if mean_tokens is None else mean_tokens
         instances = list(self.scheduler.instances.items())
         return {iid: self._loads.throughput([i], tokens) for iid, i in instances}
+
+
+def _view(request: Request, threshold: float, steps: float) -> LoadView:
+    """What the time models read of `request`: `steps` left at `threshold`."""
+    return LoadView(
+        request.request_id, 0.0, request.num_tokens, {threshold: steps},
+        request.num_blocks_to_recompute,
+    )  # fmt: skip
 
 
 def _too_late(needed: float, left: float) -> Refusal | None:

@@ -193,6 +193,10 @@ class LoadControl:
         each at the lowest threshold (what admission weighs a newcomer against)."""
         return self._table.lowest_load(min_priority, self._costs)
 
+    def lowest_rows(self):
+        """Each request in flight's steps left at the lowest threshold (`LoadTable.lowest_rows`)."""
+        return self._table.lowest_rows()
+
     def lowest_priority(self) -> float:
         """The lowest priority in flight (+inf: none)."""
         return self._table.lowest_priority()

@@ -125,6 +125,16 @@ class LoadTable:
         loads = load_matrix(steps, self.tokens[slots], self.recompute[slots], costs)
         return float(loads.sum()), float(self.tokens[slots].sum()), len(slots)
 
+    def lowest_rows(self) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
+        """(ids, steps left at the last (lowest) threshold, recompute steps left, tokens) of
+        every row, lost ones too (served last, they still take their steps): what the batched
+        time model prices the requests sharing the batches by (`batched_time.py`)."""
+        slots = self._service_order()
+        self._count()
+        steps = np.maximum(self.steps[slots, -1] - self.counted[slots], 1.0)
+        ids = [self._ids[s] for s in slots.tolist()]
+        return ids, steps, self.recompute[slots], self.tokens[slots]
+
     def lowest_priority(self) -> float:
         """The lowest priority of any row (+inf: none)."""
         slots = self._service_order()

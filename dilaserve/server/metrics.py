@@ -167,6 +167,12 @@ class _ClusterCollector:
         )
         yield _gauge("dilaserve_admission_on_time_factor", factor, c.on_time_factor)
         yield from _capacity_metrics(c.admission_capacity)
+        text = (
+            "Seconds admission predicted the latest request it priced needs (before its "
+            "on-time factor): its steps in the batch it shares (--admission-time batched), or "
+            "the load ahead of it over the capacity (queue)"
+        )
+        yield _gauge("dilaserve_admission_predicted_seconds", text, c.admission_predicted)
         yield CounterMetricFamily(
             "dilaserve_admission_on_time_measured",
             "Admitted requests whose time admission's on-time calibration measured",

@@ -37,9 +37,9 @@ class AdmittingScheduler:
     """A scheduler behind the cluster's admission control: `on_arrival` asks `Admission` first,
     and finished requests teach its on-time calibration; everything else is the scheduler's."""
 
-    def __init__(self, scheduler, overload: str = "reject"):
+    def __init__(self, scheduler, overload: str = "reject", time_model: str = "batched"):
         self.scheduler = scheduler
-        self.admission = Admission(scheduler, overload)
+        self.admission = Admission(scheduler, overload, model=time_model)
         self.refused = 0
 
     def __getattr__(self, name: str):
@@ -81,11 +81,13 @@ def predict(
     slowdown: float = 1.0,
     measured_speed: bool = False,
     slowdown_by_batch: Mapping[int, float] | None = None,
+    admission_time: str = "batched",
 ) -> SimResult:
     """Simulate `requests` (as admitted: arrival and deadline on the run's clock) on the
     instances, the behaviour drawn from `trajectories`, each step `slowdown` times the
     profile's time, or, with `slowdown_by_batch` (`MeasuredSpeed.run_ratio_by_batch`), the
-    slowdown of its batch size; `measured_speed`: the cluster's (`ClusterConfig.measured_speed`)."""
+    slowdown of its batch size; `measured_speed` and `admission_time`: the cluster's
+    (`ClusterConfig`)."""
     recorded = load_trajectories(trajectories)
     behaviour = ReplayBehaviour(recorded)
     windows = {t.gen_len for t in recorded}
@@ -98,7 +100,7 @@ def predict(
                 f"trajectories in {trajectories} (windows {sorted(windows)})"
             )
         behaviour.assign(r.request_id, int(rng.choice(behaviour.prompts)))
-    scheduler = AdmittingScheduler(build_scheduler(control), overload)
+    scheduler = AdmittingScheduler(build_scheduler(control), overload, admission_time)
     config = SimConfig(
         tick=tick,
         max_batch_tokens=max_batch_tokens,

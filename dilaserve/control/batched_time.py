@@ -1,0 +1,117 @@
+"""Admission's predicted time of a request as the instances run it: batched (an extension).
+
+Admission (`admission.py`) priced a request like a queue: the load ahead of it, drained at the
+cluster's throughput. The instances do not run a queue: every request in flight shares each
+step of its instance's batch, the ones admitted after it too, and a request is done after its
+own steps, each at the latency of the batch it shares. On a virtual closed loop (32 clients,
+two instances) requests took 3.61x the queue's prediction at the median, and admission's
+on-time factor, which corrects that, was learnt at saturation and then stood after a fault
+(docs/serving/reliability.md).
+
+Here a request's time is its own predicted steps, at the lowest threshold, each priced by the
+latency profile at the batch it will share (`thresholds.step_seconds`), times the measured
+slowdown (`speed.py`). That batch is the requests in flight now, the newcomer included, spread
+evenly over the instances serving: in a steady state (a closed loop, or an open one at a steady
+admitted rate, by Little's law) the requests that finish during its life are replaced by as
+many that arrive, so the batch it finds is the batch it keeps. What the steady state leaves out,
+the requests admitted after it, admission bounds itself: it admits a newcomer only if none of
+the requests in flight that would finish in time at the batch they share now would be late in
+the batch one larger (`late`). An instance runs at most `max_batch_tokens` of sequence tokens a
+step; requests beyond that many wait their turn, which stretches each one's time by the excess.
+When an instance dies the same requests spread over fewer, and the prediction itself grows: no
+factor learnt before the fault has to stand in for it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dilaserve.control.thresholds import InstanceLoad, LoadView, seconds_left, step_seconds
+
+AHEAD = (0, 1, 3, 7, 15, 31, 63)  # requests ahead of a newcomer the `Room` has a scale for
+MOST_AHEAD = 64  # newcomers the `Room` counts as taken, at most, before asking in full
+
+
+class BatchedTime:
+    def __init__(self, scheduler):
+        self.scheduler = scheduler  # control.scheduler.Scheduler (profile, instances, speed)
+
+    def step_seconds(self, requests: int, tokens: float) -> tuple[float, float]:
+        """(inner, boundary) seconds a step takes a request, at the measured speed, with
+        `requests` in flight of `tokens` in all spread evenly over the instances: on the
+        fastest kind of instance, a turn's wait included where a step cannot run them all
+        ((0, 0): no instance)."""
+        instances = list(self.scheduler.instances.values())
+        if not instances or requests < 1:
+            return 0.0, 0.0
+        each = requests / len(instances)
+        per_request = max(tokens / requests, 1.0)
+        costs, profile = self.scheduler.config.costs, self.scheduler.profile
+        best = (float("inf"), float("inf"))
+        for tp, limit in {(i.tp, i.max_batch_tokens) for i in instances}:
+            fits = max(limit // per_request, 1.0)  # requests a step runs at most
+            batch = min(each, fits)
+            load = InstanceLoad(tp, round(batch * per_request), max(round(batch), 1))
+            turns = max(each / fits, 1.0)  # the rest wait their turn
+            pair = tuple(s * turns for s in step_seconds(load, profile, costs))
+            best = min(best, pair, key=sum)
+        slowdown = self.scheduler.speed.slowdown
+        return best[0] * slowdown, best[1] * slowdown
+
+    def seconds(self, view: LoadView, threshold: float, count: int, tokens: float) -> float:
+        """Seconds `view` (a newcomer) needs at `threshold`, sharing the batch with `count`
+        requests in flight of `tokens` in all."""
+        pair = self.step_seconds(count + 1, tokens + view.num_tokens)
+        return seconds_left(view.steps_left[threshold], view.recompute_steps_left, pair)
+
+    def late(
+        self, count: int, tokens: float, left: np.ndarray, rows, added: int, added_tokens: float
+    ) -> int:
+        """Of the requests in flight (`rows`: `LoadTable.lowest_rows`;
+        `left`: seconds to their deadlines, each divided by the on-time factor), how many that
+        finish in time now would not with `added` more requests of `added_tokens` in all."""
+        _, steps, recompute, _ = rows
+        recompute = np.minimum(recompute, steps)
+        now = self._times(steps, recompute, self.step_seconds(count, tokens))
+        pair = self.step_seconds(count + added, tokens + added_tokens)
+        return int(np.count_nonzero((now <= left) & (self._times(steps, recompute, pair) > left)))
+
+    def tolerated(self, count: int, tokens: float, left: np.ndarray, rows) -> int:
+        """How many more requests of the mean size the requests in flight take (as `late`
+        counts them), up to `MOST_AHEAD` (a bisection: more make more late)."""
+        mean = tokens / count if count else 0.0
+        low, high = 0, MOST_AHEAD + 1  # low are taken; high are not (or past the range)
+        while high - low > 1:
+            middle = (low + high) // 2
+            if self.late(count, tokens, left, rows, middle, middle * mean):
+                high = middle
+            else:
+                low = middle
+        return low
+
+    @staticmethod
+    def _times(steps: np.ndarray, recompute: np.ndarray, pair: tuple[float, float]):
+        return (steps - recompute) * pair[0] + recompute * pair[1]
+
+    def scales(
+        self, count: int, tokens: float, threshold: float, steps: float
+    ) -> tuple[float, ...]:
+        """How many times its time alone at the profile's speed a one-block request of the
+        mean size and `steps` steps takes as the newcomer after 0, 1, 3, 7, ... (`AHEAD`)
+        more requests not priced yet (`Room`: the front prices a request by the least seconds
+        per block seen alone, times the entry for the requests ahead of it, at or below their
+        count)."""
+        per_request = tokens / count if count else 0.0
+        view = LoadView("", 0.0, round(per_request), {threshold: steps}, 1)
+        alone = self.seconds(view, threshold, 0, 0.0) / self.scheduler.speed.slowdown
+        if alone <= 0:
+            return ()
+        return tuple(
+            self.seconds(view, threshold, count + ahead, per_request * (count + ahead)) / alone
+            for ahead in AHEAD
+        )
+
+
+def ahead_index(ahead: int) -> int:
+    """The index in `AHEAD` of the largest count at or below `ahead`."""
+    return max(i for i, a in enumerate(AHEAD) if a <= max(ahead, 0))

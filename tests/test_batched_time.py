@@ -1,0 +1,139 @@
+"""Admission's predicted time as the instances run a request: batched (`control/batched_time.py`),
+against the queue's (the load ahead over the cluster's throughput, `--admission-time queue`).
+
+On the virtual clock of `test_admission_recovery` (two instances): counts and ratios of that
+clock, never wall-clock times. Its steps commit as the simulator's behaviour model says, not
+as the step predictor was trained on (requests take about 2.4x the steps predicted at the
+lowest threshold), so the time per step is compared, each request's time over its predicted
+time scaled by the steps it took over the steps predicted."""
+
+import numpy as np
+import pytest
+from test_admission_recovery import run_until, submit, virtual_cluster
+
+from dilaserve.cluster.requests import Overloaded
+from dilaserve.control.batched_time import BatchedTime
+from dilaserve.control.thresholds import LoadView
+
+SLO = 2.0
+HOG = 0.02  # seconds each step waits for a core, beside a CPU hog
+
+
+def slowed(clock, seconds: float) -> None:
+    """Each step of `clock` takes `seconds` more (a wait for a core)."""
+    step = clock.step
+
+    def late_step(instance_id, batch):
+        step(instance_id, batch)
+        end, running = clock._running[instance_id]
+        clock._running[instance_id] = (end + seconds, running)
+
+    clock.step = late_step
+
+
+def per_step_ratios(cluster) -> list[float]:
+    """Records, for each request that teaches admission's on-time factor, its time over its
+    prediction, scaled by the steps it took over those predicted (filled as they finish)."""
+    admission = cluster.controller.admission
+    predicted, ratios = {}, []
+    refusal, finished = admission.refusal, admission.on_time.finished_at
+
+    def priced(request, now, submitted=None):
+        refused = refusal(request, now, submitted)
+        steps = admission._predicted_steps(request, admission._loads.ladder[-1])
+        predicted[request.request_id] = (request, steps)
+        return refused
+
+    def taught(request_id, now):
+        pending = admission.on_time._pending.get(request_id)
+        if pending is not None:
+            request, steps = predicted[request_id]
+            at, seconds = pending
+            ratios.append((now - at) / (seconds * request.num_steps / steps))
+        finished(request_id, now)
+
+    admission.refusal, admission.on_time.finished_at = priced, taught
+    return ratios
+
+
+def any_done(handles) -> bool:
+    return any(h.future.done() for h in handles)
+
+
+def closed_loop(model: str, clients: int = 32, seconds: float = 30.0) -> list[float]:
+    cluster, clock = virtual_cluster(instances=(1, 1), slo=SLO, admission_time=model)
+    ratios = per_step_ratios(cluster)
+    live, k = {}, 0
+    while clock.t < seconds:
+        live = {rid: h for rid, h in live.items() if not h.future.done()}
+        while len(live) < clients:
+            handle, k = submit(cluster, f"c{k}", slo=SLO), k + 1
+            if isinstance(handle, Overloaded):
+                break
+            run_until(cluster, handle.admission.done)
+            if handle.admission.exception() is not None:
+                break
+            live[handle.request_id] = handle
+        run_until(cluster, lambda running=list(live.values()): any_done(running))
+    return ratios
+
+
+def test_a_request_takes_about_the_batched_time_per_step_it_was_priced_at():
+    """32 closed-loop clients saturate two instances: the requests that teach the on-time
+    factor took at most what the batched model priced each of their steps at (the queue's
+    priced them at 1.28x less at the median, 1.61x at the 95th percentile)."""
+    batched, queue = closed_loop("batched"), closed_loop("queue")
+    assert len(batched) >= 16 and len(queue) >= 16
+    assert np.quantile(batched, 0.95) <= 1.1 and np.median(batched) >= 0.6
+    assert np.median(queue) > 1.15 and np.quantile(queue, 0.95) > 1.4
+
+
+def open_loop(model: str, gap: float = 0.01, requests: int = 1500) -> tuple[int, int, float]:
+    """Requests every `gap` s of the virtual clock (about 3x what two instances serve beside
+    a hog), SLO 2 s: (admitted, of them on time, seconds of arrivals)."""
+    cluster, clock = virtual_cluster(instances=(1, 1), slo=SLO, admission_time=model)
+    slowed(clock, HOG)
+    start, admitted = clock.t, []
+    for k in range(requests):
+        run_until(cluster, lambda k=k: clock.t >= start + k * gap)
+        handle = submit(cluster, f"r{k}", slo=SLO)
+        if isinstance(handle, Overloaded):
+            continue
+        run_until(cluster, handle.admission.done)
+        if handle.admission.exception() is None:
+            admitted.append(handle)
+    seconds = clock.t - start
+    run_until(cluster, lambda: not cluster.controller.handles)
+    return len(admitted), sum(h.result().met_slo for h in admitted), seconds
+
+
+def test_over_capacity_the_batched_time_keeps_the_admitted_on_time():
+    """The queue's price let in requests that made those in flight late (43% on time here);
+    the batched one admits a request only if it, and every request in flight that would
+    finish in time, still would in the batch one larger."""
+    admitted, on_time, seconds = open_loop("batched")
+    queue_admitted, queue_on_time, queue_seconds = open_loop("queue")
+    assert on_time >= 0.85 * admitted
+    assert queue_on_time < 0.6 * queue_admitted
+    assert on_time / seconds > queue_on_time / queue_seconds  # served in time, per second
+
+
+def test_a_fault_raises_the_prediction_itself():
+    """The same requests in flight over one instance instead of two: the newcomer's batch is
+    twice as large, and its predicted time grows by what the profile says that costs."""
+    cluster, _ = virtual_cluster(instances=(1, 1), slo=SLO)
+    scheduler = cluster.scheduler
+    model = BatchedTime(scheduler)
+    view = LoadView("new", 0.0, 48, {0.7: 8.0}, 1)
+    both = model.seconds(view, 0.7, 31, 31 * 48.0)
+    one = dict(list(scheduler.instances.items())[:1])
+    scheduler.instances, every = one, scheduler.instances
+    alone = model.seconds(view, 0.7, 31, 31 * 48.0)
+    scheduler.instances = every
+    assert alone > both
+    assert alone == pytest.approx(model.seconds(view, 0.7, 63, 63 * 48.0))  # 64 over two
+
+
+def test_an_unknown_time_model_is_refused_by_name():
+    with pytest.raises(ValueError, match="admission_time"):
+        virtual_cluster(admission_time="fifo")
