@@ -11,10 +11,10 @@ fast as the luckiest 5% of recent requests ran against their estimate (for the 0
 target), it would still be late. A lost request goes only to an instance holding no request
 that is not lost; where none has room it waits, its state released, until one has. It still
 finishes (at the threshold Alg. 1 gives it then), and it stays lost. Once lost it teaches Alg.
-1's calibration once, at the time the estimate that found it lost says it would have needed
-from there; its later finish, late by choice, teaches nothing. Load control (Alg. 2/4) leaves it
-out: served after every request still on time, it takes none of their capacity, and work lost
-anyway no longer lowers their thresholds. Why, and what it gains:
+1's calibration (and admission's, `on_lost`) once, at the time the estimate that found it lost
+says it would have needed from there; its later finish, late by choice, teaches nothing. Load
+control (Alg. 2/4) leaves it out: served after every request still on time, it takes none of
+their capacity, and work lost anyway no longer lowers their thresholds. Why, and what it gains:
 docs/control/scheduling.md, "Lost work".
 """
 
@@ -39,6 +39,7 @@ class LostWork:
         self.rule, self._placer, self._selection = rule, placer, selection
         self._instances = placer.instances
         self._move = move  # the scheduler's: re-home a request (None: nowhere)
+        self.on_lost: list = []  # callables (request id, when it would have finished)
 
     def place(
         self, t, now: float, open_instances: Sequence[InstanceState]
@@ -93,4 +94,6 @@ class LostWork:
         calibration = self._selection.deadline
         if calibration is not None:  # what it would have taken from here, had it been served
             calibration.finished_at(t.request.request_id, now + left)
+        for teach in self.on_lost:  # admission's calibration, likewise (`Admission.lost`)
+            teach(t.request.request_id, now + left)
         return True

@@ -97,9 +97,9 @@ class Scheduler:
             policy, profile, self._costs, config.slo_headroom, self.speed, self.load_control
         )
         self.deadline = self._selection.deadline  # Alg. 1's calibration (None: point estimate)
-        self._lost = None  # served after the requests still on time (`lost_work.py`), or alike
+        self.lost_work = None  # served after the requests still on time (`lost_work.py`), or alike
         if policy.lost_work is not Lost.NEVER and policy.is_dynamic:
-            self._lost = LostWork(policy.lost_work, self._placer, self._selection, self._move)
+            self.lost_work = LostWork(policy.lost_work, self._placer, self._selection, self._move)
 
     # -- instances ---------------------------------------------------------------------------
 
@@ -336,10 +336,10 @@ class Scheduler:
                 if t.needs_threshold and self.policy.is_dynamic:  # its predictions refreshed
                     t.request.threshold = self._threshold(t, home, now)
                 continue
-            placed = (self._lost or self._placer).place(t, now, self._open)
+            placed = (self.lost_work or self._placer).place(t, now, self._open)
             if placed is None:
                 waiting.append(rid)
-                releases += self._lost.park(t) if self._lost is not None else []
+                releases += self.lost_work.park(t) if self.lost_work is not None else []
                 continue
             releases += self._assign(t, *placed, now)
         self._ready = waiting

@@ -1,0 +1,63 @@
+"""Admission's answer between events (`admission.py`): what the HTTP front refuses at once,
+before tokenizing or queueing for the controller."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dilaserve.control.batched_time import ahead_index
+
+
+@dataclass(frozen=True)
+class Room:
+    """Admission's answer between events, for requests that come after everything in flight:
+    `refuses(priority, slo)` without asking the controller (the HTTP front asks it of each
+    request before reading its prompt). A request at or below the lowest priority in flight is
+    refused when the capacity over its SLO (`slo` seconds; default: the server's), less the
+    load in flight at the lowest threshold, is below the least any request adds (one step over
+    one block); others are asked in full. With nothing in flight it refuses nothing."""
+
+    lowest_priority: float = float("inf")  # in flight (+inf: nothing is)
+    throughput: float = float("inf")  # token-steps per second, at the measured speed, over
+    # the on-time factor (`on_time.py`): what admission counts on
+    load: float = 0.0  # token-steps in flight, at the lowest threshold
+    least: float = 0.0  # the least load a request adds
+    slo: float = float("inf")  # the server's default SLO, seconds
+    least_per_block: float = 0.0  # of the latest requests priced, the least load per block
+    block_len: int = 1  # output tokens per block
+    # the batched time model (`batched_time.py`; none: the queue's): of the latest requests
+    # priced, the least seconds per block alone at the profile's speed; and the times that a
+    # newcomer takes in the batch, after `batched_time.AHEAD` requests not priced yet (the
+    # measured slowdown and the on-time factor included)
+    alone_per_block: float = 0.0
+    scales: tuple[float, ...] = ()
+    fits: int = 0  # (batched) newcomers the requests in flight take (`tolerated`)
+
+    @property
+    def spare(self) -> float:
+        """Token-steps left over the server's SLO (what a request of that SLO finds)."""
+        return self.spare_within(self.slo)
+
+    def spare_within(self, seconds: float) -> float:
+        return self.throughput * seconds - self.load
+
+    def refuses(
+        self,
+        priority: int,
+        slo: float | None = None,
+        max_tokens: int | None = None,
+        ahead: int = 0,
+    ):
+        """`max_tokens`: the answer's length at most (None: one block, the least). `ahead`:
+        requests queued for admission, not priced yet (each counted at the least a one-block
+        request adds): they come before this one."""
+        if priority > self.lowest_priority or self.lowest_priority == float("inf"):
+            return False  # served before everything in flight, or nothing is: asked in full
+        blocks = 1 if max_tokens is None else max(-(-max_tokens // self.block_len), 1)
+        slo = self.slo if slo is None else slo
+        if self.scales:
+            late = ahead + 1 > self.fits
+            return late or self.alone_per_block * blocks * self.scales[ahead_index(ahead)] > slo
+        least = max(self.least, self.least_per_block * blocks)
+        unpriced = ahead * max(self.least, self.least_per_block)
+        return self.spare_within(slo) < least + unpriced
