@@ -238,9 +238,9 @@ class Admission:
     def lost(self, request_id: str, at: float) -> None:
         """A request admitted here was found lost (`lost_work.py`): it teaches the on-time
         calibration as if it finished `at` (what it would have needed from there), if it ran
-        as priced so far; its finish, served last by choice, teaches nothing (taught that way,
-        lost requests took 24x their prediction at 3x capacity on the virtual clock, and the
-        factor read 27)."""
+        as priced so far; its finish, served last by choice, teaches nothing (taught at their
+        finish, lost requests took 24x their prediction at 3x capacity on the virtual clock,
+        and the factor read 27)."""
         request = self._priced.get(request_id)
         if request is not None and self._ran_as_priced(request):
             self.on_time.finished_at(request_id, at)

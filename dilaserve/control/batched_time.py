@@ -29,7 +29,7 @@ import numpy as np
 from dilaserve.control.thresholds import InstanceLoad, LoadView, seconds_left, step_seconds
 
 AHEAD = (0, 1, 3, 7, 15, 31, 63)  # requests ahead of a newcomer the `Room` has a scale for
-MOST_AHEAD = 64  # newcomers the `Room` counts as taken, at most, before asking in full
+MOST_AHEAD = 64  # newcomers the `Room` tries; if that many are taken, it counts no limit
 
 
 class BatchedTime:
@@ -78,7 +78,8 @@ class BatchedTime:
 
     def tolerated(self, count: int, tokens: float, left: np.ndarray, rows) -> int:
         """How many more requests of the mean size the requests in flight take (as `late`
-        counts them), up to `MOST_AHEAD` (a bisection: more make more late)."""
+        counts them), found up to `MOST_AHEAD` (a bisection: more make more late); past it,
+        no limit (a very large count: the `Room` leaves the rest to admission in full)."""
         mean = tokens / count if count else 0.0
         low, high = 0, MOST_AHEAD + 1  # low are taken; high are not (or past the range)
         while high - low > 1:
@@ -87,7 +88,7 @@ class BatchedTime:
                 high = middle
             else:
                 low = middle
-        return low
+        return low if low < MOST_AHEAD else 2**62
 
     @staticmethod
     def _times(steps: np.ndarray, recompute: np.ndarray, pair: tuple[float, float]):

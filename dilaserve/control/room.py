@@ -15,7 +15,10 @@ class Room:
     request before reading its prompt). A request at or below the lowest priority in flight is
     refused when the capacity over its SLO (`slo` seconds; default: the server's), less the
     load in flight at the lowest threshold, is below the least any request adds (one step over
-    one block); others are asked in full. With nothing in flight it refuses nothing."""
+    one block); others are asked in full. With the batched time model (`scales` set) it is
+    refused instead when its least time per block alone, times its blocks and the scale for
+    the requests ahead of it, exceeds its SLO, or when the requests in flight take fewer
+    newcomers (`fits`) than it and those ahead. With nothing in flight it refuses nothing."""
 
     lowest_priority: float = float("inf")  # in flight (+inf: nothing is)
     throughput: float = float("inf")  # token-steps per second, at the measured speed, over
