@@ -172,7 +172,7 @@ def chat_cost(args, log) -> tuple[list[dict], dict]:
     constant (the probes' median), which knows nothing of the prompt; and the ceilings: each
     predictor fed the truth (the true surface x kernel; the true output length or total steps
     through the proxies' linear map)."""
-    from dilaserve.sim.latency import load_profile
+    from dilaserve.sim.profiles import load_profile
 
     models = chat_models()
     labels, held, probes_at = models.labels, models.held, models.rest[:CHAT_PROBES]
@@ -257,7 +257,7 @@ def chat_sjf(args, log) -> tuple[list[dict], dict]:
     instance taking `--batch` requests per step): FCFS; DWS-SJF with each encoder's costs (and
     with aging off, to show what aging bounds); SJF on true costs times log-normal noise."""
     from dilaserve.request import Request
-    from dilaserve.sim.latency import load_profile
+    from dilaserve.sim.profiles import load_profile
 
     models = chat_models()
     labels, held = models.labels, models.held

@@ -27,7 +27,7 @@ The run budgets its own time: each model gets an equal share of what is left of 
 seconds, and a setting that would not fit is skipped and named in the summary's `skipped`.
 Writes a run folder under `--out`: config.json, summary.json (rewritten after every model, so a
 killed run keeps what it measured), report.md, and `<model>-<gpu>-profile.json`, each model's
-measured steps as a latency profile (`dilaserve.sim.latency.load_profile` reads it; shipped as
+measured steps as a latency profile (`dilaserve.sim.profiles.load_profile` reads it; shipped as
 dilaserve/assets/llada-8b-h200-profile.json and llada2-mini-h200-profile.json, it is what the
 `llada-8b-h200` and `llada2-mini-h200` names load).
 """

@@ -20,7 +20,7 @@ without CUDA graphs for the cache steps (`--cuda-graphs 8`), comparing the token
 weights never reach threshold 0.9, so the engine commits one token a step (top-1 fallback).
 
 The `entries` are the latency profile (`dilaserve.control.profile`); the other keys are kept as
-metadata. `dilaserve.sim.latency.load_profile` reads such a file; the package ships one
+metadata. `dilaserve.sim.profiles.load_profile` reads such a file; the package ships one
 (`llada-8b-h200`).
 """
 

@@ -227,7 +227,7 @@ def fig11(x: Experiments) -> None:
     from dilaserve.control.planner import PlannerConfig, plan_capacity
     from dilaserve.sim.behaviour import llada_tokens_per_step
     from dilaserve.sim.capacity import nodes_for, workload_classes
-    from dilaserve.sim.latency import load_profile
+    from dilaserve.sim.profiles import load_profile
     from dilaserve.sim.workload import make_trace, requests_from, slo_for
 
     profile = load_profile(x.base.profile)

@@ -16,7 +16,7 @@ def cmd_plan(args) -> None:
     from dilaserve.control.step_costs import StepCosts
     from dilaserve.runs import create_run_dir, write_json, write_records
     from dilaserve.sim import capacity
-    from dilaserve.sim.latency import load_profile
+    from dilaserve.sim.profiles import load_profile
     from dilaserve.sim.traces import load_trace
 
     progress = _elapsed_lines()

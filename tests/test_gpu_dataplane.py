@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from dilaserve.sim import latency
+from dilaserve.sim import profiles
 
 from conftest import import_benchmark
 
@@ -75,9 +75,9 @@ def test_weight_bytes_are_the_dense_weights_and_the_touched_experts(dataplane, s
 def test_the_written_profiles_load_as_latency_profiles(smoke_run):
     run, summary = smoke_run
     assert set(summary["profiles"]) == {"llada-8b", "llada2-mini"}
-    llada = latency.load_profile(run / summary["profiles"]["llada-8b"])
+    llada = profiles.load_profile(run / summary["profiles"]["llada-8b"])
     assert {k.value for _, k in llada.curves} == {"cache", "recompute"}
-    llada2 = latency.load_profile(run / summary["profiles"]["llada2-mini"])
+    llada2 = profiles.load_profile(run / summary["profiles"]["llada2-mini"])
     assert {k.value for _, k in llada2.curves} == {"block", "commit", "prefill"}
     assert llada2.meta["block_causal"] is True
 
@@ -98,7 +98,7 @@ def test_an_unknown_model_is_refused_by_name(dataplane):
 
 
 def test_a_shipped_profile_file_replaces_the_analytic_preset(tmp_path, monkeypatch):
-    assert latency.load_profile("llada2-mini-h200").meta["source"] == "analytic preset"
+    assert profiles.load_profile("llada2-mini-h200").meta["source"] == "analytic preset"
     measured = {
         "schema": 1,
         "block_causal": True,
@@ -107,8 +107,8 @@ def test_a_shipped_profile_file_replaces_the_analytic_preset(tmp_path, monkeypat
     }
     path = tmp_path / "llada2-mini-h200-profile.json"
     path.write_text(json.dumps(measured))
-    monkeypatch.setattr(latency, "ASSETS", tmp_path)
-    profile = latency.load_profile("llada2-mini-h200")
+    monkeypatch.setattr(profiles, "ASSETS", tmp_path)
+    profile = profiles.load_profile("llada2-mini-h200")
     assert profile.meta["source"] == "measured"
     assert profile.step_latency(1, 32, "block") == pytest.approx(0.005)
 

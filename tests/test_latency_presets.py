@@ -22,13 +22,12 @@ from dilaserve.sim.latency import (
     TOKENS_PER_STEP_0_9,
     TP2_STEP_RATIO_PAPER,
     TP4_STEP_RATIO,
-    load_profile,
-    preset_profile,
     request_seconds,
     request_steps,
     step_cost,
     step_seconds,
 )
+from dilaserve.sim.profiles import load_profile, preset_profile
 
 KINDS = (StepKind.FULL, StepKind.RECOMPUTE, StepKind.CACHE)
 GSM8K_SEQ = 1020 + 256

@@ -234,7 +234,7 @@ class ControlInputs:
 def materialize_preset(name: str) -> Path:
     """A preset latency profile (`sim/latency.py`) written once to the cache as a file, so that
     the control plane reads presets and measured profiles alike."""
-    from dilaserve.sim.latency import load_profile
+    from dilaserve.sim.profiles import load_profile
 
     profile = load_profile(name)
     path = cache_root() / "presets" / f"{_slug(name)}.json"

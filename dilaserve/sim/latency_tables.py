@@ -16,9 +16,9 @@ from dilaserve.sim.latency import (
     GSM8K_PROMPT_TOKENS,
     PRESETS,
     REF_CONTEXT,
-    preset_profile,
     request_seconds,
 )
+from dilaserve.sim.profiles import preset_profile
 
 
 def summary() -> str:

@@ -38,7 +38,7 @@ from dilaserve.sim.workload import make_trace, slo_for, workload
 
 
 def load_profile(spec: str) -> LatencyProfile:
-    from dilaserve.sim.latency import load_profile as load
+    from dilaserve.sim.profiles import load_profile as load
 
     return load(spec)
 
