@@ -145,71 +145,86 @@ class _ClusterCollector:
 
     def collect(self):
         c, m = self.cluster, self.metrics
-        yield _gauge("dilaserve_queue_length", "Requests waiting for an instance", c.queue_length())
-        yield _gauge("dilaserve_requests_in_flight", "Requests admitted, not done", c.in_flight)
-        attainment = m.met / m.finished if m.finished else 1.0
-        yield _gauge("dilaserve_slo_attainment", "Share of finished requests on time", attainment)
-        asked = m.finished + m.refused
-        of_arrivals = m.met / asked if asked else 1.0
-        text = "Share of requests finished on time, refused ones (429, 503) counted as missed"
-        yield _gauge("dilaserve_slo_attainment_of_arrivals", text, of_arrivals)
-        slowdown = (
-            "Steps' measured time over the latency profile's (running; priced at >= 1; decays "
-            "toward 1 while no step reports)"
-        )
-        yield _gauge("dilaserve_step_slowdown", slowdown, c.step_slowdown)
-        stale = "Seconds the step slowdown has been decaying for want of steps (0: current)"
-        yield _gauge("dilaserve_step_slowdown_stale_seconds", stale, c.step_slowdown_stale_seconds)
-        factor = (
-            "Admission's on-time factor: how many times its predicted time a request is allowed "
-            "(the on-time target's quantile of finished requests' taken over predicted time; "
-            "decays toward 1 while none finishes)"
-        )
-        yield _gauge("dilaserve_admission_on_time_factor", factor, c.on_time_factor)
-        yield from _capacity_metrics(c.admission_capacity)
-        text = (
-            "Seconds admission predicted the latest request it priced needs (before its "
-            "on-time factor): its steps in the batch it shares (--admission-time batched), or "
-            "the load ahead of it over the capacity (queue)"
-        )
-        yield _gauge("dilaserve_admission_predicted_seconds", text, c.admission_predicted)
-        yield CounterMetricFamily(
-            "dilaserve_admission_on_time_measured",
-            "Admitted requests whose time admission's on-time calibration measured",
-            value=c.on_time.finished,
-        )
-        yield CounterMetricFamily(
-            "dilaserve_admission_on_time_late",
-            "Of those, requests that took longer than predicted times the factor then in force",
-            value=c.on_time.late,
-        )
+        yield from _outcome_metrics(c, m)
+        yield from _admission_metrics(c)
         yield from _deadline_metrics(c.deadline, c.deadline_factor)
-        stalled = "Instances whose running step is overdue: they take no new work until it ends"
-        yield _gauge("dilaserve_instances_stalled", stalled, c.instances_stalled)
-        degraded = "1 while /health says degraded (lost capacity, or admission refusing all)"
-        yield _gauge("dilaserve_degraded", degraded, float(c.health() == "degraded"))
-        instances = GaugeMetricFamily(
-            "dilaserve_instances", "Model instances by tensor-parallel degree", labels=["tp"]
-        )
-        for tp, count in sorted(c.instances_by_tp().items()):
-            instances.add_metric([str(tp)], count)
-        yield instances
-        tp_of = GaugeMetricFamily(
-            "dilaserve_instance_tp",
-            "Tensor-parallel degree of each serving instance",
-            labels=["instance"],
-        )
-        for iid, tp in sorted(m.dashboard.timeline.instance_tp.items()):
-            tp_of.add_metric([iid], tp)
-        yield tp_of
-        for name, key, text in (
-            ("dilaserve_migrations", "migrations", "Requests moved between instances"),
-            ("dilaserve_reconfigurations", "reconfigurations", "Cluster reconfigurations begun"),
-            ("dilaserve_instance_failures", "failures", "Instances that died"),
-        ):
-            yield CounterMetricFamily(name, text, value=c.controller.stats[key])
-        text = "Events that held the controller up for over a tick (their steps not measured)"
-        yield CounterMetricFamily("dilaserve_controller_stalls", text, c.controller.stalls.count)
+        yield from _instance_metrics(c, m)
+
+
+def _outcome_metrics(c: Cluster, m: ServerMetrics):
+    """The requests waiting and in flight, and the share finished on time."""
+    yield _gauge("dilaserve_queue_length", "Requests waiting for an instance", c.queue_length())
+    yield _gauge("dilaserve_requests_in_flight", "Requests admitted, not done", c.in_flight)
+    attainment = m.met / m.finished if m.finished else 1.0
+    yield _gauge("dilaserve_slo_attainment", "Share of finished requests on time", attainment)
+    asked = m.finished + m.refused
+    of_arrivals = m.met / asked if asked else 1.0
+    text = "Share of requests finished on time, refused ones (429, 503) counted as missed"
+    yield _gauge("dilaserve_slo_attainment_of_arrivals", text, of_arrivals)
+
+
+def _admission_metrics(c: Cluster):
+    """What admission counts on: the measured speed, its on-time factor, its capacity."""
+    slowdown = (
+        "Steps' measured time over the latency profile's (running; priced at >= 1; decays "
+        "toward 1 while no step reports)"
+    )
+    yield _gauge("dilaserve_step_slowdown", slowdown, c.step_slowdown)
+    stale = "Seconds the step slowdown has been decaying for want of steps (0: current)"
+    yield _gauge("dilaserve_step_slowdown_stale_seconds", stale, c.step_slowdown_stale_seconds)
+    factor = (
+        "Admission's on-time factor: how many times its predicted time a request is allowed "
+        "(the on-time target's quantile of finished requests' taken over predicted time; "
+        "decays toward 1 while none finishes)"
+    )
+    yield _gauge("dilaserve_admission_on_time_factor", factor, c.on_time_factor)
+    yield from _capacity_metrics(c.admission_capacity)
+    text = (
+        "Seconds admission predicted the latest request it priced needs (before its "
+        "on-time factor): its steps in the batch it shares (--admission-time batched), or "
+        "the load ahead of it over the capacity (queue)"
+    )
+    yield _gauge("dilaserve_admission_predicted_seconds", text, c.admission_predicted)
+    yield CounterMetricFamily(
+        "dilaserve_admission_on_time_measured",
+        "Admitted requests whose time admission's on-time calibration measured",
+        value=c.on_time.finished,
+    )
+    yield CounterMetricFamily(
+        "dilaserve_admission_on_time_late",
+        "Of those, requests that took longer than predicted times the factor then in force",
+        value=c.on_time.late,
+    )
+
+
+def _instance_metrics(c: Cluster, m: ServerMetrics):
+    """The instances by state and TP degree, and the controller's event counts."""
+    stalled = "Instances whose running step is overdue: they take no new work until it ends"
+    yield _gauge("dilaserve_instances_stalled", stalled, c.instances_stalled)
+    degraded = "1 while /health says degraded (lost capacity, or admission refusing all)"
+    yield _gauge("dilaserve_degraded", degraded, float(c.health() == "degraded"))
+    instances = GaugeMetricFamily(
+        "dilaserve_instances", "Model instances by tensor-parallel degree", labels=["tp"]
+    )
+    for tp, count in sorted(c.instances_by_tp().items()):
+        instances.add_metric([str(tp)], count)
+    yield instances
+    tp_of = GaugeMetricFamily(
+        "dilaserve_instance_tp",
+        "Tensor-parallel degree of each serving instance",
+        labels=["instance"],
+    )
+    for iid, tp in sorted(m.dashboard.timeline.instance_tp.items()):
+        tp_of.add_metric([iid], tp)
+    yield tp_of
+    for name, key, text in (
+        ("dilaserve_migrations", "migrations", "Requests moved between instances"),
+        ("dilaserve_reconfigurations", "reconfigurations", "Cluster reconfigurations begun"),
+        ("dilaserve_instance_failures", "failures", "Instances that died"),
+    ):
+        yield CounterMetricFamily(name, text, value=c.controller.stats[key])
+    text = "Events that held the controller up for over a tick (their steps not measured)"
+    yield CounterMetricFamily("dilaserve_controller_stalls", text, c.controller.stalls.count)
 
 
 def _gauge(name: str, text: str, value: float) -> GaugeMetricFamily:
