@@ -60,6 +60,18 @@ HALF_LIFE = 10.0
 STALE_STEPS = 3.0
 
 
+def _stale(now: float, seen: float | None, fresh_for: float) -> float:
+    """Seconds of `now` past the time an observation at `seen` counts as current (0: current,
+    or never observed)."""
+    return 0.0 if seen is None else max(now - seen - fresh_for, 0.0)
+
+
+def _toward(target: float, value: float, stale: float) -> float:
+    """`value` after `stale` seconds of decay toward `target` (its distance halves every
+    `HALF_LIFE`)."""
+    return target + (value - target) * 0.5 ** (stale / HALF_LIFE)
+
+
 class Estimate:
     """One running ratio of measured over predicted step time, decaying toward 1 when stale."""
 
@@ -81,18 +93,14 @@ class Estimate:
     def advance(self, now: float) -> None:
         """Decay toward 1 for the stale part of the time since the last observation (a
         function of `now` alone: advancing twice to the same time is advancing once)."""
-        if self._seen is None:
-            return
-        stale = now - self._seen - self._fresh_for
+        stale = _stale(now, self._seen, self._fresh_for)
         if stale > 0:
-            self.ratio = 1.0 + (self._anchor - 1.0) * 0.5 ** (stale / HALF_LIFE)
+            self.ratio = _toward(1.0, self._anchor, stale)
 
     def stale_seconds(self, now: float) -> float:
         """Seconds of `now` past the time the latest observation counts as current (0:
         current, or never observed)."""
-        if self._seen is None:
-            return 0.0
-        return max(now - self._seen - self._fresh_for, 0.0)
+        return _stale(now, self._seen, self._fresh_for)
 
 
 class Served:
@@ -116,8 +124,7 @@ class Served:
         """Tokens per second it serves as measured, or `modelled` where that is less; toward
         `modelled` by the stale part of the time since its latest step (`HALF_LIFE`)."""
         measured = min(self.work / self.seconds, modelled)
-        stale = max(now - self._seen - self._fresh_for, 0.0)
-        return modelled + (measured - modelled) * 0.5 ** (stale / HALF_LIFE)
+        return _toward(modelled, measured, _stale(now, self._seen, self._fresh_for))
 
 
 class ServedRates:
