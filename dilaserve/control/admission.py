@@ -128,7 +128,8 @@ class Admission:
             return Room()  # nothing in flight: the next request is admitted (a probe)
         load, tokens, count = self._loads.lowest_load(float("-inf"))
         mean_tokens = self._mean_tokens = tokens / count if count else 0.0
-        throughput = self.capacity(now, mean_tokens) / self.on_time.factor(now)
+        factor = self.on_time.factor(now)
+        throughput = self.capacity(now, mean_tokens) / factor
         block_len = self.scheduler.config.costs.block_len
         least = block_len  # one step over one block
         per_block = min(self._per_block) if len(self._per_block) >= MIN_RECENT else 0.0
@@ -137,10 +138,8 @@ class Admission:
         if self._batched is None or len(self._alone_per_block) < MIN_RECENT:
             return room
         alone, steps = min(self._alone_per_block)
-        rows = self._loads.lowest_rows()
-        count, tokens = len(rows[0]), float(rows[3].sum())
+        rows, count, tokens = self._in_flight()
         scales = self._batched.scales(count, tokens, self._loads.ladder[-1], steps)
-        factor = self.on_time.factor(now)
         times = self.scheduler.speed.slowdown * factor
         fits = self._batched.tolerated(count, tokens, self._lefts(rows[0], now) / factor, rows)
         scales = tuple(x * times for x in scales)
@@ -192,8 +191,7 @@ class Admission:
         it will share with every request in flight, at the measured speed."""
         blocks = request.num_blocks
         self._alone_per_block.append((needed / blocks, steps / blocks))
-        rows = self._loads.lowest_rows()  # every request in flight shares the batches
-        count, tokens = len(rows[0]), float(rows[3].sum())
+        rows, count, tokens = self._in_flight()  # every request in flight shares the batches
         view = _view(request, lowest, steps)
         self._predicted = self._batched.seconds(view, lowest, count, tokens)
         factor = self.on_time.factor(now)
@@ -211,6 +209,12 @@ class Admission:
                 f"finish in time in a batch one larger"
             )
         return None
+
+    def _in_flight(self):
+        """Load control's rows of the requests in flight at the lowest threshold
+        (`LoadTable.lowest_rows`), their count and their tokens."""
+        rows = self._loads.lowest_rows()
+        return rows, len(rows[0]), float(rows[3].sum())
 
     def _lefts(self, request_ids: list[str], now: float) -> np.ndarray:
         """Seconds to each request's deadline (inf: none)."""
