@@ -8,6 +8,7 @@ is asserted in events and steps of that clock, never in wall-clock seconds.
 """
 
 import concurrent.futures
+import contextlib
 import heapq
 from types import SimpleNamespace
 
@@ -273,6 +274,10 @@ class _InvalidAtAdmission:
         handle.admission.set_exception(InvalidRequest("slo_ms", "slo_ms: no cluster meets it"))
         return handle
 
+    @contextlib.contextmanager
+    def entering(self):
+        yield self.submit
+
     def is_full(self, priority, slo=None, max_tokens=None):
         return False
 
@@ -351,7 +356,8 @@ def test_the_room_refuses_nothing_while_nothing_is_in_flight():
     s.add_instance("a", 1, 8192)
     s.speed.ratio = 1e6  # whatever the estimate says
     admission = Admission(s)
-    assert admission.room(0.0) == Room() and not admission.room(0.0).refuses(0)
+    room = admission.room(0.0)
+    assert not room.refuses(0) and not room.refuses(0, ahead=100)  # (no request priced yet)
     assert admission.refusal(make_request("r", gen_len=32, deadline=10.0), 0.0) is None
 
 

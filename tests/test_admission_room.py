@@ -99,6 +99,39 @@ def test_the_room_counts_each_request_queued_ahead_at_the_least_one_block_adds()
     assert not Room().refuses(0, ahead=100)  # nothing in flight: asked in full (a probe)
 
 
+def idle_burst(size: int, model: str) -> Counter:
+    """`size` requests submitted at once to an idle cluster that served 20 together before
+    (admission priced enough of them to know the least time per block alone), before the
+    controller's next event: who refused them."""
+    cluster, clock = virtual_cluster(instances=(1, 1), slo=SLO, admission_time=model)
+    warm = [cluster.submit(QUESTION, max_tokens=32, request_id=f"w{k}") for k in range(20)]
+    run_until(cluster, lambda: all(handle.future.done() for handle in warm))
+    assert cluster.in_flight == 0
+    seen, handles = Counter(), []
+    for i in range(size):
+        try:
+            handles.append(cluster.submit(QUESTION, max_tokens=32, slo=SLO, request_id=f"b{i}"))
+        except Overloaded:
+            seen["room"] += 1
+    run_until(cluster, lambda: not cluster.controller.arrivals)
+    for handle in handles:
+        seen["admitted" if handle.admission.exception() is None else "admission"] += 1
+    seen["first admitted"] = handles[0].admission.exception() is None
+    return seen
+
+
+def test_a_burst_at_an_idle_server_is_refused_at_once_beyond_what_it_takes():
+    """With nothing in flight the room refused nothing, so a burst at an idle server (the 400
+    closed-loop clients' first wave) went to admission in full, each request tokenized and
+    queued for the controller first: the refusals' tail (docs/serving/reliability.md). With
+    the batched model the room prices each request of the burst behind those ahead of it."""
+    seen = idle_burst(300, "batched")
+    assert seen["first admitted"] and seen["admitted"] > 0  # a probe, and more
+    assert seen["room"] > 2 * seen["admission"]
+    queue = idle_burst(300, "queue")  # (no model of a burst: asked in full, as before)
+    assert queue["room"] == 0 and queue["first admitted"]
+
+
 @pytest.mark.parametrize("queued", [0, 3])
 def test_is_full_asks_the_room_with_the_queued_arrivals(queued):
     cluster, _ = virtual_cluster(instances=(1,), slo=SLO)
@@ -113,3 +146,21 @@ def test_is_full_asks_the_room_with_the_queued_arrivals(queued):
     cluster.controller.arrivals.extend([object()] * queued)
     assert not cluster.is_full(0, SLO, 32)
     assert asked == [queued]
+
+
+def test_is_full_counts_the_requests_entering_ahead_until_they_are_queued():
+    cluster, _ = virtual_cluster(instances=(1,), slo=SLO)
+    asked = []
+
+    class Recording(Room):
+        def refuses(self, priority, slo=None, max_tokens=None, ahead=0):
+            asked.append(ahead)
+            return False
+
+    cluster.controller.room = Recording(0, 100.0, 0.0, 1.0, SLO, 1.0, 32)
+    with cluster.entering() as submit, cluster.entering():
+        assert not cluster.is_full(0, SLO, 32)  # two let through, tokenizing
+        submit(QUESTION, max_tokens=32, slo=SLO)  # (asks with those queued: none yet)
+        assert not cluster.is_full(0, SLO, 32)  # one queued, one still entering
+    assert not cluster.is_full(0, SLO, 32)
+    assert asked == [2, 0, 2, 1]

@@ -3,6 +3,7 @@ the service down or lets anyone in. Each test names the bug it guards against; t
 own are in tests/test_reliability_cluster.py."""
 
 import concurrent.futures
+import contextlib
 import gc
 import json
 import signal
@@ -185,6 +186,10 @@ class _AdmittingCluster:
         handle = SimpleNamespace(admission=concurrent.futures.Future(), request_id="r")
         handle.admission.set_exception(Overloaded("over capacity"))
         return handle
+
+    @contextlib.contextmanager
+    def entering(self):
+        yield self.submit
 
     def instances_by_tp(self):
         return {1: 1}

@@ -1,6 +1,7 @@
 """The OpenAI-compatible server, driven by the official `openai` client against a real cluster
 of the bundled model: completions and chat, plain and streaming, errors, metrics, shutdown."""
 
+import contextlib
 import json
 import socket
 import threading
@@ -300,6 +301,10 @@ class _RefusingCluster:
 
     def submit(self, *args, **kwargs):
         raise self.error
+
+    @contextlib.contextmanager
+    def entering(self):
+        yield self.submit
 
     def instances_by_tp(self):
         return {}

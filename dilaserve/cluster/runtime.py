@@ -15,6 +15,7 @@ instance serves) and cancel them; `health()` says "degraded" until lost capacity
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -88,6 +89,7 @@ class Cluster:
             config, self.scheduler, self.backend, answers, observer, self.now
         )
         self._accepting = False
+        self._entering = 0  # requests `entering`: let through, not queued yet
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._t0 = 0.0
@@ -313,7 +315,8 @@ class Cluster:
 
         Raises ValueError naming a bad argument, `Overloaded` when admission control refuses
         work, and `Closed` when the cluster is not serving."""
-        if self.is_full(priority, slo, max_tokens):  # before any work, tokenizing included
+        ahead = len(self.controller.arrivals)
+        if self._refuses(priority, slo, max_tokens, ahead):  # before any work, tokenizing too
             raise Overloaded(FULL)
         submission = self.intake.check(
             prompt,
@@ -369,7 +372,40 @@ class Cluster:
         SLO left as of the controller's last event is below the least a request adds.) One
         that asks for less than the server's SLO is left to admission, which alone can tell an
         SLO no idle cluster meets (a 400) from one the load refuses (a 429). A refusal counts
-        toward `health`."""
+        toward `health`. Ahead of it: the requests queued for the controller, and those
+        `entering`."""
+        return self._refuses(
+            priority, slo, max_tokens, len(self.controller.arrivals) + self._entering
+        )
+
+    @contextlib.contextmanager
+    def entering(self):
+        """Count a request let through (by `is_full`) ahead of later ones until it is queued
+        for the controller or refused: a burst is priced as one, each request behind those
+        before it. Yields the `submit` to call for it (off the event loop: it tokenizes)."""
+        with self._lock:
+            self._entering += 1
+        counted = [True]
+
+        def leave():
+            with self._lock:
+                if counted[0]:
+                    counted[0] = False
+                    self._entering -= 1
+
+        def submit(*args, **kwargs) -> RequestHandle:
+            try:
+                return self.submit(*args, **kwargs)
+            finally:
+                leave()
+
+        try:
+            yield submit
+        finally:
+            leave()
+
+    def _refuses(self, priority, slo, max_tokens, ahead: int) -> bool:
+        """`is_full`, with `ahead` requests let through and not priced yet."""
         if slo is not None and not slo > 0:
             slo = None  # (not a positive number: `intake` names it)
         if slo is not None and slo < self.slo:
@@ -378,8 +414,7 @@ class Cluster:
             max_tokens = None  # (`intake` names what is wrong)
         if not isinstance(priority, int):
             return False
-        queued = len(self.controller.arrivals)  # let through, not priced yet: ahead of it
-        if not self.controller.room.refuses(priority, slo, max_tokens, queued):
+        if not self.controller.room.refuses(priority, slo, max_tokens, ahead):
             return False
         self.controller.refused_in_a_row += 1
         return True

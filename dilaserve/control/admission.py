@@ -52,7 +52,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from dilaserve.control.batched_time import BatchedTime
+from dilaserve.control.batched_time import UNLIMITED, BatchedTime
 from dilaserve.control.features import request_states
 from dilaserve.control.on_time import OnTimeCalibration
 from dilaserve.control.room import Room
@@ -124,8 +124,10 @@ class Admission:
 
     def room(self, now: float) -> Room:
         """What is left at `now` for a request served after everything in flight (`Room`)."""
-        if not self.enabled or not self.scheduler.instances or not self.scheduler.requests:
-            return Room()  # nothing in flight: the next request is admitted (a probe)
+        if not self.enabled or not self.scheduler.instances:
+            return Room()
+        if not self.scheduler.requests:
+            return self._idle_room(now)
         load, tokens, count = self._loads.lowest_load(float("-inf"))
         mean_tokens = self._mean_tokens = tokens / count if count else 0.0
         factor = self.on_time.factor(now)
@@ -137,13 +139,28 @@ class Admission:
         room = Room(lowest, throughput, load, least, self._slo, per_block, block_len)
         if self._batched is None or len(self._alone_per_block) < MIN_RECENT:
             return room
-        alone, steps = min(self._alone_per_block)
         rows, count, tokens = self._in_flight()
-        scales = self._batched.scales(count, tokens, self._loads.ladder[-1], steps)
-        times = self.scheduler.speed.slowdown * factor
         fits = self._batched.tolerated(count, tokens, self._lefts(rows[0], now) / factor, rows)
-        scales = tuple(x * times for x in scales)
-        return replace(room, alone_per_block=alone, scales=scales, fits=fits)
+        return self._priced_room(replace(room, fits=fits), count, mean_tokens, factor)
+
+    def _idle_room(self, now: float) -> Room:
+        """The `Room` with nothing in flight: the next request is admitted (a probe), and, with
+        the batched model, those queued behind it are priced as newcomers to a batch of the
+        ones ahead (a burst at an idle server is refused at the front beyond what it takes,
+        not each in full by the controller: docs/serving/reliability.md)."""
+        block_len = self.scheduler.config.costs.block_len
+        room = Room(slo=self._slo, block_len=block_len, fits=UNLIMITED)
+        if self._batched is None or len(self._alone_per_block) < MIN_RECENT:
+            return room
+        return self._priced_room(room, 0, self._mean_tokens, self.on_time.factor(now))
+
+    def _priced_room(self, room: Room, count: int, mean_tokens: float, factor: float) -> Room:
+        """`room` with the batched model's price of a newcomer behind `count` in flight of
+        `mean_tokens` each: the least time alone per block seen, and its scales."""
+        alone, steps = min(self._alone_per_block)
+        scales = self._batched.scales(count, mean_tokens, self._loads.ladder[-1], steps)
+        times = self.scheduler.speed.slowdown * factor
+        return replace(room, alone_per_block=alone, scales=tuple(x * times for x in scales))
 
     def refusal(self, request: Request, now: float, submitted: float | None = None):
         """Why `request` is not admitted now (a `Refusal`; None: admit it). Its SLO counts

@@ -28,8 +28,10 @@ import numpy as np
 
 from dilaserve.control.thresholds import InstanceLoad, LoadView, seconds_left, step_seconds
 
-AHEAD = (0, 1, 3, 7, 15, 31, 63)  # requests ahead of a newcomer the `Room` has a scale for
+AHEAD = (0, 1, 3, 7, 15, 31, 63, 127, 255, 511)  # requests ahead of a newcomer the `Room` has
+# a scale for (an idle cluster's burst: every request of it but the first is ahead of others)
 MOST_AHEAD = 64  # newcomers the `Room` tries; if that many are taken, it counts no limit
+UNLIMITED = 2**62  # (`tolerated`: no limit)
 
 
 class BatchedTime:
@@ -88,21 +90,20 @@ class BatchedTime:
                 high = middle
             else:
                 low = middle
-        return low if low < MOST_AHEAD else 2**62
+        return low if low < MOST_AHEAD else UNLIMITED
 
     @staticmethod
     def _times(steps: np.ndarray, recompute: np.ndarray, pair: tuple[float, float]):
         return (steps - recompute) * pair[0] + recompute * pair[1]
 
     def scales(
-        self, count: int, tokens: float, threshold: float, steps: float
+        self, count: int, per_request: float, threshold: float, steps: float
     ) -> tuple[float, ...]:
-        """How many times its time alone at the profile's speed a one-block request of the
-        mean size and `steps` steps takes as the newcomer after 0, 1, 3, 7, ... (`AHEAD`)
-        more requests not priced yet (`Room`: the front prices a request by the least seconds
-        per block seen alone, times the entry for the requests ahead of it, at or below their
-        count)."""
-        per_request = tokens / count if count else 0.0
+        """How many times its time alone at the profile's speed a one-block request of
+        `per_request` tokens (the mean) and `steps` steps takes as the newcomer after 0, 1, 3,
+        7, ... (`AHEAD`) more such requests not priced yet, beside `count` in flight (`Room`:
+        the front prices a request by the least seconds per block seen alone, times the entry
+        for the requests ahead of it, at or below their count)."""
         view = LoadView("", 0.0, round(per_request), {threshold: steps}, 1)
         alone = self.seconds(view, threshold, 0, 0.0) / self.scheduler.speed.slowdown
         if alone <= 0:

@@ -18,7 +18,9 @@ class Room:
     one block); others are asked in full. With the batched time model (`scales` set) it is
     refused instead when its least time per block alone, times its blocks and the scale for
     the requests ahead of it, exceeds its SLO, or when the requests in flight take fewer
-    newcomers (`fits`) than it and those ahead. With nothing in flight it refuses nothing."""
+    newcomers (`fits`) than it and those ahead. With nothing in flight it refuses nothing but,
+    with the batched model, a request behind others not priced yet (a burst at an idle
+    server), priced as if those were in flight."""
 
     lowest_priority: float = float("inf")  # in flight (+inf: nothing is)
     throughput: float = float("inf")  # token-steps per second, at the measured speed, over
@@ -54,8 +56,10 @@ class Room:
         """`max_tokens`: the answer's length at most (None: one block, the least). `ahead`:
         requests queued for admission, not priced yet (each counted at the least a one-block
         request adds): they come before this one."""
-        if priority > self.lowest_priority or self.lowest_priority == float("inf"):
-            return False  # served before everything in flight, or nothing is: asked in full
+        if priority > self.lowest_priority:
+            return False  # served before everything in flight: asked in full
+        if self.lowest_priority == float("inf") and not (ahead and self.scales):
+            return False  # nothing in flight or ahead (a probe), or no model of a burst
         blocks = 1 if max_tokens is None else max(-(-max_tokens // self.block_len), 1)
         slo = self.slo if slo is None else slo
         if self.scales:

@@ -285,22 +285,23 @@ class _Api:
         if self.cluster.is_full(body.priority, slo, max_tokens):  # at once, before any work
             return self._not_taken(Overloaded(FULL))
         try:  # tokenizing is off the event loop: a long prompt holds up no other request
-            handle = await run_in_threadpool(
-                self.cluster.submit,
-                prompt,
-                max_tokens=max_tokens,
-                slo=slo,
-                priority=body.priority,
-                chat=False,  # chat prompts arrive already templated
-                threshold=body.threshold,
-                min_threshold=body.min_threshold,
-                max_threshold=body.max_threshold,
-                steps=body.steps,
-                text=text,
-                stop=body.stop,
-                received=arrived,
-                loop=asyncio.get_running_loop(),
-            )
+            with self.cluster.entering() as submit:
+                handle = await run_in_threadpool(
+                    submit,
+                    prompt,
+                    max_tokens=max_tokens,
+                    slo=slo,
+                    priority=body.priority,
+                    chat=False,  # chat prompts arrive already templated
+                    threshold=body.threshold,
+                    min_threshold=body.min_threshold,
+                    max_threshold=body.max_threshold,
+                    steps=body.steps,
+                    text=text,
+                    stop=body.stop,
+                    received=arrived,
+                    loop=asyncio.get_running_loop(),
+                )
             admission = asyncio.wrap_future(handle.admission)
             await asyncio.wait([admission])  # the controller took it in, or not
         except InvalidRequest as e:

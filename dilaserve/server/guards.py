@@ -13,10 +13,13 @@ so that nothing of a refused request is read or parsed):
   json's parser alone, and the room asked for those; a body that is not a JSON object with
   such fields, or a large one, is left to the API (its 400s name the field). Refusing so costs
   the front little enough that refusals cannot starve the workers. The room prices a request
-  by its `max_tokens` too (`admission.Room`). A 429 carries Retry-After
-  and `retry-after-ms` (`retry_headers`), which OpenAI's clients read first: Retry-After
-  jittered to 0.5-1.5 times its value, so that clients refused together do not come back
-  together (the front answers each wave of their retries at once: docs/serving/reliability.md);
+  by its `max_tokens` too (`admission.Room`). A request it lets through yields to the
+  event loop once before the app runs it, so that in a burst the cheap refusals are answered
+  before the work of the requests let through (tokenizing, queueing for the controller). A
+  429 carries Retry-After and `retry-after-ms` (`retry_headers`), which OpenAI's clients read
+  first: Retry-After jittered to 0.5-1.5 times its value, so that clients refused together do
+  not come back together (the front answers each wave of their retries at once:
+  docs/serving/reliability.md);
 - the body size: a declared Content-Length over the limit, or a body that grows past it, is
   refused with 413 in OpenAI's shape before it is parsed.
 
@@ -25,6 +28,7 @@ so that nothing of a refused request is read or parsed):
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import secrets
@@ -125,6 +129,8 @@ class Guards:
                 retry = retry_headers(self.retry_after)
                 return await respond(send, 429, FULL, headers=_encoded(retry))
             receive = limited.replay(body)
+        if early:  # let through: the refusals of its burst are answered before its work
+            await asyncio.sleep(0)
         await self.app(scope, receive, limited.send)
 
     def _draining(self) -> bool:
