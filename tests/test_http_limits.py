@@ -271,6 +271,20 @@ def test_a_key_in_a_query_string_stays_out_of_the_access_log(live):
     assert not any("sekret-123" in line for line in lines), lines
 
 
+@pytest.mark.parametrize("interval, logged", [(10.0, False), (0.0, True)])
+def test_a_429_gets_no_access_line_when_the_periodic_line_counts_it(interval, logged):
+    server_config(_api, ServerSettings(MODEL, log_interval=interval), port=free_port())
+    access = logging.getLogger("uvicorn.access")
+
+    def line(status: int) -> logging.LogRecord:
+        args = ("127.0.0.1:5000", "POST", "/v1/completions", "1.1", status)
+        return access.makeRecord(access.name, logging.INFO, "", 0, '%s - "%s %s HTTP/%s" %d',
+                                 args, None)  # fmt: skip
+
+    assert access.filter(line(200)) and access.filter(line(503))
+    assert bool(access.filter(line(429))) == logged
+
+
 # -- the drain --------------------------------------------------------------------------------
 
 

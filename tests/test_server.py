@@ -344,6 +344,10 @@ def test_the_log_line_sums_up_what_finished_since_the_last():
         "mean step threshold 0.800; 3 in flight, 1 waiting"
     )
     assert metrics.interval_line(10, in_flight=3, waiting=1) is None  # a new window
+    metrics.rejected()
+    metrics.rejected()
+    line = metrics.interval_line(10, in_flight=0, waiting=0)
+    assert line == "last 10 s: 0 requests done, 2 refused (429/503); 0 in flight, 0 waiting"
 
 
 def test_an_api_key_guards_the_v1_endpoints_only():

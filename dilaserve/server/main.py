@@ -20,7 +20,8 @@ send, reaches them too): the server stops them. A second signal stops at once.
 
 The HTTP front's limits (`ServerSettings`): request heads and read timeouts (`limits.py`), open
 connections (uvicorn's `limit_concurrency`: 503 over it), body size and early refusals
-(`guards.py`). The access log shows no query strings (a client may put a key there).
+(`guards.py`). The access log shows no query strings (a client may put a key there), and, with
+periodic lines (`--log-interval`), no line per 429: the periodic line counts them.
 """
 
 from __future__ import annotations
@@ -197,9 +198,24 @@ def server_config(app, settings: ServerSettings, **options) -> uvicorn.Config:
         },
     )
     access = logging.getLogger("uvicorn.access")  # (configured by uvicorn.Config)
-    if not any(isinstance(f, QueryRedacted) for f in access.filters):
-        access.addFilter(QueryRedacted())
+    for kind in (QueryRedacted, RefusalsCounted):
+        for old in [f for f in access.filters if isinstance(f, kind)]:
+            access.removeFilter(old)
+    access.addFilter(QueryRedacted())
+    if settings.log_interval > 0:
+        access.addFilter(RefusalsCounted())
     return uv
+
+
+class RefusalsCounted(logging.Filter):
+    """No access-log line for a 429: the server's periodic line counts them
+    (`ServerMetrics.interval_line`). Over capacity they are most answers (400 closed-loop
+    clients: about 300 a second), and their lines cost the event loop what it needs to
+    answer them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        return not (isinstance(args, tuple) and len(args) > 4 and args[4] == 429)
 
 
 class QueryRedacted(logging.Filter):

@@ -119,6 +119,7 @@ class ServerMetrics:
 
     def rejected(self) -> None:
         self.refused += 1
+        self._window.refused += 1
         self.requests.labels("rejected").inc()
         self.dashboard.request_rejected()
 
@@ -126,16 +127,22 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
     def interval_line(self, seconds: float, in_flight: int, waiting: int) -> str | None:
-        """The server log's periodic line: what finished in the last `seconds` (None if
-        nothing did), and the requests in flight and waiting now."""
+        """The server log's periodic line: what finished in the last `seconds`, how many
+        requests were refused (429 for capacity, whose access-log lines are left out:
+        `main.RefusalsCounted`; 503 while draining), and the requests in flight and waiting
+        now; None if nothing finished and nothing was refused."""
         w, self._window = self._window, _Window()
-        if not w.finished:
+        if not w.finished and not w.refused:
             return None
-        return (
-            f"last {seconds:.0f} s: {w.finished} requests done ({w.met / w.finished:.1%} within "
-            f"their SLO), {w.tokens / seconds:.1f} generated tokens/s, mean step threshold "
-            f"{w.threshold_sum / max(w.steps, 1):.3f}; {in_flight} in flight, {waiting} waiting"
-        )
+        done = f"{w.finished} requests done"
+        if w.finished:
+            done += (
+                f" ({w.met / w.finished:.1%} within their SLO), "
+                f"{w.tokens / seconds:.1f} generated tokens/s, mean step threshold "
+                f"{w.threshold_sum / max(w.steps, 1):.3f}"
+            )
+        refused = f", {w.refused} refused (429/503)" if w.refused else ""
+        return f"last {seconds:.0f} s: {done}{refused}; {in_flight} in flight, {waiting} waiting"
 
 
 class _ClusterCollector:
@@ -272,7 +279,7 @@ class _Window:
     """What finished since the last log line."""
 
     def __init__(self):
-        self.finished = self.met = self.tokens = self.steps = 0
+        self.finished = self.met = self.tokens = self.steps = self.refused = 0
         self.threshold_sum = 0.0
 
     def add(self, result: RequestResult, thresholds: list[float]) -> None:
