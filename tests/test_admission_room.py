@@ -132,9 +132,8 @@ def test_a_burst_at_an_idle_server_is_refused_at_once_beyond_what_it_takes():
     assert queue["room"] == 0 and queue["first admitted"]
 
 
-@pytest.mark.parametrize("queued", [0, 3])
-def test_is_full_asks_the_room_with_the_queued_arrivals(queued):
-    cluster, _ = virtual_cluster(instances=(1,), slo=SLO)
+def recording_room(cluster) -> list[int]:
+    """Install a room that refuses nothing and records the `ahead` it is asked with."""
     asked = []
 
     class Recording(Room):
@@ -143,6 +142,13 @@ def test_is_full_asks_the_room_with_the_queued_arrivals(queued):
             return False
 
     cluster.controller.room = Recording(0, 100.0, 0.0, 1.0, SLO, 1.0, 32)
+    return asked
+
+
+@pytest.mark.parametrize("queued", [0, 3])
+def test_is_full_asks_the_room_with_the_queued_arrivals(queued):
+    cluster, _ = virtual_cluster(instances=(1,), slo=SLO)
+    asked = recording_room(cluster)
     cluster.controller.arrivals.extend([object()] * queued)
     assert not cluster.is_full(0, SLO, 32)
     assert asked == [queued]
@@ -150,14 +156,7 @@ def test_is_full_asks_the_room_with_the_queued_arrivals(queued):
 
 def test_is_full_counts_the_requests_entering_ahead_until_they_are_queued():
     cluster, _ = virtual_cluster(instances=(1,), slo=SLO)
-    asked = []
-
-    class Recording(Room):
-        def refuses(self, priority, slo=None, max_tokens=None, ahead=0):
-            asked.append(ahead)
-            return False
-
-    cluster.controller.room = Recording(0, 100.0, 0.0, 1.0, SLO, 1.0, 32)
+    asked = recording_room(cluster)
     with cluster.entering() as submit, cluster.entering():
         assert not cluster.is_full(0, SLO, 32)  # two let through, tokenizing
         submit(QUESTION, max_tokens=32, slo=SLO)  # (asks with those queued: none yet)
