@@ -96,10 +96,12 @@ class VirtualInstances:
         pass
 
 
-def virtual_cluster(instances=(1,), slo=0.5, **kw) -> tuple[Cluster, VirtualInstances]:
+def virtual_cluster(
+    instances=(1,), slo=0.5, quality_budget=None, **kw
+) -> tuple[Cluster, VirtualInstances]:
     """A cluster serving on `VirtualInstances`, its controller driven by `run_until`."""
     clock = VirtualInstances()
-    control = ControlSpec(scheduler=SchedulerConfig(slo=slo))
+    control = ControlSpec(scheduler=SchedulerConfig(slo=slo), quality_budget=quality_budget)
     config = ClusterConfig(WorkerConfig(threads=1), control, instances=instances, **kw)
     cluster = Cluster(config, backend=clock)
     clock.cluster = cluster

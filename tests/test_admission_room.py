@@ -34,7 +34,11 @@ def bursts(count: int = 300, size: int = 3, model: str = "queue") -> Counter:
     capacity of two instances), each burst submitted before the controller's next event. Each
     request the room refuses is asked of admission once those queued ahead were priced.
     `model`: admission's time model (`ClusterConfig.admission_time`)."""
-    cluster, clock = virtual_cluster(instances=(1, 1), slo=SLO, admission_time=model)
+    # no quality budget: its floor, moving between the room's event and a newcomer's pricing,
+    # would be counted here as the room's misjudgement (`control/quality_budget.py`)
+    cluster, clock = virtual_cluster(
+        instances=(1, 1), slo=SLO, quality_budget=1.0, admission_time=model
+    )
     seen = Counter()
     for k in range(count):
         arrival = clock.t + 0.015

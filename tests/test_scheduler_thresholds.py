@@ -147,10 +147,13 @@ def test_measured_slowdown_shrinks_load_controls_capacity():
     assert (s.requests["early"].allowed, s.requests["late"].allowed) == ((0.9, 0.5), (0.5,))
 
 
-def test_nothing_fits_falls_through_to_the_lowest_threshold():
-    s = scheduler(instances=(("b", 2),), slo=1e-6)
+@pytest.mark.parametrize("policy, expected", [("no-lost-work", 0.5), ("dilaserve", 0.9)])
+def test_nothing_fits_falls_through_to_the_lowest_threshold(policy, expected):
+    # served like the others, a request nothing fits gets the lowest threshold; found lost (the
+    # default), its deadline is gone and it runs at the top (`quality_budget.py`)
+    s = scheduler(policy, instances=(("b", 2),), slo=1e-6)
     launch = only_launch(s.on_arrival(make_request("r", gen_len=2 * BLOCK), 0.0))
-    assert launch.batch.items[0].threshold == 0.5
+    assert launch.batch.items[0].threshold == expected
 
 
 @pytest.mark.parametrize(

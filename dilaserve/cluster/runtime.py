@@ -243,6 +243,11 @@ class Cluster:
         return self.scheduler.deadline
 
     @property
+    def quality_budget(self):
+        """The policy's quality budget (`control/quality_budget.py`), or None (it has none)."""
+        return self.scheduler.quality
+
+    @property
     def deadline_factor(self) -> float | None:
         """How many times its estimated remaining time Alg. 1 prices a request at now."""
         return None if self.deadline is None else self.deadline.factor(self.now())

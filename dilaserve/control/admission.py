@@ -128,7 +128,7 @@ class Admission:
             return Room()
         if not self.scheduler.requests:
             return self._idle_room(now)
-        load, tokens, count = self._loads.lowest_load(float("-inf"))
+        load, tokens, count = self._loads.lowest_load(float("-inf"), now)
         mean_tokens = self._mean_tokens = tokens / count if count else 0.0
         factor = self.on_time.factor(now)
         throughput = self.capacity(now, mean_tokens) / factor
@@ -139,9 +139,9 @@ class Admission:
         room = Room(lowest, throughput, load, least, self._slo, per_block, block_len)
         if self._batched is None or len(self._alone_per_block) < MIN_RECENT:
             return room
-        rows, count, tokens = self._in_flight()
+        rows, count, tokens = self._in_flight(now)
         fits = self._batched.tolerated(count, tokens, self._lefts(rows[0], now) / factor, rows)
-        return self._priced_room(replace(room, fits=fits), count, mean_tokens, factor)
+        return self._priced_room(replace(room, fits=fits), count, mean_tokens, now, factor)
 
     def _idle_room(self, now: float) -> Room:
         """The `Room` with nothing in flight: the next request is admitted (a probe), and, with
@@ -152,13 +152,14 @@ class Admission:
         room = Room(slo=self._slo, block_len=block_len, fits=UNLIMITED)
         if self._batched is None or len(self._alone_per_block) < MIN_RECENT:
             return room
-        return self._priced_room(room, 0, self._mean_tokens, self.on_time.factor(now))
+        return self._priced_room(room, 0, self._mean_tokens, now, self.on_time.factor(now))
 
-    def _priced_room(self, room: Room, count: int, mean_tokens: float, factor: float) -> Room:
+    def _priced_room(self, room, count: int, mean_tokens: float, now: float, factor: float):
         """`room` with the batched model's price of a newcomer behind `count` in flight of
-        `mean_tokens` each: the least time alone per block seen, and its scales."""
+        `mean_tokens` each, at the lowest threshold now and the on-time `factor`: the least
+        time alone per block seen, and its scales."""
         alone, steps = min(self._alone_per_block)
-        scales = self._batched.scales(count, mean_tokens, self._loads.ladder[-1], steps)
+        scales = self._batched.scales(count, mean_tokens, self._loads.lowest(now), steps)
         times = self.scheduler.speed.slowdown * factor
         return replace(room, alone_per_block=alone, scales=tuple(x * times for x in scales))
 
@@ -174,7 +175,7 @@ class Admission:
         if not self.enabled or not self.scheduler.instances:
             return None
         self.scheduler.speed.advance(now)
-        lowest = self._loads.ladder[-1]
+        lowest = self._loads.lowest(now)  # the ladder's, or the quality budget's floor
         steps = self._predicted_steps(request, lowest)
         needed = self._fastest_seconds(request, lowest, steps)  # at the profile's speed
         impossible = self._impossible(request, needed, submitted)
@@ -190,7 +191,7 @@ class Admission:
         self._per_block.append(own / request.num_blocks)
         if self._batched is not None:
             return self._batched_refusal(request, now, left, lowest, steps, needed)
-        load, tokens, count = self._loads.lowest_load(request.priority)
+        load, tokens, count = self._loads.lowest_load(request.priority, now)
         load += own
         queued = load / self.capacity(now, (tokens + request.num_tokens) / (count + 1))
         self._predicted = max(queued, alone)
@@ -208,7 +209,7 @@ class Admission:
         it will share with every request in flight, at the measured speed."""
         blocks = request.num_blocks
         self._alone_per_block.append((needed / blocks, steps / blocks))
-        rows, count, tokens = self._in_flight()  # every request in flight shares the batches
+        rows, count, tokens = self._in_flight(now)  # every request in flight shares the batches
         view = _view(request, lowest, steps)
         self._predicted = self._batched.seconds(view, lowest, count, tokens)
         factor = self.on_time.factor(now)
@@ -227,10 +228,10 @@ class Admission:
             )
         return None
 
-    def _in_flight(self):
-        """Load control's rows of the requests in flight at the lowest threshold
+    def _in_flight(self, now: float):
+        """Load control's rows of the requests in flight at the lowest threshold now
         (`LoadTable.lowest_rows`), their count and their tokens."""
-        rows = self._loads.lowest_rows()
+        rows = self._loads.lowest_rows(now)
         return rows, len(rows[0]), float(rows[3].sum())
 
     def _lefts(self, request_ids: list[str], now: float) -> np.ndarray:

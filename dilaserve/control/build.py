@@ -31,6 +31,7 @@ class ControlSpec:
     planner_period: float = 300.0
     plan_batch_limits: bool = False  # PlannerConfig.batch_limits
     candidates: tuple[float, ...] | None = None  # the threshold ladder; None: the policy's
+    quality_budget: float | None = None  # Policy.quality_budget; None: the policy's, 1: none
 
     def __post_init__(self):
         self.make_policy()  # an unknown name or a bad ladder fails here, naming the problem
@@ -39,6 +40,8 @@ class ControlSpec:
 
     def make_policy(self):
         overrides = {} if self.candidates is None else {"candidates": tuple(self.candidates)}
+        if self.quality_budget is not None:
+            overrides["quality_budget"] = self.quality_budget if self.quality_budget < 1 else None
         return get_policy(self.policy, **overrides)
 
 

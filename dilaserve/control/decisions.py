@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from dilaserve.config import DEFAULT_BLOCK_LEN
 from dilaserve.control.step_costs import StepCosts
 from dilaserve.protocol import KVCacheMode, StepBatch
+from dilaserve.quality import LLADA_GSM8K, QualityModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +30,9 @@ class SchedulerConfig:
     # this many request-seconds of the next step (its own, after that instance's running step,
     # and the other requests' of both batches; `placement.py`); 0: whenever it saves any
     migration_price: float = 0.0
+    # accuracy at a mean threshold, what a policy's quality budget is kept on
+    # (`quality_budget.py`): by default LLaDA-8B's GSM8K curve as the paper reports it
+    quality: QualityModel = LLADA_GSM8K
 
     def __post_init__(self):
         object.__setattr__(self, "kv_cache", KVCacheMode(self.kv_cache))

@@ -21,6 +21,8 @@ estimated requests took, at the on-time target's quantile. Under continuous batc
 request in flight shares the throughput, so the work in flight fits one SLO window until the
 *mean* request has a whole SLO of work ahead of it: the written bound binds only once most
 requests already miss, and with lost work on it binds nowhere (docs/control/thresholds.md).
+With a quality budget (`quality_budget.py`) the lowest threshold Alg. 2/4 may leave a request
+is the budget's floor.
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ class LoadControl:
         self._deadline_sum = 0.0
         self._tracked = tracked
         self.calibration = None  # Alg. 1's OnTimeCalibration where work is priced at its quantile
+        self.quality = None  # the policy's QualityBudget: its floor is Alg. 2/4's lowest threshold
+        self._width = len(ladder)  # the ladder's thresholds at or above that floor, last run
         self._columns = [list(predictor.thresholds).index(g) for g in ladder]
         self._table = LoadTable(len(ladder))
         self._unpredicted: dict[str, None] = {}  # admitted, no prediction yet (insertion order)
@@ -146,14 +150,22 @@ class LoadControl:
         if not self.enabled or not self._tracked:
             return
         stale = now - self._last_run >= self.config.load_control_interval
-        if not (load_changed or (refreshed and stale)):
+        width = self._width_above_floor(now)
+        if not (load_changed or (refreshed and stale) or width != self._width):
             return
-        self._last_run = now
+        self._last_run, self._width = now, width
         capacity = self.throughput(instances) * self.window_seconds(now) / self._factor(now)
-        for rid, rank in self._table.run(capacity, self._costs):
+        for rid, rank in self._table.run(capacity, self._costs, width):
             t = self._tracked[rid]
             t.allowed = self.ladder[rank:]
             t.needs_threshold = True
+
+    def _width_above_floor(self, now: float) -> int:
+        """How many of the ladder's thresholds are at or above the quality budget's floor now."""
+        if self.quality is None:
+            return len(self.ladder)
+        floor = self.quality.floor(now)
+        return sum(g >= floor for g in self.ladder)
 
     def window_seconds(self, now: float) -> float:
         """Seconds the capacity covers: one SLO, or the mean budget left to the requests
@@ -188,14 +200,21 @@ class LoadControl:
             return inst.tp, self.config.max_requests_per_instance
         return inst.tp, max(planned[1] // costs.block_len, 1)
 
-    def lowest_load(self, min_priority: float) -> tuple[float, float, int]:
-        """(load, tokens, requests) of the requests in flight of priority >= `min_priority`,
-        each at the lowest threshold (what admission weighs a newcomer against)."""
-        return self._table.lowest_load(min_priority, self._costs)
+    def lowest(self, now: float) -> float:
+        """The lowest threshold a request may run at now: the ladder's, or the quality
+        budget's floor."""
+        return self.ladder[self._width_above_floor(now) - 1]
 
-    def lowest_rows(self):
-        """Each request in flight's steps left at the lowest threshold (`LoadTable.lowest_rows`)."""
-        return self._table.lowest_rows()
+    def lowest_load(self, min_priority: float, now: float) -> tuple[float, float, int]:
+        """(load, tokens, requests) of the requests in flight of priority >= `min_priority`,
+        each at the lowest threshold now (what admission weighs a newcomer against)."""
+        column = self._width_above_floor(now) - 1
+        return self._table.lowest_load(min_priority, self._costs, column)
+
+    def lowest_rows(self, now: float):
+        """Each request in flight's steps left at the lowest threshold now
+        (`LoadTable.lowest_rows`)."""
+        return self._table.lowest_rows(self._width_above_floor(now) - 1)
 
     def lowest_priority(self) -> float:
         """The lowest priority in flight (+inf: none)."""

@@ -114,24 +114,24 @@ class LoadTable:
             self.recompute[slots] = list(self._recompute_now.values())
             self._stepped, self._recompute_now = [], {}
 
-    def lowest_load(self, min_priority: float, costs) -> tuple[float, float, int]:
+    def lowest_load(self, min_priority: float, costs, column: int = -1) -> tuple[float, float, int]:
         """(load, tokens, rows) of the rows of priority >= `min_priority`, each at its steps
-        left at the last (lowest) threshold: admission's view of the work served before a
-        newcomer, in one vectorised pass."""
+        left at the lowest threshold (`column`: the last, unless a quality floor closes it):
+        admission's view of the work served before a newcomer, in one vectorised pass."""
         slots = self._service_order()
         slots = slots[-self._keys[slots, 0] >= min_priority]
         self._count()
-        steps = np.maximum(self.steps[slots, -1] - self.counted[slots], 1.0)[:, None]
+        steps = np.maximum(self.steps[slots, column] - self.counted[slots], 1.0)[:, None]
         loads = load_matrix(steps, self.tokens[slots], self.recompute[slots], costs)
         return float(loads.sum()), float(self.tokens[slots].sum()), len(slots)
 
-    def lowest_rows(self) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
-        """(ids, steps left at the last (lowest) threshold, recompute steps left, tokens) of
+    def lowest_rows(self, column: int = -1) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
+        """(ids, steps left at the lowest threshold (`column`), recompute steps left, tokens) of
         every row, lost ones too (served last, they still take their steps): what the batched
         time model prices the requests sharing the batches by (`batched_time.py`)."""
         slots = self._service_order()
         self._count()
-        steps = np.maximum(self.steps[slots, -1] - self.counted[slots], 1.0)
+        steps = np.maximum(self.steps[slots, column] - self.counted[slots], 1.0)
         ids = [self._ids[s] for s in slots.tolist()]
         return ids, steps, self.recompute[slots], self.tokens[slots]
 
@@ -150,9 +150,10 @@ class LoadTable:
             self._order = slots[np.lexsort((keys[:, 2], keys[:, 1], keys[:, 0]))]
         return self._order
 
-    def run(self, capacity: float, costs) -> list[tuple[str, int]]:
-        """Algorithm 2/4 over every row not left out; returns (request, rank) for rows whose
-        rank changed.
+    def run(self, capacity: float, costs, width: int | None = None) -> list[tuple[str, int]]:
+        """Algorithm 2/4 over every row not left out, on the ladder's first `width` thresholds
+        (default: all; the last of them is every request's lowest); returns (request, rank) for
+        rows whose rank changed.
 
         A rank is the index, in the descending threshold ladder, of the highest allowed one.
         """
@@ -162,6 +163,7 @@ class LoadTable:
             return []
         self._count()
         steps = np.maximum(self.steps[order] - self.counted[order, None], 1.0)
+        steps = steps[:, :width]
         loads = load_matrix(steps, self.tokens[order], self.recompute[order], costs)
         ranks = allowed_ranks(loads, capacity)
         changed = np.flatnonzero(ranks != self.ranks[order])

@@ -81,7 +81,7 @@ class LostWork:
         if self.rule is Lost.LATE:
             lost = now >= deadline
         else:
-            left = self._selection.lowest_time_left(t, inst)
+            left = self._selection.lowest_time_left(t, inst, now)
             factor = self._selection.low_factor(now) if self.rule is Lost.LIKELY else 1.0
             lost = now + left * factor > deadline
         if not lost:

@@ -39,6 +39,7 @@ from dataclasses import dataclass, replace
 from dilaserve.config import DEFAULT_THRESHOLD
 from dilaserve.control.lost_work import Lost
 from dilaserve.control.on_time import ON_TIME_TARGET
+from dilaserve.control.quality_budget import QUALITY_BUDGET
 
 DEFAULT_CANDIDATES = (0.7, 0.8, 0.9)  # where quality was measured (papers.md 1.1)
 DEFAULT_FIXED = DEFAULT_THRESHOLD
@@ -98,6 +99,9 @@ class Policy:
     # there, net of what it costs the batch it joins (`Placer._move_pays`); the baselines move
     # whenever placement picks another instance
     priced_moves: bool = True
+    # the relative quality loss (against the top threshold's) the requests may lose on average
+    # before the lowest thresholds close (`quality_budget.py`); None: no bound, as written
+    quality_budget: float | None = None
 
     def __post_init__(self):
         if self.fixed_threshold is not None and not 0 < self.fixed_threshold <= 1:
@@ -108,6 +112,8 @@ class Policy:
             raise ValueError(f"{self.slo_headroom=} must be in (0, 1]")
         if self.on_time_target is not None and not 0 < self.on_time_target < 1:
             raise ValueError(f"{self.on_time_target=} must be in (0, 1)")
+        if self.quality_budget is not None and not 0 <= self.quality_budget < 1:
+            raise ValueError(f"{self.quality_budget=} must be a relative loss in [0, 1)")
 
     @property
     def is_dynamic(self) -> bool:
@@ -120,6 +126,7 @@ _DILASERVE = Policy(
     load_estimate=LoadEstimate.QUANTILE,
     on_time_target=ON_TIME_TARGET,
     lost_work=Lost.LIKELY,
+    quality_budget=QUALITY_BUDGET,
 )
 _PAPER_LOAD = {"load_window": LoadWindow.SLO, "load_estimate": LoadEstimate.POINT}  # as written
 # the baselines: a fixed threshold, no load control, a request stays where it started
@@ -149,6 +156,7 @@ POLICIES = {
         _DILASERVE,
         name="dilaserve-paper",
         on_time_target=None,
+        quality_budget=None,
         lost_work=Lost.NEVER,
         **_PAPER_LOAD,
     ),
@@ -156,6 +164,7 @@ POLICIES = {
         _DILASERVE,
         name="dilaserve-headroom",
         on_time_target=None,
+        quality_budget=None,
         slo_headroom=0.5,
         lost_work=Lost.NEVER,
         **_PAPER_LOAD,

@@ -93,10 +93,9 @@ class Scheduler:
             if policy.is_dynamic
             else None
         )
-        self._selection = ThresholdSelection(
-            policy, profile, self._costs, config.slo_headroom, self.speed, self.load_control
-        )
+        self._selection = ThresholdSelection(policy, profile, config, self.speed, self.load_control)
         self.deadline = self._selection.deadline  # Alg. 1's calibration (None: point estimate)
+        self.quality = self._selection.quality  # the quality budget (None: none)
         self.lost_work = None  # served after the requests still on time (`lost_work.py`), or alike
         if policy.lost_work is not Lost.NEVER and policy.is_dynamic:
             self.lost_work = LostWork(policy.lost_work, self._placer, self._selection, self._move)
@@ -247,8 +246,7 @@ class Scheduler:
             if result.is_finished:
                 finished.append(rid)
                 inst.holds.discard(rid)
-                if self.deadline is not None:
-                    self.deadline.finished_at(rid, now)
+                self._selection.finished(r, now)  # Alg. 1's calibration, the quality budget
                 self._forget(t)
                 continue
             self._ready.append(rid)
@@ -300,8 +298,7 @@ class Scheduler:
         self._solo.discard(rid)
         if self.load_control is not None:
             self.load_control.forget(rid)
-        if self.deadline is not None:
-            self.deadline.forget(rid)
+        self._selection.forget(rid)  # Alg. 1's calibration and the quality budget
 
     def on_tick(self, now: float) -> Decisions:
         """Periodic: move work off stalled instances, retry deferred requests; every planning

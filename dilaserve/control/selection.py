@@ -7,17 +7,20 @@ there, at the measured speed, `speed.py`), fitted into `slo_headroom` of the bud
 policy's, else the config's: 1.0, the paper's rule). With an on-time target
 (`Policy.on_time_target`, the default policy's) the remaining time is priced at the calibrated
 quantile of taken over estimated time (`on_time.py`), and each request's first estimate joins
-the calibration; the scheduler reports when it finishes or goes.
+the calibration; the scheduler reports when it finishes or goes. With a quality budget
+(`Policy.quality_budget`, the default policy's) no request is given a threshold below the
+budget's floor (`quality_budget.py`), which finished requests' thresholds move.
 """
 
 from __future__ import annotations
 
+from dilaserve.control.decisions import SchedulerConfig
 from dilaserve.control.instance import InstanceState
 from dilaserve.control.on_time import OnTimeCalibration
 from dilaserve.control.policy import LoadEstimate, Policy
 from dilaserve.control.profile import LatencyProfile
+from dilaserve.control.quality_budget import QualityBudget
 from dilaserve.control.speed import MeasuredSpeed
-from dilaserve.control.step_costs import StepCosts
 from dilaserve.control.thresholds import InstanceLoad, highest_fitting, seconds_left, step_seconds
 from dilaserve.protocol import StepKind
 from dilaserve.request import Request
@@ -28,15 +31,14 @@ class ThresholdSelection:
         self,
         policy: Policy,
         profile: LatencyProfile,
-        costs: StepCosts,
-        config_headroom: float,
+        config: SchedulerConfig,  # its costs, Alg. 1's share of the budget, the quality curve
         speed: MeasuredSpeed,
         load_control,  # LoadControl, or None for a fixed-threshold policy
     ):
         self.policy = policy
         self.profile = profile
-        self._costs = costs
-        self._headroom = policy.slo_headroom or config_headroom
+        self._costs = config.costs
+        self._headroom = policy.slo_headroom or config.slo_headroom
         self.speed = speed
         self.load_control = load_control
         # Alg. 1 at a quantile of taken over estimated time, learned from finished requests
@@ -47,6 +49,11 @@ class ThresholdSelection:
         )
         if load_control is not None and policy.load_estimate is LoadEstimate.QUANTILE:
             load_control.calibration = self.deadline  # Alg. 2/4 prices work at its quantile
+        self.quality = None  # the policy's quality budget, kept on finished requests
+        if policy.quality_budget is not None and policy.is_dynamic:
+            self.quality = QualityBudget(config.quality, policy.candidates, policy.quality_budget)
+            if load_control is not None:
+                load_control.quality = self.quality  # Alg. 2/4's lowest threshold is its floor
 
     def choose(self, t, inst: InstanceState, now: float) -> float:
         """Alg. 1 for the scheduler's record `t` of a request on `inst`: its threshold (kept
@@ -59,11 +66,13 @@ class ThresholdSelection:
         if not t.needs_threshold:
             return r.threshold
         t.needs_threshold = False
-        allowed = r.within_bounds(t.allowed)
+        allowed = r.within_bounds(self.above_floor(t.allowed, now))
         if not allowed:
             return r.clamp_threshold(t.allowed[0])
         if len(allowed) == 1 and self.deadline is None:  # load control left one choice
             return allowed[0]
+        if t.lost and self.quality is not None:  # no deadline left: only its quality to lose
+            return (r.within_bounds(self.load_control.ladder) or allowed)[0]
         assert r.deadline is not None and self.load_control is not None  # set at arrival; dynamic
         seconds = self._step_seconds(inst)
         slo_left = (r.deadline - now) * self._headroom
@@ -78,6 +87,26 @@ class ThresholdSelection:
             self.deadline.admitted(r.request_id, estimate, now)
         return chosen
 
+    def above_floor(self, allowed: tuple[float, ...], now: float) -> tuple[float, ...]:
+        """The thresholds of `allowed` (descending) at or above the quality budget's floor now;
+        the floor itself if load control allowed none of them (`quality_budget.py`)."""
+        if self.quality is None:
+            return allowed
+        floor = self.quality.floor(now)
+        return tuple(g for g in allowed if g >= floor) or (floor,)
+
+    def finished(self, r: Request, now: float) -> None:
+        """`r` finished at `now`: Alg. 1's calibration and the quality budget learn from it."""
+        if self.deadline is not None:
+            self.deadline.finished_at(r.request_id, now)
+        if self.quality is not None:
+            self.quality.finished_at(r.mean_threshold, now)
+
+    def forget(self, request_id: str) -> None:
+        """The request ended (finished and measured, or not finished): forget it."""
+        if self.deadline is not None:
+            self.deadline.forget(request_id)
+
     def factor(self, now: float) -> float:
         """Alg. 1's calibrated factor on the point estimate now (1: the point estimate)."""
         return 1.0 if self.deadline is None else self.deadline.factor(now)
@@ -86,11 +115,12 @@ class ThresholdSelection:
         """The calibration's low quantile of taken over estimated time (1: none kept)."""
         return 1.0 if self.deadline is None else self.deadline.low_factor(now)
 
-    def lowest_time_left(self, t, inst: InstanceState) -> float:
+    def lowest_time_left(self, t, inst: InstanceState, now: float) -> float:
         """The point estimate of the request's remaining time on `inst` at the lowest threshold
         it may run at."""
         r = t.request
-        lowest = (r.within_bounds(t.allowed) or t.allowed)[-1]
+        allowed = self.above_floor(t.allowed, now)
+        lowest = (r.within_bounds(allowed) or allowed)[-1]
         steps = self.load_control.steps_left(r.request_id, [lowest])[0]
         return seconds_left(steps, r.num_blocks_to_recompute, self._step_seconds(inst))
 

@@ -155,6 +155,7 @@ class _ClusterCollector:
         yield from _outcome_metrics(c, m)
         yield from _admission_metrics(c)
         yield from _deadline_metrics(c.deadline, c.deadline_factor)
+        yield from _quality_metrics(c.quality_budget, c.now())
         yield from _instance_metrics(c, m)
 
 
@@ -272,6 +273,23 @@ def _deadline_metrics(calibration, factor: float | None):
         "dilaserve_deadline_late",
         "Of those, requests that took longer than estimated times the factor then in force",
         value=calibration.late,
+    )
+
+
+def _quality_metrics(budget, now: float):
+    """The quality budget's state (`control/quality_budget.py`), when the policy has one."""
+    if budget is None:
+        return
+    text = (
+        "Relative quality loss of the finished requests against the top threshold's (the "
+        "quality curve at their mean thresholds; decays toward 0 while none finishes)"
+    )
+    yield _gauge("dilaserve_quality_loss", text, budget.loss(now))
+    yield _gauge("dilaserve_quality_budget", "The relative quality loss allowed", budget.budget)
+    text = "The lowest threshold a request may be given now (the top while over the budget)"
+    yield _gauge("dilaserve_quality_floor", text, budget.floor(now))
+    yield CounterMetricFamily(
+        "dilaserve_quality_floor_raised", "Times the quality floor went up", value=budget.raised
     )
 
 

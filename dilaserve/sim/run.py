@@ -81,6 +81,9 @@ def policy_for(spec: SimulationSpec):
         policy = dataclasses.replace(policy, candidates=tuple(spec.candidates))
     if spec.lost_work is not None:
         policy = dataclasses.replace(policy, lost_work=Lost(spec.lost_work))
+    if spec.quality_budget is not None:  # 1: no bound
+        budget = spec.quality_budget if spec.quality_budget < 1 else None
+        policy = dataclasses.replace(policy, quality_budget=budget)
     if not policy.is_dynamic:
         policy = dataclasses.replace(policy, fixed_threshold=spec.threshold)
     return policy
@@ -114,6 +117,7 @@ def simulate(spec: SimulationSpec, progress=None, log: DecisionLog | None = None
     policy = policy_for(spec)
     behaviour, requests, predictor = workload(spec, trace, policy, profile.meta.get("model"))
     slo = slo_for(spec, profile, requests, behaviour.tokens_per_step(spec.threshold))
+    quality = QualityModel.from_eval(spec.quality) if spec.quality else LLADA_GSM8K
     config = SchedulerConfig(
         kv_cache=spec.costs.mode,
         block_len=spec.costs.block_len,
@@ -124,6 +128,7 @@ def simulate(spec: SimulationSpec, progress=None, log: DecisionLog | None = None
         slo_headroom=spec.slo_headroom,
         refresh_interval=spec.refresh_interval,
         instance_speed=spec.instance_speed,
+        quality=quality,
     )
     reconfigurer = _reconfigurer(spec, policy, profile, behaviour, config)
     scheduler = Scheduler(policy, profile, predictor, config, reconfigurer)
@@ -145,7 +150,6 @@ def simulate(spec: SimulationSpec, progress=None, log: DecisionLog | None = None
     start = time.perf_counter()
     result = simulator.run(requests, progress=progress)
     wall = time.perf_counter() - start
-    quality = QualityModel.from_eval(spec.quality) if spec.quality else LLADA_GSM8K
     rows = metrics.request_records(result.requests, result.unfinished, quality)
     summary = {
         **metrics.summarize(rows),
@@ -170,15 +174,19 @@ def simulate(spec: SimulationSpec, progress=None, log: DecisionLog | None = None
 def deadline_notes(scheduler: Scheduler, end: float) -> dict:
     """Alg. 1's on-time calibration at the end (`control/on_time.py`), for a policy with one:
     its factor, and how many of the requests it measured finished later than the factor then
-    in force allowed."""
-    calibration = scheduler.deadline
-    if calibration is None:
-        return {}
-    return {
-        "deadline_factor": round(calibration.factor(end), 4),
-        "deadline_measured": calibration.finished,
-        "deadline_late": calibration.late,
-    }
+    in force allowed; the quality budget's loss read, floor and how often it was raised."""
+    calibration, budget = scheduler.deadline, scheduler.quality
+    notes = {}
+    if calibration is not None:
+        notes["deadline_factor"] = round(calibration.factor(end), 4)
+        notes["deadline_measured"] = calibration.finished
+        notes["deadline_late"] = calibration.late
+    if budget is not None:  # the quality budget's state at the end (`control/quality_budget.py`)
+        notes["quality_budget"] = budget.budget
+        notes["quality_loss_read"] = round(budget.loss(end), 5)
+        notes["quality_floor"] = budget.floor(end)
+        notes["quality_floor_raised"] = budget.raised
+    return notes
 
 
 def quality_notes(

@@ -109,6 +109,12 @@ class SimulationSpec:
         "(control/lost_work.py); default: the policy's",
         choices=("never", "late", "point", "likely"),
     )
+    quality_budget: float | None = setting(
+        None,
+        "a dynamic policy's quality budget: the relative quality loss (against the top "
+        "threshold's) recent requests may lose before the lowest thresholds close "
+        "(control/quality_budget.py); 1: no bound; default: the policy's (dilaserve: 0.01)",
+    )
     seed: int = setting(0, "random seed of the trace, behaviour and predictor")
 
     def __post_init__(self):
@@ -121,6 +127,8 @@ class SimulationSpec:
             raise ValueError(f"{self.rate_scale=} must be positive")
         if self.slo is not None and self.slo <= 0:
             raise ValueError(f"{self.slo=} must be positive")
+        if self.quality_budget is not None and not 0 <= self.quality_budget <= 1:
+            raise ValueError(f"{self.quality_budget=} must be a relative loss in [0, 1]")
         if self.slo_multiple <= 0:
             raise ValueError(f"{self.slo_multiple=} must be positive")
 
