@@ -53,6 +53,7 @@ ABLATIONS = (
     "no-migration",
     "no-placement",
     "no-lost-work",
+    "no-quality-budget",
     "no-dynamic-threshold",
 )
 BASELINES = ("infaas", "llumnix", "fcfs")
@@ -64,6 +65,7 @@ EFFECTS = (
     ("migration", "dilaserve", "no-migration"),
     ("placement", "dilaserve", "no-placement"),
     ("lost work", "dilaserve", "no-lost-work"),
+    ("quality budget", "dilaserve", "no-quality-budget"),
     ("calibration", "dilaserve", "dilaserve-paper"),
 )
 # planning every 100 s with a 10 s start-up: three rounds or more within a 300-600 s trace

@@ -50,6 +50,7 @@ NON_DEFAULT = {
     "quality": ("q.json", "q.json"),
     "candidates": ("0.7,0.9", (0.7, 0.9)),
     "lost_work": ("late", "late"),
+    "quality_budget": ("0.02", 0.02),
     "seed": ("3", 3),
 }
 

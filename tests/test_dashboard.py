@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
+from dilaserve.control.quality_budget import QualityBudget
 from dilaserve.dashboard.page import live_page, read_data, static_page
 from dilaserve.dashboard.timeline import THRESHOLD_EDGES, Timeline
 from dilaserve.protocol import StepKind, StepOutput
+from dilaserve.quality import LLADA_GSM8K
 from dilaserve.server.app import ServerSettings, create_app
 from dilaserve.server.dashboard import TOKEN_SECONDS, dashboard_token, is_authorised
 from dilaserve.server.metrics import THRESHOLD_BUCKETS, ServerMetrics
@@ -150,6 +152,7 @@ class _Cluster:
     on_time = SimpleNamespace(finished=0, late=0)
     deadline_factor = 1.25
     deadline = SimpleNamespace(finished=4, late=1)
+    quality_budget = QualityBudget(LLADA_GSM8K, (0.9, 0.8, 0.7))
     admission_capacity = (900.0, 1000.0)  # (served, modelled) token-steps per second
     admission_predicted = 0.5  # seconds, the latest request priced
 
@@ -167,6 +170,9 @@ class _Cluster:
         )
         inst = {"i0": SimpleNamespace(tp=1), "i1": SimpleNamespace(tp=2)}
         self.scheduler = SimpleNamespace(instances=inst, requests={})
+
+    def now(self):
+        return 0.0
 
     def queue_length(self):
         return 3

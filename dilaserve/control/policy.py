@@ -11,7 +11,9 @@ A policy is a small frozen value; the one `Scheduler` reads it. DESIGN section 3
   `migrate-any-step` (migration between any two steps, losing the cache: papers.md Table 6),
   `no-lost-work` (lost requests served like the others, as the paper does), `no-placement`
   (Alg. 3 replaced by least-tokens placement, as `llumnix` places; a move still taken only
-  when it pays, so migration and everything else stay `dilaserve`'s);
+  when it pays, so migration and everything else stay `dilaserve`'s), `no-quality-budget`
+  (no quality budget: thresholds as low as the ladder goes, lost requests at the lowest too;
+  the default before 2026-12-05's budget);
 - baselines with a fixed threshold and a fixed cluster: `fcfs` (a plain first-come queue:
   requests wait, in arrival order, until an instance is between steps, and the first free
   instance takes them; a request stays where it started), `infaas` (dispatch on arrival to the
@@ -152,6 +154,7 @@ POLICIES = {
     "no-lost-work": replace(_DILASERVE, name="no-lost-work", lost_work=Lost.NEVER),
     "dilaserve-slo-load": replace(_DILASERVE, name="dilaserve-slo-load", **_PAPER_LOAD),
     "no-placement": replace(_DILASERVE, name="no-placement", placement=Placement.LEAST_TOKENS),
+    "no-quality-budget": replace(_DILASERVE, name="no-quality-budget", quality_budget=None),
     "dilaserve-paper": replace(
         _DILASERVE,
         name="dilaserve-paper",

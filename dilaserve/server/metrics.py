@@ -155,7 +155,7 @@ class _ClusterCollector:
         yield from _outcome_metrics(c, m)
         yield from _admission_metrics(c)
         yield from _deadline_metrics(c.deadline, c.deadline_factor)
-        yield from _quality_metrics(c.quality_budget, c.now())
+        yield from _quality_metrics(c)
         yield from _instance_metrics(c, m)
 
 
@@ -276,10 +276,12 @@ def _deadline_metrics(calibration, factor: float | None):
     )
 
 
-def _quality_metrics(budget, now: float):
+def _quality_metrics(c: Cluster):
     """The quality budget's state (`control/quality_budget.py`), when the policy has one."""
+    budget = c.quality_budget
     if budget is None:
         return
+    now = c.now()
     text = (
         "Relative quality loss of the finished requests against the top threshold's (the "
         "quality curve at their mean thresholds; decays toward 0 while none finishes)"
