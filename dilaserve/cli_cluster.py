@@ -40,6 +40,7 @@ def cluster_config(args, record: bool = False, warned: bool = False):
         planner_period=args.planner_period,
         plan_batch_limits=args.plan_batch_limits,
         candidates=args.candidates,
+        quality_budget=args.quality_budget,
     )
     config = ClusterConfig(
         worker=WorkerConfig(args.model, engine, args.threads, args.tp_timeout, args.worker_nice),
@@ -67,6 +68,7 @@ def _scheduler_config(args, predictor: str | None):
     import json
 
     from dilaserve.control.decisions import SchedulerConfig
+    from dilaserve.quality import LLADA_GSM8K, QualityModel
 
     meta = Path(predictor or "") / "gbm-full.json"
     k = json.loads(meta.read_text()).get("refresh_every_tokens", 8) if meta.is_file() else 8
@@ -81,6 +83,7 @@ def _scheduler_config(args, predictor: str | None):
         slo_headroom=args.slo_headroom,
         instance_speed=args.instance_speed,
         migration_price=args.migration_price,
+        quality=QualityModel.from_eval(args.quality_curve) if args.quality_curve else LLADA_GSM8K,
     )
 
 

@@ -111,6 +111,20 @@ def _control_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="the thresholds a dynamic policy chooses from (default 0.5,0.6,0.7,0.8,0.9)",
     )
+    p.add_argument(
+        "--quality-budget",
+        type=float,
+        default=None,
+        help="the relative quality loss (against the top threshold's) the requests served may "
+        "lose before no request is given less than the top (default: the policy's, dilaserve "
+        "0.01; 1: no bound; docs/control/thresholds.md)",
+    )
+    p.add_argument(
+        "--quality-curve",
+        default=None,
+        help="an eval summary.json (accuracy per threshold) the quality budget is kept on "
+        "(default: LLaDA-8B's GSM8K curve as the paper reports it)",
+    )
 
 
 def _protection_args(p: argparse.ArgumentParser) -> None:

@@ -53,6 +53,7 @@ OPTION = {
     "WorkerConfig.model": "model",
     "WorkerConfig.nice": "worker_nice",
     "ControlSpec.nodes": "nodes",
+    "SchedulerConfig.quality": "quality_curve",
     "ServerSettings.model_name": "served_model_name",
     "ServerSettings.allowed_hosts": "allowed_host",
 }
@@ -63,6 +64,7 @@ OWN_DEFAULT = {
     "WorkerConfig.threads": "one torch thread per rank, so that ranks do not oversubscribe",
     "SchedulerConfig.slo": "an interactive service's 1 s, not the library's 10 s",
     "ControlSpec.nodes": "the starting instances' total on one node",
+    "SchedulerConfig.quality": "a file to read (none: the field's default, the paper's curve)",
     "ServerSettings.model_name": "the checkpoint folder's name",
     "ServerSettings.allowed_hosts": "the loopback names on a loopback --host, else any",
 }
@@ -111,6 +113,9 @@ def test_new_options_reach_the_configuration():
     assert (scheduler.migration_price, scheduler.load_control_interval) == (0.05, 0.1)
     assert (config.worker.tp_timeout, engine.max_forward_tokens) == (30.0, 512)
     assert engine.cuda_graph_context == 1024
+    args = build_parser().parse_args(["serve", "--quality-budget", "0.02"])
+    resolve_model(args)
+    assert cluster_config(args)[0].control.make_policy().quality_budget == 0.02
 
 
 def test_a_config_file_sets_serve_options(tmp_path):
