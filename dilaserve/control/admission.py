@@ -11,8 +11,9 @@ else). Policies without load control (fixed thresholds) admit every request; the
 The time a request needs (`ClusterConfig.admission_time`): by default (`batched`,
 `batched_time.py`) its own predicted steps, each at the latency of the batch it shares with
 the requests in flight, at the measured speed; and a newcomer is refused too if it would make
-late a request in flight that would finish in time without it. Or (`queue`) the load of it and
-of every request served before it (predicted remaining steps times the tokens each step
+late a request in flight that would finish in time without it (not one held in an overdue
+step, a stopped worker's: no refusal brings that step's end nearer). Or (`queue`) the load of
+it and of every request served before it (predicted remaining steps times the tokens each step
 processes, Alg. 4 with a KV cache) over the cluster's throughput: load control's model at the
 measured speed (`speed.py`), or what each instance's steps measured where that is less
 (`capacity`: `speed.ServedRates`), decaying back to the model when stale. Each request is
@@ -235,10 +236,28 @@ class Admission:
         return rows, len(rows[0]), float(rows[3].sum())
 
     def _lefts(self, request_ids: list[str], now: float) -> np.ndarray:
-        """Seconds to each request's deadline (inf: none)."""
+        """Seconds to each request's deadline (inf: none) that a newcomer could take from it:
+        none (-inf: a newcomer makes it no later) for a request whose instance's running step
+        is overdue (`InstanceState.overdue`, the test that stalls the instance): a fault holds
+        it there, and no refusal brings its step's end nearer. (Protected, a request in the
+        step of a SIGSTOPped worker came, still priced as on time, to the edge of its deadline,
+        and every newcomer was refused while it crossed it.)"""
         tracked = self.scheduler.requests
-        deadlines = [tracked[rid].request.deadline for rid in request_ids]
-        return np.array([np.inf if d is None else d - now for d in deadlines])
+        lefts = np.empty(len(request_ids))
+        for k, rid in enumerate(request_ids):
+            t = tracked[rid]
+            deadline = t.request.deadline
+            lefts[k] = np.inf if deadline is None else deadline - now
+            if t.instance is not None and self._held(t.instance, now):
+                lefts[k] = -np.inf
+        return lefts
+
+    def _held(self, instance_id: str, now: float) -> bool:
+        """Is the instance's running step overdue (a fault holds its requests)?"""
+        inst = self.scheduler.instances.get(instance_id)
+        if inst is None:
+            return False
+        return inst.stalled or inst.overdue(now, self.scheduler.speed.instance_ratio(instance_id))
 
     def admitted(self, request: Request, now: float) -> None:
         """The request last asked about was admitted: its predicted time is on record for the

@@ -1,0 +1,82 @@
+"""Admission and the requests a fault holds (`Admission._lefts`): a newcomer is refused if it
+would make late a request in flight that would be on time without it (`batched_time.late`),
+but not for a request in the step of a stopped worker. No refusal brings that step's end
+nearer; protected, such a request reached the edge of its deadline still priced as on time,
+and every newcomer was refused while it crossed it (SIGSTOP in the reliability suite: the
+429s 1 s after the stop, docs/serving/reliability.md).
+
+On the virtual clock of `test_admission_recovery`; asserted at points of that clock."""
+
+import numpy as np
+from test_admission_recovery import outcome, run_until, submit, virtual_cluster
+
+from dilaserve.control.admission import MIN_RECENT
+from dilaserve.control.instance import STALL_SECONDS
+
+SLO = 2.0
+MS = 1e-3
+
+
+def warm(cluster) -> None:
+    """Requests served two at a time (the second priced, not a probe), until the front
+    prices by the batched model (`Room.scales`)."""
+    for k in range(MIN_RECENT + 1):
+        pair = [submit(cluster, f"w{k}.{j}", slo=SLO) for j in range(2)]
+        assert [outcome(cluster, h) for h in pair] == ["admitted"] * 2
+        run_until(cluster, lambda pair=pair: all(h.future.done() for h in pair))
+    assert len(cluster.controller.admission._alone_per_block) >= MIN_RECENT
+
+
+def batch_of(clock, least: int) -> str | None:
+    """An instance running a step of at least `least` requests."""
+    return next((i for i, (_, b) in clock._running.items() if len(b.items) >= least), None)
+
+
+def stop_a_loaded_worker(cluster, clock, requests: int = 12):
+    """`requests` arrive at once; once an instance runs a step of several of them, its worker
+    stops (SIGSTOP: that step never ends). Returns (its id, the ids its step holds)."""
+    handles = [submit(cluster, f"r{k}", slo=SLO) for k in range(requests)]
+    assert [outcome(cluster, h) for h in handles] == ["admitted"] * requests
+    run_until(cluster, lambda: batch_of(clock, requests // 3) is not None)
+    iid = batch_of(clock, requests // 3)
+    _, batch = clock._running[iid]
+    clock._running[iid] = (float("inf"), batch)
+    return iid, [item.request_id for item in batch.items]
+
+
+def room_refusals(cluster, start: float, end: float) -> list[float]:
+    """The points of the clock, every millisecond from `start` to `end`, at which the room the
+    controller would publish then refuses a one-block request at the server's SLO."""
+    admission = cluster.controller.admission
+    points = np.arange(start, end, MS)
+    return [t for t in points if admission.room(float(t)).refuses(0, None, 32)]
+
+
+def test_a_request_held_by_a_stopped_worker_does_not_close_admission():
+    cluster, clock = virtual_cluster(instances=(1, 1), slo=SLO)
+    warm(cluster)
+    iid, held = stop_a_loaded_worker(cluster, clock)
+    stopped = clock.t
+    others = lambda: set(cluster.scheduler.requests) == set(held)  # noqa: E731
+    run_until(cluster, lambda: clock.t >= stopped + STALL_SECONDS and others())
+    deadlines = [cluster.scheduler.requests[rid].request.deadline for rid in held]
+    assert cluster.controller.admission.room(clock.t).scales  # priced as batched
+    # a newcomer would go to the other instance, idle, and finish long before the SLO: the
+    # held requests' deadlines pass while the room is asked every millisecond
+    assert room_refusals(cluster, clock.t, max(deadlines) + 0.1) == []
+    newcomer = submit(cluster, "new", slo=SLO)
+    assert outcome(cluster, newcomer) == "admitted"
+
+
+def test_the_held_requests_are_protected_until_their_step_is_overdue():
+    """Before its step is overdue (`InstanceState.overdue`, the test that stalls the
+    instance) a stopped worker looks like a slow one, and its requests keep their protection;
+    after, they have none (a newcomer cannot make them later)."""
+    cluster, clock = virtual_cluster(instances=(1, 1), slo=SLO)
+    warm(cluster)
+    _, held = stop_a_loaded_worker(cluster, clock)
+    admission = cluster.controller.admission
+    assert np.all(np.isfinite(admission._lefts(held, clock.t)))
+    stopped = clock.t
+    run_until(cluster, lambda: clock.t >= stopped + STALL_SECONDS)
+    assert np.all(admission._lefts(held, clock.t) == -np.inf)
