@@ -242,22 +242,24 @@ class Admission:
         it there, and no refusal brings its step's end nearer. (Protected, a request in the
         step of a SIGSTOPped worker came, still priced as on time, to the edge of its deadline,
         and every newcomer was refused while it crossed it.)"""
-        tracked = self.scheduler.requests
+        tracked, held = self.scheduler.requests, self._held(now)
         lefts = np.empty(len(request_ids))
         for k, rid in enumerate(request_ids):
             t = tracked[rid]
             deadline = t.request.deadline
             lefts[k] = np.inf if deadline is None else deadline - now
-            if t.instance is not None and self._held(t.instance, now):
+            if t.instance in held:
                 lefts[k] = -np.inf
         return lefts
 
-    def _held(self, instance_id: str, now: float) -> bool:
-        """Is the instance's running step overdue (a fault holds its requests)?"""
-        inst = self.scheduler.instances.get(instance_id)
-        if inst is None:
-            return False
-        return inst.stalled or inst.overdue(now, self.scheduler.speed.instance_ratio(instance_id))
+    def _held(self, now: float) -> set[str]:
+        """The instances whose running step is overdue (a fault holds their requests)."""
+        speed = self.scheduler.speed
+        return {
+            iid
+            for iid, inst in self.scheduler.instances.items()
+            if inst.stalled or inst.overdue(now, speed.instance_ratio(iid))
+        }
 
     def admitted(self, request: Request, now: float) -> None:
         """The request last asked about was admitted: its predicted time is on record for the
