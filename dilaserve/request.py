@@ -188,10 +188,10 @@ class Request:
         """Record one step's outcome: `positions` were masked until this step (or, with token
         editing, held a token of the current block), and blocks complete in order, as the
         engine decodes them."""
-        newly = int((self.output_ids[result.positions] == self.mask_id).sum())
-        remasked = int((result.tokens == self.mask_id).sum())  # edits to the mask
-        start, end = self.block_span(result.block_index)
-        masks_before = bool((self.output_ids[start:end] == self.mask_id).any())
+        # (count_nonzero: half the time of `.sum()` on a step's few positions)
+        newly = int(np.count_nonzero(self.output_ids[result.positions] == self.mask_id))
+        remasked = int(np.count_nonzero(result.tokens == self.mask_id))  # edits to the mask
+        masks_before = self.edits and self._block_has_masks(result.block_index)
         self.output_ids.put(result.positions, result.tokens)  # 3x `a[i] = v` for int32 indices
         if self.edits:
             self._edit_progress(result, masks_before)
@@ -213,13 +213,16 @@ class Request:
     def _edit_progress(self, result: RequestStepResult, masks_before: bool) -> None:
         """Follow the engine's token-editing state (`StepDecider._edit_progress`), so that the
         request resumes mid-edit on another instance."""
-        start, end = self.block_span(result.block_index)
         if result.is_block_done:
             self.edit_block, self.post_steps = None, 0
             return
         self.post_steps += not masks_before
-        if not (self.output_ids[start:end] == self.mask_id).any():
+        if not self._block_has_masks(result.block_index):
             self.edit_block = result.block_index  # its masks are all committed now
+
+    def _block_has_masks(self, block: int) -> bool:
+        start, end = self.block_span(block)
+        return bool((self.output_ids[start:end] == self.mask_id).any())
 
     @property
     def mean_threshold(self) -> float:

@@ -40,6 +40,8 @@ class LostWork:
         self._instances = placer.instances
         self._move = move  # the scheduler's: re-home a request (None: nowhere)
         self.on_lost: list = []  # callables (request id, when it would have finished)
+        # (the open instances, those of them holding only lost requests), until `moved`
+        self._free: tuple[Sequence[InstanceState], list[InstanceState]] | None = None
 
     def place(
         self, t, now: float, open_instances: Sequence[InstanceState]
@@ -50,13 +52,28 @@ class LostWork:
             placed = self._placer.place(t, now, open_instances)
             if placed is None or not self._found_lost(t, placed[0], now):
                 return placed
-        free = [i for i in open_instances if i.residents == i.lost_residents]
+        free = self._free_instances(open_instances)
         bound = self._instances.get(t.bound) if t.bound is not None else None
         if t.bound is not None and (bound is None or not bound.takes_work):
             t.bound = None  # its instance went away while it waited: bind again where it lands
         if t.bound is not None and all(i.instance_id != t.bound for i in free):
             return None  # bound to an instance that serves requests still on time
         return self._placer.place(t, now, free) if free else None
+
+    def moved(self) -> None:
+        """A request moved or was found lost: which instances hold only lost requests may
+        have changed (the scheduler calls this from its `_move`)."""
+        self._free = None
+
+    def _free_instances(self, open_instances: Sequence[InstanceState]) -> list[InstanceState]:
+        """The open instances that hold only lost requests (or none). Every lost request that
+        waits asks on every event, and the answer changes only when a request moves or is
+        found lost, or the open instances change (the scheduler makes a new list then): kept
+        until then."""
+        if self._free is None or self._free[0] is not open_instances:
+            free = [i for i in open_instances if i.residents == i.lost_residents]
+            self._free = (open_instances, free)
+        return self._free[1]
 
     def park(self, t) -> list[tuple[str, str]]:
         """A lost request that waits gives its instance up; (instance, request) to release."""
@@ -91,6 +108,7 @@ class LostWork:
         home = self._home(t)
         if home is not None:
             home.lost_residents += 1
+            self.moved()
         calibration = self._selection.deadline
         if calibration is not None:  # what it would have taken from here, had it been served
             calibration.finished_at(t.request.request_id, now + left)

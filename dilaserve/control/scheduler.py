@@ -180,6 +180,8 @@ class Scheduler:
             to.resident_tokens += t.request.num_tokens
             to.lost_residents += t.lost
         t.instance = None if to is None else to.instance_id
+        if self.lost_work is not None:
+            self.lost_work.moved()
 
     def _orphan(self, rid: str) -> None:
         t = self.requests[rid]
@@ -320,18 +322,18 @@ class Scheduler:
         if self.load_control is not None:
             refreshed = self.load_control.refresh(now)
             self.load_control.run_if_due(now, load_changed, refreshed, self.instances.values())
-        releases, waiting, block = [], [], self._costs.block_len
+        releases, waiting, block, inner = [], [], self._costs.block_len, self._costs.inner_kind
         for rid in ready:
             t = self.requests[rid]
             home = self._cache_home(t)
             if home is not None:  # Alg. 3's only candidate; what place and _assign would do
                 solo = rid in self._solo
-                if not self._placer.has_room(home, block, self._costs.inner_kind, solo):
+                if not self._placer.has_room(home, block, inner, solo):
                     waiting.append(rid)
                     continue
-                home.gather(rid, self._costs.inner_kind, block, solo)
+                home.gather(rid, inner, block, solo)
                 if t.needs_threshold and self.policy.is_dynamic:  # its predictions refreshed
-                    t.request.threshold = self._threshold(t, home, now)
+                    t.request.threshold = self._selection.choose(t, home, now)
                 continue
             placed = (self.lost_work or self._placer).place(t, now, self._open)
             if placed is None:
@@ -368,13 +370,9 @@ class Scheduler:
                 t.bound = inst.instance_id
             self._move(t, inst)
         inst.gather(rid, kind, self._placer.tokens(t, kind), rid in self._solo)
-        t.request.threshold = self._threshold(t, inst, now)
+        t.request.threshold = self._selection.choose(t, inst, now)  # Alg. 1
         t.request.status = RequestStatus.RUNNING
         return releases
-
-    def _threshold(self, t: _Tracked, inst: InstanceState, now: float) -> float:
-        """The request's threshold for its next steps on `inst` (`selection.py`)."""
-        return self._selection.choose(t, inst, now)
 
     def _launch(self, now: float) -> list[StepLaunch]:
         launches = []
