@@ -60,6 +60,12 @@ class LostWork:
             return None  # bound to an instance that serves requests still on time
         return self._placer.place(t, now, free) if free else None
 
+    def waits(self, t, open_instances: Sequence[InstanceState]) -> bool:
+        """Whether the lost request `t` just waits this round: it holds no instance to give up
+        and is bound to none, and no open instance holds only lost requests (so `place` would
+        find nothing and `park` release nothing). What most of an overload's events ask."""
+        return t.instance is None and t.bound is None and not self._free_instances(open_instances)
+
     def moved(self) -> None:
         """A request moved or was found lost: which instances hold only lost requests may
         have changed (the scheduler calls this from its `_move`)."""

@@ -309,10 +309,8 @@ class Scheduler:
         decisions = self._schedule(now, load_changed=False)
         if self.reconfigurer is None:
             return decisions
-        running = [
-            InstanceSlot(i.instance_id, i.node, i.tp, i.gpus) for i in self.instances.values()
-        ]
-        return replace(decisions, reconfiguration=self.reconfigurer.on_tick(now, running))
+        slots = [InstanceSlot(i.instance_id, i.node, i.tp, i.gpus) for i in self.instances.values()]
+        return replace(decisions, reconfiguration=self.reconfigurer.on_tick(now, slots))
 
     # -- one scheduling round ----------------------------------------------------------------
 
@@ -325,6 +323,9 @@ class Scheduler:
         releases, waiting, block, inner = [], [], self._costs.block_len, self._costs.inner_kind
         for rid in ready:
             t = self.requests[rid]
+            if t.lost and self.lost_work is not None and self.lost_work.waits(t, self._open):
+                waiting.append(rid)  # lost, and nowhere to go: most events of an overload
+                continue
             home = self._cache_home(t)
             if home is not None:  # Alg. 3's only candidate; what place and _assign would do
                 solo = rid in self._solo
