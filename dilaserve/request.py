@@ -221,6 +221,7 @@ class Request:
             self.edit_block = result.block_index  # its masks are all committed now
 
     def _block_has_masks(self, block: int) -> bool:
+        """Whether the block still has a masked position (token editing reads it)."""
         start, end = self.block_span(block)
         return bool((self.output_ids[start:end] == self.mask_id).any())
 
