@@ -236,12 +236,11 @@ class Admission:
         return rows, len(rows[0]), float(rows[3].sum())
 
     def _lefts(self, request_ids: list[str], now: float) -> np.ndarray:
-        """Seconds to each request's deadline (inf: none) that a newcomer could take from it:
-        none (-inf: a newcomer makes it no later) for a request whose instance's running step
-        is overdue (`InstanceState.overdue`, the test that stalls the instance): a fault holds
-        it there, and no refusal brings its step's end nearer. (Protected, a request in the
-        step of a SIGSTOPped worker came, still priced as on time, to the edge of its deadline,
-        and every newcomer was refused while it crossed it.)"""
+        """Seconds to each request's deadline (inf: none) that a newcomer could take from it;
+        -inf (a newcomer makes it no later) where its instance's running step is overdue
+        (`InstanceState.overdue`): a fault holds it, and no refusal brings that step's end
+        nearer (protected, a SIGSTOPped worker's request reached its deadline still priced as
+        on time, and every newcomer was refused while it crossed it)."""
         tracked, held = self.scheduler.requests, self._held(now)
         lefts = np.empty(len(request_ids))
         for k, rid in enumerate(request_ids):
