@@ -107,6 +107,8 @@ def start_server(port: int, args, log: Path) -> subprocess.Popen:
         command += ["--planner-period", str(args.planner_period)]
     if args.admission_time is not None:
         command += ["--admission-time", args.admission_time]
+    if args.quality_budget is not None:
+        command += ["--quality-budget", str(args.quality_budget)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = log.open("w")
     server = subprocess.Popen(command, env=env, stdout=out, stderr=out, start_new_session=True)
@@ -340,6 +342,9 @@ def main() -> None:
     parser.add_argument("--planner-period", type=float, metavar="S", help="serve's (default: its)")
     parser.add_argument(
         "--admission-time", choices=["batched", "queue"], help="serve's (default: its)"
+    )
+    parser.add_argument(
+        "--quality-budget", type=float, metavar="LOSS", help="serve's (default: its; 1: none)"
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(

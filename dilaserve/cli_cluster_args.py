@@ -117,13 +117,15 @@ def _control_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="the relative quality loss (against the top threshold's) the requests served may "
         "lose before no request is given less than the top (default: the policy's, dilaserve "
-        "0.01; 1: no bound; docs/control/thresholds.md)",
+        "0.01, with --quality-curve; without one, no bound; 1: no bound; "
+        "docs/control/thresholds.md)",
     )
     p.add_argument(
         "--quality-curve",
         default=None,
-        help="an eval summary.json (accuracy per threshold) the quality budget is kept on "
-        "(default: LLaDA-8B's GSM8K curve as the paper reports it)",
+        help="the served model's eval summary.json (accuracy per threshold): the policy's "
+        "quality budget is kept on it (without it, no budget unless --quality-budget is given, "
+        "then on LLaDA-8B's GSM8K curve as the paper reports it)",
     )
 
 

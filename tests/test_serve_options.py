@@ -4,6 +4,7 @@
 not here), or is named below as derived, and from what."""
 
 import dataclasses
+import json
 
 import pytest
 
@@ -116,6 +117,20 @@ def test_new_options_reach_the_configuration():
     args = build_parser().parse_args(["serve", "--quality-budget", "0.02"])
     resolve_model(args)
     assert cluster_config(args)[0].control.make_policy().quality_budget == 0.02
+
+
+def test_a_live_quality_budget_needs_the_served_models_curve(tmp_path):
+    """Without `--quality-curve` the live cluster keeps no quality budget (the policy's would
+    bind on a curve that is not the served model's); with one, the policy's."""
+    args = build_parser().parse_args(["serve"])
+    resolve_model(args)
+    assert cluster_config(args)[0].control.make_policy().quality_budget is None
+    curve = tmp_path / "summary.json"
+    rows = [{"threshold": t, "accuracy": a} for t, a in ((0.7, 0.5), (0.8, 0.6), (0.9, 0.7))]
+    curve.write_text(json.dumps({"table": rows}))
+    args = build_parser().parse_args(["serve", "--quality-curve", str(curve)])
+    resolve_model(args)
+    assert cluster_config(args)[0].control.make_policy().quality_budget == 0.01
 
 
 def test_a_config_file_sets_serve_options(tmp_path):
