@@ -37,6 +37,7 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     engine_args(p, threads=1, threads_help="torch CPU threads per worker rank")
     _layout_args(p)
     _control_args(p)
+    _threshold_args(p)
     _protection_args(p)
     _batch_args(p)
     _planner_args(p)
@@ -62,7 +63,7 @@ def _layout_args(p: argparse.ArgumentParser) -> None:
 
 
 def _control_args(p: argparse.ArgumentParser) -> None:
-    """The control plane: its inputs (calibration, or profile and predictor) and its knobs."""
+    """The control plane's inputs: the calibration, or a profile and a predictor."""
     p.add_argument(
         "--calibration",
         default=None,
@@ -84,6 +85,11 @@ def _control_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--predictor", default=None, help="step predictor folder instead of the calibration's"
     )
+
+
+def _threshold_args(p: argparse.ArgumentParser) -> None:
+    """How thresholds are chosen: the SLO and its share, the speed they are priced at, the
+    ladder, and the quality budget."""
     p.add_argument("--slo", type=float, default=1.0, help="seconds; requests' default SLO")
     p.add_argument(
         "--slo-headroom",
