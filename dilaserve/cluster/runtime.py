@@ -15,7 +15,6 @@ instance serves) and cancel them; `health()` says "degraded" until lost capacity
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 from dilaserve.cluster.backends import Backend, start_all
 from dilaserve.cluster.config import ClusterConfig, make_backend
 from dilaserve.cluster.controller import Controller
+from dilaserve.cluster.gate import Gate
 from dilaserve.cluster.intake import Intake, longest_token_chars
 from dilaserve.cluster.requests import (
     FULL,
@@ -88,8 +88,8 @@ class Cluster:
         self.controller = Controller(
             config, self.scheduler, self.backend, answers, observer, self.now
         )
+        self.gate = Gate(self.controller, self.slo)
         self._accepting = False
-        self._entering = 0  # requests `entering`: let through, not queued yet
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._t0 = 0.0
@@ -321,7 +321,7 @@ class Cluster:
         Raises ValueError naming a bad argument, `Overloaded` when admission control refuses
         work, and `Closed` when the cluster is not serving."""
         ahead = len(self.controller.arrivals)
-        if self._refuses(priority, slo, max_tokens, ahead):  # before any work, tokenizing too
+        if self.gate.refuses(priority, slo, max_tokens, ahead):  # before any work, tokenizing
             raise Overloaded(FULL)
         submission = self.intake.check(
             prompt,
@@ -373,53 +373,11 @@ class Cluster:
         self, priority: int, slo: float | None = None, max_tokens: int | None = None
     ) -> bool:
         """Would a request of `priority` and `slo` seconds (default: the server's) be refused
-        now? (`admission.Room`: it comes after everything in flight, and the capacity over its
-        SLO left as of the controller's last event is below the least a request adds.) One
-        that asks for less than the server's SLO is left to admission, which alone can tell an
-        SLO no idle cluster meets (a 400) from one the load refuses (a 429). A refusal counts
-        toward `health`. Ahead of it: the requests queued for the controller, and those
-        `entering`."""
-        return self._refuses(
-            priority, slo, max_tokens, len(self.controller.arrivals) + self._entering
-        )
+        now, before any work? (`gate.py`: admission's `Room`, behind the requests not priced
+        yet.)"""
+        return self.gate.is_full(priority, slo, max_tokens)
 
-    @contextlib.contextmanager
     def entering(self):
-        """Count a request let through (by `is_full`) ahead of later ones until it is queued
-        for the controller or refused: a burst is priced as one, each request behind those
-        before it. Yields the `submit` to call for it (off the event loop: it tokenizes)."""
-        with self._lock:
-            self._entering += 1
-        counted = [True]
-
-        def leave():
-            with self._lock:
-                if counted[0]:
-                    counted[0] = False
-                    self._entering -= 1
-
-        def submit(*args, **kwargs) -> RequestHandle:
-            try:
-                return self.submit(*args, **kwargs)
-            finally:
-                leave()
-
-        try:
-            yield submit
-        finally:
-            leave()
-
-    def _refuses(self, priority, slo, max_tokens, ahead: int) -> bool:
-        """`is_full`, with `ahead` requests let through and not priced yet."""
-        if slo is not None and not slo > 0:
-            slo = None  # (not a positive number: `intake` names it)
-        if slo is not None and slo < self.slo:
-            return False
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            max_tokens = None  # (`intake` names what is wrong)
-        if not isinstance(priority, int):
-            return False
-        if not self.controller.room.refuses(priority, slo, max_tokens, ahead):
-            return False
-        self.controller.refused_in_a_row += 1
-        return True
+        """While a request the front let through is on its way to the controller, it counts
+        ahead of later ones (`Gate.entering`); yields the `submit` to call for it."""
+        return self.gate.entering(self.submit)

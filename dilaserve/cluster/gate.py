@@ -1,0 +1,78 @@
+"""What the HTTP front asks the cluster before it hands a request over (`Gate.is_full`), and the
+requests it let through that the controller has not seen yet (`Gate.entering`).
+
+The controller publishes admission's `Room` between events (`admission.py`); the gate asks it
+for a request behind every request not priced yet: those queued for the controller and those
+the front let through that are still on their way (tokenizing in the thread pool). So a burst
+is priced as one, each request behind those before it, and not each as if it came alone
+(docs/serving/reliability.md, "The 400 clients' first wave")."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+
+class Gate:
+    def __init__(self, controller, slo: float):
+        self.controller = controller  # its `room`, `arrivals` and `refused_in_a_row`
+        self.slo = slo  # the server's default SLO, seconds
+        self._entering = 0  # requests `entering`: let through, not queued yet
+        self._lock = threading.Lock()
+
+    def is_full(self, priority, slo=None, max_tokens=None) -> bool:
+        """`refuses`, behind the requests queued for the controller and those `entering`."""
+        ahead = len(self.controller.arrivals) + self._entering
+        return self.refuses(priority, slo, max_tokens, ahead)
+
+    def refuses(self, priority, slo, max_tokens, ahead: int) -> bool:
+        """Would the room refuse a request of `priority`, `slo` seconds (None: the server's)
+        and `max_tokens` behind `ahead` requests not priced yet? One that asks for less than
+        the server's SLO, or whose fields are not what the API takes, is left to admission
+        (which alone tells an SLO no idle cluster meets, a 400, from one the load refuses, a
+        429; `intake` names a wrong field). A refusal counts toward `health`."""
+        if slo is not None and not slo > 0:
+            slo = None  # (not a positive number: `intake` names it)
+        if slo is not None and slo < self.slo:
+            return False
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            max_tokens = None  # (`intake` names what is wrong)
+        if not isinstance(priority, int):
+            return False
+        if not self.controller.room.refuses(priority, slo, max_tokens, ahead):
+            return False
+        self.controller.refused_in_a_row += 1
+        return True
+
+    @contextlib.contextmanager
+    def entering(self, submit):
+        """Count a request let through (by `is_full`) ahead of later ones until it is queued
+        for the controller or refused. Yields `submit` (the cluster's, to call off the event
+        loop: it tokenizes), which stops the count when it returns or raises."""
+        entry = _Entry(self)
+
+        def submitting(*args, **kwargs):
+            try:
+                return submit(*args, **kwargs)
+            finally:
+                entry.leave()
+
+        try:
+            yield submitting
+        finally:
+            entry.leave()
+
+
+class _Entry:
+    """One request `entering`: counted from its creation until the first `leave`."""
+
+    def __init__(self, gate: Gate):
+        self.gate, self.counted = gate, True
+        with gate._lock:
+            gate._entering += 1
+
+    def leave(self) -> None:
+        with self.gate._lock:
+            if self.counted:
+                self.counted = False
+                self.gate._entering -= 1
