@@ -37,6 +37,15 @@ def test_the_floor_is_the_top_while_the_finished_requests_lose_more_than_the_bud
     assert b.floor(3.0) == 0.7 and b.raised == 1
 
 
+def test_above_the_floor_keeps_what_is_at_or_above_it_or_gives_the_floor():
+    b = QualityBudget(LLADA_GSM8K, LADDER, budget=0.01)
+    assert b.above_floor((0.8, 0.7), 0.0) == (0.8, 0.7)  # within the budget: all of them
+    for _ in range(10):
+        b.finished_at(0.7, now=1.0)
+    assert b.above_floor(LADDER, 1.0) == (0.9,)  # over it: the top only
+    assert b.above_floor((0.8, 0.7), 1.0) == (0.9,)  # none at or above it: the floor
+
+
 def test_a_budget_must_be_a_relative_loss():
     with pytest.raises(ValueError, match="budget"):
         QualityBudget(LLADA_GSM8K, LADDER, budget=1.0)

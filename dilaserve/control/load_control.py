@@ -164,8 +164,7 @@ class LoadControl:
         """How many of the ladder's thresholds are at or above the quality budget's floor now."""
         if self.quality is None:
             return len(self.ladder)
-        floor = self.quality.floor(now)
-        return sum(g >= floor for g in self.ladder)
+        return len(self.quality.above_floor(self.ladder, now))
 
     def window_seconds(self, now: float) -> float:
         """Seconds the capacity covers: one SLO, or the mean budget left to the requests

@@ -76,3 +76,9 @@ class QualityBudget:
         """The lowest threshold a request may be given now: the ladder's lowest while the loss
         is within the budget, else the top."""
         return self.top if self.loss(now) > self.budget else self.lowest
+
+    def above_floor(self, thresholds: tuple[float, ...], now: float) -> tuple[float, ...]:
+        """The `thresholds` (in their order) at or above the floor now; the floor itself if
+        none is."""
+        floor = self.floor(now)
+        return tuple(g for g in thresholds if g >= floor) or (floor,)

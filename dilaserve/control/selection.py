@@ -90,10 +90,7 @@ class ThresholdSelection:
     def above_floor(self, allowed: tuple[float, ...], now: float) -> tuple[float, ...]:
         """The thresholds of `allowed` (descending) at or above the quality budget's floor now;
         the floor itself if load control allowed none of them (`quality_budget.py`)."""
-        if self.quality is None:
-            return allowed
-        floor = self.quality.floor(now)
-        return tuple(g for g in allowed if g >= floor) or (floor,)
+        return allowed if self.quality is None else self.quality.above_floor(allowed, now)
 
     def finished(self, r: Request, now: float) -> None:
         """`r` finished at `now`: Alg. 1's calibration and the quality budget learn from it."""
