@@ -150,7 +150,9 @@ def _protection_args(p: argparse.ArgumentParser) -> None:
         choices=["reject", "deprioritize"],
         default="reject",
         help="a request the cluster cannot serve within its SLO now: refused (429, "
-        "Retry-After), or served after everything else",
+        "Retry-After), or admitted at the lowest priority (deprioritize: for short bursts; "
+        "under sustained overload nearly every request then misses its SLO, "
+        "docs/serving/policies.md)",
     )
     p.add_argument(
         "--admission-time",
