@@ -15,8 +15,9 @@ process group of its own and runs these phases, each bounded in time:
    /health is timed while 8 clients send the largest bodies the server reads and long prompts,
    while 4 clients send headers growing to 64 MB, and while 8 clients send chats of 25,000
    empty messages (the server's resident memory alongside).
-2. capacity: a closed loop of 32 clients for `--capacity-seconds`: requests served per second
-   at saturation (the capacity).
+2. capacity: a closed loop of 32 clients, then of 128, each for `--capacity-seconds`: the most
+   requests served per second of the two (the capacity). 32 alone measured the rate at 32 in
+   flight: under 3x overload the server then served up to 1.3x it (docs/serving/reliability.md).
 3. overload: Poisson arrivals at 3x that capacity for `--overload-seconds`: how fast refusals
    come (429 with Retry-After), the share of admitted requests within their SLO, requests left
    without an answer, and the served rate against the capacity.
@@ -88,6 +89,7 @@ from dilaserve.runs import create_run_dir, environment, write_json
 ROOT = Path(__file__).resolve().parent
 CASES = ("hostile", "overload", "closed_loop", "storm", "neighbour", "kill_9", "sigstop", "drain",
          "streams")  # fmt: skip
+CAPACITY_CLIENTS = (32, 128)  # closed loops whose best served rate is the capacity
 LOADED = ("overload", "closed_loop", "storm", "neighbour", "kill_9", "sigstop")  # need capacity
 
 
@@ -179,10 +181,13 @@ class Run:
         args = self.args
         if args.capacity is not None:
             return args.capacity
-        records = await closed_loop(self.url, 32, args.capacity_seconds, args.slo_ms)
-        capacity = served_rate(records, args.capacity_seconds)
-        self.keep("capacity", {"clients": 32, "seconds": args.capacity_seconds,
-                               "served_per_s": capacity})  # fmt: skip
+        served = {}
+        for clients in CAPACITY_CLIENTS:
+            records = await closed_loop(self.url, clients, args.capacity_seconds, args.slo_ms)
+            served[clients] = served_rate(records, args.capacity_seconds)
+        capacity = max(served.values())
+        self.keep("capacity", {"seconds": args.capacity_seconds, "served_per_s": served,
+                               "capacity_per_s": capacity})  # fmt: skip
         return capacity
 
     async def load(self, capacity: float) -> None:
@@ -256,7 +261,7 @@ PHASE_LABELS = {
     "large_bodies": "/health under the largest bodies",
     "header_flood": "/health under header floods",
     "many_message_chats": "/health under many-message chats",
-    "capacity": "capacity (32 closed-loop clients)",
+    "capacity": "capacity (the most served by 32 or by 128 closed-loop clients)",
     "closed_loop": "closed loop (waiting Retry-After)",
     "storm": "storm (50 ms after a refusal)",
     "neighbour": "neighbour",
