@@ -16,13 +16,14 @@ clients: 255 connections reset, docs/serving/reliability.md). So the listener is
    request answered `last_word` (the server's: 503, Retry-After, `Connection: close`) once
    its bytes are read: a few system calls each, where the HTTP stack and the app cost about a
    millisecond, which a front starved of CPU at shutdown does not have;
-3. the listener closes with its queue empty, and the server waits until no open connection
-   holds a request it read but has not answered, or bytes it has not read yet, or is one the
-   server took but on which no request has come yet: a client that has just connected is
-   about to send one (beside a CPU hog, 85 connections were in that state when uvicorn
-   closed them, and each of their requests was lost, "Can not write request body": the
-   reliability suite's drain, docs/serving/reliability.md). Only an idle keep-alive
-   connection, one that was answered and carries nothing, is closed at once.
+3. the listener closes with its queue empty, and the server waits until every connection it
+   took has closed after an answer that said `Connection: close` (each answer does while the
+   server drains). A connection on which no request has come yet has a client about to send
+   one (beside a CPU hog, 85 were in that state when uvicorn closed them, and each of their
+   requests was lost, "Can not write request body"); one kept alive after an earlier answer
+   may carry the client's next request at any moment (closed at once, as it was until
+   2026-12-05, 31 and 93 requests sent that way were lost, "Server disconnected", in one drain
+   of three beside a CPU hog: docs/serving/reliability.md).
 
 The server (`main.py`) attaches the filter before the drain's last second, and before it
 fails the requests the drain left running, so that their clients' next connections are turned
@@ -36,16 +37,13 @@ sockets and uvicorn's connections, not what the answer says.
 
 from __future__ import annotations
 
-import array
 import asyncio
 import ctypes
-import fcntl
 import logging
 import os
 import socket
 import struct
 import sys
-import termios
 import time
 from collections.abc import Callable, Iterable
 
@@ -82,29 +80,13 @@ def accept_queue_length(sock) -> int:
     return struct.unpack_from("I", info, UNACKED_OFFSET)[0]
 
 
-def unread_bytes(transport) -> int:
-    """Bytes a connection's client sent that the server has not read yet."""
-    sock = transport.get_extra_info("socket")
-    if sock is None or transport.is_closing():
-        return 0
-    count = array.array("i", [0])
-    try:
-        fcntl.ioctl(sock.fileno(), termios.FIONREAD, count)
-    except OSError:
-        return 0
-    return count[0]
-
-
-def has_unanswered_request(connection) -> bool:
-    """Does a uvicorn connection hold a request it has read (or has yet to read) and not
-    answered, or is it new, with no request yet (its client is about to send one)?"""
+def is_open(connection) -> bool:
+    """Is a uvicorn connection still open? Then a request may be on it: one read and not
+    answered, one not read yet, the first on a new connection, or the next on one kept alive
+    after an answer. During a drain every answer says `Connection: close`, after which uvicorn
+    closes the connection, so one still open has not been told to close."""
     transport = getattr(connection, "transport", None)
-    if transport is None or transport.is_closing():
-        return False
-    cycle = getattr(connection, "cycle", None)
-    if cycle is None or not cycle.response_complete:
-        return True
-    return unread_bytes(transport) > 0
+    return transport is not None and not transport.is_closing()
 
 
 def turn_new_connections_away(servers: Iterable[asyncio.Server]) -> list:
@@ -134,11 +116,11 @@ async def close_listeners(
         sock.close()
     if answers:
         await asyncio.wait(answers, timeout=max(deadline - time.monotonic(), 0.0))
-    if not await _until(lambda: not _unanswered(connections), deadline):
+    if not await _until(lambda: not _open(connections), deadline):
         fresh = sum(getattr(c, "cycle", 0) is None for c in list(connections))
         log.warning(
-            "%d connections still hold a request not answered (%d with no request yet)",
-            _unanswered(connections),
+            "closing %d connections not told to close (%d with no request yet)",
+            _open(connections),
             fresh,
         )
 
@@ -181,8 +163,8 @@ async def _read_then_send(conn: socket.socket, last_word: bytes) -> None:
         pass
 
 
-def _unanswered(connections) -> int:
-    return sum(has_unanswered_request(c) for c in list(connections))
+def _open(connections) -> int:
+    return sum(is_open(c) for c in list(connections))
 
 
 async def _until(done: Callable[[], bool], deadline: float) -> bool:

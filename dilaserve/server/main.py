@@ -11,8 +11,9 @@ error event and `[DONE]`). New connections are turned away (`listener.py`) once 
 flight, or for the drain's last second (`LAST_CALL_SECONDS`), so that a client the server took
 has time to send its request. Then the listener closes without resetting the connections the
 kernel already completed (`listener.py`: those queued are taken and answered 503 too, and the
-server waits until every connection it took has had its request answered, a connection with
-no request yet included), while the instances stop. The process exits within the drain timeout plus
+server waits until every connection it took has closed after an answer that told its client
+to, one with no request yet or kept alive after an earlier answer included), while the
+instances stop. The process exits within the drain timeout plus
 `EXIT_SECONDS`: each step of uvicorn's shutdown gets what is left of that second, and an
 instance still stopping then is left to end on its own (its socket closes with the process).
 Workers ignore terminal signals (a SIGTERM to the process group, as systemd and `timeout`
