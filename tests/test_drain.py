@@ -166,18 +166,21 @@ def test_the_close_waits_for_the_first_request_of_a_connection_just_opened():
     server.stop()
 
 
-KEPT_ALIVE = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+def _answered_and_kept_alive(server: _Server) -> socket.socket:
+    """A client connected to `server` whose first request was answered, its connection kept."""
+    client = socket.socket()
+    client.connect(server.address)
+    client.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    client.settimeout(HANG_GUARD_S)
+    assert client.recv(4096).startswith(b"HTTP/1.1 204")
+    return client
 
 
 def test_the_close_waits_for_the_next_request_of_a_connection_kept_alive():
     # closed at once while idle, such a connection lost the request its client was sending
     # then ("Server disconnected": the reliability suite's drain beside a CPU hog)
     server = _Server(_app)
-    with socket.socket() as client:
-        client.connect(server.address)
-        client.sendall(KEPT_ALIVE)
-        client.settimeout(HANG_GUARD_S)
-        assert client.recv(4096).startswith(b"HTTP/1.1 204")
+    with _answered_and_kept_alive(server) as client:
         closing = server.close_listeners()
         wait_until(lambda: not server.servers[0].is_serving())
         time.sleep(0.1)  # (the close's polls run meanwhile)
@@ -190,11 +193,7 @@ def test_the_close_waits_for_the_next_request_of_a_connection_kept_alive():
 
 def test_an_idle_connection_kept_alive_is_closed_at_the_close_deadline():
     server = _Server(_app)
-    with socket.socket() as client:
-        client.connect(server.address)
-        client.sendall(KEPT_ALIVE)
-        client.settimeout(HANG_GUARD_S)
-        assert client.recv(4096).startswith(b"HTTP/1.1 204")
+    with _answered_and_kept_alive(server) as client:
         server.close_listeners(seconds=0.2).result(HANG_GUARD_S)  # no request came: it ends
         assert _answer(client) == b""  # then closed by the shutdown
     server.stop()
