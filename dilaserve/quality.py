@@ -26,6 +26,7 @@ class QualityModel:
         if not accuracy:
             raise ValueError("a quality model needs at least one (threshold, accuracy) point")
         self.points = sorted(accuracy.items())
+        self._xs, self._ys = zip(*self.points)  # (read on every finished request)
         self.name = name
         self.measured = measured or (self.points[0][0], self.points[-1][0])
 
@@ -36,9 +37,7 @@ class QualityModel:
         return float(np.mean((t < low - 1e-9) | (t > high + 1e-9))) if t.size else 0.0
 
     def __call__(self, threshold: float) -> float:
-        xs = [x for x, _ in self.points]
-        ys = [y for _, y in self.points]
-        return float(np.interp(threshold, xs, ys))
+        return float(np.interp(threshold, self._xs, self._ys))
 
     @classmethod
     def from_eval(cls, summary_path: str | Path) -> QualityModel:

@@ -17,6 +17,7 @@ from dilaserve.control.planner import PlannerConfig
 from dilaserve.control.policy import get_policy
 from dilaserve.control.predictor import create_predictor
 from dilaserve.control.profile import LatencyProfile
+from dilaserve.control.quality_budget import policy_budget
 from dilaserve.control.reconfigure import Reconfigurer
 from dilaserve.control.scheduler import Scheduler
 
@@ -41,7 +42,7 @@ class ControlSpec:
     def make_policy(self):
         overrides = {} if self.candidates is None else {"candidates": tuple(self.candidates)}
         if self.quality_budget is not None:
-            overrides["quality_budget"] = self.quality_budget if self.quality_budget < 1 else None
+            overrides["quality_budget"] = policy_budget(self.quality_budget)
         return get_policy(self.policy, **overrides)
 
 

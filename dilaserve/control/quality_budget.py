@@ -31,6 +31,12 @@ from dilaserve.control.on_time import HALF_LIFE
 QUALITY_BUDGET = 0.01  # the paper's "< 1% accuracy drop", relative to the top threshold's
 
 
+def policy_budget(option: float) -> float | None:
+    """A `--quality-budget` option as `Policy.quality_budget`: 1 (all of the quality may go)
+    is no bound, None."""
+    return option if option < 1 else None
+
+
 class QualityBudget:
     def __init__(
         self,

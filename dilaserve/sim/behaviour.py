@@ -19,9 +19,8 @@ confidences (the inputs of the step predictor's features), and when the request 
   continues from the step of the new threshold's trajectory that had committed as many tokens.
   Trajectories recorded with token editing (`calibrate --editing`) replay each block's
   edit-only steps after its masks are committed, as many as the recorded run took there.
-- `QualityModel`: accuracy as a function of a request's token-weighted mean threshold,
-  interpolated from an evaluation table (the bundled model's `dilaserve eval`, or LLaDA-8B's
-  GSM8K figures from the paper).
+- The quality model the simulator reports (accuracy at a request's mean threshold) is
+  `dilaserve.quality`'s.
 """
 
 from __future__ import annotations
@@ -35,11 +34,6 @@ import numpy as np
 
 from dilaserve.config import DEFAULT_BLOCK_LEN
 from dilaserve.protocol import RequestStepResult, StepKind
-from dilaserve.quality import (  # noqa: F401 (re-exported: the simulator's quality model)
-    LLADA_GSM8K,
-    LLADA_GSM8K_ACCELERATING,
-    QualityModel,
-)
 from dilaserve.request import Request
 from dilaserve.trajectory import Trajectory
 

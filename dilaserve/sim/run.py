@@ -23,15 +23,12 @@ from dilaserve.control.lost_work import Lost
 from dilaserve.control.planner import PlannerConfig
 from dilaserve.control.policy import get_policy
 from dilaserve.control.profile import LatencyProfile
+from dilaserve.control.quality_budget import policy_budget
 from dilaserve.control.reconfigure import Reconfigurer
 from dilaserve.control.scheduler import Scheduler, SchedulerConfig
+from dilaserve.quality import LLADA_GSM8K, LLADA_GSM8K_ACCELERATING, QualityModel
 from dilaserve.sim import metrics, plots
-from dilaserve.sim.behaviour import (
-    LLADA_GSM8K,
-    LLADA_GSM8K_ACCELERATING,
-    QualityModel,
-    tokens_per_step_for,
-)
+from dilaserve.sim.behaviour import tokens_per_step_for
 from dilaserve.sim.simulator import SimConfig, Simulator
 from dilaserve.sim.spec import SimulationSpec
 from dilaserve.sim.workload import make_trace, slo_for, workload
@@ -81,9 +78,8 @@ def policy_for(spec: SimulationSpec):
         policy = dataclasses.replace(policy, candidates=tuple(spec.candidates))
     if spec.lost_work is not None:
         policy = dataclasses.replace(policy, lost_work=Lost(spec.lost_work))
-    if spec.quality_budget is not None:  # 1: no bound
-        budget = spec.quality_budget if spec.quality_budget < 1 else None
-        policy = dataclasses.replace(policy, quality_budget=budget)
+    if spec.quality_budget is not None:
+        policy = dataclasses.replace(policy, quality_budget=policy_budget(spec.quality_budget))
     if not policy.is_dynamic:
         policy = dataclasses.replace(policy, fixed_threshold=spec.threshold)
     return policy
