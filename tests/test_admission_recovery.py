@@ -113,16 +113,10 @@ def virtual_cluster(
 
 def run_until(cluster: Cluster, done, limit: int = 200_000) -> int:
     """Run the controller's events (as its thread does) until `done()`; returns how many."""
-    controller = cluster.controller
     for events in range(limit):
         if done():
             return events
-        began = controller.now()
-        controller._next_event()
-        if controller._handling[0] != "poll":
-            if controller.stalls.handled(began, controller.now(), controller._inflight):
-                controller._void_timings()
-            controller.room = controller.admission.room(controller._last)
+        cluster.controller.run_once()
     raise AssertionError(f"not done after {limit} events")
 
 
@@ -391,3 +385,23 @@ def test_over_capacity_the_room_refuses_at_once_what_admission_would(model):
         assert seen["room"] > 0 and seen["admission"] == 0
     else:
         assert seen["room"] > 2 * seen["admission"]
+
+
+def test_a_burst_of_arrivals_is_priced_into_the_room_once_it_is_handled(monkeypatch):
+    """Pricing the room walks every request in flight: after a burst it is priced once no
+    event waits, not after each arrival (at 400 clients that was a quarter of the controller's
+    time, and the refusals waited behind it), and it then counts the whole burst."""
+    cluster, clock = virtual_cluster(instances=(1, 1), slo=5.0)
+    controller = cluster.controller
+    run_until(cluster, lambda: len(cluster.scheduler.instances) == 2 and not controller._queued())
+    priced = []
+    room = controller.admission.room
+    monkeypatch.setattr(controller.admission, "room", lambda now: priced.append(now) or room(now))
+    handles = [submit(cluster, f"b{k}") for k in range(20)]
+    run_until(cluster, lambda: not controller.arrivals)
+    assert all(outcome(cluster, h) == "admitted" for h in handles)
+    assert len(priced) == 1
+    assert controller.room == room(controller._last)  # (the latest, with all 20 in flight)
+    assert controller.room.lowest_priority == 0
+    run_until(cluster, lambda: not controller.handles)  # each event alone: priced after each
+    assert len(priced) > 20

@@ -20,6 +20,7 @@ from live_cluster import QUESTIONS, config
 
 from dilaserve.cluster.runtime import ClusterConfig, Overloaded
 from dilaserve.cluster.worker import WorkerConfig
+from dilaserve.server import app as server_app
 from dilaserve.server.app import ServerSettings, create_app
 from dilaserve.server.guards import allowed_hosts_for
 from dilaserve.server.main import DrainingServer, build_app, serve
@@ -96,7 +97,12 @@ def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenized(liv
     assert calls == []
 
 
-def test_tokenizing_runs_off_the_event_loop(live):
+@pytest.mark.parametrize("long", [True, False])
+def test_a_long_prompt_is_tokenized_off_the_event_loop(live, monkeypatch, long):
+    """A prompt over `INLINE_PROMPT_CHARS` is tokenized in a thread of the pool, where it
+    holds up no other request; a shorter one on the event loop, cheaper than the hop."""
+    if long:  # (the question is the long prompt here: a real one would not fit the context)
+        monkeypatch.setattr(server_app, "INLINE_PROMPT_CHARS", len(QUESTIONS[0]) - 1)
     threads = {}
     encode = live.cluster.tokenizer.encode
     live.cluster.tokenizer.encode = lambda text: (
@@ -105,16 +111,12 @@ def test_tokenizing_runs_off_the_event_loop(live):
     health = live.cluster.health
     live.cluster.health = lambda: threads.setdefault("loop", _me()) and health()
     try:
-        assert (
-            httpx.post(
-                f"{live.url}/v1/completions", json=completion(), timeout=HANG_GUARD_S
-            ).status_code
-            == 200
-        )
+        r = httpx.post(f"{live.url}/v1/completions", json=completion(), timeout=HANG_GUARD_S)
+        assert r.status_code == 200
         assert httpx.get(f"{live.url}/health", timeout=HANG_GUARD_S).status_code == 200
     finally:
         live.cluster.tokenizer.encode, live.cluster.health = encode, health
-    assert threads["encode"] != threads["loop"]
+    assert (threads["encode"] != threads["loop"]) is long
 
 
 def _me() -> int:

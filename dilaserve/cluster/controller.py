@@ -50,6 +50,7 @@ from dilaserve.protocol import StepBatch, StepOutput
 
 log = logging.getLogger("dilaserve.cluster")
 STEP_TIMES_KEPT = 100_000  # steps whose timings a cluster keeps (the latest)
+ROOM_MAX_AGE = 0.01  # s: while events queue, the `room` is priced again at most this late
 
 
 class Controller:
@@ -98,6 +99,7 @@ class Controller:
         self.closing = threading.Event()  # `run` returns once it is set
         self.replacements = Replacements()
         self.room = Room()  # admission's answer between events (`Cluster.is_full`)
+        self._room_at, self._room_stale = 0.0, False  # when it was priced; events since
         # requests refused for capacity since the last one admitted, here or by the `room`
         # (`Cluster.health`); written from the callers' threads too: a monitoring figure
         self.refused_in_a_row = 0
@@ -125,15 +127,32 @@ class Controller:
     def run(self) -> None:
         """The controller thread: one event at a time until `closing` is set."""
         while not self.closing.is_set():
-            try:
-                began = self.now()
-                self._next_event()
-                if self._handling[0] != "poll":  # the load or the instances may have changed
-                    if self.stalls.handled(began, self.now(), self._inflight):
-                        self._void_timings()  # it held up every result (`stalls.py`)
-                    self.room = self.admission.room(self._last)
-            except Exception as e:  # a controller bug: fail what it concerned, never the rest
-                self._survive(e)
+            self.run_once()
+
+    def run_once(self) -> None:
+        """One event (or a wait for one), then the `room` priced again if the event may have
+        changed it: at once when no other event is queued, else at most `ROOM_MAX_AGE` late
+        (a burst of arrivals is answered sooner when each arrival does not price it again:
+        docs/serving/reliability.md, "Where the refusals wait")."""
+        try:
+            began = self.now()
+            self._next_event()
+            if self._handling[0] != "poll":  # the load or the instances may have changed
+                if self.stalls.handled(began, self.now(), self._inflight):
+                    self._void_timings()  # it held up every result (`stalls.py`)
+                self._room_stale = True
+            if self._room_stale and (not self._queued() or self._room_age() >= ROOM_MAX_AGE):
+                self.room, self._room_at = self.admission.room(self._last), self._last
+                self._room_stale = False
+        except Exception as e:  # a controller bug: fail what it concerned, never the rest
+            self._survive(e)
+
+    def _queued(self) -> bool:
+        """Whether an arrival, a cancellation or an instance's event waits to be handled."""
+        return bool(self.arrivals or self.cancels or self._events)
+
+    def _room_age(self) -> float:
+        return self._last - self._room_at
 
     def _next_event(self) -> None:
         now = self._clock()

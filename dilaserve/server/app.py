@@ -29,6 +29,7 @@ import logging
 import secrets
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -47,7 +48,13 @@ from dilaserve.cluster.requests import (
     RequestHandle,
 )
 from dilaserve.cluster.runtime import Cluster
-from dilaserve.server.bodies import INLINE_BODY_BYTES, body_docs, param_of, validated
+from dilaserve.server.bodies import (
+    INLINE_BODY_BYTES,
+    INLINE_PROMPT_CHARS,
+    body_docs,
+    param_of,
+    validated,
+)
 from dilaserve.server.dashboard import add_dashboard, challenge, is_authorised, page_meta
 from dilaserve.server.guards import OPEN_PATHS, Guards, error_body, received, retry_headers
 from dilaserve.server.limits import HttpLimits
@@ -284,9 +291,9 @@ class _Api:
             return self._not_taken(Closed("the cluster is not accepting requests"))
         if self.cluster.is_full(body.priority, slo, max_tokens):  # at once, before any work
             return self._not_taken(Overloaded(FULL))
-        try:  # tokenizing is off the event loop: a long prompt holds up no other request
+        try:  # a long prompt is tokenized off the event loop: it holds up no other request
             with self.cluster.entering() as submit:
-                handle = await run_in_threadpool(
+                call = partial(
                     submit,
                     prompt,
                     max_tokens=max_tokens,
@@ -302,6 +309,8 @@ class _Api:
                     received=arrived,
                     loop=asyncio.get_running_loop(),
                 )
+                inline = len(prompt) <= INLINE_PROMPT_CHARS  # cheaper than a thread's hop
+                handle = call() if inline else await run_in_threadpool(call)
             admission = asyncio.wrap_future(handle.admission)
             await asyncio.wait([admission])  # the controller took it in, or not
         except InvalidRequest as e:
