@@ -21,8 +21,9 @@ process group of its own and runs these phases, each bounded in time:
 3. overload: Poisson arrivals at 3x that capacity for `--overload-seconds`: how fast refusals
    come (429 with Retry-After), the share of admitted requests within their SLO, requests left
    without an answer, and the served rate against the capacity.
-4. closed loop: `--storm-clients` closed-loop clients for `--storm-seconds`, each waiting a
-   refusal's Retry-After as OpenAI's client does, the same figures; then a storm: the same
+4. closed loop: `--storm-clients` closed-loop clients for `--storm-seconds`, each waiting
+   after a refusal as long as OpenAI's client does (`retry-after-ms`, jittered by the server,
+   else Retry-After), the same figures; then a storm: the same
    clients waiting only 50 ms after a refusal (the same figures, judged only by what follows).
 5. neighbour: half the capacity, open loop, beside a CPU hog on every core.
 6. kill -9, then SIGSTOP, of a worker under load (half the capacity): requests that failed (a
@@ -262,7 +263,7 @@ PHASE_LABELS = {
     "header_flood": "/health under header floods",
     "many_message_chats": "/health under many-message chats",
     "capacity": "capacity (the most served by 32 or by 128 closed-loop clients)",
-    "closed_loop": "closed loop (waiting Retry-After)",
+    "closed_loop": "closed loop (waiting as OpenAI's client does)",
     "storm": "storm (50 ms after a refusal)",
     "neighbour": "neighbour",
     "kill_9": "kill -9 of a worker",

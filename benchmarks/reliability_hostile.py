@@ -94,7 +94,7 @@ async def storm(
     url: str, clients: int, seconds: float, capacity: float, slo_ms: float, polite: bool
 ) -> dict:
     """`clients` closed-loop clients for `seconds`, each waiting 50 ms after a refusal (a
-    storm) or, `polite`, the refusal's Retry-After (OpenAI's client)."""
+    storm) or, `polite`, as long as OpenAI's client waits (`openai_wait`)."""
     lags: list[float] = []
     records, _ = await asyncio.gather(
         closed_loop(url, clients, seconds, slo_ms, polite),

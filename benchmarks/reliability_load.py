@@ -24,6 +24,7 @@ async def one(client: LoadClient, slo_ms: float) -> dict:
     try:
         answer = await client.post("/v1/completions", completion_body(slo_ms))
         record["status"], record["retry_after"] = answer.status, answer.headers.get("retry-after")
+        record["wait_s"] = openai_wait(answer.headers)
         record["connection"] = answer.headers.get("connection")
         record["openai_shape"] = is_openai_answer(answer.status, answer.body)
         if answer.status == 200:  # the latency the server counts, from when it got the request
@@ -40,6 +41,19 @@ async def one(client: LoadClient, slo_ms: float) -> dict:
     return record
 
 
+def openai_wait(headers: dict[str, str]) -> float | None:
+    """Seconds OpenAI's Python client waits before it retries a refusal with these headers:
+    `retry-after-ms` first (the server jitters it, so that clients refused together do not
+    come back together), else `Retry-After`; None (its own backoff) unless in (0, 60]."""
+    for header, per_second in (("retry-after-ms", 1000), ("retry-after", 1)):
+        try:
+            wait = float(headers[header]) / per_second
+        except (KeyError, ValueError):
+            continue
+        return wait if 0 < wait <= 60 else None
+    return None
+
+
 def completion_body(slo_ms: float) -> bytes:
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 32, "slo_ms": slo_ms}
     return json.dumps(body).encode()
@@ -53,7 +67,7 @@ async def closed_loop(
     url: str, clients: int, seconds: float, slo_ms: float, polite: bool = False
 ) -> list[dict]:
     """`clients` clients, each sending its next request when its last is answered: 50 ms after
-    a refusal, or, `polite`, after the refusal's Retry-After (as OpenAI's client waits)."""
+    a refusal, or, `polite`, as long as OpenAI's client waits (`openai_wait`)."""
     records: list[dict] = []
     end = time.monotonic() + seconds
 
@@ -62,8 +76,8 @@ async def closed_loop(
             record = await one(client, slo_ms)
             records.append(record)
             if record["status"] != 200:
-                wait = record.get("retry_after") if polite else None
-                await asyncio.sleep(float(wait) if wait else 0.05)
+                wait = record.get("wait_s") if polite else None
+                await asyncio.sleep(wait or 0.05)
 
     async with client_for(url) as client:
         await asyncio.gather(*(loop(client) for _ in range(clients)))

@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import re
 
+import openai
 import pytest
 
 from dilaserve.bench.client import LoadClient, NoAnswer
+from dilaserve.server.guards import retry_headers
 
-from conftest import HANG_GUARD_S
+from conftest import HANG_GUARD_S, import_benchmark
 
 OK = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 12\r\n\r\n{"ok": true}'
 EVENTS = b'data: {"n": 1}\n\n: a comment\n\ndata: {"n": 2}\n\ndata: [DONE]\n\n'
@@ -115,3 +117,15 @@ def test_a_closed_port_is_refused():
     with pytest.raises(NoAnswer, match="cannot connect") as refused:
         run(scenario())
     assert refused.value.refused
+
+
+def test_the_reliability_suites_polite_clients_wait_as_openais_client_does():
+    """`retry-after-ms` first (jittered by the server), then Retry-After: waiting Retry-After
+    alone, clients refused together came back together, one wave a second."""
+    load = import_benchmark("reliability_load")
+    client = openai.OpenAI(api_key="unused", base_url="http://127.0.0.1:9")
+    for headers in (retry_headers(1), retry_headers(5), {"retry-after": "2"}, {}):
+        assert load.openai_wait(headers) == client._parse_retry_after_header(headers)
+    waits = {load.openai_wait(retry_headers(1)) for _ in range(50)}
+    assert len(waits) > 10 and all(0.5 <= w <= 1.5 for w in waits)
+    assert load.openai_wait({"retry-after": "120"}) is None  # (past 60 s: its own backoff)
