@@ -28,6 +28,7 @@ def overload_summary(records: list[dict], seconds: float, capacity: float, slo_m
     refused = [r for r in records if r["status"] == 429]
     served = [r for r in records if r["status"] == 200]
     unanswered = [r for r in records if r["status"] not in (200, 429, 503)]
+    first_sent = min((r["sent"] for r in records), default=0.0)
     return {
         "sent": len(records),
         "served": len(served),
@@ -35,6 +36,10 @@ def overload_summary(records: list[dict], seconds: float, capacity: float, slo_m
         "refusals_with_retry_after": sum(r["retry_after"] is not None for r in refused),
         "refusal_latency_p50_s": percentile([r["latency"] for r in refused], 0.5),
         "refusal_latency_p99_s": percentile([r["latency"] for r in refused], 0.99),
+        # without the first second's (a closed loop's clients all send at once at its start)
+        "refusal_latency_p99_after_1s_s": percentile(
+            [r["latency"] for r in refused if r["sent"] >= first_sent + 1.0], 0.99
+        ),
         "refusal_reasons": {  # each kind: how many, and their latency's p99
             kind: [len(lat), percentile(lat, 0.99)] for kind, lat in by_reason(refused).items()
         },
