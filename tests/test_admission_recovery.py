@@ -29,7 +29,7 @@ from dilaserve.server.app import ServerSettings, create_app
 from dilaserve.server.metrics import ServerMetrics
 from dilaserve.sim.behaviour import ParametricBehaviour
 
-from conftest import make_request
+from conftest import AnyIntake, make_request
 
 QUESTION = "What is 12 + 30?"
 MODEL = "tiny-llada"
@@ -263,7 +263,7 @@ class _InvalidAtAdmission:
 
     def __init__(self):
         self.config = ClusterConfig()
-        self.intake = SimpleNamespace(check_text_length=lambda chars, param: None)
+        self.intake = AnyIntake()
 
     def submit(self, prompt, **kw):
         handle = SimpleNamespace(admission=concurrent.futures.Future(), request_id="r")

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dilaserve.cluster.intake import Intake, threshold_bounds
+from dilaserve.cluster.intake import INLINE_PROMPT_CHARS, Intake, threshold_bounds
 from dilaserve.cluster.requests import InvalidRequest, RequestHandle
 from dilaserve.models.family import DecodingRule
 
@@ -158,3 +158,10 @@ def test_a_request_carries_the_knobs_the_control_plane_prices_and_dws_sees_them(
     assert check(schedule, steps=3, text="two words").steps == 3 and dws.knobs == (3, False)
     whole = check(intake(step_budget=4)).request("r", 0.0, 8, 9)
     assert whole.step_budget == 4 and not whole.edits
+
+
+def test_only_a_short_prompt_without_dws_is_checked_on_the_callers_thread():
+    short, long = "x" * INLINE_PROMPT_CHARS, "x" * (INLINE_PROMPT_CHARS + 1)
+    assert intake().is_cheap(short) and intake().is_cheap([1] * INLINE_PROMPT_CHARS)
+    assert not intake().is_cheap(long)
+    assert not intake(dws=FixedEstimate()).is_cheap("two words")  # its encoder runs in check

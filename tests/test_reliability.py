@@ -18,15 +18,15 @@ import uvicorn
 from fastapi.testclient import TestClient
 from live_cluster import QUESTIONS, config
 
+from dilaserve.cluster import intake
 from dilaserve.cluster.runtime import ClusterConfig, Overloaded
 from dilaserve.cluster.worker import WorkerConfig
-from dilaserve.server import app as server_app
 from dilaserve.server.app import ServerSettings, create_app
 from dilaserve.server.guards import allowed_hosts_for
 from dilaserve.server.main import DrainingServer, build_app, serve
 from dilaserve.server.metrics import ServerMetrics
 
-from conftest import HANG_GUARD_S, wait_until
+from conftest import HANG_GUARD_S, AnyIntake, wait_until
 
 # -- a live server of one instance, for the HTTP-level bugs ---------------------------------
 
@@ -100,9 +100,10 @@ def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenized(liv
 @pytest.mark.parametrize("long", [True, False])
 def test_a_long_prompt_is_tokenized_off_the_event_loop(live, monkeypatch, long):
     """A prompt over `INLINE_PROMPT_CHARS` is tokenized in a thread of the pool, where it
-    holds up no other request; a shorter one on the event loop, cheaper than the hop."""
+    holds up no other request; a shorter one on the event loop, cheaper than the hop (unless
+    a DWS encoder runs on it too: `Intake.is_cheap`)."""
     if long:  # (the question is the long prompt here: a real one would not fit the context)
-        monkeypatch.setattr(server_app, "INLINE_PROMPT_CHARS", len(QUESTIONS[0]) - 1)
+        monkeypatch.setattr(intake, "INLINE_PROMPT_CHARS", len(QUESTIONS[0]) - 1)
     threads = {}
     encode = live.cluster.tokenizer.encode
     live.cluster.tokenizer.encode = lambda text: (
@@ -182,7 +183,7 @@ class _AdmittingCluster:
         self.accepting, self.in_flight = True, 0
         stats = {"migrations": 0, "reconfigurations": 0, "failures": 0}
         self.controller = SimpleNamespace(stats=stats, stalls=SimpleNamespace(count=0))
-        self.intake = SimpleNamespace(check_text_length=lambda chars, param: None)
+        self.intake = AnyIntake()
 
     def submit(self, prompt, **kw):
         handle = SimpleNamespace(admission=concurrent.futures.Future(), request_id="r")

@@ -24,6 +24,8 @@ from dilaserve.server.main import build_app
 from dilaserve.server.metrics import ServerMetrics
 from dilaserve.tasks import arith
 
+from conftest import AnyIntake
+
 QUESTIONS = [p.question for p in arith.generate(6, seed=7, split="test")]
 MODEL = "tiny-llada"
 PINNED = {"threshold": 0.9}  # pinned, so that answers are comparable with the offline engine
@@ -298,6 +300,7 @@ class _RefusingCluster:
         self.accepting, self.in_flight = not isinstance(error, Closed), 0
         stats = {"migrations": 0, "reconfigurations": 0, "failures": 0}
         self.controller = SimpleNamespace(stats=stats, stalls=SimpleNamespace(count=0))
+        self.intake = AnyIntake()
 
     def submit(self, *args, **kwargs):
         raise self.error

@@ -17,6 +17,8 @@ from dilaserve.models.family import DecodingRule
 from dilaserve.protocol import block_offset, window_len
 from dilaserve.request import Request
 
+INLINE_PROMPT_CHARS = 4096  # a prompt this short is checked on the caller's thread (`is_cheap`)
+
 
 @dataclass(frozen=True)
 class Submission:
@@ -74,6 +76,11 @@ class Intake:
     decoding: DecodingRule = DecodingRule()  # the model family's, as the engines run it
     engine_steps: int | None = None  # EngineConfig.steps
     step_budget: int | None = None  # the engines' whole-window budget (`DecodingRule.budget_for`)
+
+    def is_cheap(self, prompt: str | list[int]) -> bool:
+        """Whether `check` of `prompt` costs less than a hop to another thread: a short prompt
+        (at most `INLINE_PROMPT_CHARS` characters or token ids) and no DWS encoder to run."""
+        return self.dws is None and len(prompt) <= INLINE_PROMPT_CHARS
 
     @property
     def max_prompt_chars(self) -> int:

@@ -48,13 +48,7 @@ from dilaserve.cluster.requests import (
     RequestHandle,
 )
 from dilaserve.cluster.runtime import Cluster
-from dilaserve.server.bodies import (
-    INLINE_BODY_BYTES,
-    INLINE_PROMPT_CHARS,
-    body_docs,
-    param_of,
-    validated,
-)
+from dilaserve.server.bodies import INLINE_BODY_BYTES, body_docs, param_of, validated
 from dilaserve.server.dashboard import add_dashboard, challenge, is_authorised, page_meta
 from dilaserve.server.guards import OPEN_PATHS, Guards, error_body, received, retry_headers
 from dilaserve.server.limits import HttpLimits
@@ -291,7 +285,7 @@ class _Api:
             return self._not_taken(Closed("the cluster is not accepting requests"))
         if self.cluster.is_full(body.priority, slo, max_tokens):  # at once, before any work
             return self._not_taken(Overloaded(FULL))
-        try:  # a long prompt is tokenized off the event loop: it holds up no other request
+        try:  # a long prompt, or DWS, runs off the event loop: it holds up no other request
             with self.cluster.entering() as submit:
                 call = partial(
                     submit,
@@ -309,7 +303,7 @@ class _Api:
                     received=arrived,
                     loop=asyncio.get_running_loop(),
                 )
-                inline = len(prompt) <= INLINE_PROMPT_CHARS  # cheaper than a thread's hop
+                inline = self.cluster.intake.is_cheap(prompt)  # cheaper than a thread's hop
                 handle = call() if inline else await run_in_threadpool(call)
             admission = asyncio.wrap_future(handle.admission)
             await asyncio.wait([admission])  # the controller took it in, or not

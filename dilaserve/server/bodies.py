@@ -12,7 +12,6 @@ from pydantic import BaseModel, ValidationError
 from dilaserve.server.schemas import ChatCompletionRequest
 
 INLINE_BODY_BYTES = 64 * 1024  # larger bodies are parsed and validated off the event loop
-INLINE_PROMPT_CHARS = 4096  # longer prompts are tokenized off the event loop
 # a chat's bytes may hold a few "role" keys besides its messages' (tool schemas); past this
 # many per message allowed it is refused unparsed
 ROLE_KEYS_PER_MESSAGE = 2
