@@ -16,8 +16,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from dilaserve.cluster.backends import WorkerEvent
+from dilaserve.cluster.controller import ROOM_MAX_AGE
 from dilaserve.cluster.hangs import LAST_INSTANCE_GRACE
-from dilaserve.cluster.requests import InvalidRequest, Overloaded
+from dilaserve.cluster.requests import FULL, InvalidRequest, Overloaded
 from dilaserve.cluster.runtime import Cluster, ClusterConfig
 from dilaserve.cluster.worker import WorkerConfig
 from dilaserve.control.admission import LOWEST_PRIORITY, Admission, Room
@@ -405,3 +406,32 @@ def test_a_burst_of_arrivals_is_priced_into_the_room_once_it_is_handled(monkeypa
     assert controller.room.lowest_priority == 0
     run_until(cluster, lambda: not controller.handles)  # each event alone: priced after each
     assert len(priced) > 20
+
+
+def test_a_bursts_refusals_are_answered_from_the_back_of_the_queue(monkeypatch):
+    """A burst the front let through (here: its room refused nothing) queues for admission;
+    once the room is priced again with the first of it in flight, what it refuses behind
+    those ahead is refused at once from the back of the queue, not after each admission
+    ahead of it; the rest is asked in full, in order, and every request gets its answer."""
+    cluster, clock = virtual_cluster(instances=(1, 1), slo=0.5)
+    controller = cluster.controller
+    warm = [submit(cluster, f"w{k}") for k in range(20)]  # (the room prices by what it saw)
+    run_until(cluster, lambda: not controller.handles)
+    assert all(outcome(cluster, h) == "admitted" for h in warm)
+    asked = []
+    refusal = controller.admission.refusal
+    monkeypatch.setattr(controller.admission, "refusal", lambda r, *a: asked.append(r) or
+                        refusal(r, *a))  # fmt: skip
+    controller.room = Room()  # the front lets the whole burst through
+    burst = [submit(cluster, f"b{k}") for k in range(200)]
+    for _ in range(200):  # each event takes ROOM_MAX_AGE: the room is priced after each
+        if not controller.arrivals:
+            break
+        clock.t += ROOM_MAX_AGE
+        controller.run_once()
+    assert not controller.arrivals
+    outcomes = [outcome(cluster, h) for h in burst]
+    by_room = [k for k, h in enumerate(burst) if FULL in str(h.admission.exception() or "")]
+    assert by_room and by_room == list(range(by_room[0], 200))  # the back of the queue
+    assert len(asked) == by_room[0] < 200 and "admitted" in outcomes[: by_room[0]]
+    run_until(cluster, lambda: not controller.handles)  # the admitted ones finish

@@ -33,6 +33,7 @@ from dilaserve.cluster.config import ClusterConfig
 from dilaserve.cluster.hangs import HangWatch
 from dilaserve.cluster.replacements import Replacements
 from dilaserve.cluster.requests import (
+    FULL,
     Answers,
     InvalidRequest,
     Observer,
@@ -144,8 +145,32 @@ class Controller:
             if self._room_stale and (not self._queued() or self._room_age() >= ROOM_MAX_AGE):
                 self.room, self._room_at = self.admission.room(self._last), self._last
                 self._room_stale = False
+                self._refuse_beyond_room()
         except Exception as e:  # a controller bug: fail what it concerned, never the rest
             self._survive(e)
+
+    def _refuse_beyond_room(self) -> None:
+        """Refuse at once the queued arrivals that the `room` just priced refuses behind those
+        ahead of them: in a burst they are the last in the queue, and waited there behind
+        every admission before them (docs/serving/reliability.md, "Where the refusals wait").
+        The rest stay queued, in order, to be asked in full. Only when refusing (`reject`),
+        and not for a request whose SLO is shorter than the server's (admission alone tells
+        one no idle cluster meets, a 400)."""
+        if self.admission.mode != "reject" or not self.arrivals:
+            return
+        queued = [self.arrivals.popleft() for _ in range(len(self.arrivals))]
+        refused, slo = {}, self.scheduler.config.slo
+        try:
+            for k, handle in enumerate(queued):
+                r, ahead = handle.request, k - len(refused)  # the ones kept before it
+                shorter = r.slo is not None and r.slo < slo
+                if not shorter and self.room.refuses(r.priority, r.slo, r.max_tokens, ahead):
+                    refused[id(handle)] = handle
+        finally:  # (callers append behind them meanwhile)
+            self.arrivals.extendleft(reversed([h for h in queued if id(h) not in refused]))
+        for handle in refused.values():
+            handle.request.arrival_time = self._last
+            self._refuse(handle, Overloaded(FULL))
 
     def _queued(self) -> bool:
         """Whether an arrival, a cancellation or an instance's event waits to be handled."""
@@ -227,8 +252,6 @@ class Controller:
         request = handle.request
         request.arrival_time = now
         if not self._within_capacity(handle, now):
-            if self.recording is not None:
-                self.recording.refused.append(request.fresh())
             return
         handle.admission.set_result(None)
         self.admission.admitted(request, now)
@@ -252,15 +275,22 @@ class Controller:
             self.stats["deprioritized"] += 1
             handle.request.priority = LOWEST_PRIORITY
             return True
-        self.stats["refused"] += 1
-        self.handles.pop(handle.request_id, None)
         if refusal.param is not None:  # the request's fault, whatever the load: a 400
             self.stats["refused_invalid"] += 1
-            self.answers.refuse(handle, InvalidRequest(refusal.param, refusal.reason))
+            self._refuse(handle, InvalidRequest(refusal.param, refusal.reason))
             return False
-        self.refused_in_a_row += 1
-        self.answers.refuse(handle, Overloaded(f"cannot meet its SLO now: {refusal}"))
+        self._refuse(handle, Overloaded(f"cannot meet its SLO now: {refusal}"))
         return False
+
+    def _refuse(self, handle: RequestHandle, error: Exception) -> None:
+        """Answer a queued arrival with `error` (a 429, or an `InvalidRequest`'s 400)."""
+        self.stats["refused"] += 1
+        self.handles.pop(handle.request_id, None)
+        if isinstance(error, Overloaded):
+            self.refused_in_a_row += 1
+        if self.recording is not None:
+            self.recording.refused.append(handle.request.fresh())
+        self.answers.refuse(handle, error)
 
     def _cancel(self, rid: str, now: float) -> None:
         handle = self.handles.get(rid)
