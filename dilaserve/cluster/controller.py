@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 from dilaserve.cluster.backends import Backend, WorkerEvent
 from dilaserve.cluster.config import ClusterConfig
+from dilaserve.cluster.gate import refused_behind
 from dilaserve.cluster.hangs import HangWatch
 from dilaserve.cluster.replacements import Replacements
 from dilaserve.cluster.requests import (
@@ -153,22 +154,17 @@ class Controller:
         """Refuse at once the queued arrivals that the `room` just priced refuses behind those
         ahead of them: in a burst they are the last in the queue, and waited there behind
         every admission before them (docs/serving/reliability.md, "Where the refusals wait").
-        The rest stay queued, in order, to be asked in full. Only when refusing (`reject`),
-        and not for a request whose SLO is shorter than the server's (admission alone tells
-        one no idle cluster meets, a 400)."""
+        The rest stay queued, in order, to be asked in full. Only when refusing (`reject`);
+        the front's rule (`gate.room_refuses`)."""
         if self.admission.mode != "reject" or not self.arrivals:
             return
         queued = [self.arrivals.popleft() for _ in range(len(self.arrivals))]
-        refused, slo = {}, self.scheduler.config.slo
+        requests, refused = [h.request for h in queued], [False] * len(queued)
         try:
-            for k, handle in enumerate(queued):
-                r, ahead = handle.request, k - len(refused)  # the ones kept before it
-                shorter = r.slo is not None and r.slo < slo
-                if not shorter and self.room.refuses(r.priority, r.slo, r.max_tokens, ahead):
-                    refused[id(handle)] = handle
+            refused = refused_behind(self.room, self.scheduler.config.slo, requests)
         finally:  # (callers append behind them meanwhile)
-            self.arrivals.extendleft(reversed([h for h in queued if id(h) not in refused]))
-        for handle in refused.values():
+            self.arrivals.extendleft(reversed([h for h, no in zip(queued, refused) if not no]))
+        for handle in (h for h, no in zip(queued, refused) if no):
             handle.request.arrival_time = self._last
             self._refuse(handle, Overloaded(FULL))
 

@@ -26,20 +26,8 @@ class Gate:
         return self.refuses(priority, slo, max_tokens, ahead)
 
     def refuses(self, priority, slo, max_tokens, ahead: int) -> bool:
-        """Would the room refuse a request of `priority`, `slo` seconds (None: the server's)
-        and `max_tokens` behind `ahead` requests not priced yet? One that asks for less than
-        the server's SLO, or whose fields are not what the API takes, is left to admission
-        (which alone tells an SLO no idle cluster meets, a 400, from one the load refuses, a
-        429; `intake` names a wrong field). A refusal counts toward `health`."""
-        if slo is not None and not slo > 0:
-            slo = None  # (not a positive number: `intake` names it)
-        if slo is not None and slo < self.slo:
-            return False
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            max_tokens = None  # (`intake` names what is wrong)
-        if not isinstance(priority, int):
-            return False
-        if not self.controller.room.refuses(priority, slo, max_tokens, ahead):
+        """`room_refuses` of the controller's room; a refusal counts toward `health`."""
+        if not room_refuses(self.controller.room, self.slo, priority, slo, max_tokens, ahead):
             return False
         self.controller.refused_in_a_row += 1
         return True
@@ -76,3 +64,30 @@ class _Entry:
             if self.counted:
                 self.counted = False
                 self.gate._entering -= 1
+
+
+def room_refuses(room, server_slo: float, priority, slo, max_tokens, ahead: int) -> bool:
+    """Would `room` (admission's, `control/room.py`) refuse a request of `priority`, `slo`
+    seconds (None: the server's, `server_slo`) and `max_tokens` behind `ahead` requests not
+    priced yet? One that asks for less than the server's SLO, or whose fields are not what the
+    API takes, is left to admission (which alone tells an SLO no idle cluster meets, a 400,
+    from one the load refuses, a 429; `intake` names a wrong field)."""
+    if slo is not None and not slo > 0:
+        slo = None  # (not a positive number: `intake` names it)
+    if slo is not None and slo < server_slo:
+        return False
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        max_tokens = None  # (`intake` names what is wrong)
+    if not isinstance(priority, int):
+        return False
+    return room.refuses(priority, slo, max_tokens, ahead)
+
+
+def refused_behind(room, server_slo: float, requests) -> list[bool]:
+    """For each of `requests` (`Request`s queued for admission, in order): whether `room`
+    refuses it behind those ahead of it that it does not refuse (`room_refuses`)."""
+    refused, kept = [], 0
+    for r in requests:
+        refused.append(room_refuses(room, server_slo, r.priority, r.slo, r.max_tokens, kept))
+        kept += not refused[-1]
+    return refused
