@@ -285,35 +285,12 @@ class _Api:
             return self._not_taken(Closed("the cluster is not accepting requests"))
         if self.cluster.is_full(body.priority, slo, max_tokens):  # at once, before any work
             return self._not_taken(Overloaded(FULL))
-        try:  # a long prompt, or DWS, runs off the event loop: it holds up no other request
-            with self.cluster.entering() as submit:
-                call = partial(
-                    submit,
-                    prompt,
-                    max_tokens=max_tokens,
-                    slo=slo,
-                    priority=body.priority,
-                    chat=False,  # chat prompts arrive already templated
-                    threshold=body.threshold,
-                    min_threshold=body.min_threshold,
-                    max_threshold=body.max_threshold,
-                    steps=body.steps,
-                    text=text,
-                    stop=body.stop,
-                    received=arrived,
-                    loop=asyncio.get_running_loop(),
-                )
-                inline = self.cluster.intake.is_cheap(prompt)  # cheaper than a thread's hop
-                handle = call() if inline else await run_in_threadpool(call)
-            admission = asyncio.wrap_future(handle.admission)
-            await asyncio.wait([admission])  # the controller took it in, or not
+        try:
+            handle, refused = await self._submit(body, prompt, max_tokens, slo, text, arrived)
         except InvalidRequest as e:
             return error(400, str(e), "messages" if chat and e.param == "prompt" else e.param)
         except Exception as e:
             return self._not_taken(e)
-        # read, not raised: raised here, the refusal's traceback would hold this frame, which
-        # holds the handle, which holds the refusal (a cycle per request for the collector)
-        refused = admission.exception()
         if refused is not None:
             return self._not_taken(refused)
         shape = ChatShape() if chat else CompletionShape()
@@ -330,6 +307,36 @@ class _Api:
         if result is None:  # the client went away; nobody reads this
             return Response(status_code=499)
         return shape.response(handle, result, self.settings.model_name)
+
+    async def _submit(self, body, prompt, max_tokens, slo, text, arrived):
+        """(the request queued for the controller, the error that refused it or None) once
+        admission has decided. A long prompt, or one a DWS predictor reads, is checked off the
+        event loop, where it holds up no other request; a short one on it, cheaper than the
+        hop to a thread (`Intake.is_cheap`)."""
+        with self.cluster.entering() as submit:
+            call = partial(
+                submit,
+                prompt,
+                max_tokens=max_tokens,
+                slo=slo,
+                priority=body.priority,
+                chat=False,  # chat prompts arrive already templated
+                threshold=body.threshold,
+                min_threshold=body.min_threshold,
+                max_threshold=body.max_threshold,
+                steps=body.steps,
+                text=text,
+                stop=body.stop,
+                received=arrived,
+                loop=asyncio.get_running_loop(),
+            )
+            inline = self.cluster.intake.is_cheap(prompt)
+            handle = call() if inline else await run_in_threadpool(call)
+        admission = asyncio.wrap_future(handle.admission)
+        await asyncio.wait([admission])  # the controller took it in, or not
+        # read, not raised: raised, the refusal's traceback would hold the frame, which holds
+        # the handle, which holds the refusal (a cycle per request for the collector)
+        return handle, admission.exception()
 
     def _unservable(self, body) -> Response | None:
         """The answer to a body this server cannot serve: another model (404), a field it
