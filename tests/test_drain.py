@@ -194,7 +194,7 @@ def test_the_close_waits_for_the_next_request_of_a_connection_kept_alive():
 def test_an_idle_connection_kept_alive_is_closed_at_the_close_deadline():
     server = _Server(_app)
     with _answered_and_kept_alive(server) as client:
-        server.close_listeners(seconds=0.2).result(HANG_GUARD_S)  # no request came: it ends
+        server.close_listeners(seconds=0.0).result(HANG_GUARD_S)  # no request came: it ends
         assert _answer(client) == b""  # then closed by the shutdown
     server.stop()
 
