@@ -272,10 +272,10 @@ class _InvalidAtAdmission:
         return handle
 
     @contextlib.contextmanager
-    def entering(self):
+    def entering(self, entry=None):
         yield self.submit
 
-    def is_full(self, priority, slo=None, max_tokens=None):
+    def is_full(self, priority, slo=None, max_tokens=None, entry=None):
         return False
 
 

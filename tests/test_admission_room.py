@@ -167,3 +167,17 @@ def test_is_full_counts_the_requests_entering_ahead_until_they_are_queued():
         assert not cluster.is_full(0, SLO, 32)  # one queued, one still entering
     assert not cluster.is_full(0, SLO, 32)
     assert asked == [2, 0, 2, 1]
+
+
+def test_a_request_the_front_counted_is_counted_once_and_not_ahead_of_itself():
+    cluster, _ = virtual_cluster(instances=(1,), slo=SLO)
+    asked = recording_room(cluster)
+    entry = cluster.enter()  # (the HTTP protocol let it through)
+    assert not cluster.is_full(0, SLO, 32)  # a later request: behind it
+    assert not cluster.is_full(0, SLO, 32, entry)  # its own check: behind none
+    with cluster.entering(entry) as submit:
+        assert not cluster.is_full(0, SLO, 32)  # still one entering, not two
+        submit(QUESTION, max_tokens=32, slo=SLO)
+    entry.leave()  # (`Guards`, when it ends: counted once)
+    assert not cluster.is_full(0, SLO, 32)
+    assert asked == [1, 0, 1, 0, 1]

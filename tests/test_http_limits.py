@@ -5,9 +5,12 @@ refusals before the body is read, a chat's message cap, strict fields, and the d
 import asyncio
 import json
 import logging
+import re
 import signal
 import socket
 import threading
+import time
+from functools import partial
 from types import SimpleNamespace
 
 import httpx
@@ -17,8 +20,8 @@ import uvicorn
 from dilaserve.cluster.runtime import ClusterConfig
 from dilaserve.cluster.worker import WorkerConfig
 from dilaserve.server.app import ServerSettings
-from dilaserve.server.guards import Guards
-from dilaserve.server.limits import HttpLimits
+from dilaserve.server.guards import EarlyRefusals, Guards
+from dilaserve.server.limits import HttpLimits, limited_protocol
 from dilaserve.server.main import DrainingServer, build_app, server_config
 from dilaserve.tasks import arith
 
@@ -157,7 +160,8 @@ def test_connections_over_the_limit_get_a_503_with_retry_after():
 def test_the_front_asks_the_room_with_the_priority_slo_and_length_the_body_names(live, monkeypatch):
     lengths = []
 
-    def is_full(priority, slo=None, max_tokens=None):  # full for the server's SLO, priority <= 0
+    def is_full(priority, slo=None, max_tokens=None, entry=None):
+        """Full for the server's SLO and a priority up to 0."""
         lengths.append(max_tokens)
         return priority <= 0 and slo is None
 
@@ -173,25 +177,172 @@ def test_the_front_asks_the_room_with_the_priority_slo_and_length_the_body_names
 
 
 async def _api(scope, receive, send):
-    """Stands for the API behind the guards (which would answer 401 to a wrong key)."""
+    """Stands for the API behind the guards (which would answer 401 to a wrong key): 204, after
+    reading the body, and `/slow` a little later."""
+    while (await receive()).get("more_body"):
+        pass
+    if scope["path"] == "/slow":
+        await asyncio.sleep(0.2)
     await send({"type": "http.response.start", "status": 204, "headers": []})
     await send({"type": "http.response.body", "body": b""})
 
 
+class Front:
+    """`app` behind `Guards` and the HTTP protocol with `EarlyRefusals`, over a stand-in
+    cluster whose room refuses the default priority and SLO (a priority above 0 never): always,
+    or, given `room`, once that many requests are `entering`."""
+
+    def __init__(self, api_key: str | None = None, room: int | None = None, app=_api):
+        self.room, self.refused, self.entering = room, 0, 0
+        cluster = SimpleNamespace(accepting=True, is_full=self._is_full, enter=self._enter)
+        refusals = EarlyRefusals(cluster, api_key=api_key, on_refusal=self._count)
+        self.port = free_port()
+        # (info: uvicorn sets its loggers' levels for the process; tests read the access log)
+        protocol = limited_protocol(LIMITS, refusals)
+        config = uvicorn.Config(Guards(app, 1 << 20), port=self.port, lifespan="off",
+                                log_level="info", http=protocol)  # fmt: skip
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        wait_until(lambda: self.server.started)
+
+    def _is_full(self, priority, slo=None, max_tokens=None) -> bool:
+        return priority <= 0 and (self.room is None or self.entering >= self.room)
+
+    def _enter(self):
+        self.entering += 1
+        entry = SimpleNamespace(counted=True)
+
+        def leave():
+            self.entering -= entry.counted
+            entry.counted = False
+
+        entry.leave = leave
+        return entry
+
+    def _count(self) -> None:
+        self.refused += 1
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(HANG_GUARD_S)
+
+
+@pytest.fixture
+def front():
+    server = Front()
+    yield server
+    server.stop()
+
+
+CLOSE = b"Connection: close\r\n"
+
+
+def completion(body: bytes = b'{"prompt": "1+1"}', head: bytes = b"") -> bytes:
+    """A completion request's bytes (`head`: more header lines)."""
+    return (
+        b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n" + head
+        + b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+    )  # fmt: skip
+
+
+def statuses(answer: bytes) -> list[int]:
+    """The status of each answer in `answer` (what came on one connection)."""
+    return [int(status) for status in re.findall(rb"HTTP/1\.[01] (\d{3}) ", answer)]
+
+
 def test_only_a_client_with_the_key_is_refused_before_the_api():
-    cluster = SimpleNamespace(
-        accepting=True, is_full=lambda priority, slo=None, max_tokens=None: True
-    )
-    guards = Guards(_api, 1 << 20, cluster=cluster, api_key="sekret")
+    server = Front(api_key="sekret")
+    try:
+        for key, status in (("sekret", 429), ("wrong", 204)):  # the wrong key: the API's 401
+            auth = b"Authorization: Bearer %s\r\n" % key.encode() + CLOSE
+            assert statuses(raw_exchange(server.port, completion(head=auth))) == [status]
+    finally:
+        server.stop()
 
-    async def status(key: str) -> int:
-        transport = httpx.ASGITransport(app=guards)
-        async with httpx.AsyncClient(transport=transport, base_url="http://x") as client:
-            headers = {"Authorization": f"Bearer {key}"}
-            return (await client.post("/v1/completions", json={}, headers=headers)).status_code
 
-    assert asyncio.run(status("sekret")) == 429
-    assert asyncio.run(status("wrong")) == 204  # the API's to answer (401)
+def test_a_refusal_keeps_its_connection_for_the_next_request(front):
+    body = json.dumps({"prompt": "1+1", "priority": 1}).encode()  # let through
+    answer = raw_exchange(front.port, completion() + completion(body, CLOSE))  # pipelined
+    assert statuses(answer) == [429, 204] and front.refused == 1
+    refusal = answer.split(b"HTTP/1.1 204")[0]
+    assert b"retry-after: 1\r\n" in refusal and b'"rate_limit_error"' in refusal
+    assert b"retry-after-ms: " in refusal and b"connection: close" not in refusal
+
+
+@pytest.mark.parametrize("head", [CLOSE, b""])
+def test_a_refusal_closes_the_connection_its_client_asked_to_close(front, head):
+    request = completion(head=head)
+    if not head:  # HTTP/1.0 closes by default
+        request = request.replace(b"HTTP/1.1", b"HTTP/1.0", 1)
+    answer = raw_exchange(front.port, request)  # (returns once the server closed it)
+    assert statuses(answer) == [429] and b"connection: close" in answer
+
+
+def test_a_body_in_parts_is_refused_once_whole(front):
+    request = completion(head=CLOSE)
+    with socket.create_connection(("127.0.0.1", front.port), timeout=HANG_GUARD_S) as s:
+        for k in range(len(request) - 12, len(request) + 1, 4):  # the head, then 4 bytes a time
+            s.sendall(request[max(k - 4, 0) if k > len(request) - 12 else 0 : k])
+            time.sleep(0.02)  # (each part its own read)
+        answer = s.recv(65536)
+    assert statuses(answer) == [429] and front.refused == 1
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        completion(b"not json", CLOSE),  # the API's 400
+        completion(head=CLOSE + b"Expect: 100-continue\r\n"),  # waits for the app's 100
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+        + CLOSE
+        + b"\r\n"
+        + b"".join(b"%x\r\n%s\r\n" % (8192, b" " * 8192) for _ in range(9))
+        + b"0\r\n\r\n",  # grows past what the front parses
+    ],
+    ids=["not-json", "expect", "large-chunked"],
+)
+def test_what_the_front_cannot_judge_goes_to_the_api(front, request_bytes):
+    assert statuses(raw_exchange(front.port, request_bytes))[-1] == 204  # (after a 100)
+    assert front.refused == 0
+
+
+def test_a_request_behind_one_being_answered_is_answered_in_order(front):
+    slow = b"GET /slow HTTP/1.1\r\nHost: localhost\r\n\r\n"
+    answer = raw_exchange(front.port, slow + completion(head=CLOSE))
+    assert statuses(answer) == [204, 204] and front.refused == 0  # (not held: the app's)
+
+
+def test_a_burst_read_at_once_is_let_through_only_as_far_as_the_room_goes():
+    released = threading.Event()
+
+    async def held(scope, receive, send):  # the API, answering once `released`
+        while not released.is_set():
+            await asyncio.sleep(0.01)
+        await _api(scope, receive, send)
+
+    server = Front(room=3, app=held)
+    sockets = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(10)]
+    try:
+        for s in sockets:
+            s.settimeout(HANG_GUARD_S)
+            s.sendall(completion(head=CLOSE))
+        wait_until(lambda: server.refused == 7)  # the 3 let through count until they end
+        assert server.entering == 3
+        released.set()
+        answers = [statuses(b"".join(iter(partial(s.recv, 65536), b""))) for s in sockets]
+        assert sorted(answers) == [[204]] * 3 + [[429]] * 7
+        wait_until(lambda: server.entering == 0)  # (`Guards`: each left once it ended)
+    finally:
+        for s in sockets:
+            s.close()
+        server.stop()
+
+
+def test_a_held_body_that_stops_coming_is_a_408(front):
+    request = completion()
+    assert statuses(raw_exchange(front.port, request[:-3])) == [408]
+    assert front.refused == 0
 
 
 def rejected(live) -> float:
@@ -296,9 +447,7 @@ def test_a_draining_server_answers_503_with_connection_close_even_when_full():
     in_flight = threading.Thread(target=post, args=(server, "/v1/completions", LONG))
     in_flight.start()
     wait_until(lambda: server.cluster.in_flight == 1)
-    server.cluster.is_full = lambda priority, slo=None: (
-        True
-    )  # over capacity too: the drain's 503 wins
+    server.cluster.is_full = lambda *asks: True  # over capacity too: the drain's 503 wins
     with httpx.Client(base_url=server.url, timeout=HANG_GUARD_S) as client:
         assert client.get("/health").status_code == 200  # (a connection opened before)
         server.server.handle_exit(signal.SIGTERM, None)  # what SIGTERM does

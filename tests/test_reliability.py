@@ -191,7 +191,7 @@ class _AdmittingCluster:
         return handle
 
     @contextlib.contextmanager
-    def entering(self):
+    def entering(self, entry=None):
         yield self.submit
 
     def instances_by_tp(self):
@@ -203,7 +203,7 @@ class _AdmittingCluster:
     def health(self):
         return "ok"
 
-    def is_full(self, priority, slo=None, max_tokens=None):
+    def is_full(self, priority, slo=None, max_tokens=None, entry=None):
         return False
 
 

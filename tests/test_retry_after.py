@@ -2,18 +2,12 @@
 around it, which OpenAI's clients read first, so that clients refused together do not all come
 back together."""
 
-import asyncio
 from types import SimpleNamespace
 
 import httpx
 import openai
 
-from dilaserve.server.guards import RETRY_JITTER, Guards, retry_headers
-
-
-async def _api(scope, receive, send):
-    await send({"type": "http.response.start", "status": 204, "headers": []})
-    await send({"type": "http.response.body", "body": b""})
+from dilaserve.server.guards import RETRY_JITTER, EarlyRefusals, retry_headers
 
 
 def test_retry_after_ms_is_jittered_around_retry_after():
@@ -27,17 +21,18 @@ def test_retry_after_ms_is_jittered_around_retry_after():
 
 def test_the_fronts_429_carries_both_headers():
     cluster = SimpleNamespace(accepting=True, is_full=lambda *asks: True)
-    guards = Guards(_api, 1 << 20, cluster=cluster, retry_after=1)
-
-    async def refused():
-        transport = httpx.ASGITransport(app=guards)
-        async with httpx.AsyncClient(transport=transport, base_url="http://x") as client:
-            return [(await client.post("/v1/completions", json={})) for _ in range(20)]
-
-    answers = asyncio.run(refused())
-    assert all(r.status_code == 429 and r.headers["retry-after"] == "1" for r in answers)
-    millis = {int(r.headers["retry-after-ms"]) for r in answers}
+    refusals = EarlyRefusals(cluster, retry_after=1)
+    answers = [_parsed(refusals.answer(b"{}")) for _ in range(20)]
+    assert all(status == 429 and h["retry-after"] == "1" for status, h in answers)
+    millis = {int(h["retry-after-ms"]) for _, h in answers}
     assert len(millis) > 1 and all(500 <= m <= 1500 for m in millis)
+
+
+def _parsed(answer: bytes) -> tuple[int, dict[str, str]]:
+    """(status, headers) of a whole HTTP answer."""
+    head = answer.split(b"\r\n\r\n", 1)[0].decode().split("\r\n")
+    fields = dict(line.split(": ", 1) for line in head[1:])
+    return int(head[0].split()[1]), fields
 
 
 def test_openais_client_waits_what_retry_after_ms_says():

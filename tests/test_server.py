@@ -306,7 +306,7 @@ class _RefusingCluster:
         raise self.error
 
     @contextlib.contextmanager
-    def entering(self):
+    def entering(self, entry=None):
         yield self.submit
 
     def instances_by_tp(self):
@@ -318,7 +318,7 @@ class _RefusingCluster:
     def health_reason(self):
         return "not accepting requests"
 
-    def is_full(self, priority, slo=None, max_tokens=None):
+    def is_full(self, priority, slo=None, max_tokens=None, entry=None):
         return False
 
     def queue_length(self):

@@ -3,9 +3,11 @@ requests it let through that the controller has not seen yet (`Gate.entering`).
 
 The controller publishes admission's `Room` between events (`admission.py`); the gate asks it
 for a request behind every request not priced yet: those queued for the controller and those
-the front let through that are still on their way (tokenizing in the thread pool). So a burst
-is priced as one, each request behind those before it, and not each as if it came alone
-(docs/serving/reliability.md, "The 400 clients' first wave")."""
+the front let through that are still on their way: counted from the moment the HTTP protocol
+let them through (`guards.EarlyRefusals`), through the app's parsing and tokenizing, until
+they are queued. So a burst is priced as one, each request behind those before it, and not
+each as if it came alone (docs/serving/reliability.md, "The 400 clients' first wave", and
+"Refusals below the app")."""
 
 from __future__ import annotations
 
@@ -20,9 +22,12 @@ class Gate:
         self._entering = 0  # requests `entering`: let through, not queued yet
         self._lock = threading.Lock()
 
-    def is_full(self, priority, slo=None, max_tokens=None) -> bool:
-        """`refuses`, behind the requests queued for the controller and those `entering`."""
+    def is_full(self, priority, slo=None, max_tokens=None, entry: _Entry | None = None) -> bool:
+        """`refuses`, behind the requests queued for the controller and those `entering` (but
+        `entry`, the asker's own)."""
         ahead = len(self.controller.arrivals) + self._entering
+        if entry is not None and entry.counted:
+            ahead -= 1
         return self.refuses(priority, slo, max_tokens, ahead)
 
     def refuses(self, priority, slo, max_tokens, ahead: int) -> bool:
@@ -32,12 +37,17 @@ class Gate:
         self.controller.refused_in_a_row += 1
         return True
 
+    def enter(self) -> _Entry:
+        """Count a request let through (by `is_full`) ahead of later ones until it `leave`s."""
+        return _Entry(self)
+
     @contextlib.contextmanager
-    def entering(self, submit):
-        """Count a request let through (by `is_full`) ahead of later ones until it is queued
-        for the controller or refused. Yields `submit` (the cluster's, to call off the event
-        loop: it tokenizes), which stops the count when it returns or raises."""
-        entry = _Entry(self)
+    def entering(self, submit, entry: _Entry | None = None):
+        """Count a request let through ahead of later ones (from `entry`, when the front
+        counted it already) until it is queued for the controller or refused. Yields `submit`
+        (the cluster's, to call off the event loop: it tokenizes), which stops the count when
+        it returns or raises."""
+        entry = entry or self.enter()
 
         def submitting(*args, **kwargs):
             try:

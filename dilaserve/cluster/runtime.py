@@ -370,14 +370,20 @@ class Cluster:
         self.backend.wake()
 
     def is_full(
-        self, priority: int, slo: float | None = None, max_tokens: int | None = None
+        self, priority: int, slo: float | None = None, max_tokens: int | None = None, entry=None
     ) -> bool:
         """Would a request of `priority` and `slo` seconds (default: the server's) be refused
         now, before any work? (`gate.py`: admission's `Room`, behind the requests not priced
-        yet.)"""
-        return self.gate.is_full(priority, slo, max_tokens)
+        yet, but `entry`, the request's own count from `enter`.)"""
+        return self.gate.is_full(priority, slo, max_tokens, entry)
 
-    def entering(self):
+    def enter(self):
+        """Count a request the front lets through ahead of later ones, from now until it
+        `leave`s or is queued (`Gate.enter`)."""
+        return self.gate.enter()
+
+    def entering(self, entry=None):
         """While a request the front let through is on its way to the controller, it counts
-        ahead of later ones (`Gate.entering`); yields the `submit` to call for it."""
-        return self.gate.entering(self.submit)
+        ahead of later ones (`Gate.entering`, from `entry` if the front counted it already);
+        yields the `submit` to call for it."""
+        return self.gate.entering(self.submit, entry)

@@ -50,7 +50,15 @@ from dilaserve.cluster.requests import (
 from dilaserve.cluster.runtime import Cluster
 from dilaserve.server.bodies import INLINE_BODY_BYTES, body_docs, param_of, validated
 from dilaserve.server.dashboard import add_dashboard, challenge, is_authorised, page_meta
-from dilaserve.server.guards import OPEN_PATHS, Guards, error_body, received, retry_headers
+from dilaserve.server.guards import (
+    ENTRY,
+    OPEN_PATHS,
+    EarlyRefusals,
+    Guards,
+    error_body,
+    received,
+    retry_headers,
+)
 from dilaserve.server.limits import HttpLimits
 from dilaserve.server.metrics import ServerMetrics
 from dilaserve.server.schemas import MAX_MESSAGES, ChatCompletionRequest, CompletionRequest
@@ -142,9 +150,10 @@ def create_app(
         max_body_bytes=settings.max_body_bytes,
         allowed_hosts=settings.allowed_hosts,
         cluster=cluster,
-        retry_after=settings.retry_after,
-        api_key=settings.api_key,
         on_refusal=metrics.rejected,
+    )
+    app.state.refusals = EarlyRefusals(  # (the HTTP protocol's: `server_config`)
+        cluster, settings.retry_after, settings.api_key, settings.allowed_hosts, metrics.rejected
     )
     _add_generation_routes(app, api)
     _add_status_routes(app, cluster, settings, metrics)
@@ -283,10 +292,13 @@ class _Api:
                 return error(400, f"deadline={body.deadline} has passed", "deadline")
         if not self.cluster.accepting:  # draining: 503 wins over 429
             return self._not_taken(Closed("the cluster is not accepting requests"))
-        if self.cluster.is_full(body.priority, slo, max_tokens):  # at once, before any work
+        entry = request.scope.get(ENTRY)  # (its count in the room, if the front began it)
+        if self.cluster.is_full(body.priority, slo, max_tokens, entry):  # before any work
             return self._not_taken(Overloaded(FULL))
         try:
-            handle, refused = await self._submit(body, prompt, max_tokens, slo, text, arrived)
+            handle, refused = await self._submit(
+                body, prompt, max_tokens, slo, text, arrived, entry
+            )
         except InvalidRequest as e:
             return error(400, str(e), "messages" if chat and e.param == "prompt" else e.param)
         except Exception as e:
@@ -308,12 +320,12 @@ class _Api:
             return Response(status_code=499)
         return shape.response(handle, result, self.settings.model_name)
 
-    async def _submit(self, body, prompt, max_tokens, slo, text, arrived):
+    async def _submit(self, body, prompt, max_tokens, slo, text, arrived, entry):
         """(the request queued for the controller, the error that refused it or None) once
         admission has decided. A long prompt, or one a DWS predictor reads, is checked off the
         event loop, where it holds up no other request; a short one on it, cheaper than the
         hop to a thread (`Intake.is_cheap`)."""
-        with self.cluster.entering() as submit:
+        with self.cluster.entering(entry) as submit:
             call = partial(
                 submit,
                 prompt,

@@ -7,33 +7,35 @@ so that nothing of a refused request is read or parsed):
 - draining: while the server shuts down, every new request but the probes' (`/health`,
   `/metrics`) is answered 503 with Retry-After at once, whatever the load, and every answer
   carries `Connection: close`, so that no client reuses a connection the server is closing;
-- capacity: a generation request the controller's `Room` refuses is answered 429 before any
+- capacity: a generation request the controller's `Room` refuses is answered 429 below the
+  app, by `EarlyRefusals` through the HTTP protocol (`limits.py`), before any ASGI cycle,
   routing or validation: while the room refuses a request of the default priority and SLO,
-  a small body is read and its priority and SLO (`slo_ms`, `deadline`) taken from it with
-  json's parser alone, and the room asked for those; a body that is not a JSON object with
-  such fields, or a large one, is left to the API (its 400s name the field). Refusing so costs
-  the front little enough that refusals cannot starve the workers. The room prices a request
-  by its `max_tokens` too (`admission.Room`). A request it lets through yields to the
-  event loop once before the app runs it, so that in a burst the cheap refusals are answered
-  before the work of the requests let through (tokenizing, queueing for the controller). A
-  429 carries Retry-After and `retry-after-ms` (`retry_headers`), which OpenAI's clients read
-  first: Retry-After jittered to 0.5-1.5 times its value, so that clients refused together do
-  not come back together (the front answers each wave of their retries at once:
-  docs/serving/reliability.md);
+  the protocol holds a small body and its priority and SLO (`slo_ms`, `deadline`) are taken
+  from it with json's parser alone, and the room asked for those; a body that is not a JSON
+  object with such fields, or a large one, is left to the API (its 400s name the field).
+  Refusing so costs the front a fifth of what a refusal through the app did, so that
+  refusals cannot starve the workers (docs/serving/reliability.md); and a burst's refusals
+  are answered as their bytes are read, before the work of any request let through. The
+  room prices a request by its `max_tokens` too (`admission.Room`). A 429 carries
+  Retry-After and `retry-after-ms` (`retry_headers`), which OpenAI's clients read first:
+  Retry-After jittered to 0.5-1.5 times its value, so that clients refused together do not
+  come back together (the front answers each wave of their retries at once);
 - the body size: a declared Content-Length over the limit, or a body that grows past it, is
   refused with 413 in OpenAI's shape before it is parsed.
 
-`error_body` is OpenAI's error shape, shared with the API's handlers.
+`error_body` is OpenAI's error shape, shared with the API's handlers; `http_answer` frames one
+as a whole HTTP answer, for what is answered below the app.
 """
 
 from __future__ import annotations
 
-import asyncio
+import enum
 import json
 import random
 import secrets
 import time
 from collections.abc import Sequence
+from http import HTTPStatus
 
 from dilaserve.cluster.requests import FULL
 
@@ -44,6 +46,7 @@ EARLY_PARSE_BYTES = 64 * 1024  # larger bodies are parsed by the API, off the ev
 CLOSED_RETRY_AFTER = 5  # seconds a client refused by a server shutting down should wait
 SHUTTING_DOWN = "the server is shutting down; retry on another replica or later"
 RETRY_JITTER = (0.5, 1.5)  # a 429's retry-after-ms, as multiples of its Retry-After
+ENTRY = "dilaserve_entry"  # a request's count in the room while on its way (`EarlyRefusals`)
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None):
@@ -53,16 +56,21 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+def http_answer(status: int, body: bytes, headers: Sequence[tuple[bytes, bytes]] = ()) -> bytes:
+    """A whole HTTP/1.1 answer: the status line, `headers` and Content-Length, and `body`."""
+    lines = [b"HTTP/1.1 %d %s\r\n" % (status, HTTPStatus(status).phrase.encode())]
+    lines += [name + b": " + value + b"\r\n" for name, value in headers]
+    lines.append(b"content-length: %d\r\n\r\n" % len(body))
+    return b"".join(lines) + body
+
+
 def draining_answer() -> bytes:
     """The whole HTTP answer of a server shutting down (what `Guards` answers while draining),
     for the requests `listener.py` answers below the app."""
     body = json.dumps(error_body(503, SHUTTING_DOWN)).encode()
-    head = (
-        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-        f"content-length: {len(body)}\r\nretry-after: {CLOSED_RETRY_AFTER}\r\n"
-        "connection: close\r\n\r\n"
-    )
-    return head.encode() + body
+    retry = str(CLOSED_RETRY_AFTER).encode()
+    headers = [(b"content-type", b"application/json"), (b"retry-after", retry)]
+    return http_answer(503, body, [*headers, (b"connection", b"close")])
 
 
 def retry_headers(seconds: int) -> dict[str, str]:
@@ -78,11 +86,10 @@ def received(request) -> tuple[float, float]:
 
 
 class Guards:
-    """ASGI middleware: stamps the arrival time, checks the Host header, refuses while draining
-    or full, and checks the body size. `cluster` (`accepting`, `is_full(priority)`): None
-    refuses nothing for draining or capacity; `api_key`: only requests carrying it are refused
-    early for capacity (the others get the API's 401); `on_refusal()`: counts those refusals
-    (the server's metrics, as the API's own)."""
+    """ASGI middleware: stamps the arrival time, checks the Host header, refuses while draining,
+    and checks the body size; a request `EarlyRefusals` counted leaves the count when it ends,
+    at the latest. `cluster` (`accepting`): None refuses nothing for draining; `on_refusal()`:
+    counts those refusals (the server's metrics, as the API's own)."""
 
     def __init__(
         self,
@@ -90,48 +97,38 @@ class Guards:
         max_body_bytes: int,
         allowed_hosts: Sequence[str] = ("*",),
         cluster=None,
-        retry_after: int = 1,
-        api_key: str | None = None,
         on_refusal=lambda: None,
     ):
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.allowed_hosts = tuple(h.lower() for h in allowed_hosts)
         self.cluster = cluster
-        self.retry_after = retry_after
-        self.bearer = None if api_key is None else f"Bearer {api_key}".encode()
-        self.on_refusal = on_refusal  # told of each request refused for draining or capacity
+        self.on_refusal = on_refusal  # told of each request refused for draining
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        entry = scope.get(ENTRY)
+        try:
+            await self._guarded(scope, receive, send)
+        finally:
+            if entry is not None:  # (the request ended before the controller had it)
+                entry.leave()
+
+    async def _guarded(self, scope, receive, send):
         scope["dilaserve_received"] = (time.perf_counter(), time.time())
         headers = dict(scope.get("headers") or ())
         send = self._closing_while_draining(send)
-        if not self._host_allowed(headers.get(b"host", b"").decode("latin-1")):
+        if not host_allowed(self.allowed_hosts, headers.get(b"host", b"")):
             return await respond(send, 400, "the Host header names no host this server serves")
         if self._draining() and scope["path"] not in OPEN_PATHS:
             self.on_refusal()
             return await respond(send, 503, SHUTTING_DOWN, CLOSED_RETRY_AFTER)
-        early = self._may_refuse_early(scope, headers)
         declared = headers.get(b"content-length", b"0")
         if not declared.isdigit() or int(declared) > self.max_body_bytes:
             return await respond(send, 413, self._too_large())
         limited = _LimitedBody(receive, send, self)
-        receive = limited.receive
-        if early and self.cluster.is_full(0):
-            body = await limited.read()
-            if body is None:  # too large (413 sent) or the client left
-                return None
-            asks = _priority_and_slo(body)
-            if asks is not None and self.cluster.is_full(*asks):
-                self.on_refusal()
-                retry = retry_headers(self.retry_after)
-                return await respond(send, 429, FULL, headers=_encoded(retry))
-            receive = limited.replay(body)
-        if early:  # let through: the refusals of its burst are answered before its work
-            await asyncio.sleep(0)
-        await self.app(scope, receive, limited.send)
+        await self.app(scope, limited.receive, limited.send)
 
     def _draining(self) -> bool:
         return self.cluster is not None and not self.cluster.accepting
@@ -147,29 +144,81 @@ class Guards:
 
         return closing_send
 
-    def _may_refuse_early(self, scope, headers) -> bool:
-        """Is this a generation request (by an authorised client) that capacity may refuse?"""
-        if self.cluster is None or scope["method"] != "POST":
-            return False
-        if scope["path"] not in GENERATION_PATHS:
-            return False
-        sent = headers.get(b"authorization", b"")
-        return self.bearer is None or secrets.compare_digest(sent, self.bearer)
-
-    def _host_allowed(self, host: str) -> bool:
-        if "*" in self.allowed_hosts:
-            return True
-        name = host.lower().rsplit(":", 1)[0] if not host.endswith("]") else host.lower()
-        return name in self.allowed_hosts
-
     def _too_large(self) -> str:
         return f"the request body exceeds the server's limit of {self.max_body_bytes} bytes"
 
 
+class Verdict(enum.Enum):
+    """What the HTTP protocol does with a request's head (`EarlyRefusals.judge`)."""
+
+    OTHER = "not a request the room prices: the app's alone"
+    HOLD = "hold its body: the room may refuse it (`EarlyRefusals.answer`)"
+    ENTER = "let it through, counted ahead of later requests (`EarlyRefusals.enter`)"
+
+
+class EarlyRefusals:
+    """The front's capacity refusals, below the app. `limits.py`'s protocol asks `judge` of
+    each request's head. A generation request (POST) by an authorised client, to a Host the
+    server answers, while the cluster accepts requests, is the room's: held (`HOLD`) when the
+    room refuses one of the default priority, SLO and length (`cluster.is_full(0)`) and its
+    body is at most `EARLY_PARSE_BYTES` with no `Expect`; else let through (`ENTER`). Of a held
+    one the protocol collects the body and asks `answer`: the whole 429 when the room refuses
+    what the body asks for, counted by `on_refusal()`; else None, and it is let through. A
+    request let through is counted by the room (`enter`: the entry goes in its scope under
+    `ENTRY`) from that moment until the controller has it or it ends, so that the requests
+    of a burst read in one go see those let through before them."""
+
+    def __init__(
+        self,
+        cluster,
+        retry_after: int = 1,
+        api_key: str | None = None,
+        allowed_hosts: Sequence[str] = ("*",),
+        on_refusal=lambda: None,
+    ):
+        self.cluster, self.retry_after, self.on_refusal = cluster, retry_after, on_refusal
+        self.bearer = None if api_key is None else f"Bearer {api_key}".encode()
+        self.allowed_hosts = tuple(h.lower() for h in allowed_hosts)
+        self.body = json.dumps(error_body(429, FULL)).encode()
+
+    def judge(self, method: bytes, path: str, headers: Sequence[tuple[bytes, bytes]]) -> Verdict:
+        """What to do with this request's head (header names in lower case)."""
+        if method != b"POST" or path not in GENERATION_PATHS or not self.cluster.accepting:
+            return Verdict.OTHER
+        fields = dict(headers)
+        if not host_allowed(self.allowed_hosts, fields.get(b"host", b"")):
+            return Verdict.OTHER
+        sent = fields.get(b"authorization", b"")
+        if self.bearer is not None and not secrets.compare_digest(sent, self.bearer):
+            return Verdict.OTHER  # the API's to answer (401)
+        if b"expect" in fields or not self._small(fields.get(b"content-length")):
+            return Verdict.ENTER
+        return Verdict.HOLD if self.cluster.is_full(0) else Verdict.ENTER
+
+    def enter(self):
+        """Count a request let through (`Cluster.enter`); it leaves when `Guards` is done."""
+        return self.cluster.enter()
+
+    def answer(self, body: bytes, headers: Sequence[tuple[bytes, bytes]] = ()) -> bytes | None:
+        """The whole 429, with `headers` (the connection's own) first, for a held request whose
+        whole body is `body`; or None to let it through."""
+        asks = _priority_and_slo(body)
+        if asks is None or not self.cluster.accepting or not self.cluster.is_full(*asks):
+            return None
+        self.on_refusal()
+        retry = _encoded(retry_headers(self.retry_after))
+        ours = [(b"content-type", b"application/json"), *retry]
+        return http_answer(429, self.body, [*headers, *ours])
+
+    @staticmethod
+    def _small(declared: bytes | None) -> bool:
+        """A Content-Length of at most `EARLY_PARSE_BYTES` (none: chunked, counted as read)."""
+        return declared is None or (declared.isdigit() and int(declared) <= EARLY_PARSE_BYTES)
+
+
 class _LimitedBody:
     """A request's body as the app receives it: refused with 413 once it grows past the limit
-    (the app then hears the client left, and its answer is dropped); or read whole here, and
-    replayed to the app."""
+    (the app then hears the client left, and its answer is dropped)."""
 
     def __init__(self, receive, send, guards: Guards):
         self._receive, self._send, self.guards = receive, send, guards
@@ -190,30 +239,6 @@ class _LimitedBody:
         if not self.refused:
             await self._send(message)
 
-    async def read(self) -> bytes | None:
-        """The whole body (None: it grew past the limit, or the client left)."""
-        parts = []
-        while True:
-            message = await self.receive()
-            if message["type"] != "http.request":
-                return None
-            parts.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                return b"".join(parts)
-
-    def replay(self, body: bytes):
-        """A receive that gives the app `body` read here, then what comes next."""
-        given = False
-
-        async def replayed():
-            nonlocal given
-            if given:
-                return await self.receive()
-            given = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        return replayed
-
 
 async def respond(
     send, status: int, message: str, retry_after: int | None = None, headers=()
@@ -230,6 +255,15 @@ async def respond(
 
 def _encoded(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
     return [(k.encode(), v.encode()) for k, v in headers.items()]
+
+
+def host_allowed(allowed_hosts: Sequence[str], host: bytes) -> bool:
+    """Is `host` (a Host header) one of `allowed_hosts` (lower case; "*": any)?"""
+    if "*" in allowed_hosts:
+        return True
+    host = host.decode("latin-1").lower()
+    name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+    return name in allowed_hosts
 
 
 def allowed_hosts_for(host: str, given: Sequence[str] | None) -> tuple[str, ...]:

@@ -17,7 +17,16 @@ request: docs/serving.md) and adds:
   many requests running, a request is answered 503 with Retry-After and `Connection: close`
   in OpenAI's shape (uvicorn's own answer is plain text, and logs a warning per request).
 
-What the app refuses (body size, capacity, draining) is `guards.py`'s.
+And, given the server's `EarlyRefusals` (`guards.py`), a generation request its room refuses
+is answered 429 here, before any ASGI cycle: the protocol holds a request `judge` says to hold
+(its small body collected here, nothing started) until the body is whole, then writes the
+answer `answer` gives and reads on, or hands the request to the app as if it had just been
+parsed; one let through (at once, or after holding) is counted by the room from then on.
+A request is held only when nothing else on its connection is being answered, so that answers
+stay in order. Under 3x overload this is most requests, and through the app each cost the
+event loop five times as much (docs/serving/reliability.md).
+
+What the app refuses (body size, draining) is `guards.py`'s.
 """
 
 from __future__ import annotations
@@ -25,11 +34,17 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from dilaserve.server.guards import respond
-
-STATUS_TEXT = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+from dilaserve.server.guards import (
+    EARLY_PARSE_BYTES,
+    ENTRY,
+    EarlyRefusals,
+    Verdict,
+    http_answer,
+    respond,
+)
 
 
 @dataclass(frozen=True)
@@ -53,25 +68,33 @@ class _Refused(Exception):
         self.status = status
 
 
-def limited_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
-    """uvicorn's httptools protocol with `limits` (pass it as `uvicorn.Config(http=...)`)."""
-    return type("LimitedHttpToolsProtocol", (LimitedHttpToolsProtocol,), {"limits": limits})
+def limited_protocol(
+    limits: HttpLimits, refusals: EarlyRefusals | None = None
+) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol with `limits` and the server's `refusals` (pass it as
+    `uvicorn.Config(http=...)`)."""
+    fields = {"limits": limits, "refusals": refusals}
+    return type("LimitedHttpToolsProtocol", (LimitedHttpToolsProtocol,), fields)
 
 
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol, with the limits of `HttpLimits` and `max_connections`."""
+    """uvicorn's httptools protocol, with the limits of `HttpLimits` and `max_connections`, and
+    the capacity refusals of `refusals` (None: none)."""
 
     limits = HttpLimits()
+    refusals: EarlyRefusals | None = None
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         # uvicorn's own check answers plain text and logs a warning per request: ours instead
         self.max_connections, self.limit_concurrency = self.limit_concurrency, None
         self._timer = None
+        self._held: bytearray | None = None  # the body of a request held for `refusals`
         self._begin_head()
 
     def connection_lost(self, exc) -> None:
         self._disarm()
+        self._held = None
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -95,13 +118,29 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._arm(self.limits.body_timeout)
-        if not self._is_over_capacity():
-            return super().on_headers_complete()
-        app, self.app = self.app, too_many_connections
-        try:
-            super().on_headers_complete()  # (the request's cycle, answered by that app)
-        finally:
-            self.app = app
+        if self._is_over_capacity():
+            app, self.app = self.app, too_many_connections
+            try:
+                return super().on_headers_complete()  # (its cycle, answered by that app)
+            finally:
+                self.app = app
+        verdict = self._verdict()
+        if verdict is Verdict.HOLD:
+            self._held = bytearray()  # its cycle begins if it is let through
+            return None
+        if verdict is Verdict.ENTER:
+            self.scope[ENTRY] = self.refusals.enter()
+        return super().on_headers_complete()
+
+    def _verdict(self) -> Verdict:
+        """`refusals`' verdict on this request; `OTHER` while an answer before it on its
+        connection is unfinished (a refusal now would overtake it)."""
+        if self.refusals is None or self.parser.should_upgrade():
+            return Verdict.OTHER
+        if self.cycle is not None and not self.cycle.response_complete:
+            return Verdict.OTHER
+        path = httptools.parse_url(self.url).path.decode("latin-1")
+        return self.refusals.judge(self.parser.get_method(), path, self.headers)
 
     def _is_over_capacity(self) -> bool:
         """As uvicorn's `limit_concurrency`: too many connections open, or requests running."""
@@ -110,11 +149,55 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_body(self, body: bytes) -> None:
         self._arm(self.limits.body_timeout)
-        super().on_body(body)
+        if self._held is None:
+            return super().on_body(body)
+        self._held += body
+        if len(self._held) > EARLY_PARSE_BYTES:
+            self._let_through()  # (chunked, growing past what is parsed here)
+        return None
 
     def on_message_complete(self) -> None:
         self._disarm()
-        super().on_message_complete()
+        if self._held is not None:
+            keep_alive = self._keeps_alive()
+            closing = [] if keep_alive else [(b"connection", b"close")]
+            headers = [*self.server_state.default_headers, *closing]  # (server, date)
+            answer = self.refusals.answer(bytes(self._held), headers)
+            if answer is not None:
+                return self._refuse(answer, keep_alive)
+            self._let_through()
+        return super().on_message_complete()
+
+    def shutdown(self) -> None:
+        """uvicorn's graceful shutdown, which answers a request it has begun (the app's 503)."""
+        if self._held is not None:
+            self._let_through()
+        super().shutdown()
+
+    def _let_through(self) -> None:
+        """Begin the held request's cycle, as uvicorn would have, with its body so far."""
+        body, self._held = bytes(self._held), None
+        self.scope[ENTRY] = self.refusals.enter()
+        super().on_headers_complete()
+        if body:
+            super().on_body(body)
+
+    def _keeps_alive(self) -> bool:
+        """Does the request being parsed leave its connection open (as uvicorn's cycle)?"""
+        return self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
+
+    def _refuse(self, answer: bytes, keep_alive: bool) -> None:
+        """Send the held request's refusal, then read on (as after a cycle) or close."""
+        self._held = None
+        self.transport.write(answer)
+        if self.access_log:  # (as uvicorn's cycle logs it: `main.RefusalsCounted` may drop it)
+            client = "{}:{}".format(*self.client) if self.client else "-"
+            method, version = self.parser.get_method().decode(), self.parser.get_http_version()
+            line = '%s - "%s %s HTTP/%s" %d'
+            self.access_logger.info(line, client, method, self.url.decode(), version, 429)
+        if not keep_alive:
+            self.transport.close()
+        self.on_response_complete()
 
     def send_400_response(self, msg: str) -> None:
         """The parser stopped: on a refusal of ours, its answer; else uvicorn's 400."""
@@ -160,7 +243,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def _answer_and_close(self, status: int, message: str) -> None:
         self._disarm()
-        cycle = self.cycle
+        cycle = self.cycle if self._held is None else None  # (a held request has none yet)
+        self._held = None
         if cycle is not None and not cycle.response_complete:
             cycle.disconnected = True  # the app, if it runs, hears the client has gone
             cycle.message_event.set()
@@ -170,14 +254,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if cycle is not None and cycle.response_complete and not self._in_head:
             self.transport.close()  # answered already (before the body came): just close
             return
-        body = message.encode()
-        head = [
-            b"HTTP/1.1 %d %s\r\n" % (status, STATUS_TEXT[status]),
-            b"content-type: text/plain; charset=utf-8\r\n",
-            b"content-length: %d\r\n" % len(body),
-            b"connection: close\r\n\r\n",
-        ]
-        self.transport.write(b"".join(head) + body)
+        headers = [(b"content-type", b"text/plain; charset=utf-8"), (b"connection", b"close")]
+        self.transport.write(http_answer(status, message.encode(), headers))
         self.transport.close()
 
 

@@ -184,13 +184,15 @@ class DrainingServer(uvicorn.Server):
 
 
 def server_config(app, settings: ServerSettings, **options) -> uvicorn.Config:
-    """uvicorn's configuration with the front's limits (`options`: more of uvicorn's, e.g. a
-    port). Its access log shows paths without their query strings."""
+    """uvicorn's configuration with the front's limits and, for `create_app`'s app, its early
+    refusals (`options`: more of uvicorn's, e.g. a port). Its access log shows paths without
+    their query strings."""
+    refusals = getattr(getattr(app, "state", None), "refusals", None)
     uv = uvicorn.Config(
         app,
         **{
             "log_level": "info",
-            "http": limited_protocol(settings.http),
+            "http": limited_protocol(settings.http, refusals),
             "ws": "none",
             "limit_concurrency": settings.max_connections,
             "timeout_graceful_shutdown": GRACEFUL_SECONDS,
