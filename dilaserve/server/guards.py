@@ -13,9 +13,10 @@ so that nothing of a refused request is read or parsed):
   the protocol holds a small body and its priority and SLO (`slo_ms`, `deadline`) are taken
   from it with json's parser alone, and the room asked for those; a body that is not a JSON
   object with such fields, or a large one, is left to the API (its 400s name the field).
-  Refusing so costs the front a fifth of what a refusal through the app did, so that
-  refusals cannot starve the workers (docs/serving/reliability.md); and a burst's refusals
-  are answered as their bytes are read, before the work of any request let through. The
+  Refusing so costs the front two thirds of what a refusal through the app did, and far
+  less than the workers' share (docs/serving/reliability.md, "Refusals below the app"); and
+  a burst's refusals are answered as their bytes are read, before the work of any request
+  let through, which counts in the room from the moment it is let through. The
   room prices a request by its `max_tokens` too (`admission.Room`). A 429 carries
   Retry-After and `retry-after-ms` (`retry_headers`), which OpenAI's clients read first:
   Retry-After jittered to 0.5-1.5 times its value, so that clients refused together do not
