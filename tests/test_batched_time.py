@@ -12,7 +12,8 @@ import pytest
 from test_admission_recovery import run_until, submit, virtual_cluster
 
 from dilaserve.cluster.requests import Overloaded
-from dilaserve.control.batched_time import BatchedTime
+from dilaserve.control.batched_time import AHEAD, UNLIMITED, BatchedTime, scale_at
+from dilaserve.control.room import Room
 from dilaserve.control.thresholds import LoadView
 
 SLO = 2.0
@@ -163,3 +164,19 @@ def test_a_lost_request_teaches_admission_once_when_found_lost_not_at_its_finish
     admission = cluster.controller.admission
     assert len(lost) > 10 and admission.on_time.finished > 100
     assert admission.on_time._quantile < 4
+
+
+def test_a_newcomers_scale_runs_linearly_between_the_counts_it_was_priced_at():
+    scales = tuple(1.0 + 0.01 * a for a in AHEAD)  # (a batch's time, linear in its size)
+    assert [scale_at(scales, a) for a in AHEAD] == list(scales)
+    for ahead in (2, 100, 300, 400, 700):  # between the counts, and past the last
+        assert scale_at(scales, ahead) == pytest.approx(1.0 + 0.01 * ahead)
+    assert scale_at(scales, -3) == scales[0]
+
+
+def test_a_burst_between_two_counts_is_priced_at_its_own_size():
+    scales = tuple(1.0 + 0.01 * a for a in AHEAD)
+    room = Room(slo=SLO, alone_per_block=0.5, scales=scales, fits=UNLIMITED)
+    # alone 0.5 s: on time behind up to 300 (0.5 x 4.0 = 2.0 s); priced as behind 255 (1.78 s)
+    # by the largest count at or below it, both were let through
+    assert not room.refuses(0, ahead=290) and room.refuses(0, ahead=310)

@@ -114,6 +114,13 @@ class BatchedTime:
         )
 
 
-def ahead_index(ahead: int) -> int:
-    """The index in `AHEAD` of the largest count at or below `ahead`."""
-    return max(i for i, a in enumerate(AHEAD) if a <= max(ahead, 0))
+def scale_at(scales: tuple[float, ...], ahead: int) -> float:
+    """The scale (`scales`, one per count of `AHEAD`) of a newcomer behind `ahead` requests:
+    linear between the counts of `AHEAD` (a batch's time grows about linearly with its size
+    there), and along the last two past the last. (The largest count at or below `ahead` priced
+    a burst of 400 as one of 255.)"""
+    ahead = max(ahead, 0)
+    if ahead <= AHEAD[-1]:
+        return float(np.interp(ahead, AHEAD, scales))
+    slope = (scales[-1] - scales[-2]) / (AHEAD[-1] - AHEAD[-2])
+    return scales[-1] + slope * (ahead - AHEAD[-1])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dilaserve.control.batched_time import ahead_index
+from dilaserve.control.batched_time import scale_at
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class Room:
         slo = self.slo if slo is None else slo
         if self.scales:
             late = ahead + 1 > self.fits
-            return late or self.alone_per_block * blocks * self.scales[ahead_index(ahead)] > slo
+            return late or self.alone_per_block * blocks * scale_at(self.scales, ahead) > slo
         least = max(self.least, self.least_per_block * blocks)
         unpriced = ahead * max(self.least, self.least_per_block)
         return self.spare_within(slo) < least + unpriced
