@@ -195,7 +195,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             client = "{}:{}".format(*self.client) if self.client else "-"
             method, version = self.parser.get_method().decode(), self.parser.get_http_version()
             line = '%s - "%s %s HTTP/%s" %d'
-            self.access_logger.info(line, client, method, self.url.decode(), version, 429)
+            self.access_logger.info(line, client, method, self.url.decode("latin-1"), version, 429)
         if not keep_alive:
             self.transport.close()
         self.on_response_complete()
