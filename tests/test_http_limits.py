@@ -345,6 +345,21 @@ def test_a_held_body_that_stops_coming_is_a_408(front):
     assert front.refused == 0
 
 
+def test_a_request_held_at_shutdown_is_answered_by_the_app_and_its_connection_closed(front):
+    request = completion()
+    with socket.create_connection(("127.0.0.1", front.port), timeout=HANG_GUARD_S) as s:
+        s.sendall(request[:-3])  # held: its body is not whole
+        connections = front.server.server_state.connections
+        wait_until(lambda: len(connections) == 1)
+        (protocol,) = connections
+        protocol.loop.call_soon_threadsafe(protocol.shutdown)  # (what uvicorn's exit does)
+        wait_until(lambda: protocol.cycle is not None)  # let through to the app
+        s.sendall(request[-3:])
+        answer = b"".join(iter(partial(s.recv, 65536), b""))  # (until the server closes it)
+    assert statuses(answer) == [204] and b"connection: close" in answer
+    assert front.refused == 0 and front.entering == 0
+
+
 def rejected(live) -> float:
     """The server's count of refused requests (`/metrics`)."""
     lines = httpx.get(f"{live.url}/metrics", timeout=HANG_GUARD_S).text.splitlines()
