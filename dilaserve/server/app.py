@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -49,14 +48,15 @@ from dilaserve.cluster.requests import (
 )
 from dilaserve.cluster.runtime import Cluster
 from dilaserve.server.bodies import INLINE_BODY_BYTES, body_docs, param_of, validated
-from dilaserve.server.dashboard import add_dashboard, challenge, is_authorised, page_meta
+from dilaserve.server.dashboard import add_dashboard, page_meta
 from dilaserve.server.guards import (
     ENTRY,
-    OPEN_PATHS,
     EarlyRefusals,
     Guards,
+    error,
     error_body,
     received,
+    require_api_key,
     retry_headers,
 )
 from dilaserve.server.limits import HttpLimits
@@ -93,14 +93,6 @@ class ServerSettings:
         for name in ("max_body_bytes", "max_messages", "max_connections"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
-
-
-def error(
-    status: int, message: str, param: str | None = None, headers=None, code: str | None = None
-) -> JSONResponse:
-    return JSONResponse(
-        error_body(status, message, param, code), status_code=status, headers=headers
-    )
 
 
 async def _report(cluster: Cluster, metrics: ServerMetrics, seconds: float) -> None:
@@ -144,7 +136,7 @@ def create_app(
     _add_error_handlers(app)
     add_dashboard(app, metrics.dashboard, lambda: page_meta(cluster, settings), settings.api_key)
     if settings.api_key is not None:
-        _require_api_key(app, settings.api_key)
+        require_api_key(app, settings.api_key)
     app.add_middleware(
         Guards,
         max_body_bytes=settings.max_body_bytes,
@@ -218,20 +210,6 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
         return error(exc.status_code, str(exc.detail))
-
-
-def _require_api_key(app: FastAPI, key: str) -> None:
-    expected = f"Bearer {key}".encode()
-
-    @app.middleware("http")
-    async def authorise(request: Request, call_next):
-        sent = request.headers.get("authorization", "").encode()
-        path = request.url.path
-        if path not in OPEN_PATHS and not secrets.compare_digest(sent, expected):
-            if not is_authorised(path, sent, key):  # (the dashboard also takes a browser's)
-                headers = challenge(path)
-                return error(401, "a valid API key is required", None, headers, "invalid_api_key")
-        return await call_next(request)
 
 
 class _Api:

@@ -4,6 +4,8 @@ so that nothing of a refused request is read or parsed):
 - the time it reached the server (`received(request)`): latency and SLOs count from there, not
   from when the cluster got it;
 - the Host header, against the names the server answers to (DNS rebinding);
+- the API key, when the server has one (`require_api_key`, FastAPI middleware): 401 for a
+  request without it, but the probes' and the dashboard's browser;
 - draining: while the server shuts down, every new request but the probes' (`/health`,
   `/metrics`) is answered 503 with Retry-After at once, whatever the load, and every answer
   carries `Connection: close`, so that no client reuses a connection the server is closing;
@@ -38,7 +40,10 @@ import time
 from collections.abc import Sequence
 from http import HTTPStatus
 
+from fastapi.responses import JSONResponse
+
 from dilaserve.cluster.requests import FULL
+from dilaserve.server.dashboard import challenge, is_authorised
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers: no key, and answered while draining
@@ -48,6 +53,35 @@ CLOSED_RETRY_AFTER = 5  # seconds a client refused by a server shutting down sho
 SHUTTING_DOWN = "the server is shutting down; retry on another replica or later"
 RETRY_JITTER = (0.5, 1.5)  # a 429's retry-after-ms, as multiples of its Retry-After
 ENTRY = "dilaserve_entry"  # a request's count in the room while on its way (`EarlyRefusals`)
+
+
+def has_key(authorization: bytes, key: str | None) -> bool:
+    """Does an `Authorization` header carry `Bearer KEY` (any, when the server has no key)?"""
+    return key is None or secrets.compare_digest(authorization, f"Bearer {key}".encode())
+
+
+def require_api_key(app, key: str) -> None:
+    """Answer 401 to a request without the key, but the probes' (`OPEN_PATHS`) and a browser
+    the dashboard let in (`dashboard.is_authorised`, which also takes a Basic password)."""
+
+    @app.middleware("http")
+    async def authorise(request, call_next):
+        sent = request.headers.get("authorization", "").encode()
+        path = request.url.path
+        if path not in OPEN_PATHS and not has_key(sent, key):
+            if not is_authorised(path, sent, key):
+                headers = challenge(path)
+                return error(401, "a valid API key is required", None, headers, "invalid_api_key")
+        return await call_next(request)
+
+
+def error(
+    status: int, message: str, param: str | None = None, headers=None, code: str | None = None
+) -> JSONResponse:
+    """An error in OpenAI's shape, as a response of the API's."""
+    return JSONResponse(
+        error_body(status, message, param, code), status_code=status, headers=headers
+    )
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None):
@@ -178,7 +212,7 @@ class EarlyRefusals:
         on_refusal=lambda: None,
     ):
         self.cluster, self.retry_after, self.on_refusal = cluster, retry_after, on_refusal
-        self.bearer = None if api_key is None else f"Bearer {api_key}".encode()
+        self.api_key = api_key
         self.allowed_hosts = tuple(h.lower() for h in allowed_hosts)
         self.body = json.dumps(error_body(429, FULL)).encode()
 
@@ -189,8 +223,7 @@ class EarlyRefusals:
         fields = dict(headers)
         if not host_allowed(self.allowed_hosts, fields.get(b"host", b"")):
             return Verdict.OTHER
-        sent = fields.get(b"authorization", b"")
-        if self.bearer is not None and not secrets.compare_digest(sent, self.bearer):
+        if not has_key(fields.get(b"authorization", b""), self.api_key):
             return Verdict.OTHER  # the API's to answer (401)
         if b"expect" in fields or not self._small(fields.get(b"content-length")):
             return Verdict.ENTER
