@@ -1,11 +1,11 @@
 """What a capacity refusal costs the HTTP front: the server process's CPU per 429.
 
-    python benchmarks/front_refusals.py [--requests 20000] [--rate 600] [--seconds 10]
+    python benchmarks/front_refusals.py [--closed-seconds 10] [--rate 600] [--seconds 10]
 
 Serves `create_app`'s app with `server_config` (the protocol and limits `dilaserve serve` runs
 with) in a child process, over a stand-in cluster whose room refuses every request, so that no
 model runs and every generation request is answered 429 by the front. Then, from this process
-(`dilaserve bench`'s client, aiohttp): `--requests` completions from 50 closed-loop clients on
+(`dilaserve bench`'s client, aiohttp): 50 closed-loop clients for `--closed-seconds`, on
 kept-alive connections (many requests per wake of the server's event loop), and Poisson
 arrivals at `--rate` for `--seconds` (about one a wake, as under 3x overload). Prints the
 server's CPU (user + system, from /proc) per request of each, and the refusals' latency p99.
@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from reliability_load import client_for, completion_body, open_loop  # noqa: E402
+from reliability_load import closed_loop, open_loop  # noqa: E402
 
 SERVER = """
 import sys
@@ -64,18 +64,6 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def closed_loop(url: str, requests: int, clients: int = 50) -> list[int]:
-    body, statuses = completion_body(2000), []
-    async with client_for(url) as client:
-
-        async def loop(count: int):
-            for _ in range(count):
-                statuses.append((await client.post("/v1/completions", body)).status)
-
-        await asyncio.gather(*(loop(requests // clients) for _ in range(clients)))
-    return statuses
-
-
 def measured(server: subprocess.Popen, run) -> tuple[float, list]:
     """(server CPU seconds, `run()`'s result)."""
     before = cpu_seconds(server.pid)
@@ -83,14 +71,17 @@ def measured(server: subprocess.Popen, run) -> tuple[float, list]:
     return cpu_seconds(server.pid) - before, result
 
 
-def figures(spent: float, statuses: list) -> dict:
-    return {"requests": len(statuses), "refused": statuses.count(429),
-            "server_cpu_us_per_request": round(1e6 * spent / len(statuses), 1)}  # fmt: skip
+def figures(spent: float, records: list[dict]) -> dict:
+    """The requests, the refused, the server's CPU per request and the latency p99."""
+    latencies = sorted(r["latency"] for r in records)
+    return {"requests": len(records), "refused": sum(r["status"] == 429 for r in records),
+            "server_cpu_us_per_request": round(1e6 * spent / len(records), 1),
+            "latency_p99_ms": round(1000 * latencies[int(0.99 * len(latencies))], 2)}  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=20_000, help="closed loop's")
+    parser.add_argument("--closed-seconds", type=float, default=10.0, help="closed loop's")
     parser.add_argument("--rate", type=float, default=600.0, help="open loop's, per second")
     parser.add_argument("--seconds", type=float, default=10.0, help="open loop's")
     parser.add_argument("--port", type=int, default=18_890)
@@ -106,15 +97,11 @@ def main() -> None:
                 break
             except httpx.HTTPError:
                 time.sleep(0.2)
-        asyncio.run(closed_loop(url, 2000))  # warm-up
-        spent, statuses = measured(server, lambda: asyncio.run(closed_loop(url, args.requests)))
-        closed = figures(spent, statuses)
-        spent, records = measured(
-            server, lambda: asyncio.run(open_loop(url, args.rate, args.seconds, 2000, seed=0))
-        )
-        latencies = sorted(r["latency"] for r in records)
-        opened = figures(spent, [r["status"] for r in records])
-        opened["latency_p99_ms"] = round(1000 * latencies[int(0.99 * len(latencies))], 2)
+        asyncio.run(closed_loop(url, 50, 1, 2000))  # warm-up
+        loop = closed_loop(url, 50, args.closed_seconds, 2000)
+        closed = figures(*measured(server, lambda: asyncio.run(loop)))
+        loop = open_loop(url, args.rate, args.seconds, 2000, seed=0)
+        opened = figures(*measured(server, lambda: asyncio.run(loop)))
     finally:
         os.killpg(server.pid, signal.SIGKILL)
     print(json.dumps({"closed_loop_50": closed, f"open_loop_{args.rate:g}_per_s": opened}))
