@@ -136,3 +136,16 @@ def test_a_lost_request_leaves_load_controls_budget_window():
     arrive_on_time_then_late(s)
     assert s.requests["late"].lost
     assert s.load_control.window_seconds(1.0) == pytest.approx(99.0)
+
+
+def test_a_far_deadline_that_leaves_leaves_the_budget_window_as_it_was():
+    # a running sum of the deadlines lost "near"'s once the far one (an SLO of 1e300 ms, as a
+    # client may send) came and went: the window read 0 s and Alg. 2/4 held every request
+    # at the lowest threshold from then on (the reliability suite's fuzz did it to the server)
+    s = scheduler(Lost.NEVER)
+    s.on_arrival(make_request("near", gen_len=2 * BLOCK, arrival_time=0.0, deadline=100.0), 0.0)
+    far = make_request("far", gen_len=2 * BLOCK, arrival_time=0.0, deadline=1e297)
+    s.on_arrival(far, 0.0)
+    assert s.load_control.window_seconds(1.0) > 1e296
+    s.cancel("far")
+    assert s.load_control.window_seconds(1.0) == pytest.approx(99.0)

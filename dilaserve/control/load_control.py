@@ -27,6 +27,7 @@ is the budget's floor.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 from dilaserve.control.decisions import SchedulerConfig
@@ -68,7 +69,6 @@ class LoadControl:
         self.window = window
         self.speed = speed
         self._deadlines: dict[str, float] = {}  # request -> deadline (BUDGET_LEFT only)
-        self._deadline_sum = 0.0
         self._tracked = tracked
         self.calibration = None  # Alg. 1's OnTimeCalibration where work is priced at its quantile
         self.quality = None  # the policy's QualityBudget: its floor is Alg. 2/4's lowest threshold
@@ -83,9 +83,7 @@ class LoadControl:
     def admit(self, request_id: str) -> None:
         self._unpredicted[request_id] = None
         if self.window is LoadWindow.BUDGET_LEFT:
-            deadline = self._tracked[request_id].request.deadline
-            self._deadlines[request_id] = deadline
-            self._deadline_sum += deadline
+            self._deadlines[request_id] = self._tracked[request_id].request.deadline
 
     def stepped(self, tracked: Sequence) -> None:
         """One step done for each of `tracked` (requests that go on): predicted ones count down
@@ -104,18 +102,13 @@ class LoadControl:
         """Alg. 2/4 no longer counts the request (it is lost, `lost_work.py`)."""
         if request_id in self._table:
             self._table.leave_out(request_id)
-        self._drop_deadline(request_id)
+        self._deadlines.pop(request_id, None)
 
     def forget(self, request_id: str) -> None:
         self._table.remove(request_id)
         self._unpredicted.pop(request_id, None)
         self._due.pop(request_id, None)
-        self._drop_deadline(request_id)
-
-    def _drop_deadline(self, request_id: str) -> None:
-        deadline = self._deadlines.pop(request_id, None)
-        if deadline is not None:
-            self._deadline_sum -= deadline
+        self._deadlines.pop(request_id, None)
 
     def refresh(self, now: float) -> bool:
         """Predict for every request that has none yet and, at most once per
@@ -168,10 +161,12 @@ class LoadControl:
 
     def window_seconds(self, now: float) -> float:
         """Seconds the capacity covers: one SLO, or the mean budget left to the requests
-        counted (>= 0)."""
+        counted (>= 0). The deadlines are summed afresh, exactly: a running sum lost the
+        deadlines beside a far one (an SLO of 1e300 ms) when that one left, and the window
+        stayed short, so that Alg. 2/4 held every request at the lowest threshold for good."""
         if self.window is LoadWindow.SLO or not self._deadlines:
             return self.config.slo
-        return max(self._deadline_sum / len(self._deadlines) - now, 0.0)
+        return max(math.fsum(self._deadlines.values()) / len(self._deadlines) - now, 0.0)
 
     def _factor(self, now: float) -> float:
         """How much longer than predicted the work in flight may take: 1 (the point estimate,
