@@ -107,3 +107,15 @@ def test_simulated_quality_stays_within_the_budget_where_it_fell_beyond_it():
     assert 1 - without["quality"] / top > 0.01
     assert 1 - within["quality"] / top <= 0.01
     assert within["quality_budget"] == 0.01 and within["quality_floor_raised"] > 0
+
+
+def test_a_request_its_client_held_below_the_top_spends_none_of_the_budget():
+    policy = get_policy("dilaserve", candidates=(0.5, 0.9))
+    s = Scheduler(policy, PROFILE, FakePredictor(), SchedulerConfig(block_len=BLOCK, slo=1.0))
+    pinned = make_request("pinned", threshold=0.5)
+    pinned.threshold_bounds = (1e-9, 0.5)  # the client's `max_threshold`
+    s._selection.finished(pinned, 0.0)
+    assert s.quality.finished == 0 and s.quality.floor(0.0) == 0.5
+    chosen = make_request("chosen", threshold=0.5)  # at 0.5 by the controller's choice
+    s._selection.finished(chosen, 0.0)
+    assert s.quality.finished == 1 and s.quality.floor(0.0) == 0.9

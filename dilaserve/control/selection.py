@@ -93,10 +93,13 @@ class ThresholdSelection:
         return allowed if self.quality is None else self.quality.above_floor(allowed, now)
 
     def finished(self, r: Request, now: float) -> None:
-        """`r` finished at `now`: Alg. 1's calibration and the quality budget learn from it."""
+        """`r` finished at `now`: Alg. 1's calibration and the quality budget learn from it.
+        The budget counts what the controller chose: not a request whose own bounds kept it
+        below the top threshold (its client chose that loss; counted, a few pinned at 1e-9
+        closed the ladder to everyone else)."""
         if self.deadline is not None:
             self.deadline.finished_at(r.request_id, now)
-        if self.quality is not None:
+        if self.quality is not None and r.within_bounds((self.quality.top,)):
             self.quality.finished_at(r.mean_threshold, now)
 
     def forget(self, request_id: str) -> None:
