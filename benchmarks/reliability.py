@@ -18,9 +18,11 @@ process group of its own and runs these phases, each bounded in time:
 2. capacity: a closed loop of 32 clients, then of 128, each for `--capacity-seconds`: the most
    requests served per second of the two (the capacity). 32 alone measured the rate at 32 in
    flight: under 3x overload the server then served up to 1.3x it (docs/serving/reliability.md).
+   Each with the mean step threshold it ran at (`/metrics`): a rate bought at the lowest
+   threshold shows (after the fuzz, 32 clients once ran at 0.700: fixed in 6efb977).
 3. overload: Poisson arrivals at 3x that capacity for `--overload-seconds`: how fast refusals
    come (429 with Retry-After), the share of admitted requests within their SLO, requests left
-   without an answer, and the served rate against the capacity.
+   without an answer, and the served rate against the capacity, at its mean step threshold.
 4. closed loop: `--storm-clients` closed-loop clients for `--storm-seconds`, each waiting
    after a refusal as long as OpenAI's client does (`retry-after-ms`, jittered by the server,
    else Retry-After), the same figures; then a storm: the same
@@ -81,7 +83,14 @@ from reliability_hostile import (
     streams_past_the_drain,
 )
 from reliability_load import client_for, closed_loop, one
-from reliability_phases import fuzz, health_under_large_bodies, kill_phase, overload_phase
+from reliability_phases import (
+    fuzz,
+    health_under_large_bodies,
+    kill_phase,
+    mean_threshold,
+    overload_phase,
+    step_thresholds,
+)
 from reliability_summaries import served_rate
 from reliability_targets import verdicts
 
@@ -182,13 +191,15 @@ class Run:
         args = self.args
         if args.capacity is not None:
             return args.capacity
-        served = {}
+        served, thresholds = {}, {}
         for clients in CAPACITY_CLIENTS:
+            before = await step_thresholds(self.url)
             records = await closed_loop(self.url, clients, args.capacity_seconds, args.slo_ms)
             served[clients] = served_rate(records, args.capacity_seconds)
+            thresholds[clients] = mean_threshold(before, await step_thresholds(self.url))
         capacity = max(served.values())
-        self.keep("capacity", {"seconds": args.capacity_seconds, "served_per_s": served,
-                               "capacity_per_s": capacity})  # fmt: skip
+        figures = {"seconds": args.capacity_seconds, "served_per_s": served}
+        self.keep("capacity", figures | {"mean_threshold": thresholds, "capacity_per_s": capacity})
         return capacity
 
     async def load(self, capacity: float) -> None:
@@ -312,7 +323,8 @@ def overload_line(o: dict) -> str:
         f"({o['served_within_slo']:.1%} within SLO as the client counts, "
         f"{o['served_within_slo_server']:.1%} as the server does), "
         f"{o['without_answer']} without an answer, "
-        f"{o['served_per_s']}/s served vs {o['capacity_per_s']}/s at capacity"
+        f"{o['served_per_s']}/s served vs {o['capacity_per_s']}/s at capacity, "
+        f"mean step threshold {o.get('mean_threshold')}"
     )
 
 

@@ -91,6 +91,7 @@ async def overload_phase(url: str, rate: float, capacity: float, args) -> dict:
     slowdowns: list[float] = []
     lags: list[float] = []
     seconds = args.overload_seconds
+    thresholds = await step_thresholds(url)
     records, _, _ = await asyncio.gather(
         open_loop(url, rate, seconds, args.slo_ms, args.seed),
         slowdown_watch(url, time.monotonic() + seconds, slowdowns),
@@ -100,6 +101,7 @@ async def overload_phase(url: str, rate: float, capacity: float, args) -> dict:
     summary |= overload_summary(records, seconds, capacity, args.slo_ms)
     summary |= {"client_loop_lag_p50_s": percentile(lags, 0.5),
                 "client_loop_lag_p99_s": percentile(lags, 0.99)}  # fmt: skip
+    summary["mean_threshold"] = mean_threshold(thresholds, await step_thresholds(url))
     summary["step_slowdown"] = {
         "min": min(slowdowns, default=None),
         "median": percentile(slowdowns, 0.5),
@@ -120,6 +122,22 @@ async def metrics_each_second(url: str, until: float):
                 yield None
                 continue
             yield dict(line.split()[:2] for line in text.splitlines() if " " in line)
+
+
+async def step_thresholds(url: str) -> tuple[float, float]:
+    """The server's step thresholds so far, (their sum, their count), from `/metrics`."""
+    async with client_for(url, timeout=10) as client:
+        text = (await client.get("/metrics")).body.decode()
+    values = dict(line.split()[:2] for line in text.splitlines() if " " in line)
+    return (float(values.get("dilaserve_step_threshold_sum", 0.0)),
+            float(values.get("dilaserve_step_threshold_count", 0.0)))  # fmt: skip
+
+
+def mean_threshold(before: tuple[float, float], after: tuple[float, float]) -> float | None:
+    """The mean step threshold between two `step_thresholds` (None: no step): what a served
+    rate was bought with (a fuzz once left every later step at the lowest, 6efb977)."""
+    steps = after[1] - before[1]
+    return round((after[0] - before[0]) / steps, 3) if steps else None
 
 
 async def slowdown_watch(url: str, until: float, seen: list) -> None:
