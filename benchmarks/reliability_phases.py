@@ -121,14 +121,19 @@ async def metrics_each_second(url: str, until: float):
             except (NoAnswer, asyncio.TimeoutError):
                 yield None
                 continue
-            yield dict(line.split()[:2] for line in text.splitlines() if " " in line)
+            yield metric_values(text)
+
+
+def metric_values(text: str) -> dict[str, str]:
+    """`/metrics`' text as a dict of sample name (with its labels) to value."""
+    return dict(line.split()[:2] for line in text.splitlines() if " " in line)
 
 
 async def step_thresholds(url: str) -> tuple[float, float]:
     """The server's step thresholds so far, (their sum, their count), from `/metrics`."""
     async with client_for(url, timeout=10) as client:
         text = (await client.get("/metrics")).body.decode()
-    values = dict(line.split()[:2] for line in text.splitlines() if " " in line)
+    values = metric_values(text)
     return (float(values.get("dilaserve_step_threshold_sum", 0.0)),
             float(values.get("dilaserve_step_threshold_count", 0.0)))  # fmt: skip
 

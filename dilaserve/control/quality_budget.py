@@ -9,13 +9,15 @@ docs/control/thresholds.md, "A quality budget").
 
 Each finished request's quality estimate (the quality curve, `dilaserve.quality`, at its
 token-weighted mean threshold, as the simulator's metric reads it) joins the mean over every
-request finished so far. The budget is a relative loss against the curve at the ladder's top
-threshold (0.01: the paper's 1%). While that mean loses more than the budget, the *floor*, the
-lowest threshold Alg. 1 and Alg. 2/4 may give a request, is the top threshold: the budget is
-spent, and the requests that finish at the top pay it back; once the mean is within the budget
-the whole ladder is open again. A lost request (`lost_work.py`) runs at the top whatever the
-floor: its deadline is gone, so a lower threshold buys nothing but a quality loss. No constant
-is fitted to a trace: the budget is the paper's, the half-life Alg. 1's calibration's.
+request finished so far, except a request whose own bounds keep it below the top threshold: its
+client chose that loss, not the controller (`ThresholdSelection.finished`). The budget is a
+relative loss against the curve at the ladder's top threshold (0.01: the paper's 1%). While
+that mean loses more than the budget, the *floor*, the lowest threshold Alg. 1 and Alg. 2/4 may
+give a request, is the top threshold: the budget is spent, and the requests that finish at the
+top pay it back; once the mean is within the budget the whole ladder is open again. A lost
+request (`lost_work.py`) runs at the top whatever the floor: its deadline is gone, so a lower
+threshold buys nothing but a quality loss. No constant is fitted to a trace: the budget is the
+paper's, the half-life Alg. 1's calibration's.
 
 An estimate is not a fact (DESIGN.md 7): while no request finishes, the loss read decays toward
 none with a half-life, so a floor raised on old evidence falls by itself. Pure bookkeeping: the

@@ -95,8 +95,8 @@ class ThresholdSelection:
     def finished(self, r: Request, now: float) -> None:
         """`r` finished at `now`: Alg. 1's calibration and the quality budget learn from it.
         The budget counts what the controller chose: not a request whose own bounds kept it
-        below the top threshold (its client chose that loss; counted, a few pinned at 1e-9
-        closed the ladder to everyone else)."""
+        below the top threshold (its client chose that loss; counted, one such request could
+        close the lower thresholds to every other until requests at the top paid it back)."""
         if self.deadline is not None:
             self.deadline.finished_at(r.request_id, now)
         if self.quality is not None and r.within_bounds((self.quality.top,)):
