@@ -45,7 +45,7 @@ def test_admission_counts_on_what_the_instances_serve_not_the_full_batch_model()
     measured = sum(tokens / seconds for tokens, seconds in served.values())
     modelled = admission.modelled_capacity()
     assert modelled > 1.5 * measured  # the model's full batches
-    room = cluster.controller.room  # what the HTTP front refuses by
+    room = cluster.controller.admitting.room  # what the HTTP front refuses by
     counted_on = room.throughput * admission.on_time.factor(clock.t)
     assert abs(counted_on / measured - 1) < 0.1
     assert abs(admission.capacity(clock.t) / measured - 1) < 0.1

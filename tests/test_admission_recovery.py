@@ -16,7 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from dilaserve.cluster.backends import WorkerEvent
-from dilaserve.cluster.controller import ROOM_MAX_AGE
+from dilaserve.cluster.gate import ROOM_MAX_AGE
 from dilaserve.cluster.hangs import LAST_INSTANCE_GRACE
 from dilaserve.cluster.requests import FULL, InvalidRequest, Overloaded
 from dilaserve.cluster.runtime import Cluster, ClusterConfig
@@ -402,8 +402,10 @@ def test_a_burst_of_arrivals_is_priced_into_the_room_once_it_is_handled(monkeypa
     run_until(cluster, lambda: not controller.arrivals)
     assert all(outcome(cluster, h) == "admitted" for h in handles)
     assert len(priced) == 1
-    assert controller.room == room(controller._last)  # (the latest, with all 20 in flight)
-    assert controller.room.lowest_priority == 0
+    assert controller.admitting.room == room(
+        controller._last
+    )  # (the latest, with all 20 in flight)
+    assert controller.admitting.room.lowest_priority == 0
     run_until(cluster, lambda: not controller.handles)  # each event alone: priced after each
     assert len(priced) > 20
 
@@ -422,7 +424,7 @@ def test_a_bursts_refusals_are_answered_from_the_back_of_the_queue(monkeypatch):
     refusal = controller.admission.refusal
     monkeypatch.setattr(controller.admission, "refusal", lambda r, *a: asked.append(r) or
                         refusal(r, *a))  # fmt: skip
-    controller.room = Room()  # the front lets the whole burst through
+    controller.admitting.room = Room()  # the front lets the whole burst through
     burst = [submit(cluster, f"b{k}") for k in range(200)]
     for _ in range(200):  # each event takes ROOM_MAX_AGE: the room is priced after each
         if not controller.arrivals:

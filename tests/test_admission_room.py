@@ -145,7 +145,7 @@ def recording_room(cluster) -> list[int]:
             asked.append(ahead)
             return False
 
-    cluster.controller.room = Recording(0, 100.0, 0.0, 1.0, SLO, 1.0, 32)
+    cluster.controller.admitting.room = Recording(0, 100.0, 0.0, 1.0, SLO, 1.0, 32)
     return asked
 
 

@@ -30,20 +30,12 @@ from collections.abc import Callable
 
 from dilaserve.cluster.backends import Backend, WorkerEvent
 from dilaserve.cluster.config import ClusterConfig
-from dilaserve.cluster.gate import refused_behind
+from dilaserve.cluster.gate import Admitting
 from dilaserve.cluster.hangs import HangWatch
 from dilaserve.cluster.replacements import Replacements
-from dilaserve.cluster.requests import (
-    FULL,
-    Answers,
-    InvalidRequest,
-    Observer,
-    Overloaded,
-    Recording,
-    RequestHandle,
-)
+from dilaserve.cluster.requests import Answers, Observer, Recording, RequestHandle
 from dilaserve.cluster.stalls import StallWatch
-from dilaserve.control.admission import LOWEST_PRIORITY, Admission, Room
+from dilaserve.control.admission import Admission
 from dilaserve.control.decision_log import DecisionLog
 from dilaserve.control.decisions import Decisions, InstanceSpec
 from dilaserve.control.rollout import Rollout
@@ -52,13 +44,13 @@ from dilaserve.protocol import StepBatch, StepOutput
 
 log = logging.getLogger("dilaserve.cluster")
 STEP_TIMES_KEPT = 100_000  # steps whose timings a cluster keeps (the latest)
-ROOM_MAX_AGE = 0.01  # s: while events queue, the `room` is priced again at most this late
 
 
 class Controller:
     """`now`: the cluster's clock (seconds since it started serving). `Cluster` adds to
     `handles`, `arrivals` and `cancels` from the callers' threads (the controller's thread
-    takes them out), reads `room` and `replacements`, and sets `closing` to stop `run`."""
+    takes them out), reads `admitting` (its `room`) and `replacements`, and sets `closing` to
+    stop `run`."""
 
     def __init__(
         self,
@@ -100,11 +92,10 @@ class Controller:
         self.cancels: deque[str] = deque()
         self.closing = threading.Event()  # `run` returns once it is set
         self.replacements = Replacements()
-        self.room = Room()  # admission's answer between events (`Cluster.is_full`)
-        self._room_at, self._room_stale = 0.0, False  # when it was priced; events since
-        # requests refused for capacity since the last one admitted, here or by the `room`
-        # (`Cluster.health`); written from the callers' threads too: a monitoring figure
-        self.refused_in_a_row = 0
+        # the room the front asks, and admission of each arrival (`gate.py`)
+        self.admitting = Admitting(
+            self.admission, answers, self.handles, self.stats, self.recording
+        )
         self._specs: dict[str, InstanceSpec] = {}  # starting or running
         self._inflight: dict[str, tuple[float, StepBatch]] = {}
         self._events: deque[WorkerEvent] = deque()
@@ -132,48 +123,22 @@ class Controller:
             self.run_once()
 
     def run_once(self) -> None:
-        """One event (or a wait for one), then the `room` priced again if the event may have
-        changed it: at once when no other event is queued, else at most `ROOM_MAX_AGE` late
-        (a burst of arrivals is answered sooner when each arrival does not price it again:
-        docs/serving/reliability.md, "Where the refusals wait")."""
+        """One event (or a wait for one), then the front's `room` priced again if the event
+        may have changed it (`Admitting.price_room`)."""
         try:
             began = self.now()
             self._next_event()
             if self._handling[0] != "poll":  # the load or the instances may have changed
                 if self.stalls.handled(began, self.now(), self._inflight):
                     self._void_timings()  # it held up every result (`stalls.py`)
-                self._room_stale = True
-            if self._room_stale and (not self._queued() or self._room_age() >= ROOM_MAX_AGE):
-                self.room, self._room_at = self.admission.room(self._last), self._last
-                self._room_stale = False
-                self._refuse_beyond_room()
+                self.admitting.stale = True
+            self.admitting.price_room(self._last, self._queued(), self.arrivals)
         except Exception as e:  # a controller bug: fail what it concerned, never the rest
             self._survive(e)
-
-    def _refuse_beyond_room(self) -> None:
-        """Refuse at once the queued arrivals that the `room` just priced refuses behind those
-        ahead of them: in a burst they are the last in the queue, and waited there behind
-        every admission before them (docs/serving/reliability.md, "Where the refusals wait").
-        The rest stay queued, in order, to be asked in full. Only when refusing (`reject`);
-        the front's rule (`gate.room_refuses`)."""
-        if self.admission.mode != "reject" or not self.arrivals:
-            return
-        queued = [self.arrivals.popleft() for _ in range(len(self.arrivals))]
-        requests, refused = [h.request for h in queued], [False] * len(queued)
-        try:
-            refused = refused_behind(self.room, self.scheduler.config.slo, requests)
-        finally:  # (callers append behind them meanwhile)
-            self.arrivals.extendleft(reversed([h for h, no in zip(queued, refused) if not no]))
-        for handle in (h for h, no in zip(queued, refused) if no):
-            handle.request.arrival_time = self._last
-            self._refuse(handle, Overloaded(FULL))
 
     def _queued(self) -> bool:
         """Whether an arrival, a cancellation or an instance's event waits to be handled."""
         return bool(self.arrivals or self.cancels or self._events)
-
-    def _room_age(self) -> float:
-        return self._last - self._room_at
 
     def _next_event(self) -> None:
         now = self._clock()
@@ -247,46 +212,13 @@ class Controller:
     def _admit(self, handle: RequestHandle, now: float) -> None:
         request = handle.request
         request.arrival_time = now
-        if not self._within_capacity(handle, now):
+        if not self.admitting.within_capacity(handle, now):
             return
         handle.admission.set_result(None)
         self.admission.admitted(request, now)
         if self.recording is not None:
             self.recording.requests.append(request.fresh())
         self.apply(self.scheduler.on_arrival(request, now), now, f"a{request.request_id}")
-
-    def _within_capacity(self, handle: RequestHandle, now: float) -> bool:
-        """Admission by capacity (`admission`): a request that cannot meet its SLO is refused,
-        or served last."""
-        try:
-            refusal = self.admission.refusal(handle.request, now, handle.submitted)
-        except Exception:  # a bug in the check must not fail the request: admit it
-            self.stats["controller_errors"] += 1
-            log.exception("admission check of request %s failed; admitted", handle.request_id)
-            return True
-        if refusal is None:
-            self.refused_in_a_row = 0
-            return True
-        if self.admission.mode == "deprioritize":
-            self.stats["deprioritized"] += 1
-            handle.request.priority = LOWEST_PRIORITY
-            return True
-        if refusal.param is not None:  # the request's fault, whatever the load: a 400
-            self.stats["refused_invalid"] += 1
-            self._refuse(handle, InvalidRequest(refusal.param, refusal.reason))
-            return False
-        self._refuse(handle, Overloaded(f"cannot meet its SLO now: {refusal}"))
-        return False
-
-    def _refuse(self, handle: RequestHandle, error: Exception) -> None:
-        """Answer a queued arrival with `error` (a 429, or an `InvalidRequest`'s 400)."""
-        self.stats["refused"] += 1
-        self.handles.pop(handle.request_id, None)
-        if isinstance(error, Overloaded):
-            self.refused_in_a_row += 1
-        if self.recording is not None:
-            self.recording.refused.append(handle.request.fresh())
-        self.answers.refuse(handle, error)
 
     def _cancel(self, rid: str, now: float) -> None:
         handle = self.handles.get(rid)

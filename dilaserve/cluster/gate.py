@@ -7,17 +7,29 @@ the front let through that are still on their way: counted from the moment the H
 let them through (`guards.EarlyRefusals`), through the app's parsing and tokenizing, until
 they are queued. So a burst is priced as one, each request behind those before it, and not
 each as if it came alone (docs/serving/reliability.md, "The 400 clients' first wave", and
-"Refusals below the app")."""
+"Refusals below the app").
+
+The controller's side is `Admitting`: it prices that `Room` again after the events that may
+change it, refuses the queued arrivals the new room refuses, and asks admission in full of
+each arrival it takes (`control.admission`), answering those refused."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
+from collections import deque
+
+from dilaserve.cluster.requests import FULL, InvalidRequest, Overloaded, RequestHandle
+from dilaserve.control.admission import LOWEST_PRIORITY, Admission, Room
+
+log = logging.getLogger("dilaserve.cluster")
+ROOM_MAX_AGE = 0.01  # s: while events queue, the `room` is priced again at most this late
 
 
 class Gate:
     def __init__(self, controller, slo: float):
-        self.controller = controller  # its `room`, `arrivals` and `refused_in_a_row`
+        self.controller = controller  # its `arrivals` and `admitting` (the `room`)
         self.slo = slo  # the server's default SLO, seconds
         self._entering = 0  # requests `entering`: let through, not queued yet
         self._lock = threading.Lock()
@@ -32,9 +44,10 @@ class Gate:
 
     def refuses(self, priority, slo, max_tokens, ahead: int) -> bool:
         """`room_refuses` of the controller's room; a refusal counts toward `health`."""
-        if not room_refuses(self.controller.room, self.slo, priority, slo, max_tokens, ahead):
+        admitting = self.controller.admitting
+        if not room_refuses(admitting.room, self.slo, priority, slo, max_tokens, ahead):
             return False
-        self.controller.refused_in_a_row += 1
+        admitting.refused_in_a_row += 1
         return True
 
     def enter(self) -> _Entry:
@@ -101,3 +114,81 @@ def refused_behind(room, server_slo: float, requests) -> list[bool]:
         refused.append(room_refuses(room, server_slo, r.priority, r.slo, r.max_tokens, kept))
         kept += not refused[-1]
     return refused
+
+
+class Admitting:
+    """The controller's side of the gate, on its thread: the `room` the front asks, priced again
+    after events (`price_room`), and admission of each arrival (`within_capacity`). A refused
+    arrival is answered (a 429, or a 400 for an SLO no idle cluster meets), counted in `stats`
+    and in `refused_in_a_row` (`Cluster.health`; written from the callers' threads too: a
+    monitoring figure), dropped from `handles` and kept by the `recording` if there is one."""
+
+    def __init__(self, admission: Admission, answers, handles: dict, stats: dict, recording):
+        self.admission = admission
+        self.answers, self.handles, self.stats, self.recording = answers, handles, stats, recording
+        self.room = Room()  # admission's answer between events (`Gate.is_full`)
+        self.stale = False  # an event may have changed the room since it was priced
+        self._room_at = 0.0  # when it was priced
+        self.refused_in_a_row = 0  # refused for capacity since the last admitted
+
+    def price_room(self, now: float, queued: bool, arrivals: deque[RequestHandle]) -> None:
+        """Price the `room` again if it is `stale`: at once when no event is `queued`, else at
+        most `ROOM_MAX_AGE` late (a burst of arrivals is answered sooner when each arrival does
+        not price it again: docs/serving/reliability.md, "Where the refusals wait"); then
+        refuse the queued `arrivals` it refuses."""
+        if not self.stale or (queued and now - self._room_at < ROOM_MAX_AGE):
+            return
+        self.room, self._room_at, self.stale = self.admission.room(now), now, False
+        self._refuse_beyond_room(arrivals, now)
+
+    def _refuse_beyond_room(self, arrivals: deque[RequestHandle], now: float) -> None:
+        """Refuse at once the queued arrivals that the `room` refuses behind those ahead of
+        them: in a burst they are the last in the queue, and waited there behind every
+        admission before them (docs/serving/reliability.md, "Where the refusals wait"). The
+        rest stay queued, in order, to be asked in full. Only when refusing (`reject`); the
+        front's rule (`room_refuses`)."""
+        if self.admission.mode != "reject" or not arrivals:
+            return
+        queued = [arrivals.popleft() for _ in range(len(arrivals))]
+        requests, refused = [h.request for h in queued], [False] * len(queued)
+        try:
+            slo = self.admission.scheduler.config.slo
+            refused = refused_behind(self.room, slo, requests)
+        finally:  # (callers append behind them meanwhile)
+            arrivals.extendleft(reversed([h for h, no in zip(queued, refused) if not no]))
+        for handle in (h for h, no in zip(queued, refused) if no):
+            handle.request.arrival_time = now
+            self.refuse(handle, Overloaded(FULL))
+
+    def within_capacity(self, handle: RequestHandle, now: float) -> bool:
+        """Admission by capacity (`admission`): a request that cannot meet its SLO is refused,
+        or served last."""
+        try:
+            refusal = self.admission.refusal(handle.request, now, handle.submitted)
+        except Exception:  # a bug in the check must not fail the request: admit it
+            self.stats["controller_errors"] += 1
+            log.exception("admission check of request %s failed; admitted", handle.request_id)
+            return True
+        if refusal is None:
+            self.refused_in_a_row = 0
+            return True
+        if self.admission.mode == "deprioritize":
+            self.stats["deprioritized"] += 1
+            handle.request.priority = LOWEST_PRIORITY
+            return True
+        if refusal.param is not None:  # the request's fault, whatever the load: a 400
+            self.stats["refused_invalid"] += 1
+            self.refuse(handle, InvalidRequest(refusal.param, refusal.reason))
+            return False
+        self.refuse(handle, Overloaded(f"cannot meet its SLO now: {refusal}"))
+        return False
+
+    def refuse(self, handle: RequestHandle, error: Exception) -> None:
+        """Answer a queued arrival with `error` (a 429, or an `InvalidRequest`'s 400)."""
+        self.stats["refused"] += 1
+        self.handles.pop(handle.request_id, None)
+        if isinstance(error, Overloaded):
+            self.refused_in_a_row += 1
+        if self.recording is not None:
+            self.recording.refused.append(handle.request.fresh())
+        self.answers.refuse(handle, error)

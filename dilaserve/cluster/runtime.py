@@ -173,7 +173,7 @@ class Cluster:
             return "no instance serving: lost capacity is being restored"
         if self.controller.replacements.pending:
             return "lost capacity is being restored"
-        refused = self.controller.refused_in_a_row
+        refused = self.controller.admitting.refused_in_a_row
         if refused >= REFUSALS_DEGRADED:
             return (
                 f"admission refused the last {refused} requests (steps measured at "
