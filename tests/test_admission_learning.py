@@ -6,6 +6,8 @@ import pytest
 
 from dilaserve.control.admission import Admission
 from dilaserve.control.build import ControlSpec, build_scheduler
+from dilaserve.control.features import request_states
+from dilaserve.control.step_limits import within_limits
 
 from conftest import make_request
 
@@ -80,3 +82,32 @@ def test_fixed_thresholds_record_nothing(policy):
     admission.admitted(request, 0.0)
     admission.finished("r", 1.0)
     assert not admission._priced and admission.on_time.finished == 0
+
+
+def test_a_request_admission_priced_is_not_predicted_again_when_it_is_admitted(monkeypatch):
+    """Admission's prediction of a newcomer's steps is load control's first one (the same
+    request in the same state): one predictor call, not two (`LoadControl.predict_arrival`)."""
+    scheduler = build_scheduler(ControlSpec())
+    scheduler.add_instance("i0", 1, 8192)
+    admission, loads = Admission(scheduler), scheduler.load_control
+    asked = []
+    predict = loads.predictor.predict
+
+    def counting(request_ids, states):
+        asked.append(list(request_ids))
+        return predict(request_ids, states)
+
+    monkeypatch.setattr(loads.predictor, "predict", counting)
+    priced = make_request("priced", gen_len=64, deadline=1e6)
+    assert admission.refusal(priced, 0.0) is None
+    admission.admitted(priced, 0.0)
+    scheduler.on_arrival(priced, 0.0)
+    assert asked == [["priced"]]  # admission's call; the first refresh took its steps
+    ladder = loads.ladder
+    expected = predict(["priced"], request_states([priced]))[0]
+    columns = [list(loads.predictor.thresholds).index(g) for g in ladder]
+    expected = within_limits(expected[columns][None, :], [priced])[0]
+    assert loads.steps_left("priced", ladder) == pytest.approx(list(expected))
+    unpriced = make_request("unpriced", gen_len=64, deadline=1e6)  # (admission not asked)
+    scheduler.on_arrival(unpriced, 0.0)
+    assert asked[-1] == ["unpriced"]

@@ -54,7 +54,6 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from dilaserve.control.batched_time import UNLIMITED, BatchedTime
-from dilaserve.control.features import request_states
 from dilaserve.control.on_time import OnTimeCalibration
 from dilaserve.control.room import Room
 from dilaserve.control.step_limits import within_limits
@@ -351,10 +350,8 @@ class Admission:
         if request.prior_steps is not None:  # DWS's estimate, as load control uses it
             steps = request.prior_steps[threshold]
         else:
-            predictor = self._loads.predictor
-            column = list(predictor.thresholds).index(threshold)
-            rows = predictor.predict([request.request_id], request_states([request]))
-            steps = rows[0, column]
+            row = self._loads.predict_arrival(request)
+            steps = row[self._loads.ladder.index(threshold)]
         return float(within_limits(np.array([[steps]]), [request])[0, 0])
 
     def _load(self, requests: list[Request], steps: list[float]) -> float:

@@ -30,6 +30,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
+import numpy as np
+
 from dilaserve.control.decisions import SchedulerConfig
 from dilaserve.control.features import request_states
 from dilaserve.control.instance import InstanceState
@@ -75,13 +77,25 @@ class LoadControl:
         self._width = len(ladder)  # the ladder's thresholds at or above that floor, last run
         self._columns = [list(predictor.thresholds).index(g) for g in ladder]
         self._table = LoadTable(len(ladder))
-        self._unpredicted: dict[str, None] = {}  # admitted, no prediction yet (insertion order)
+        self._unpredicted: dict[str, np.ndarray | None] = {}  # admitted, not in the table yet
+        # (insertion order), with the steps admission had predicted for it if it had
+        self._asked: tuple[str, np.ndarray] | None = None  # `predict_arrival`'s latest
         self._due: dict[str, None] = {}  # `refresh_every_tokens` committed since the last one
         self._last_refresh = float("-inf")
         self._last_run = float("-inf")
 
+    def predict_arrival(self, request) -> np.ndarray:
+        """The predictor's steps over the ladder for a request not admitted yet (admission
+        asks); if it is the next admitted, its first `refresh` takes them rather than asking
+        the predictor again (the same request, the same state: the same numbers)."""
+        states = request_states([request])
+        row = self.predictor.predict([request.request_id], states)[0, self._columns]
+        self._asked = (request.request_id, row)
+        return row
+
     def admit(self, request_id: str) -> None:
-        self._unpredicted[request_id] = None
+        asked, self._asked = self._asked, None
+        self._unpredicted[request_id] = asked[1] if asked and asked[0] == request_id else None
         if self.window is LoadWindow.BUDGET_LEFT:
             self._deadlines[request_id] = self._tracked[request_id].request.deadline
 
@@ -114,7 +128,8 @@ class LoadControl:
         """Predict for every request that has none yet and, at most once per
         `refresh_interval`, for every request due (running or not): one batched predictor
         call. Returns whether anything was predicted."""
-        due = list(self._unpredicted)
+        given = self._unpredicted
+        due = list(given)
         if self._due and now - self._last_refresh >= self.config.refresh_interval:
             self._last_refresh = now
             due += self._due
@@ -124,7 +139,7 @@ class LoadControl:
         self._unpredicted = {}
         tracked = [self._tracked[rid] for rid in due]
         requests = [t.request for t in tracked]
-        rows = self.predictor.predict(due, request_states(requests))[:, self._columns]
+        rows = self._predicted(due, requests, given)
         for i, t in enumerate(tracked):
             r = t.request
             if r.num_steps == 0 and r.prior_steps is not None:  # the DWS one-shot prior
@@ -136,6 +151,20 @@ class LoadControl:
         rows = within_limits(rows, requests)  # the request's decoding knobs (`step_limits.py`)
         self._table.set_rows(due, rows, [r.num_blocks_to_recompute for r in requests])
         return True
+
+    def _predicted(self, due: list[str], requests: list, given: dict) -> np.ndarray:
+        """The predictor's steps over the ladder for `due` (one batched call), but for those
+        `given` has already (`predict_arrival`)."""
+        rows = np.empty((len(due), len(self.ladder)))
+        ask = [k for k, rid in enumerate(due) if given.get(rid) is None]
+        if ask:
+            states = request_states([requests[k] for k in ask])
+            predicted = self.predictor.predict([due[k] for k in ask], states)
+            rows[ask] = predicted[:, self._columns]
+        for k, rid in enumerate(due):
+            if given.get(rid) is not None:
+                rows[k] = given[rid]
+        return rows
 
     def run_if_due(self, now: float, load_changed: bool, refreshed: bool, instances) -> None:
         """Alg. 2/4 over every request in flight, when requests came or went (`load_changed`)
