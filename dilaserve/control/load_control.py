@@ -155,15 +155,16 @@ class LoadControl:
     def _predicted(self, due: list[str], requests: list, given: dict) -> np.ndarray:
         """The predictor's steps over the ladder for `due` (one batched call), but for those
         `given` has already (`predict_arrival`)."""
-        rows = np.empty((len(due), len(self.ladder)))
-        ask = [k for k, rid in enumerate(due) if given.get(rid) is None]
+        rows, ask = np.empty((len(due), len(self.ladder))), []
+        for k, rid in enumerate(due):
+            row = given.get(rid)
+            if row is None:
+                ask.append(k)
+            else:
+                rows[k] = row
         if ask:
             states = request_states([requests[k] for k in ask])
-            predicted = self.predictor.predict([due[k] for k in ask], states)
-            rows[ask] = predicted[:, self._columns]
-        for k, rid in enumerate(due):
-            if given.get(rid) is not None:
-                rows[k] = given[rid]
+            rows[ask] = self.predictor.predict([due[k] for k in ask], states)[:, self._columns]
         return rows
 
     def run_if_due(self, now: float, load_changed: bool, refreshed: bool, instances) -> None:
