@@ -24,6 +24,8 @@ factor learnt before the fault has to stand in for it.
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 from dilaserve.control.thresholds import InstanceLoad, LoadView, seconds_left, step_seconds
@@ -118,9 +120,10 @@ def scale_at(scales: tuple[float, ...], ahead: int) -> float:
     """The scale (`scales`, one per count of `AHEAD`) of a newcomer behind `ahead` requests:
     linear between the counts of `AHEAD` (a batch's time grows about linearly with its size
     there), and along the last two past the last. (The largest count at or below `ahead` priced
-    a burst of 400 as one of 255.)"""
-    ahead = max(ahead, 0)
-    if ahead <= AHEAD[-1]:
-        return float(np.interp(ahead, AHEAD, scales))
-    slope = (scales[-1] - scales[-2]) / (AHEAD[-1] - AHEAD[-2])
-    return scales[-1] + slope * (ahead - AHEAD[-1])
+        a burst of 400 as one of 255.) In plain Python: the HTTP front asks it of every request,
+    and `np.interp` lets go of the interpreter's lock, then waits to take it back from the
+    controller's thread (0.24 ms a call beside a busy thread, against 0.002 ms here).)"""
+    i = min(max(bisect.bisect_right(AHEAD, ahead) - 1, 0), len(AHEAD) - 2)
+    low, high = AHEAD[i], AHEAD[i + 1]
+    slope = (scales[i + 1] - scales[i]) / (high - low)
+    return scales[i] + slope * (max(ahead, 0) - low)
