@@ -82,7 +82,7 @@ from reliability_hostile import (
     storm,
     streams_past_the_drain,
 )
-from reliability_load import client_for, closed_loop, one
+from reliability_load import client_floor, client_for, closed_loop, one
 from reliability_phases import (
     fuzz,
     health_under_large_bodies,
@@ -210,6 +210,7 @@ class Run:
         clients, seconds = args.storm_clients, args.storm_seconds
         if self.wants("closed_loop"):
             figures = await storm(url, clients, seconds, capacity, args.slo_ms, polite=True)
+            figures["client_floor"] = await client_floor(clients, args.slo_ms)
             self.keep("closed_loop", figures)
         if self.wants("storm"):
             self.keep("storm", await storm(url, clients, seconds, capacity, args.slo_ms, False))
@@ -318,7 +319,8 @@ def report(summary: dict, args) -> str:
 def overload_line(o: dict) -> str:
     return (
         f"- overload at {o['rate_per_s']}/s for {o['seconds']} s: {o['refused_429']} refused "
-        f"(p50 {o['refusal_latency_p50_s']} s, p99 {o['refusal_latency_p99_s']} s; "
+        f"(p50 {o['refusal_latency_p50_s']} s, p99 {o['refusal_latency_p99_s']} s, "
+        f"{o.get('refusal_answer_p99_s')} s from the request sent; "
         f"{o['refusals_with_retry_after']} with Retry-After), {o['served']} served "
         f"({o['served_within_slo']:.1%} within SLO as the client counts, "
         f"{o['served_within_slo_server']:.1%} as the server does), "

@@ -9,18 +9,23 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import socket
+import subprocess
+import sys
 import time
 
 from reliability_inputs import MODEL, PROMPT, is_openai_answer
+from reliability_summaries import answer_latencies, percentile, tally
 
 from dilaserve.bench.client import LoadClient, NoAnswer
 
 
 async def one(client: LoadClient, slo_ms: float) -> dict:
     """One completion; its status is the HTTP status, "refused" (no connection), or "no answer
-    (closed)" / "no answer (timeout)"."""
+    (closed)" / "no answer (timeout)". `latency` counts from the call; `answer_latency` from
+    when its head went out, `client_wait` the time before (this process's, `LoadClient`)."""
     start = time.perf_counter()
-    record = {"sent": start}
+    record, answer = {"sent": start}, None
     try:
         answer = await client.post("/v1/completions", completion_body(slo_ms))
         record["status"], record["retry_after"] = answer.status, answer.headers.get("retry-after")
@@ -36,7 +41,10 @@ async def one(client: LoadClient, slo_ms: float) -> dict:
         record["why"] = f"{type(e.__cause__).__name__}: {e.__cause__}"[:80]  # (a reset, ...)
     except asyncio.TimeoutError:
         record["status"] = "no answer (timeout)"
-    record["latency"] = time.perf_counter() - start
+    end = record["latency"] = time.perf_counter() - start
+    if answer is not None and answer.sent is not None:  # the client's own wait, then the server's
+        record["client_wait"] = answer.sent - start
+        record["answer_latency"] = end - record["client_wait"]
     record["within_slo"] = record["status"] == 200 and record["latency"] * 1000 <= slo_ms
     return record
 
@@ -108,6 +116,52 @@ async def open_loop(url: str, rate: float, seconds: float, slo_ms: float, seed: 
         if fault is not None:
             await fault
     return list(records)
+
+
+# -- the load client's own floor -------------------------------------------------------------
+
+# A server that writes a bare 429 for each request head and does nothing else (a process of its
+# own, serving the listening socket whose descriptor it is given; "up" once it serves)
+REFUSING_SERVER = """
+import asyncio, socket, sys
+REFUSAL = b"HTTP/1.1 429 Too Many Requests\\r\\ncontent-length: 0\\r\\n\\r\\n"
+class Refuses(asyncio.Protocol):
+    def connection_made(self, transport):
+        self.transport = transport
+    def data_received(self, data):
+        self.transport.write(REFUSAL * data.count(b"\\r\\n\\r\\n"))
+async def serve():
+    listener = socket.socket(fileno=int(sys.argv[1]))
+    server = await asyncio.get_running_loop().create_server(Refuses, sock=listener)
+    print("up", flush=True)
+    await server.serve_forever()
+asyncio.run(serve())
+"""
+
+
+async def client_floor(clients: int, slo_ms: float) -> dict:
+    """What this process alone makes a closed loop's first wave wait: `clients` requests sent
+    at once, each on a new connection, to a server on this machine that only writes a 429 per
+    request head (`REFUSING_SERVER`). Their p99 from the call and from their head sent."""
+    with socket.create_server(("127.0.0.1", 0), backlog=4096) as listener:
+        fd = listener.fileno()
+        command = [sys.executable, "-c", REFUSING_SERVER, str(fd)]
+        server = subprocess.Popen(command, pass_fds=[fd], stdout=subprocess.PIPE)
+        try:
+            if await asyncio.to_thread(server.stdout.readline) != b"up\n":
+                raise RuntimeError("the refusing server did not start")
+            url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+            async with client_for(url) as client:
+                records = await asyncio.gather(*(one(client, slo_ms) for _ in range(clients)))
+        finally:
+            server.kill()
+            server.wait()
+    return {
+        "requests": len(records),
+        "statuses": tally(r["status"] for r in records),
+        "p99_s": percentile([r["latency"] for r in records], 0.99),
+        "p99_from_sent_s": percentile(answer_latencies(records), 0.99),
+    }
 
 
 async def stream_one(

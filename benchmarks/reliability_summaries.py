@@ -12,6 +12,12 @@ def percentile(values: list[float], q: float) -> float | None:
     return round(ordered[min(int(q * len(ordered)), len(ordered) - 1)], 4)
 
 
+def answer_latencies(records) -> list[float]:
+    """Each record's latency from when its head went out (`reliability_load.one`); from the
+    call where the client did not say when."""
+    return [r.get("answer_latency", r["latency"]) for r in records]
+
+
 def tally(values) -> dict:
     """How often each value occurs, keyed by the value as a string."""
     counts: dict[str, int] = {}
@@ -39,6 +45,15 @@ def overload_summary(records: list[dict], seconds: float, capacity: float, slo_m
         # without the first second's (a closed loop's clients all send at once at its start)
         "refusal_latency_p99_after_1s_s": percentile(
             [r["latency"] for r in refused if r["sent"] >= first_sent + 1.0], 0.99
+        ),
+        # from when each request's head went out: the server's share (and this process's
+        # reading of the answer); what came before it was the load client's own wait
+        "refusal_answer_p99_s": percentile(answer_latencies(refused), 0.99),
+        "refusal_answer_p99_after_1s_s": percentile(
+            answer_latencies(r for r in refused if r["sent"] >= first_sent + 1.0), 0.99
+        ),
+        "refusal_client_wait_p99_s": percentile(
+            [r["client_wait"] for r in refused if "client_wait" in r], 0.99
         ),
         "refusal_reasons": {  # each kind: how many, and their latency's p99
             kind: [len(lat), percentile(lat, 0.99)] for kind, lat in by_reason(refused).items()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 
 import openai
 import pytest
@@ -129,3 +130,49 @@ def test_the_reliability_suites_polite_clients_wait_as_openais_client_does():
     waits = {load.openai_wait(retry_headers(1)) for _ in range(50)}
     assert len(waits) > 10 and all(0.5 <= w <= 1.5 for w in waits)
     assert load.openai_wait({"retry-after": "120"}) is None  # (past 60 s: its own backoff)
+
+
+def test_an_answer_says_when_its_request_went_out():
+    """`Answer.sent` is when the request's head was written: after the call began and before
+    the server read it, on a new connection and on a kept-alive one alike."""
+    read_at: list[float] = []
+
+    async def handler(reader, writer):
+        while await read_request(reader) is not None:
+            read_at.append(time.perf_counter())
+            writer.write(OK)
+            await writer.drain()
+        writer.close()
+
+    async def scenario():
+        server, url = await start(handler)
+        async with server, LoadClient(url, timeout=HANG_GUARD_S, max_connections=1) as client:
+            answers = []
+            for _ in range(2):
+                called = time.perf_counter()
+                answers.append((called, await client.post("/v1/completions", {"prompt": "a"})))
+        return answers
+
+    answers = run(scenario())
+    assert len(read_at) == 2
+    for (called, answer), seen in zip(answers, read_at):
+        assert called <= answer.sent <= seen
+
+
+def test_the_reliability_suite_judges_refusals_from_when_they_went_out():
+    """The refusal target is judged on the time from each request's head written (the
+    client's own wait before it is reported beside it), and the load client's floor (a wave
+    against a server that only refuses) is measured."""
+    load = import_benchmark("reliability_load")
+    summaries = import_benchmark("reliability_summaries")
+    targets = import_benchmark("reliability_targets")
+    waited = [{"status": 429, "sent": 0.0, "latency": 0.3, "client_wait": 0.25,
+               "answer_latency": 0.05, "retry_after": "1"}] * 10  # fmt: skip
+    summary = summaries.overload_summary(waited, 1.0, 1.0, 2000)
+    assert (summary["refusal_latency_p99_s"], summary["refusal_answer_p99_s"]) == (0.3, 0.05)
+    assert summary["refusal_client_wait_p99_s"] == 0.25
+    refusals = targets.overload_verdicts("a closed loop", summary)[0]
+    assert refusals["met"] and "0.3 s" in refusals["measured"]
+    floor = asyncio.run(asyncio.wait_for(load.client_floor(20, 2000), HANG_GUARD_S))
+    assert floor["statuses"] == {"429": 20}
+    assert 0 < floor["p99_from_sent_s"] <= floor["p99_s"]

@@ -1,12 +1,18 @@
 """The HTTP load client of `dilaserve bench` and the benchmarks: aiohttp (as vLLM's serving
 benchmark), keep-alive connections to one server, whole answers or server-sent event streams.
 
+An answer carries `sent`, the `time.perf_counter()` at which its request's head was written:
+what came before it (opening a connection, waiting for one from the pool) is this process's
+own time, not the server's. With hundreds of requests started at once it is most of what they
+wait (docs/serving/reliability.md, "The load client's own wave").
+
 Every request is sent once. A connection the server closes before a whole answer came is a
 `NoAnswer`, never a second send: the server may have taken the request in already (a POST that
 it would run twice). aiohttp itself retries only idempotent methods, on a reused connection.
 
     async with LoadClient("http://127.0.0.1:8000") as client:
         answer = await client.post("/v1/completions", body)       # Answer(status, headers, body)
+        answer.sent                                               # when its bytes went out
         async with client.stream("/v1/completions", body) as events:
             async for chunk in events:                            # each `data:` JSON object
                 ...
@@ -18,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -38,6 +45,7 @@ class Answer:
     status: int
     headers: dict[str, str]  # lower-case names
     body: bytes
+    sent: float | None = None  # perf_counter when the request's head was written
 
     def json(self):
         return json.loads(self.body)
@@ -90,6 +98,7 @@ class LoadClient:
             connector=aiohttp.TCPConnector(limit=self.max_connections),
             timeout=aiohttp.ClientTimeout(total=self.timeout),
             headers=self.headers,
+            trace_configs=[_SENT],
         )
         return self
 
@@ -114,16 +123,31 @@ class LoadClient:
                 yield EventStream(response)
 
     async def _whole(self, method: str, path: str, body, headers=None) -> Answer:
+        sent: dict = {}
         async with _no_answer_on_close():
-            async with self._send(method, path, body, headers) as response:
-                return Answer(response.status, _headers(response), await response.read())
+            async with self._send(method, path, body, headers, sent) as response:
+                body = await response.read()
+                return Answer(response.status, _headers(response), body, sent.get("at"))
 
-    def _send(self, method: str, path: str, body, headers=None):
+    def _send(self, method: str, path: str, body, headers=None, sent: dict | None = None):
         if isinstance(body, dict):
             body = json.dumps(body).encode()
         if headers is None and body is not None:
             headers = {"Content-Type": "application/json"}
-        return self._session.request(method, path, data=body, headers=headers)
+        return self._session.request(
+            method, path, data=body, headers=headers, trace_request_ctx=sent
+        )
+
+
+async def _head_written(session, context, params) -> None:
+    """aiohttp's trace hook: note when the request's head went out (`Answer.sent`)."""
+    if isinstance(context.trace_request_ctx, dict):
+        context.trace_request_ctx["at"] = time.perf_counter()
+
+
+_SENT = aiohttp.TraceConfig()
+_SENT.on_request_headers_sent.append(_head_written)
+_SENT.freeze()
 
 
 @contextlib.asynccontextmanager
