@@ -123,7 +123,10 @@ def scale_at(scales: tuple[float, ...], ahead: int) -> float:
         a burst of 400 as one of 255.) In plain Python: the HTTP front asks it of every request,
     and `np.interp` lets go of the interpreter's lock, then waits to take it back from the
     controller's thread (0.24 ms a call beside a busy thread, against 0.002 ms here).)"""
-    i = min(max(bisect.bisect_right(AHEAD, ahead) - 1, 0), len(AHEAD) - 2)
-    low, high = AHEAD[i], AHEAD[i + 1]
-    slope = (scales[i + 1] - scales[i]) / (high - low)
-    return scales[i] + slope * (max(ahead, 0) - low)
+    ahead = max(ahead, 0)
+    if ahead >= AHEAD[-1]:
+        slope = (scales[-1] - scales[-2]) / (AHEAD[-1] - AHEAD[-2])
+        return scales[-1] + slope * (ahead - AHEAD[-1])
+    i = bisect.bisect_right(AHEAD, ahead) - 1
+    slope = (scales[i + 1] - scales[i]) / (AHEAD[i + 1] - AHEAD[i])
+    return slope * (ahead - AHEAD[i]) + scales[i]  # (as np.interp: the same value)
