@@ -126,8 +126,8 @@ class LoadClient:
         sent: dict = {}
         async with _no_answer_on_close():
             async with self._send(method, path, body, headers, sent) as response:
-                body = await response.read()
-                return Answer(response.status, _headers(response), body, sent.get("at"))
+                answer = await response.read()
+                return Answer(response.status, _headers(response), answer, sent.get("at"))
 
     def _send(self, method: str, path: str, body, headers=None, sent: dict | None = None):
         if isinstance(body, dict):
