@@ -70,11 +70,13 @@ class _Refused(Exception):
 
 
 def limited_protocol(
-    limits: HttpLimits, refusals: EarlyRefusals | None = None
+    limits: HttpLimits, refusals: EarlyRefusals | None = None, log_refusals: bool = True
 ) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol with `limits` and the server's `refusals` (pass it as
-    `uvicorn.Config(http=...)`)."""
-    fields = {"limits": limits, "refusals": refusals}
+    `uvicorn.Config(http=...)`). `log_refusals`: an access-log line for each of `refusals`'
+    429s (off where the access log drops them, `main.RefusalsCounted`: a record made only to
+    be dropped was 4% of the event loop's time in the 400 clients' first wave)."""
+    fields = {"limits": limits, "refusals": refusals, "log_refusals": log_refusals}
     return type("LimitedHttpToolsProtocol", (LimitedHttpToolsProtocol,), fields)
 
 
@@ -84,6 +86,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     limits = HttpLimits()
     refusals: EarlyRefusals | None = None
+    log_refusals = True
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -191,7 +194,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         """Send the held request's refusal, then read on (as after a cycle) or close."""
         self._held = None
         self.transport.write(answer)
-        if self.access_log:  # (as uvicorn's cycle logs it: `main.RefusalsCounted` may drop it)
+        if self.access_log and self.log_refusals:  # (as uvicorn's cycle logs it)
             client = "{}:{}".format(*self.client) if self.client else "-"
             method, version = self.parser.get_method().decode(), self.parser.get_http_version()
             line = '%s - "%s %s HTTP/%s" %d'

@@ -192,7 +192,7 @@ def server_config(app, settings: ServerSettings, **options) -> uvicorn.Config:
         app,
         **{
             "log_level": "info",
-            "http": limited_protocol(settings.http, refusals),
+            "http": limited_protocol(settings.http, refusals, settings.log_interval <= 0),
             "ws": "none",
             "limit_concurrency": settings.max_connections,
             "timeout_graceful_shutdown": GRACEFUL_SECONDS,
