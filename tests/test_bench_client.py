@@ -35,6 +35,16 @@ async def start(handler) -> tuple[asyncio.Server, str]:
     return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
 
 
+async def answer_ok(writer: asyncio.StreamWriter) -> None:
+    writer.write(OK)
+    await writer.drain()
+
+
+def one_connection(url: str) -> LoadClient:
+    """The client, over at most one kept-alive connection."""
+    return LoadClient(url, timeout=HANG_GUARD_S, max_connections=1)
+
+
 def run(coroutine):
     return asyncio.run(asyncio.wait_for(coroutine, HANG_GUARD_S))
 
@@ -52,13 +62,12 @@ def test_a_request_on_a_connection_the_server_closes_is_not_sent_again():
             seen.append(head)
             if answered:  # a reused connection: closed without an answer
                 break
-            writer.write(OK)
-            await writer.drain()
+            await answer_ok(writer)
         writer.close()
 
     async def scenario():
         server, url = await start(handler)
-        async with server, LoadClient(url, timeout=HANG_GUARD_S, max_connections=1) as client:
+        async with server, one_connection(url) as client:
             first = await client.post("/v1/completions", {"prompt": "a"})
             with pytest.raises(NoAnswer, match="closed") as closed:
                 await client.post("/v1/completions", {"prompt": "b"})
@@ -140,13 +149,12 @@ def test_an_answer_says_when_its_request_went_out():
     async def handler(reader, writer):
         while await read_request(reader) is not None:
             read_at.append(time.perf_counter())
-            writer.write(OK)
-            await writer.drain()
+            await answer_ok(writer)
         writer.close()
 
     async def scenario():
         server, url = await start(handler)
-        async with server, LoadClient(url, timeout=HANG_GUARD_S, max_connections=1) as client:
+        async with server, one_connection(url) as client:
             answers = []
             for _ in range(2):
                 called = time.perf_counter()
