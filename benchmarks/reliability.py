@@ -92,7 +92,7 @@ from reliability_phases import (
     step_thresholds,
 )
 from reliability_summaries import served_rate
-from reliability_targets import verdicts
+from reliability_targets import report, verdicts
 
 from dilaserve.runs import create_run_dir, environment, write_json
 
@@ -267,67 +267,6 @@ def drop_access_lines(log: Path) -> None:
     """Keep the server's own log lines, not one access line per request."""
     lines = log.read_text().splitlines(keepends=True)
     log.write_text("".join(line for line in lines if ' HTTP/1.1" ' not in line))
-
-
-PHASE_LABELS = {
-    "after_fuzz": "after the fuzz",
-    "large_bodies": "/health under the largest bodies",
-    "header_flood": "/health under header floods",
-    "many_message_chats": "/health under many-message chats",
-    "capacity": "capacity (the most served by 32 or by 128 closed-loop clients)",
-    "closed_loop": "closed loop (waiting as OpenAI's client does)",
-    "storm": "storm (50 ms after a refusal)",
-    "neighbour": "neighbour",
-    "kill_9": "kill -9 of a worker",
-    "sigstop": "SIGSTOP of a worker (30 s)",
-    "drain_at_capacity": "drain at capacity",
-    "streams_past_the_drain": "streams past the drain",
-}
-
-
-def report(summary: dict, args) -> str:
-    lines = [
-        "# Reliability suite",
-        "",
-        f"Command: `python benchmarks/reliability.py {' '.join(args.argv)}`; load average "
-        f"{summary['load_average_start']} at start, {summary['load_average_end']} at end "
-        f"({summary['cpus']} CPUs){'; beside a CPU hog on every core' if args.beside_hog else ''}.",
-        "",
-        "## Targets (issue 38)",
-        "",
-        "| target | measured | met |",
-        "|---|---|---|",
-        *(
-            f"| {v['target']} | {v['measured']} | {'yes' if v['met'] else '**no**'} |"
-            for v in summary["verdicts"]
-        ),  # fmt: skip
-        "",
-        "## Phases",
-        "",
-    ]
-    if "fuzz" in summary:
-        f = summary["fuzz"]
-        lines.append(f"- fuzz: {f['bodies']} hostile bodies, statuses {f['statuses']}; answers "
-                     f"not in OpenAI's shape or 5xx: {f['bad']}")  # fmt: skip
-    if "overload" in summary:
-        lines.append(overload_line(summary["overload"]))
-    lines += [f"- {label}: {summary[key]}" for key, label in PHASE_LABELS.items() if key in summary]
-    lines += [f"- idle after {i['after']}: {i}" for i in summary.get("idle_after", [])]
-    return "\n".join(lines) + "\n"
-
-
-def overload_line(o: dict) -> str:
-    return (
-        f"- overload at {o['rate_per_s']}/s for {o['seconds']} s: {o['refused_429']} refused "
-        f"(p50 {o['refusal_latency_p50_s']} s, p99 {o['refusal_latency_p99_s']} s, "
-        f"{o.get('refusal_answer_p99_s')} s from the request sent; "
-        f"{o['refusals_with_retry_after']} with Retry-After), {o['served']} served "
-        f"({o['served_within_slo']:.1%} within SLO as the client counts, "
-        f"{o['served_within_slo_server']:.1%} as the server does), "
-        f"{o['without_answer']} without an answer, "
-        f"{o['served_per_s']}/s served vs {o['capacity_per_s']}/s at capacity, "
-        f"mean step threshold {o.get('mean_threshold')}"
-    )
 
 
 def cases_list(text: str) -> tuple[str, ...]:
