@@ -98,6 +98,7 @@ def test_a_request_admission_priced_is_not_predicted_again_when_it_is_admitted(m
         return predict(request_ids, states)
 
     monkeypatch.setattr(loads.predictor, "predict", counting)
+    # deadlines on the scheduler's own event clock, which this test holds at 0.0: far ahead
     priced = make_request("priced", gen_len=64, deadline=1e6)
     assert admission.refusal(priced, 0.0) is None
     admission.admitted(priced, 0.0)

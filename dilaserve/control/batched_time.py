@@ -120,9 +120,9 @@ def scale_at(scales: tuple[float, ...], ahead: int) -> float:
     """The scale (`scales`, one per count of `AHEAD`) of a newcomer behind `ahead` requests:
     linear between the counts of `AHEAD` (a batch's time grows about linearly with its size
     there), and along the last two past the last. (The largest count at or below `ahead` priced
-        a burst of 400 as one of 255.) In plain Python: the HTTP front asks it of every request,
+    a burst of 400 as one of 255.) In plain Python: the HTTP front asks it of every request,
     and `np.interp` lets go of the interpreter's lock, then waits to take it back from the
-    controller's thread (0.24 ms a call beside a busy thread, against 0.002 ms here).)"""
+    controller's thread (0.24 ms a call beside a busy thread, against 0.002 ms here)."""
     ahead = max(ahead, 0)
     if ahead >= AHEAD[-1]:
         slope = (scales[-1] - scales[-2]) / (AHEAD[-1] - AHEAD[-2])
