@@ -181,3 +181,17 @@ def test_a_request_the_front_counted_is_counted_once_and_not_ahead_of_itself():
     entry.leave()  # (`Guards`, when it ends: counted once)
     assert not cluster.is_full(0, SLO, 32)
     assert asked == [1, 0, 1, 0, 1]
+
+
+def test_the_fronts_probe_is_not_a_refusal_that_health_counts():
+    """The HTTP protocol asks the room before it reads a body (`probe`), then again with what
+    the body asks for: one request refused is one refusal, not two (three in a row make the
+    cluster `degraded`)."""
+    cluster, _ = virtual_cluster(instances=(1,), slo=SLO)
+    cluster.controller.admitting.room = Room(0, 0.0, 0.0, 1.0, SLO, 1.0, 32)  # refuses all
+    assert cluster.is_full(0, probe=True)
+    assert cluster.controller.admitting.refused_in_a_row == 0
+    for refused in (1, 2):
+        assert cluster.is_full(0, probe=True) and cluster.is_full(0, SLO, 32)
+        assert cluster.controller.admitting.refused_in_a_row == refused
+    assert cluster.health_reason() is None

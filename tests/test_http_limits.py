@@ -160,7 +160,7 @@ def test_connections_over_the_limit_get_a_503_with_retry_after():
 def test_the_front_asks_the_room_with_the_priority_slo_and_length_the_body_names(live, monkeypatch):
     lengths = []
 
-    def is_full(priority, slo=None, max_tokens=None, entry=None):
+    def is_full(priority, slo=None, max_tokens=None, entry=None, probe=False):
         """Full for the server's SLO and a priority up to 0."""
         lengths.append(max_tokens)
         return priority <= 0 and slo is None
@@ -206,7 +206,7 @@ class Front:
         self.thread.start()
         wait_until(lambda: self.server.started)
 
-    def _is_full(self, priority, slo=None, max_tokens=None) -> bool:
+    def _is_full(self, priority, slo=None, max_tokens=None, probe=False) -> bool:
         return priority <= 0 and (self.room is None or self.entering >= self.room)
 
     def _enter(self):

@@ -34,20 +34,24 @@ class Gate:
         self._entering = 0  # requests `entering`: let through, not queued yet
         self._lock = threading.Lock()
 
-    def is_full(self, priority, slo=None, max_tokens=None, entry: _Entry | None = None) -> bool:
+    def is_full(
+        self, priority, slo=None, max_tokens=None, entry: _Entry | None = None, probe=False
+    ) -> bool:
         """`refuses`, behind the requests queued for the controller and those `entering` (but
-        `entry`, the asker's own)."""
+        `entry`, the asker's own). `probe`: a question before the request is judged (the
+        front's, whether to read its body first), not a refusal."""
         ahead = len(self.controller.arrivals) + self._entering
         if entry is not None and entry.counted:
             ahead -= 1
-        return self.refuses(priority, slo, max_tokens, ahead)
+        return self.refuses(priority, slo, max_tokens, ahead, counted=not probe)
 
-    def refuses(self, priority, slo, max_tokens, ahead: int) -> bool:
-        """`room_refuses` of the controller's room; a refusal counts toward `health`."""
+    def refuses(self, priority, slo, max_tokens, ahead: int, counted: bool = True) -> bool:
+        """`room_refuses` of the controller's room; a refusal (`counted`) counts toward
+        `health`."""
         admitting = self.controller.admitting
         if not room_refuses(admitting.room, self.slo, priority, slo, max_tokens, ahead):
             return False
-        admitting.refused_in_a_row += 1
+        admitting.refused_in_a_row += counted
         return True
 
     def enter(self) -> _Entry:

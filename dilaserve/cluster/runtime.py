@@ -370,12 +370,18 @@ class Cluster:
         self.backend.wake()
 
     def is_full(
-        self, priority: int, slo: float | None = None, max_tokens: int | None = None, entry=None
+        self,
+        priority: int,
+        slo: float | None = None,
+        max_tokens: int | None = None,
+        entry=None,
+        probe: bool = False,
     ) -> bool:
         """Would a request of `priority` and `slo` seconds (default: the server's) be refused
         now, before any work? (`gate.py`: admission's `Room`, behind the requests not priced
-        yet, but `entry`, the request's own count from `enter`.)"""
-        return self.gate.is_full(priority, slo, max_tokens, entry)
+        yet, but `entry`, the request's own count from `enter`; a `probe` refuses nothing, so
+        `health` does not count it.)"""
+        return self.gate.is_full(priority, slo, max_tokens, entry, probe)
 
     def enter(self):
         """Count a request the front lets through ahead of later ones, from now until it

@@ -195,13 +195,14 @@ class EarlyRefusals:
     """The front's capacity refusals, below the app. `limits.py`'s protocol asks `judge` of
     each request's head. A generation request (POST) by an authorised client, to a Host the
     server answers, while the cluster accepts requests, is the room's: held (`HOLD`) when the
-    room refuses one of the default priority, SLO and length (`cluster.is_full(0)`) and its
-    body is at most `EARLY_PARSE_BYTES` with no `Expect`; else let through (`ENTER`). Of a held
-    one the protocol collects the body and asks `answer`: the whole 429 when the room refuses
-    what the body asks for, counted by `on_refusal()`; else None, and it is let through. A
-    request let through is counted by the room (`enter`: the entry goes in its scope under
-    `ENTRY`) from that moment until the controller has it or it ends, so that the requests
-    of a burst read in one go see those let through before them."""
+    room refuses one of the default priority, SLO and length (`cluster.is_full(0, probe=True)`:
+    a question, not a refusal) and its body is at most `EARLY_PARSE_BYTES` with no `Expect`;
+    else let through (`ENTER`). Of a held one the protocol collects the body and asks
+    `answer`: the whole 429 when the room refuses what the body asks for, counted by
+    `on_refusal()`; else None, and it is let through. A request let through is counted by the
+    room (`enter`: the entry goes in its scope under `ENTRY`) from that moment until the
+    controller has it or it ends, so that the requests of a burst read in one go see those let
+    through before them."""
 
     def __init__(
         self,
@@ -227,7 +228,7 @@ class EarlyRefusals:
             return Verdict.OTHER  # the API's to answer (401)
         if b"expect" in fields or not self._small(fields.get(b"content-length")):
             return Verdict.ENTER
-        return Verdict.HOLD if self.cluster.is_full(0) else Verdict.ENTER
+        return Verdict.HOLD if self.cluster.is_full(0, probe=True) else Verdict.ENTER
 
     def enter(self):
         """Count a request let through (`Cluster.enter`); it leaves when `Guards` is done."""
