@@ -43,15 +43,16 @@ class Gate:
         ahead = len(self.controller.arrivals) + self._entering
         if entry is not None and entry.counted:
             ahead -= 1
-        return self.refuses(priority, slo, max_tokens, ahead, counted=not probe)
+        return self.refuses(priority, slo, max_tokens, ahead, probe)
 
-    def refuses(self, priority, slo, max_tokens, ahead: int, counted: bool = True) -> bool:
-        """`room_refuses` of the controller's room; a refusal (`counted`) counts toward
+    def refuses(self, priority, slo, max_tokens, ahead: int, probe: bool = False) -> bool:
+        """`room_refuses` of the controller's room; a refusal (not a `probe`) counts toward
         `health`."""
         admitting = self.controller.admitting
         if not room_refuses(admitting.room, self.slo, priority, slo, max_tokens, ahead):
             return False
-        admitting.refused_in_a_row += counted
+        if not probe:
+            admitting.refused_in_a_row += 1
         return True
 
     def enter(self) -> _Entry:

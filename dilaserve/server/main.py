@@ -188,11 +188,12 @@ def server_config(app, settings: ServerSettings, **options) -> uvicorn.Config:
     refusals (`options`: more of uvicorn's, e.g. a port). Its access log shows paths without
     their query strings."""
     refusals = getattr(getattr(app, "state", None), "refusals", None)
+    counted = settings.log_interval > 0  # 429s counted by the periodic line, not logged
     uv = uvicorn.Config(
         app,
         **{
             "log_level": "info",
-            "http": limited_protocol(settings.http, refusals, settings.log_interval <= 0),
+            "http": limited_protocol(settings.http, refusals, log_refusals=not counted),
             "ws": "none",
             "limit_concurrency": settings.max_connections,
             "timeout_graceful_shutdown": GRACEFUL_SECONDS,
@@ -205,7 +206,7 @@ def server_config(app, settings: ServerSettings, **options) -> uvicorn.Config:
         for old in [f for f in access.filters if isinstance(f, kind)]:
             access.removeFilter(old)
     access.addFilter(QueryRedacted())
-    if settings.log_interval > 0:
+    if counted:
         access.addFilter(RefusalsCounted())
     return uv
 
