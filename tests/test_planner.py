@@ -209,6 +209,26 @@ def test_a_move_that_leaves_too_few_gpus_serving_too_long_is_skipped(startup_del
     assert round_["applied"] is applied
 
 
+@pytest.mark.parametrize("startup_delay, applied", [(30.0, False), (0.0, True)])
+def test_the_tp1_fallback_from_a_failing_configuration_must_carry_more(startup_delay, applied):
+    # An SLO of 0.5 s fails on every configuration (even TP-2 at 0.5 needs 0.96 s), the running
+    # TP-2 included, so Stage 1 scores both 0 and proposes TP-1 on every GPU. Two TP-1 carry
+    # 2 x 1,280 tokens/s against the TP-2's 2,133: worth it when the start-up is instant, not
+    # when it keeps both GPUs idle for the whole 10 s period (0 carried)
+    cfg = config(period=10.0, guard_moves=True, startup_delay=startup_delay)
+    r = Reconfigurer(PROFILE, cfg, WorkloadMonitor(window=10.0, safety=1.0))
+    for i in range(4):
+        t = i * 2.5
+        r.record(Request(f"r{i}", tuple(range(3, 67)), 64, 32, 1, 0.9, t, t + 0.5), t)
+    move = r.on_tick(10.0, [InstanceSlot("c", 0, 2, (0, 1))])
+    round_ = r.history[-1]
+    assert not round_["current_feasible"] and not round_["proposal_feasible"]
+    assert round_["proposal"] == {1: 2} and round_["applied"] is applied
+    assert (move is not None) is applied
+    assert round_["staying"] == pytest.approx(10.0 * 128 / 0.06, abs=1)
+    assert round_["carried"] == (pytest.approx(10.0 * 2 * 1280, abs=1) if applied else 0)
+
+
 def test_a_proposal_that_keeps_the_running_counts_costs_one_solve(monkeypatch):
     import dilaserve.control.reconfigure as reconfigure
 

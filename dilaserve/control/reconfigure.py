@@ -5,7 +5,9 @@ free (the proposal) and with instance counts pinned to what runs now (the curren
 under the same workload; skipped when the proposal keeps the running counts, since the
 objectives depend on instances per TP degree only). The proposal is carried out only if it
 raises the mean threshold or the SLO slack by at least `improvement` (10%), or if the current
-configuration can no longer meet the SLOs at all. Stage 2 then places the proposal keeping as
+configuration can no longer meet the SLOs at all (then, when no configuration can, the TP-1
+fallback is taken only if it carries more tokens over the next period, its start-ups paid:
+`_fallback_pays`). Stage 2 then places the proposal keeping as
 many running instances as it can, and `launch_order` sequences the moves. Called from
 `Scheduler.on_tick(now)`. With `PlannerConfig.batch_limits` (off by default;
 docs/control/reconfiguration.md) a plan also carries its batch sizes as Alg. 3's maxBatchSize, and
@@ -98,6 +100,14 @@ def fewest_serving_gpus(plan: Reconfiguration, running: Sequence[InstanceSlot]) 
         fewest = min(fewest, serving)
         serving += step.start.tp
     return fewest
+
+
+def tp_counts(running: Sequence[InstanceSlot]) -> dict[int, int]:
+    """Instances per TP degree of the running slots."""
+    out: dict[int, int] = {}
+    for slot in running:
+        out[slot.tp] = out.get(slot.tp, 0) + 1
+    return out
 
 
 def move_timeline(
@@ -197,11 +207,41 @@ class Reconfigurer:
         plan = launch_order(
             layout, running, proposal, f"r{self._rounds}", self.config.serial_launches
         )
-        guarded = self.config.guard_moves and current.feasible
-        if guarded and not self._move_pays_off(plan, running, classes, proposal, current):
+        if self.config.guard_moves and not self._guard_passes(
+            plan, running, classes, proposal, current
+        ):
             self.history[-1]["applied"] = False
             return None
         return replace(plan, batch_limits=limits)
+
+    def _guard_passes(self, plan, running, classes, proposal, current) -> bool:
+        """The guard, from a configuration that meets the SLOs (`_move_pays_off`) or, for the
+        TP-1 fallback, from one that fails them too (`_fallback_pays`). A feasible plan from a
+        failing configuration is taken as it is."""
+        if current.feasible:
+            return self._move_pays_off(plan, running, classes, proposal, current)
+        return proposal.feasible or self._fallback_pays(plan, running, proposal)
+
+    def _fallback_pays(self, plan: Reconfiguration, running, proposal) -> bool:
+        """Whether the TP-1 fallback carries more tokens than the running instances over the
+        next period, its start-ups paid. Both fail the SLOs, so Stage 1 scores them alike (0 on
+        both objectives); the fallback is there for throughput, so throughput decides. Wider
+        instances carry almost as much per GPU (TP-2: 1.93 times TP-1 on `llada-8b-h100`), so
+        stopping them mid-burst costs more than the move wins back: on the Azure training half
+        started as 4 TP-2 + 8 TP-1 the unguarded fallback cost 3-4 points
+        (docs/control/reconfiguration.md, "The fallback, priced")."""
+        period = left = self.config.period
+        carried = 0.0
+        for seconds, serving in move_timeline(plan, running, self.config.startup_delay):
+            seconds = min(seconds, left)
+            if seconds <= 0:
+                break
+            carried += seconds * self._throughput(counts_by_tp(serving))
+            left -= seconds
+        carried += left * self._throughput(proposal.counts())
+        staying = period * self._throughput(tp_counts(running))
+        self.history[-1].update(carried=round(carried), staying=round(staying))
+        return carried > staying
 
     def _move_pays_off(self, plan, running, classes, proposal, current) -> bool:
         """The guard: the move neither leaves too few GPUs serving too long nor, with
@@ -243,9 +283,7 @@ class Reconfigurer:
                 scored[key] = objectives(pinned)
             lost = [x + seconds * (g - v) for x, g, v in zip(lost, gained, scored[key])]
             left -= seconds
-        before: dict[int, int] = {}
-        for slot in running:
-            before[slot.tp] = before.get(slot.tp, 0) + 1
+        before = tp_counts(running)
         trips = 2 if self._throughput(proposal.counts()) < self._throughput(before) else 1
         priced = tuple(g - trips * x / period for g, x in zip(gained, lost))
         self.history[-1].update(
