@@ -229,6 +229,29 @@ def test_the_tp1_fallback_from_a_failing_configuration_must_carry_more(startup_d
     assert round_["carried"] == (pytest.approx(10.0 * 2 * 1280, abs=1) if applied else 0)
 
 
+@pytest.mark.parametrize("startup_delay, applied", [(30.0, False), (0.0, True)])
+def test_a_plan_that_meets_the_slo_is_not_bought_with_gpus_a_failing_layout_needs(
+    startup_delay, applied
+):
+    # SLO 1 s: two TP-1 fail it (16 steps x 0.1 s at 0.5), one TP-2 meets it (0.96 s). The
+    # move stops both TP-1 before the TP-2 is up, while the class needs 0.64 GPUs; the running
+    # layout, failing already, has no slack to absorb a start-up of 30 s, nor needs to for one
+    # of 0 s
+    cfg = config(period=10.0, guard_moves=True, startup_delay=startup_delay)
+    r = Reconfigurer(PROFILE, cfg, WorkloadMonitor(window=10.0, safety=1.0))
+    for i in range(4):
+        t = i * 2.5
+        r.record(Request(f"r{i}", tuple(range(3, 67)), 64, 32, 1, 0.9, t, t + 1.0), t)
+    running = [InstanceSlot("a", 0, 1, (0,)), InstanceSlot("b", 0, 1, (1,))]
+    move = r.on_tick(10.0, running)
+    round_ = r.history[-1]
+    assert not round_["current_feasible"] and round_["proposal_feasible"]
+    assert round_["proposal"] == {2: 1} and round_["applied"] is applied
+    assert (move is not None) is applied
+    assert round_["fewest_serving"] == 0 and round_["class_slack"] == 0.0
+    assert round_["gpus_needed"] == pytest.approx(0.64)
+
+
 def test_a_proposal_that_keeps_the_running_counts_costs_one_solve(monkeypatch):
     import dilaserve.control.reconfigure as reconfigure
 

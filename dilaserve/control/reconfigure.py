@@ -215,12 +215,15 @@ class Reconfigurer:
         return replace(plan, batch_limits=limits)
 
     def _guard_passes(self, plan, running, classes, proposal, current) -> bool:
-        """The guard, from a configuration that meets the SLOs (`_move_pays_off`) or, for the
-        TP-1 fallback, from one that fails them too (`_fallback_pays`). A feasible plan from a
-        failing configuration is taken as it is."""
+        """The guard, from a configuration that meets the SLOs (`_move_pays_off`) or from one
+        that fails them: to a plan that meets them, the move must not leave fewer GPUs serving
+        than the load needs (a failing configuration has no slack to absorb the gap); to the
+        TP-1 fallback, it must carry more tokens (`_fallback_pays`)."""
         if current.feasible:
             return self._move_pays_off(plan, running, classes, proposal, current)
-        return proposal.feasible or self._fallback_pays(plan, running, proposal)
+        if proposal.feasible:
+            return not self._move_hurts(plan, running, classes, current)
+        return self._fallback_pays(plan, running, proposal)
 
     def _fallback_pays(self, plan: Reconfiguration, running, proposal) -> bool:
         """Whether the TP-1 fallback carries more tokens than the running instances over the
@@ -253,10 +256,13 @@ class Reconfigurer:
         )
 
     def _move_hurts(self, plan: Reconfiguration, running, classes, current) -> bool:
-        """Whether the move leaves too few GPUs serving for longer than the SLOs' slack."""
+        """Whether the move leaves too few GPUs serving for longer than the SLOs' slack (none
+        where the running configuration fails them)."""
         needed = gpus_needed(classes, self.profile, self.config)
         fewest = fewest_serving_gpus(plan, running)
-        slack = min(c.slo - t for c, t in zip(classes, current.latency))
+        slack = (
+            min(c.slo - t for c, t in zip(classes, current.latency)) if current.feasible else 0.0
+        )
         self.history[-1].update(
             gpus_needed=round(needed, 2), fewest_serving=fewest, class_slack=round(slack, 3)
         )
