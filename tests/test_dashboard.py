@@ -155,6 +155,7 @@ class _Cluster:
     quality_budget = QualityBudget(LLADA_GSM8K, (0.9, 0.8, 0.7))
     admission_capacity = (900.0, 1000.0)  # (served, modelled) token-steps per second
     admission_predicted = 0.5  # seconds, the latest request priced
+    planner_rounds = {"kept": 3, "guarded": 1, "applied": 0}  # `Reconfigurer.outcomes`
 
     def __init__(self):
         self.config = SimpleNamespace(
@@ -333,6 +334,16 @@ def _queries(node) -> list[str]:
     if isinstance(node, list):
         return [q for value in node for q in _queries(value)]
     return []
+
+
+def test_metrics_count_the_planners_rounds_by_outcome():
+    cluster, metrics = _Cluster(), ServerMetrics()
+    metrics.watch(cluster)
+    text = metrics.render().decode()
+    assert 'dilaserve_planner_rounds_total{outcome="kept"} 3.0' in text
+    assert 'dilaserve_planner_rounds_total{outcome="guarded"} 1.0' in text
+    cluster.planner_rounds = None  # a policy that does not reconfigure
+    assert "dilaserve_planner_rounds" not in metrics.render().decode()
 
 
 def test_every_metric_the_grafana_dashboard_queries_is_exported():

@@ -225,6 +225,7 @@ def test_the_tp1_fallback_from_a_failing_configuration_must_carry_more(startup_d
     assert not round_["current_feasible"] and not round_["proposal_feasible"]
     assert round_["proposal"] == {1: 2} and round_["applied"] is applied
     assert (move is not None) is applied
+    assert r.outcomes == {"kept": 0, "guarded": int(not applied), "applied": int(applied)}
     assert round_["staying"] == pytest.approx(10.0 * 128 / 0.06, abs=1)
     assert round_["carried"] == (pytest.approx(10.0 * 2 * 1280, abs=1) if applied else 0)
 
@@ -250,6 +251,26 @@ def test_a_plan_that_meets_the_slo_is_not_bought_with_gpus_a_failing_layout_need
     assert (move is not None) is applied
     assert round_["fewest_serving"] == 0 and round_["class_slack"] == 0.0
     assert round_["gpus_needed"] == pytest.approx(0.64)
+
+
+def test_a_server_keeps_its_latest_rounds_and_counts_every_one():
+    cfg = config(period=10.0, guard_moves=False)
+    r = Reconfigurer(PROFILE, cfg, WorkloadMonitor(window=10.0, safety=1.0), history_rounds=2)
+    running = [InstanceSlot("c", 0, 2, (0, 1))]  # the plan for 0.4/s (above) runs already
+    for k in range(1, 4):
+        for i in range(4):
+            t = (k - 1) * 10.0 + i * 2.5
+            r.record(Request(f"r{k}-{i}", tuple(range(3, 67)), 64, 32, 1, 0.9, t, t + 2.5), t)
+        assert r.on_tick(k * 10.0, running) is None
+    assert [round_["time"] for round_ in r.history] == [20.0, 30.0]
+    assert r.outcomes == {"kept": 3, "guarded": 0, "applied": 0}
+    moved = Reconfigurer(PROFILE, cfg, WorkloadMonitor(window=10.0, safety=1.0))
+    for i in range(4):
+        moved.record(
+            Request(f"m{i}", tuple(range(3, 67)), 64, 32, 1, 0.9, i * 2.5, i * 2.5 + 2.5), i * 2.5
+        )
+    assert moved.on_tick(10.0, [InstanceSlot("a", 0, 1, (0,)), InstanceSlot("b", 0, 1, (1,))])
+    assert moved.outcomes == {"kept": 0, "guarded": 0, "applied": 1}
 
 
 def test_a_proposal_that_keeps_the_running_counts_costs_one_solve(monkeypatch):

@@ -248,6 +248,13 @@ class Cluster:
         return self.scheduler.quality
 
     @property
+    def planner_rounds(self) -> dict[str, int] | None:
+        """Planning rounds by what came of them (`Reconfigurer.outcomes`), or None (the policy
+        does not reconfigure)."""
+        reconfigurer = self.scheduler.reconfigurer
+        return None if reconfigurer is None else dict(reconfigurer.outcomes)
+
+    @property
     def deadline_factor(self) -> float | None:
         """How many times its estimated remaining time Alg. 1 prices a request at now."""
         return None if self.deadline is None else self.deadline.factor(self.now())

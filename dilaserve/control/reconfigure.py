@@ -38,6 +38,7 @@ the day's peak rather than after it; and a move's launches whose GPUs are free l
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -47,6 +48,10 @@ from dilaserve.control.monitor import WorkloadClass, WorkloadMonitor
 from dilaserve.control.planner import CapacityPlan, PlannerConfig, counts_by_tp, plan_capacity
 from dilaserve.control.profile import LatencyProfile
 from dilaserve.request import Request
+
+HISTORY_ROUNDS = 1000  # rounds a server keeps for its logs (3.5 days at the paper's 5 minutes)
+# what came of a round: nothing worth a move, a move the guard skipped, a move begun
+OUTCOMES = ("kept", "guarded", "applied")
 
 
 def worth_applying(proposal: CapacityPlan, current: CapacityPlan, gain: float) -> bool:
@@ -145,13 +150,16 @@ class Reconfigurer:
         profile: LatencyProfile,
         config: PlannerConfig,
         monitor: WorkloadMonitor | None = None,
+        history_rounds: int | None = HISTORY_ROUNDS,  # None: every round (a simulation's log)
     ):
         self.profile = profile
         self.config = config
         self.monitor = monitor or WorkloadMonitor(window=config.period, trend=config.rate_trend)
         self._next_round = config.period
         self._rounds = 0
-        self.history: list[dict] = []  # one entry per planning round, for run logs
+        # one entry per planning round, for run logs; a server up for months keeps the latest
+        self.history: deque[dict] = deque(maxlen=history_rounds)
+        self.outcomes = dict.fromkeys(OUTCOMES, 0)  # rounds with classes, by what came of them
 
     def record(self, request: Request, now: float) -> None:
         assert request.deadline is not None  # the scheduler sets it at arrival
@@ -198,6 +206,7 @@ class Reconfigurer:
         if limits is not None:
             self.history[-1]["batch_limits"] = limits
         if not apply:
+            self.outcomes["kept"] += 1
             if limits and current is proposal:  # new batch sizes on the same instances: free
                 return Reconfiguration((), (), proposal.counts(), batch_limits=limits)
             return None
@@ -211,7 +220,9 @@ class Reconfigurer:
             plan, running, classes, proposal, current
         ):
             self.history[-1]["applied"] = False
+            self.outcomes["guarded"] += 1
             return None
+        self.outcomes["applied"] += 1
         return replace(plan, batch_limits=limits)
 
     def _guard_passes(self, plan, running, classes, proposal, current) -> bool:

@@ -4,7 +4,7 @@ Counters and histograms are fed by the controller thread through the cluster's `
 gauges (queue length, requests in flight, instances per TP degree, SLO attainment of those
 finished and of every request answered, refusals counted as missed; the measured step slowdown
 and how stale it is; degraded health) and the cluster's own counters (migrations,
-reconfigurations, instance failures) are read when scraped.
+reconfigurations, instance failures, the planner's rounds by outcome) are read when scraped.
 """
 
 from __future__ import annotations
@@ -233,6 +233,21 @@ def _instance_metrics(c: Cluster, m: ServerMetrics):
         yield CounterMetricFamily(name, text, value=c.controller.stats[key])
     text = "Events that held the controller up for over a tick (their steps not measured)"
     yield CounterMetricFamily("dilaserve_controller_stalls", text, c.controller.stalls.count)
+    yield from _planner_metrics(c.planner_rounds)
+
+
+def _planner_metrics(rounds: dict[str, int] | None):
+    """The planner's rounds by outcome (`control/reconfigure.py`), when the policy has one."""
+    if rounds is None:
+        return
+    text = (
+        "Planning rounds by outcome: kept (no proposal worth a move), guarded (a move the "
+        "guard skipped: too few GPUs serving, or not paid back), applied (a move begun)"
+    )
+    family = CounterMetricFamily("dilaserve_planner_rounds", text, labels=["outcome"])
+    for outcome, count in rounds.items():
+        family.add_metric([outcome], count)
+    yield family
 
 
 def _gauge(name: str, text: str, value: float) -> GaugeMetricFamily:

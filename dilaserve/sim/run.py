@@ -102,7 +102,7 @@ def _reconfigurer(spec: SimulationSpec, policy, profile, behaviour, config):
         rate_trend=spec.rate_trend,
         batch_limits=spec.plan_batch_limits,
     )
-    return Reconfigurer(profile, planner)
+    return Reconfigurer(profile, planner, history_rounds=None)
 
 
 def simulate(spec: SimulationSpec, progress=None, log: DecisionLog | None = None) -> SimulationRun:
@@ -162,7 +162,7 @@ def simulate(spec: SimulationSpec, progress=None, log: DecisionLog | None = None
         "wall_seconds": round(wall, 2),
         "events_per_second": round(result.events / wall, 1) if wall else None,
     }
-    rounds = reconfigurer.history if reconfigurer is not None else []
+    rounds = list(reconfigurer.history) if reconfigurer is not None else []
     intervals = metrics.by_interval(rows, spec.interval)
     return SimulationRun(spec, slo, rows, summary, intervals, result, timing, rounds)
 
