@@ -242,7 +242,8 @@ def _planner_metrics(rounds: dict[str, int] | None):
         return
     text = (
         "Planning rounds by outcome: kept (no proposal worth a move), guarded (a move the "
-        "guard skipped: too few GPUs serving, or not paid back), applied (a move begun)"
+        "guard skipped: too few GPUs serving, not paid back, or a TP-1 fallback carrying "
+        "less), applied (a move begun)"
     )
     family = CounterMetricFamily("dilaserve_planner_rounds", text, labels=["outcome"])
     for outcome, count in rounds.items():
