@@ -40,8 +40,9 @@ def add_run_commands(sub) -> None:
         "keep",
         help="copy a run folder's config, summary, report and figures beside the docs",
         description="Copies the small files of each RUN (config, summary, report, timings, "
-        "top-level figures) to docs/results/<run>/ and writes KEPT.md naming the command "
-        "that made it. Records, logs and dashboards stay in the run folder.",
+        "top-level figures) to docs/results/<run>/ and gives it a section of the KEPT.md "
+        "beside it naming the command that made it. Records, logs and dashboards stay in the "
+        "run folder.",
     )
     kp.add_argument("runs", nargs="+", metavar="RUN", help="run folder(s), e.g. runs/eval-...")
     kp.add_argument("--to", default=None, help="folder to keep them in (default docs/results)")

@@ -4,11 +4,12 @@ Run folders live in an ignored folder (`runs/` by default): they hold raw record
 dashboards and per-interval series that nobody reads in review and that would make the repository
 grow with every reproduction. `keep_run` copies the small files that say what a run was and what
 it printed (its resolved config, summary, report, timings, and the figures at its top level) into
-`docs/results/<run>/`, and writes `KEPT.md` naming the command that made the run and what was
-left out. The JSON files of nested run folders (a reproduction's simulations: config, summary,
-timings) are gathered into one `nested.json`, one line per file keyed by its path, so that a kept
-run stays a handful of files; a nested report.md repeats its summary.json beside per-interval
-rows, and a nested .txt is a fitted model, so both stay behind.
+`docs/results/<run>/`, and gives the run a section of `docs/results/KEPT.md` (one index beside
+the kept folders, not a note in each: the tree has a file budget) naming the command that made
+the run and what was left out. The JSON files of nested run folders (a reproduction's
+simulations: config, summary, timings) are gathered into one `nested.json`, one line per file
+keyed by its path, so that a kept run stays a handful of files; a nested report.md repeats its
+summary.json beside per-interval rows, and a nested .txt is a fitted model, so both stay behind.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ KEPT_SUFFIXES = (".json", ".md", ".txt")
 FIGURE_SUFFIXES = (".png", ".svg")
 MAX_FILE_BYTES = 200_000
 MAX_TABLE_BYTES = 50_000  # a short table; per-request records are longer
-KEPT_NOTE = "KEPT.md"
+KEPT_NOTE = "KEPT.md"  # the index of kept runs, beside their folders: a section each
 NESTED = "nested.json"
 
 
@@ -72,7 +73,7 @@ def run_command(run: Path) -> str | None:
 
 def keep_run(run: str | Path, dest: str | Path | None = None) -> Kept:
     """Copy `run`'s small files to `dest` (default `docs/results/<run name>`), replacing what was
-    kept there before, and write KEPT.md."""
+    kept there before, and give it a section of the KEPT.md beside `dest`."""
     run = Path(run)
     if not run.is_dir():
         raise FileNotFoundError(f"no run folder {run}")
@@ -100,8 +101,31 @@ def keep_run(run: str | Path, dest: str | Path | None = None) -> Kept:
     for path in kept.copied:
         if path.suffix == ".md":
             _unlink_left_out(dest / path)
-    (dest / KEPT_NOTE).write_text(_note(kept, run_command(run), len(nested)))
+    index = dest.parent / KEPT_NOTE
+    sections = read_sections(index.read_text() if index.is_file() else "")
+    sections[dest.name] = _note(kept, dest.name, run_command(run), len(nested))
+    index.write_text(write_sections(sections))
     return kept
+
+
+INDEX_HEAD = (
+    "# Kept runs\n\n"
+    "What `dilaserve keep` copied from each run folder beside this file, the command that made "
+    "the run, and what stayed behind.\n\n"
+)
+
+
+def read_sections(text: str) -> dict[str, str]:
+    """The index's sections by run name (each from its `## name` line to the next)."""
+    sections: dict[str, str] = {}
+    for part in re.split(r"^(?=## )", text, flags=re.M)[1:]:
+        name = part.splitlines()[0][3:].strip()
+        sections[name] = part.rstrip("\n") + "\n"
+    return sections
+
+
+def write_sections(sections: dict[str, str]) -> str:
+    return INDEX_HEAD + "\n".join(sections[name] for name in sorted(sections))
 
 
 LINK = re.compile(r"!?\[([^\]]*)\]\(([^)\s:#]+)\)")
@@ -135,10 +159,10 @@ def _content(path: Path) -> object:
     return text
 
 
-def _note(kept: Kept, command: str | None, nested: int) -> str:
+def _note(kept: Kept, name: str, command: str | None, nested: int) -> str:
     made_by = f"`{command}`" if command else "a command its folder did not record"
     lines = [
-        f"# {kept.source.name}",
+        f"## {name}",
         "",
         f"The small files of the run folder `{kept.source.name}`, kept by `dilaserve keep`.",
         f"The run was made by {made_by}; running it again writes a new run folder under `runs/`.",

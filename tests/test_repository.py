@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dilaserve.keep import keep_run
+from dilaserve.keep import keep_run, read_sections
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_FILES = 1500
@@ -76,16 +76,29 @@ def test_keep_copies_the_small_files_and_names_the_command(tmp_path):
     kept = keep_run(run, tmp_path / "kept")
 
     names = sorted(p.name for p in kept.dest.iterdir())
-    assert names == ["KEPT.md", "config.json", "nested.json", "report.md", "summary.json"]
+    assert names == ["config.json", "nested.json", "report.md", "summary.json"]
     report = (kept.dest / "report.md").read_text()  # links to what stayed behind are names
     assert report == "[summary](summary.json), records (not kept) p (not kept)"
     nested = (kept.dest / "nested.json").read_text()
     assert json.loads(nested) == {"sub-1/summary.json": {"attainment": 0.8}}
     assert '"sub-1/summary.json": {"attainment": 0.8}' in nested.splitlines()
-    note = (kept.dest / "KEPT.md").read_text()
-    assert "`dilaserve simulate`" in note
+    [note] = read_sections((tmp_path / "KEPT.md").read_text()).values()  # the index beside it
+    assert note.startswith("## kept\n") and "`dilaserve simulate`" in note
     assert "records.csv (1)" in note and "dashboard-data.js (1)" in note and "run.png (1)" in note
     assert "report.md (1)" in note
+
+
+def test_the_index_of_kept_runs_has_a_section_a_run_sorted_and_replaced(tmp_path):
+    for name in ("b-run", "a-run"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text("{}")
+        keep_run(tmp_path / name, tmp_path / "kept" / name)
+    (tmp_path / "a-run" / "command.txt").write_text("python again.py")
+    keep_run(tmp_path / "a-run", tmp_path / "kept" / "a-run")  # kept again: replaced
+    text = (tmp_path / "kept" / "KEPT.md").read_text()
+    assert text.startswith("# Kept runs") and text.count("## ") == 2
+    assert text.index("## a-run") < text.index("## b-run") and "`python again.py`" in text
+    assert "did not record" in read_sections(text)["b-run"]
 
 
 def test_keep_refuses_a_missing_run(tmp_path):
