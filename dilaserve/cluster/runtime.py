@@ -249,10 +249,8 @@ class Cluster:
 
     @property
     def planner_rounds(self) -> dict[str, int] | None:
-        """Planning rounds by what came of them (`Reconfigurer.outcomes`), or None (the policy
-        does not reconfigure)."""
-        reconfigurer = self.scheduler.reconfigurer
-        return None if reconfigurer is None else dict(reconfigurer.outcomes)
+        """Planning rounds by outcome (`Reconfigurer.outcomes`); None without a planner."""
+        return None if (r := self.scheduler.reconfigurer) is None else dict(r.outcomes)
 
     @property
     def deadline_factor(self) -> float | None:

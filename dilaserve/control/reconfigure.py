@@ -107,12 +107,23 @@ def fewest_serving_gpus(plan: Reconfiguration, running: Sequence[InstanceSlot]) 
     return fewest
 
 
-def tp_counts(running: Sequence[InstanceSlot]) -> dict[int, int]:
-    """Instances per TP degree of the running slots."""
-    out: dict[int, int] = {}
+def slot_counts(running: Sequence[InstanceSlot]) -> dict[tuple[int, int], int]:
+    """Instances per (node, TP degree) of the running slots (`counts_by_tp` sums the nodes)."""
+    out: dict[tuple[int, int], int] = {}
     for slot in running:
-        out[slot.tp] = out.get(slot.tp, 0) + 1
+        out[slot.node, slot.tp] = out.get((slot.node, slot.tp), 0) + 1
     return out
+
+
+def within(timeline, period: float):
+    """The stretches of a `move_timeline` that fall within the first `period` seconds."""
+    left = period
+    for seconds, serving in timeline:
+        seconds = min(seconds, left)
+        if seconds <= 0:
+            return
+        yield seconds, serving
+        left -= seconds
 
 
 def move_timeline(
@@ -132,9 +143,7 @@ def move_timeline(
         changes += [(now, live.pop(i), -1) for i in step.stop if i in live]
         loading.append(now + startup)
         changes.append((now + startup, (step.start.node, step.start.tp), +1))
-    serving: dict[tuple[int, int], int] = {}
-    for slot in running:
-        serving[slot.node, slot.tp] = serving.get((slot.node, slot.tp), 0) + 1
+    serving = slot_counts(running)
     timeline, last = [], 0.0
     for time, key, sign in sorted(changes):
         if time > last:
@@ -178,9 +187,7 @@ class Reconfigurer:
             return None
         self._rounds += 1
         proposal = plan_capacity(classes, self.profile, self.config)
-        pinned: dict[tuple[int, int], int] = {}
-        for inst in running:
-            pinned[inst.node, inst.tp] = pinned.get((inst.node, inst.tp), 0) + 1
+        pinned = slot_counts(running)
         if proposal.counts() == counts_by_tp(pinned):
             # nothing to change, and nothing to compare: the objectives depend on instances per
             # TP degree, not their nodes, so the pinned optimum is the proposal's
@@ -246,14 +253,12 @@ class Reconfigurer:
         (docs/control/reconfiguration.md, "The fallback, priced")."""
         period = left = self.config.period
         carried = 0.0
-        for seconds, serving in move_timeline(plan, running, self.config.startup_delay):
-            seconds = min(seconds, left)
-            if seconds <= 0:
-                break
+        timeline = move_timeline(plan, running, self.config.startup_delay)
+        for seconds, serving in within(timeline, period):
             carried += seconds * self._throughput(counts_by_tp(serving))
             left -= seconds
         carried += left * self._throughput(proposal.counts())
-        staying = period * self._throughput(tp_counts(running))
+        staying = period * self._throughput(counts_by_tp(slot_counts(running)))
         self.history[-1].update(carried=round(carried), staying=round(staying))
         return carried > staying
 
@@ -290,17 +295,15 @@ class Reconfigurer:
         period, gained = self.config.period, objectives(proposal)
         lost, left = [0.0, 0.0], period
         scored: dict[tuple, tuple[float, float]] = {}  # counts per TP degree -> objectives
-        for seconds, serving in move_timeline(plan, running, self.config.startup_delay):
-            seconds = min(seconds, left)
-            if seconds <= 0:
-                break
+        timeline = move_timeline(plan, running, self.config.startup_delay)
+        for seconds, serving in within(timeline, period):
             key = tuple(sorted(counts_by_tp(serving).items()))
             if key not in scored:
                 pinned = plan_capacity(classes, self.profile, self.config, fixed=serving)
                 scored[key] = objectives(pinned)
             lost = [x + seconds * (g - v) for x, g, v in zip(lost, gained, scored[key])]
             left -= seconds
-        before = tp_counts(running)
+        before = counts_by_tp(slot_counts(running))
         trips = 2 if self._throughput(proposal.counts()) < self._throughput(before) else 1
         priced = tuple(g - trips * x / period for g, x in zip(gained, lost))
         self.history[-1].update(
