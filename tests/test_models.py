@@ -1,5 +1,7 @@
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -132,6 +134,22 @@ def test_unusable_device_is_a_clear_error(tiny_checkpoint):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="'cuda'.*sees no CUDA GPU"):
             load_model(tiny_checkpoint, device="cuda")
+
+
+def test_loading_a_checkpoint_leaves_torch_dynamo_unimported():
+    """A replacement worker loads while the others serve: building the model on the meta device
+    once took torch's reference path for the rotary frequencies, importing torch._dynamo (1.7 s
+    of CPU, most of a worker's load). A fresh process, since this one may have imported it."""
+    families = ("tiny-llada", "tiny-llada2")
+    code = (
+        "import sys; from dilaserve.models.checkpoint import load_model; "
+        "from dilaserve.config import ASSETS; "
+        f"[load_model(ASSETS / name) for name in {families!r}]; "
+        "print('torch._dynamo' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
 
 
 def test_config_errors_name_the_key():

@@ -217,15 +217,19 @@ class Rotary(nn.Module):
         super().__init__()
         self.head_dim, self.theta = head_dim, theta
         self.rotary_dim = rotary_dim or head_dim
-        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+        inv_freq = self._inv_freq(torch.get_default_device())
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def _inv_freq(self) -> torch.Tensor:
-        exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32) / self.rotary_dim
-        return 1.0 / self.theta**exponents
+    def _inv_freq(self, device: torch.device) -> torch.Tensor:
+        # computed on the CPU and moved: `arange` on the meta device (a model built there before
+        # its weights load) takes torch's reference path, whose first call in a process imports
+        # torch._dynamo, 1.7 s of every worker's start-up
+        exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32, device="cpu")
+        return (1.0 / self.theta ** (exponents / self.rotary_dim)).to(device)
 
     def reset(self) -> None:
         """Recompute the frequencies (after a model built on the meta device is materialised)."""
-        self.inv_freq = self._inv_freq().to(self.inv_freq.device)
+        self.inv_freq = self._inv_freq(self.inv_freq.device)
 
     def angles(
         self, positions: torch.Tensor, dtype: torch.dtype = torch.float32
