@@ -156,7 +156,8 @@ async def slowdown_watch(url: str, until: float, seen: list) -> None:
 
 
 def worker_pids(server_pid: int) -> list[int]:
-    """The server's worker processes (children running dilaserve.cluster.worker)."""
+    """The server's worker processes (children running dilaserve.cluster.worker), oldest
+    first: the first serves, since the spare rank waiting is started after the others are up."""
     pids = []
     for entry in Path("/proc").iterdir():
         try:

@@ -48,6 +48,7 @@ def cluster_config(args, record: bool = False, warned: bool = False):
         instances=instances,
         backend=args.backend,
         ray_address=args.ray_address,
+        spare_worker=args.spare_worker,
         tick=args.tick,
         max_tokens=args.max_tokens,
         max_batch_tokens=args.max_batch_tokens,

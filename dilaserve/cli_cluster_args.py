@@ -253,6 +253,7 @@ def _dws_options(p: argparse.ArgumentParser) -> None:
 
 
 def _backend_args(p: argparse.ArgumentParser) -> None:
+    from dilaserve.cluster.config import ClusterConfig
     from dilaserve.cluster.worker import MAX_NICE, WORKER_NICE, WorkerConfig
 
     p.add_argument(
@@ -271,6 +272,14 @@ def _backend_args(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help=f"CPU niceness each worker rank adds (0 to {MAX_NICE}): how far the instances "
         "yield the cores to the HTTP front and the controller (docs/cluster.md, Worker priority)",
+    )
+    p.add_argument(
+        "--spare-worker",
+        action=argparse.BooleanOptionalAction,
+        default=field_default(ClusterConfig, "spare_worker"),
+        help="keep one worker process waiting with torch imported, so that a replacement or a "
+        "new instance only loads its model (the local backend; docs/cluster.md, The spare worker); "
+        "--no-spare-worker: start each from nothing",
     )
     p.add_argument(
         "--ray-address",

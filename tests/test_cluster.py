@@ -244,6 +244,47 @@ def local_backend():
     backend.shutdown()
 
 
+def pid_of(backend, instance_id):
+    return backend._gangs[instance_id].processes[0].pid
+
+
+def test_a_spare_rank_waits_once_all_are_up_and_is_the_next_started():
+    backend = LocalBackend(WORKER, spare=True)
+    try:
+        backend.start(InstanceSpec("a", 0, 1, (0,)))
+        deadline = time.monotonic() + HANG_GUARD_S
+        while not any(e.kind == "up" for e in backend.poll(0.2)):
+            assert backend.spare_pid is None  # never beside a load
+            assert time.monotonic() < deadline
+        wait_until(lambda: backend.poll(0) is not None and backend.spare_pid is not None)
+        spare = backend.spare_pid
+        backend.start(InstanceSpec("b", 0, 1, (0,)))
+        assert pid_of(backend, "b") == spare and backend.spare_pid is None
+        assert wait_for(backend, "up").instance_id == "b"
+        wait_until(lambda: backend.poll(0) is not None and backend.spare_pid is not None)
+        assert backend.spare_pid != spare
+        waiting = backend._spare[0]
+    finally:
+        backend.shutdown()
+    assert waiting.poll() is not None and backend.spare_pid is None
+
+
+def test_a_spare_that_died_waiting_is_passed_over():
+    backend = LocalBackend(WORKER, spare=True)
+    try:
+        backend.start(InstanceSpec("a", 0, 1, (0,)))
+        wait_for(backend, "up")
+        wait_until(lambda: backend.poll(0) is not None and backend.spare_pid is not None)
+        dead = backend._spare[0]
+        dead.kill()
+        dead.wait()
+        backend.start(InstanceSpec("b", 0, 1, (0,)))
+        assert pid_of(backend, "b") != dead.pid
+        assert wait_for(backend, "up").instance_id == "b"
+    finally:
+        backend.shutdown()
+
+
 def test_tensor_parallel_two_ranks_commit_the_same_tokens_as_one(local_backend):
     llm = LLM(BUNDLED_MODEL)
     outputs = {}

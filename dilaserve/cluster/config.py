@@ -28,6 +28,8 @@ class ClusterConfig:
     max_tokens: int = 64  # the output window of requests that name none
     max_batch_tokens: int = 8192  # per instance and step
     replace_failed: bool = True
+    # a rank process kept waiting with torch imported, the next one started (the local backend)
+    spare_worker: bool = True
     step_timeout: float | None = None  # seconds a step may run, at the profile's speed, before
     # its instance counts as hung (killed and replaced); the controller scales it by the
     # instance's measured slowdown; None: from the latency profile (`derived_step_timeout`)
@@ -99,4 +101,4 @@ def make_backend(config: ClusterConfig) -> Backend:
         from dilaserve.cluster.ray_backend import RayBackend
 
         return RayBackend(config.worker, address=config.ray_address)
-    return LocalBackend(config.worker)
+    return LocalBackend(config.worker, spare=config.spare_worker)

@@ -120,6 +120,16 @@ class InstanceWorker:
             self.executor.release(rid)
 
 
+def preload() -> None:
+    """Import what loading a model takes (torch above all, 1.5 CPU-seconds) before the orders
+    come, so that a spare rank has it done when it is taken. Nothing here touches a GPU, so
+    `CUDA_VISIBLE_DEVICES` set after it still holds."""
+    import torch  # noqa: F401
+
+    from dilaserve.engine import engine  # noqa: F401
+    from dilaserve.models import checkpoint, tokenizer  # noqa: F401
+
+
 def serve_pipe(conn) -> None:
     """A local worker process: read its orders, load, say "up", then answer commands until
     told to stop (or the controller goes away).
@@ -128,7 +138,11 @@ def serve_pipe(conn) -> None:
     -> ("done", output, seconds) or ("failed", error); ("release", request_ids); ("stop",).
     Only rank 0 answers.
     """
-    _, config, rank, size, rendezvous, gpus = conn.recv()
+    preload()
+    try:
+        _, config, rank, size, rendezvous, gpus = conn.recv()
+    except (EOFError, OSError):
+        return  # a spare never taken (`LocalBackend`)
     if gpus and config.engine.device.startswith("cuda"):
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
     try:
