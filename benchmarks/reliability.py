@@ -63,6 +63,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -220,13 +221,18 @@ class Run:
             await self.idle("neighbour")
 
     async def faults(self, capacity: float) -> None:
-        url, slo_ms = self.url, self.args.slo_ms
-        if self.wants("kill_9"):
-            self.keep("kill_9", await kill_phase(url, self.server, capacity / 2, slo_ms, "kill"))
-            await self.idle("kill -9")
-        if self.wants("sigstop"):
-            self.keep("sigstop", await kill_phase(url, self.server, capacity / 2, slo_ms, "stop"))
-            await self.idle("SIGSTOP")
+        rate, slo_ms = capacity / 2, self.args.slo_ms
+        for case, how, after in (("kill_9", "kill", "kill -9"), ("sigstop", "stop", "SIGSTOP")):
+            if self.wants(case):
+                before = len(self.restored())
+                figures = await kill_phase(self.url, self.server, rate, slo_ms, how)
+                self.keep(case, figures | {"capacity_restored_after_s": self.restored()[before:]})
+                await self.idle(after)
+
+    def restored(self) -> list[float]:
+        """Seconds each lost instance took to be replaced, as the server logged them."""
+        log = (self.folder / f"server-{self.servers - 1}.log").read_text(errors="replace")
+        return [float(m) for m in re.findall(r"lost capacity restored after ([0-9.]+) s", log)]
 
     async def drains(self) -> None:
         args = self.args

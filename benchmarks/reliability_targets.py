@@ -31,8 +31,10 @@ def verdicts(summary: dict, args) -> list[dict]:
 
 
 def fault_verdict(name: str, figures: dict) -> dict:
+    restored = figures.get("capacity_restored_after_s")
+    after = f"; capacity restored after {restored} s" if restored is not None else ""
     return verdict(f"{name}: nothing lost (a 429 after the fault fails)",
-                   f"{figures['failed']} failed {figures['failed_statuses']}",
+                   f"{figures['failed']} failed {figures['failed_statuses']}{after}",
                    figures["failed"] == 0)  # fmt: skip
 
 

@@ -4,6 +4,7 @@ parity with the simulator, surviving a killed worker, live reconfiguration, tens
 import asyncio
 import concurrent.futures
 import json
+import os
 import time
 
 import pytest
@@ -248,7 +249,7 @@ def pid_of(backend, instance_id):
     return backend._gangs[instance_id].processes[0].pid
 
 
-def test_a_spare_rank_waits_once_all_are_up_and_is_the_next_started():
+def test_a_spare_rank_starts_once_all_are_up_and_is_the_next_started_when_ready():
     backend = LocalBackend(WORKER, spare=True)
     try:
         backend.start(InstanceSpec("a", 0, 1, (0,)))
@@ -256,31 +257,39 @@ def test_a_spare_rank_waits_once_all_are_up_and_is_the_next_started():
         while not any(e.kind == "up" for e in backend.poll(0.2)):
             assert backend.spare_pid is None  # never beside a load
             assert time.monotonic() < deadline
-        wait_until(lambda: backend.poll(0) is not None and backend.spare_pid is not None)
         spare = backend.spare_pid
+        assert spare is not None and not backend.spare_ready  # importing (over a second)
         backend.start(InstanceSpec("b", 0, 1, (0,)))
-        assert pid_of(backend, "b") == spare and backend.spare_pid is None
+        assert pid_of(backend, "b") != spare and backend.spare_pid == spare  # not taken yet
         assert wait_for(backend, "up").instance_id == "b"
-        wait_until(lambda: backend.poll(0) is not None and backend.spare_pid is not None)
-        assert backend.spare_pid != spare
-        waiting = backend._spare[0]
+        wait_until(lambda: backend.spare_ready)
+        backend.start(InstanceSpec("c", 0, 1, (0,)))
+        assert pid_of(backend, "c") == spare and backend.spare_pid is None
+        assert wait_for(backend, "up").instance_id == "c"
+        assert backend.spare_pid not in (None, spare)  # the next one
+        assert niceness(pid_of(backend, "c")) == 0  # its imports ran at 19, in a thread
+        waiting = backend._spare.process
     finally:
         backend.shutdown()
     assert waiting.poll() is not None and backend.spare_pid is None
 
 
-def test_a_spare_that_died_waiting_is_passed_over():
+def niceness(pid: int) -> int:
+    return os.getpriority(os.PRIO_PROCESS, pid)
+
+
+def test_a_spare_that_died_is_passed_over_and_not_replaced():
     backend = LocalBackend(WORKER, spare=True)
     try:
         backend.start(InstanceSpec("a", 0, 1, (0,)))
         wait_for(backend, "up")
-        wait_until(lambda: backend.poll(0) is not None and backend.spare_pid is not None)
-        dead = backend._spare[0]
+        dead = backend._spare.process
         dead.kill()
         dead.wait()
         backend.start(InstanceSpec("b", 0, 1, (0,)))
         assert pid_of(backend, "b") != dead.pid
         assert wait_for(backend, "up").instance_id == "b"
+        assert backend.spare_pid == dead.pid and not backend.spare_ready
     finally:
         backend.shutdown()
 

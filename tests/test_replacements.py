@@ -13,8 +13,8 @@ def test_a_serving_instance_that_dies_is_replaced_at_once_under_a_new_name():
     first = replacements.lost(LOST, was_serving=True, now=5.0)
     assert first.instance_id == "i0.1" and (first.node, first.tp, first.gpus) == (0, 1, (0,))
     assert replacements.pending and replacements.due(5.0) == []
-    replacements.up("i0.1")
-    assert not replacements.pending
+    assert replacements.up("i0.1", now=7.5) == 2.5  # seconds the capacity was lost
+    assert not replacements.pending and replacements.up("i1", now=8.0) is None
 
 
 def test_a_failed_replacement_is_retried_after_a_doubling_backoff_up_to_the_cap():
@@ -31,7 +31,7 @@ def test_a_failed_replacement_is_retried_after_a_doubling_backoff_up_to_the_cap(
     assert delays[:3] == [FIRST_BACKOFF, 2 * FIRST_BACKOFF, 4 * FIRST_BACKOFF]
     assert max(delays) == MAX_BACKOFF and delays[-1] == MAX_BACKOFF
     assert failing.instance_id == "i0.11" and replacements.pending
-    replacements.up(failing.instance_id)
+    assert replacements.up(failing.instance_id, now) == now  # lost at 0, every retry counted
     assert not replacements.pending
 
 

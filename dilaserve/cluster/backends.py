@@ -113,12 +113,20 @@ class _Gang:
     up: bool = False  # rank 0 said it has loaded
 
 
-def _new_rank() -> tuple[subprocess.Popen, Connection]:
-    """A rank process (`python -m dilaserve.cluster.worker FD`) waiting for its orders, and the
-    controller's end of its socket."""
+@dataclass
+class _Spare:
+    process: subprocess.Popen
+    conn: Connection  # the controller's end of its socket
+    ready: bool = False  # it said "ready": its imports are done
+
+
+def _new_rank(spare: bool) -> tuple[subprocess.Popen, Connection]:
+    """A rank process (`python -m dilaserve.cluster.worker FD [--spare]`) waiting for its
+    orders, and the controller's end of its socket."""
     ours, theirs = Pipe()
     fd = theirs.fileno()
     command = [sys.executable, "-m", "dilaserve.cluster.worker", str(fd)]
+    command += ["--spare"] if spare else []
     try:
         return subprocess.Popen(command, pass_fds=(fd,)), ours
     except OSError:
@@ -148,16 +156,17 @@ class LocalBackend:
 
     A process that dies closes its socket, which `poll` sees as end-of-file.
 
-    With `spare`, once every instance is up one more rank process waits with torch and the
-    engine imported (`worker.preload`), and the next rank started (a replacement after a fault,
-    a new instance of a reconfiguration) is that one: it has only its model left to load, about
-    0.5 of 1.9 CPU-seconds on the bundled model, while the instances left serve beside it.
+    With `spare`, once every instance is up one more rank process imports torch and the engine
+    at the lowest CPU priority (`worker.preload_quietly`) and waits, and the next rank started (a
+    replacement after a fault, a new instance of a reconfiguration) is that one if it is ready:
+    it has only its model left to load, about 0.5 of 1.9 CPU-seconds on the bundled model, while
+    the instances left serve beside it.
     """
 
     def __init__(self, worker: WorkerConfig, spare: bool = False):
         self.worker = worker
         self.spare = spare
-        self._spare: tuple[subprocess.Popen, Connection] | None = None
+        self._spare: _Spare | None = None
         self._gangs: dict[str, _Gang] = {}
         self._wake_r, self._wake_w = Pipe(duplex=False)
         self._wake_lock = threading.Lock()
@@ -179,43 +188,53 @@ class LocalBackend:
     def _spawn(self, gang: _Gang, rank: int, spec: InstanceSpec, rendezvous: str):
         """One rank's process (the spare if one waits), told what to load; the controller's end
         of its socket."""
-        process, ours = self._take_spare() or _new_rank()
+        process, ours = self._take_spare() or _new_rank(spare=False)
         gang.processes.append(process)
         ours.send(("init", self.worker, rank, spec.tp, rendezvous, spec.gpus))
         return ours
 
     @property
     def spare_pid(self) -> int | None:
-        """The waiting spare's process id, if one waits."""
-        return self._spare[0].pid if self._spare is not None else None
+        """The spare's process id, if one is importing or waiting."""
+        return self._spare.process.pid if self._spare is not None else None
+
+    @property
+    def spare_ready(self) -> bool:
+        """Has the spare done its imports? (It says "ready" once, then waits for orders.)"""
+        spare = self._spare
+        if spare is not None and not spare.ready and spare.conn.poll():
+            try:
+                spare.ready = spare.conn.recv() == ("ready",)
+            except (EOFError, OSError):  # it died: never ready
+                pass
+        return spare is not None and spare.ready and spare.process.poll() is None
 
     def _take_spare(self) -> tuple[subprocess.Popen, Connection] | None:
-        spare, self._spare = self._spare, None
-        if spare is not None and spare[0].poll() is not None:  # it died waiting: not used
-            spare[1].close()
+        """The spare, if it is ready; one still importing is left to finish (a rank started
+        now from nothing loads sooner than one importing at the lowest priority)."""
+        if not self.spare_ready:
             return None
-        return spare
+        spare, self._spare = self._spare, None
+        return spare.process, spare.conn
 
     def _keep_spare(self) -> None:
-        """Start the spare once no instance is loading (so that its imports never compete
-        with a load), and again each time one is taken. One that dies waiting is not replaced
-        until it would have been taken (no loop of failing starts)."""
+        """Start a spare once every instance is up, if none is there. One that dies is not
+        replaced (no loop of failing starts): the ranks started after it start from nothing."""
         if not self.spare or self._spare is not None:
             return
         if not all(gang.up for gang in self._gangs.values()):
             return
         try:
-            self._spare = _new_rank()
+            self._spare = _Spare(*_new_rank(spare=True))
         except OSError:  # no file descriptors or memory left: the next start spawns its own
             self.spare = False
 
     def _close_spare(self) -> None:
         if self._spare is not None:
-            process, conn = self._spare
-            self._spare = None
-            conn.close()  # it sees end-of-file where its orders would come, and exits
-            process.kill()
-            process.wait()
+            spare, self._spare = self._spare, None
+            spare.conn.close()  # it sees end-of-file where its orders would come, and exits
+            spare.process.kill()
+            spare.process.wait()
 
     def step(self, instance_id: str, batch: StepBatch) -> None:
         self._send(instance_id, ("step", batch))

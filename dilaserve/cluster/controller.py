@@ -233,7 +233,9 @@ class Controller:
         if event.kind == "up":
             if self.replacements.pending:  # (lost capacity restored)
                 self._void_timings()
-            self.replacements.up(iid)
+            restored = self.replacements.up(iid, now)
+            if restored is not None:
+                log.info("instance %s up: lost capacity restored after %.2f s", iid, restored)
             if iid in self._specs:
                 self.rollout.on_up(self._specs[iid], now)
         elif event.kind == "done":

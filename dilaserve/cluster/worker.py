@@ -15,6 +15,7 @@ the Ray backend calls `InstanceWorker`'s methods from an actor.
 from __future__ import annotations
 
 import os
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -120,29 +121,42 @@ class InstanceWorker:
             self.executor.release(rid)
 
 
-def preload() -> None:
+def preload_quietly() -> None:
     """Import what loading a model takes (torch above all, 1.5 CPU-seconds) before the orders
-    come, so that a spare rank has it done when it is taken. Nothing here touches a GPU, so
-    `CUDA_VISIBLE_DEVICES` set after it still holds."""
-    import torch  # noqa: F401
+    come, so that a spare rank has it done when it is taken, without slowing the ranks that
+    serve: in a thread of its own at the lowest CPU priority. Niceness is per thread on Linux,
+    and an unprivileged thread cannot take it back, so this process's main thread, which runs
+    the steps and starts torch's compute threads, keeps its own. Nothing here touches a GPU,
+    so `CUDA_VISIBLE_DEVICES` set after it still holds."""
 
-    from dilaserve.engine import engine  # noqa: F401
-    from dilaserve.models import checkpoint, tokenizer  # noqa: F401
+    def run():
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), MAX_NICE)
+        import torch  # noqa: F401
+
+        from dilaserve.engine import engine  # noqa: F401
+        from dilaserve.models import checkpoint, tokenizer  # noqa: F401
+
+    thread = threading.Thread(target=run, name="preload")
+    thread.start()
+    thread.join()
 
 
-def serve_pipe(conn) -> None:
+def serve_pipe(conn, spare: bool = False) -> None:
     """A local worker process: read its orders, load, say "up", then answer commands until
     told to stop (or the controller goes away).
 
+    A spare (`spare`) first imports (`preload_quietly`) and says ("ready",).
     First message: ("init", WorkerConfig, rank, size, rendezvous, gpus). Commands: ("step", batch)
     -> ("done", output, seconds) or ("failed", error); ("release", request_ids); ("stop",).
     Only rank 0 answers.
     """
-    preload()
     try:
+        if spare:  # (`LocalBackend`'s)
+            preload_quietly()
+            conn.send(("ready",))
         _, config, rank, size, rendezvous, gpus = conn.recv()
     except (EOFError, OSError):
-        return  # a spare never taken (`LocalBackend`)
+        return  # a spare never taken
     if gpus and config.engine.device.startswith("cuda"):
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
     try:
@@ -182,4 +196,4 @@ if __name__ == "__main__":
     # close and exits).
     for terminal in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(terminal, signal.SIG_IGN)
-    serve_pipe(Connection(int(sys.argv[1])))
+    serve_pipe(Connection(int(sys.argv[1])), spare="--spare" in sys.argv[2:])
