@@ -148,6 +148,7 @@ class _Cluster:
     step_slowdown = 1.0
     step_slowdown_stale_seconds = 0.0
     instances_stalled = 0
+    capacity_restored_after = None
     on_time_factor = 1.0
     on_time = SimpleNamespace(finished=0, late=0)
     deadline_factor = 1.25

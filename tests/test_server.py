@@ -285,6 +285,7 @@ class _RefusingCluster:
     step_slowdown = 1.0
     step_slowdown_stale_seconds = 0.0
     instances_stalled = 0
+    capacity_restored_after = None
     on_time_factor = 1.0
     admission_predicted = 0.0
     on_time = SimpleNamespace(finished=0, late=0)

@@ -92,6 +92,7 @@ class Controller:
         self.cancels: deque[str] = deque()
         self.closing = threading.Event()  # `run` returns once it is set
         self.replacements = Replacements()
+        self.restored_after: float | None = None  # seconds the latest lost capacity was lost
         # the room the front asks, and admission of each arrival (`gate.py`)
         self.admitting = Admitting(
             self.admission, answers, self.handles, self.stats, self.recording
@@ -235,6 +236,7 @@ class Controller:
                 self._void_timings()
             restored = self.replacements.up(iid, now)
             if restored is not None:
+                self.restored_after = restored
                 log.info("instance %s up: lost capacity restored after %.2f s", iid, restored)
             if iid in self._specs:
                 self.rollout.on_up(self._specs[iid], now)
