@@ -194,11 +194,11 @@ def test_after_a_worker_is_killed_under_load_an_idle_server_admits():
     clock.factor = 40.0
     handles = [submit(cluster, f"f{k}") for k in range(30)]
     run_until(cluster, lambda: cluster.controller.steps_run >= 20)
-    assert cluster.capacity_restored_after is None
+    assert cluster.controller.restored_after is None
     clock.kill("i0")  # kill -9 under load: its requests resume on i1; a replacement starts
     run_until(cluster, lambda: not cluster.controller.handles)
     assert cluster.controller.stats["failures"] == 1
-    restored = cluster.capacity_restored_after  # (this backend's replacement is up at once)
+    restored = cluster.controller.restored_after  # (this backend's replacement is up at once)
     assert restored is not None and 0 <= restored < cluster.config.tick
     app = create_app(cluster, ServerSettings(MODEL), ServerMetrics(), manage=False)
     with TestClient(app) as client:

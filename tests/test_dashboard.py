@@ -148,7 +148,6 @@ class _Cluster:
     step_slowdown = 1.0
     step_slowdown_stale_seconds = 0.0
     instances_stalled = 0
-    capacity_restored_after = None
     on_time_factor = 1.0
     on_time = SimpleNamespace(finished=0, late=0)
     deadline_factor = 1.25
@@ -168,7 +167,7 @@ class _Cluster:
         stats = {"migrations": 0, "reconfigurations": 0, "failures": 0}
         stalls = SimpleNamespace(count=0)
         self.controller = SimpleNamespace(
-            stats=stats, stalls=stalls, rollout=SimpleNamespace(log=[])
+            stats=stats, stalls=stalls, rollout=SimpleNamespace(log=[]), restored_after=None
         )
         inst = {"i0": SimpleNamespace(tp=1), "i1": SimpleNamespace(tp=2)}
         self.scheduler = SimpleNamespace(instances=inst, requests={})

@@ -285,7 +285,6 @@ class _RefusingCluster:
     step_slowdown = 1.0
     step_slowdown_stale_seconds = 0.0
     instances_stalled = 0
-    capacity_restored_after = None
     on_time_factor = 1.0
     admission_predicted = 0.0
     on_time = SimpleNamespace(finished=0, late=0)
@@ -300,7 +299,9 @@ class _RefusingCluster:
         )
         self.accepting, self.in_flight = not isinstance(error, Closed), 0
         stats = {"migrations": 0, "reconfigurations": 0, "failures": 0}
-        self.controller = SimpleNamespace(stats=stats, stalls=SimpleNamespace(count=0))
+        self.controller = SimpleNamespace(
+            stats=stats, stalls=SimpleNamespace(count=0), restored_after=None
+        )
         self.intake = AnyIntake()
 
     def submit(self, *args, **kwargs):

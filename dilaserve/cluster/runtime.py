@@ -199,11 +199,6 @@ class Cluster:
         return self.scheduler.speed.ratio
 
     @property
-    def capacity_restored_after(self) -> float | None:
-        """Seconds from the latest instance lost to its replacement up (None: none yet)."""
-        return self.controller.restored_after
-
-    @property
     def instances_stalled(self) -> int:
         """Instances whose running step is overdue: they take no new work until it ends."""
         return self.scheduler.num_stalled

@@ -211,9 +211,9 @@ def _instance_metrics(c: Cluster, m: ServerMetrics):
     yield _gauge("dilaserve_instances_stalled", stalled, c.instances_stalled)
     degraded = "1 while /health says degraded (lost capacity, or admission refusing all)"
     yield _gauge("dilaserve_degraded", degraded, float(c.health() == "degraded"))
-    if c.capacity_restored_after is not None:
+    if (restored := c.controller.restored_after) is not None:
         text = "Seconds from the latest instance lost to its replacement up"
-        yield _gauge("dilaserve_capacity_restored_seconds", text, c.capacity_restored_after)
+        yield _gauge("dilaserve_capacity_restored_seconds", text, restored)
     instances = GaugeMetricFamily(
         "dilaserve_instances", "Model instances by tensor-parallel degree", labels=["tp"]
     )
