@@ -200,7 +200,8 @@ class LocalBackend:
 
     @property
     def spare_ready(self) -> bool:
-        """Has the spare done its imports? (It says "ready" once, then waits for orders.)"""
+        """Has the spare done its imports? It says "ready" once, then waits for orders: this
+        reads that word when it has come (the controller's thread, as every other read)."""
         spare = self._spare
         if spare is not None and not spare.ready and spare.conn.poll():
             try:

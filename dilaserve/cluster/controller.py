@@ -92,7 +92,7 @@ class Controller:
         self.cancels: deque[str] = deque()
         self.closing = threading.Event()  # `run` returns once it is set
         self.replacements = Replacements()
-        self.restored_after: float | None = None  # seconds the latest lost capacity was lost
+        self.restored_after: float | None = None  # the latest replacement: seconds lost to up
         # the room the front asks, and admission of each arrival (`gate.py`)
         self.admitting = Admitting(
             self.admission, answers, self.handles, self.stats, self.recording
