@@ -46,6 +46,31 @@ def test_the_factor_decays_toward_one_when_nothing_finishes():
     assert calibration.factor(5.0 + 200.0) < 1.001  # no evidence for long: the prediction
 
 
+def test_a_surge_long_past_does_not_hold_the_factor_while_evidence_trickles():
+    calibration = OnTimeCalibration(half_life=10.0, age_each=True)  # (admission's)
+    finish(calibration, [4.0] * 64)  # a surge: every request four times its prediction
+    assert calibration.factor(4.0) == pytest.approx(4.0)
+    for start in range(5, 65, 5):  # then one request every 5 s, as predicted
+        finish(calibration, [1.0], start=float(start))
+    # the window still holds 52 of the surge's ratios; each has aged 60 s or so
+    assert calibration.factor(61.0) < 1.1  # (at the last finish)
+    assert calibration.low_factor(61.0) == pytest.approx(1.0, abs=0.1)
+
+
+def test_fresh_evidence_counts_in_full():
+    calibration = OnTimeCalibration(target=0.9, min_evidence=10, half_life=10.0, age_each=True)
+    finish(calibration, [1.0] * 90 + [3.0] * 10)  # all measured within 3 s
+    assert calibration.factor(3.0) > 1.5
+
+
+def test_without_aging_each_a_trickle_leaves_the_window_as_it_was():
+    calibration = OnTimeCalibration(half_life=10.0)  # (Alg. 1's: every request teaches it)
+    finish(calibration, [4.0] * 64)
+    for start in range(5, 65, 5):
+        finish(calibration, [1.0], start=float(start))
+    assert calibration.factor(61.0) == pytest.approx(4.0)  # (at the last finish)
+
+
 def test_requests_that_never_finish_teach_nothing():
     calibration = OnTimeCalibration(min_evidence=1)
     calibration.admitted("gone", 1.0, 0.0)
@@ -84,6 +109,23 @@ def test_admission_counts_on_what_finished_requests_took():
     later = 5.0 + 10 * admission.on_time.half_life
     again = make_request("again", gen_len=32, deadline=later + 2 * needed)
     assert admission.refusal(again, later) is None
+
+
+def test_admission_fits_again_while_a_trickle_follows_a_surge():
+    """At overload few requests run at the lowest threshold, admission's only teachers: a
+    trickle of them as predicted must not leave a surge's ratios holding the factor."""
+    scheduler = build_scheduler(ControlSpec())
+    scheduler.add_instance("i0", 1, 8192)
+    for k in range(20):
+        scheduler.on_arrival(make_request(f"busy{k}", gen_len=64, deadline=1e6), 0.0)
+    admission = Admission(scheduler)
+    assert admission.refusal(make_request("probe", gen_len=32, deadline=1e6), 0.0) is None
+    needed = admission._predicted
+    finish(admission.on_time, [5.0] * 64)
+    for start in range(10, 100, 10):  # one as predicted every 10 s
+        finish(admission.on_time, [1.0], start=float(start))
+    request = make_request("new", gen_len=32, deadline=91.0 + 2 * needed)
+    assert admission.refusal(request, 91.0) is None
 
 
 def test_a_void_request_teaches_nothing_even_if_priced_again_until_it_ends():

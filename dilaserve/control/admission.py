@@ -105,7 +105,7 @@ class Admission:
         self.scheduler = scheduler  # control.scheduler.Scheduler, read on the controller thread
         self.mode = mode
         self._loads = scheduler.load_control  # None for fixed-threshold policies
-        self.on_time = on_time or OnTimeCalibration()
+        self.on_time = on_time or OnTimeCalibration(age_each=True)
         self._priced: dict[str, Request] = {}  # admitted, their predicted time on record
         self._predicted = 0.0  # seconds the last request asked about needs (`refusal`)
         self._per_block: deque[float] = deque(maxlen=RECENT)  # load per block, latest priced

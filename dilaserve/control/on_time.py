@@ -24,8 +24,16 @@ it took is the fault's, and it teaches neither, even if it is priced again later
 
 An estimate is not a fact (DESIGN.md 7): with no request finishing (nothing admitted, e.g.
 because the factor itself refuses everything) the factor decays toward 1 with a half-life, so
-admission returns to the plain prediction and the next requests measure again. Pure
-bookkeeping: the caller passes the time.
+admission returns to the plain prediction and the next requests measure again. And with
+`age_each` (admission's) each ratio's excess over 1 decays with its own age, at the same
+half-life, and the factor is the quantile of the decayed ratios: admission learns only from the
+requests that ran at the lowest threshold, and at overload few do, so its window refreshes in a
+trickle while everything else is served; unaged, the ratios of a surge long past held the
+quantile (admission's factor at 3.5-3.9 for the last 50 s of a 3x overload after a surge at its
+start; aged, 1.3-1.6: docs/serving/reliability.md). Alg. 1's calibration learns from every
+request, so its window is as fresh as the service; aged too, its factor fell below what the
+requests took on the training traces (docs/control/thresholds.md). Pure bookkeeping: the
+caller passes the time.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ class OnTimeCalibration:
         window: int = WINDOW,
         half_life: float = HALF_LIFE,
         min_evidence: int = MIN_EVIDENCE,
+        age_each: bool = False,
     ):
         if not 0.0 < target < 1.0:
             raise ValueError(f"{target=} must be in (0, 1)")
@@ -56,7 +65,9 @@ class OnTimeCalibration:
         self.target = target
         self.half_life = half_life
         self.min_evidence = min_evidence
+        self.age_each = age_each  # each ratio decays by its own age (admission's)
         self._ratios: deque[float] = deque(maxlen=window)
+        self._measured_at: deque[float] = deque(maxlen=window)  # when each ratio was measured
         self._pending: dict[str, tuple[float, float]] = {}  # id -> (admitted at, predicted s)
         self._void: set[str] = set()  # in flight, and never to teach (`void`)
         self._quantile = 1.0  # of the window, as of the last finished request
@@ -96,15 +107,26 @@ class OnTimeCalibration:
         self.late += ratio > self.factor(now)
         self.finished += 1
         self._ratios.append(ratio)
+        self._measured_at.append(now)
         self._last = now
         if len(self._ratios) >= self.min_evidence:
-            q = np.quantile(self._ratios, (self.target, 1 - self.target))
+            q = np.quantile(self._decayed(now), (self.target, 1 - self.target))
             self._quantile, self._low = float(q[0]), float(q[1])
+
+    def _decayed(self, now: float) -> np.ndarray:
+        """The window's ratios; with `age_each`, each one's excess over 1 decayed by its age."""
+        ratios = np.fromiter(self._ratios, float, len(self._ratios))
+        if not self.age_each:
+            return ratios
+        age = now - np.fromiter(self._measured_at, float, len(self._measured_at))
+        return 1.0 + (ratios - 1.0) * 0.5 ** (age / self.half_life)
 
     def factor(self, now: float) -> float:
         """How many times its predicted time admission should allow a request (>= 1): the
-        window's `target` quantile of taken over predicted time, decayed toward 1 by how long
-        no request has finished."""
+        window's `target` quantile of taken over predicted time (with `age_each`, of the ratios
+        decayed by their ages at the last finish), decayed toward 1 by how long no request has
+        finished. (Decay is one monotone map of every ratio, so with `age_each` this is the
+        quantile of the ratios decayed to `now`.)"""
         excess = max(self._quantile - 1.0, 0.0)
         idle = max(now - self._last, 0.0)
         return 1.0 + excess * 0.5 ** (idle / self.half_life)
