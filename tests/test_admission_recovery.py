@@ -98,11 +98,14 @@ class VirtualInstances:
 
 
 def virtual_cluster(
-    instances=(1,), slo=0.5, quality_budget=None, **kw
+    instances=(1,), slo=0.5, quality_budget=None, nodes=(), **kw
 ) -> tuple[Cluster, VirtualInstances]:
-    """A cluster serving on `VirtualInstances`, its controller driven by `run_until`."""
+    """A cluster serving on `VirtualInstances`, its controller driven by `run_until`;
+    `nodes`: the planner's GPUs per node (none: no planner)."""
     clock = VirtualInstances()
-    control = ControlSpec(scheduler=SchedulerConfig(slo=slo), quality_budget=quality_budget)
+    control = ControlSpec(
+        scheduler=SchedulerConfig(slo=slo), quality_budget=quality_budget, nodes=nodes
+    )
     config = ClusterConfig(WorkerConfig(threads=1), control, instances=instances, **kw)
     cluster = Cluster(config, backend=clock)
     clock.cluster = cluster
@@ -205,6 +208,22 @@ def test_after_a_worker_is_killed_under_load_an_idle_server_admits():
         assert f"dilaserve_capacity_restored_seconds {restored}" in client.get("/metrics").text
     assert any(not isinstance(h, Overloaded) and h.future.exception() is None for h in handles)
     idle_then_admits(cluster, clock)
+
+
+def test_a_replacements_start_up_prices_the_planners_next_move():
+    cluster, clock = virtual_cluster(instances=(1, 1), nodes=(2,))
+    planner = cluster.controller.scheduler.reconfigurer
+    assert planner.startup_delay == planner.config.startup_delay  # nothing started yet
+    handles = [submit(cluster, f"p{k}") for k in range(10)]
+    run_until(cluster, lambda: cluster.controller.steps_run >= 5)
+    clock.kill("i0")
+    run_until(cluster, lambda: not cluster.controller.handles)
+    restored = cluster.controller.restored_after  # (started at once, up at once)
+    assert restored is not None and planner.startup_delay == restored
+    app = create_app(cluster, ServerSettings(MODEL), ServerMetrics(), manage=False)
+    with TestClient(app) as client:
+        assert f"dilaserve_planner_startup_seconds {restored}" in client.get("/metrics").text
+    assert all(h.future.exception() is None for h in handles if not isinstance(h, Overloaded))
 
 
 def test_slowness_alone_never_kills_the_last_instance_and_the_timeout_scales(caplog):

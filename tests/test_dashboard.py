@@ -155,7 +155,9 @@ class _Cluster:
     quality_budget = QualityBudget(LLADA_GSM8K, (0.9, 0.8, 0.7))
     admission_capacity = (900.0, 1000.0)  # (served, modelled) token-steps per second
     admission_predicted = 0.5  # seconds, the latest request priced
-    planner_rounds = {"kept": 3, "guarded": 1, "applied": 0}  # `Reconfigurer.outcomes`
+    planner = SimpleNamespace(  # a `Reconfigurer`
+        outcomes={"kept": 3, "guarded": 1, "applied": 0}, startup_delay=30.0
+    )
 
     def __init__(self):
         self.config = SimpleNamespace(
@@ -342,7 +344,8 @@ def test_metrics_count_the_planners_rounds_by_outcome():
     text = metrics.render().decode()
     assert 'dilaserve_planner_rounds_total{outcome="kept"} 3.0' in text
     assert 'dilaserve_planner_rounds_total{outcome="guarded"} 1.0' in text
-    cluster.planner_rounds = None  # a policy that does not reconfigure
+    assert "dilaserve_planner_startup_seconds 30.0" in text
+    cluster.planner = None  # a policy that does not reconfigure
     assert "dilaserve_planner_rounds" not in metrics.render().decode()
 
 

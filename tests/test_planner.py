@@ -12,7 +12,7 @@ from dilaserve.control.layout import InstanceSlot, launch_order, plan_layout
 from dilaserve.control.monitor import WorkloadClass, WorkloadMonitor
 from dilaserve.control.planner import CapacityPlan, plan_capacity
 from dilaserve.control.policy import get_policy
-from dilaserve.control.reconfigure import Reconfigurer, move_timeline, worth_applying
+from dilaserve.control.reconfigure import STARTUPS, Reconfigurer, move_timeline, worth_applying
 from dilaserve.control.scheduler import Scheduler, SchedulerConfig
 from dilaserve.control.step_costs import StepCosts
 from dilaserve.protocol import KVCacheMode, StepKind
@@ -207,6 +207,27 @@ def test_a_move_that_leaves_too_few_gpus_serving_too_long_is_skipped(startup_del
     assert round_["proposal"] == {2: 1} and round_["fewest_serving"] == 0
     assert round_["gpus_needed"] == pytest.approx(0.64) and 0 <= round_["class_slack"] < 2.5
     assert round_["applied"] is applied
+
+
+def test_a_measured_start_up_prices_the_move_in_place_of_the_configured_one():
+    # the move above with the configured 30 s start-up (skipped there), but the cluster
+    # measured its starts as instant (the class's slack is 0 s): the move goes through
+    s = scheduler_with_planner("dilaserve", guard_moves=True, startup_delay=30.0)
+    s.reconfigurer.started(0.0)
+    assert s.reconfigurer.startup_delay == 0.0
+    for i in range(4):
+        s.on_arrival(Request(f"r{i}", tuple(range(3, 67)), 64, 32, 1, 0.9, i * 2.5), i * 2.5)
+    assert s.on_tick(10.0).reconfiguration is not None
+
+
+def test_the_start_up_priced_follows_the_latest_starts():
+    s = scheduler_with_planner("dilaserve", guard_moves=True, startup_delay=30.0)
+    assert s.reconfigurer.startup_delay == 30.0  # nothing measured: the configured value
+    s.reconfigurer.started(45.0)  # one slow start (a busy machine) ...
+    assert s.reconfigurer.startup_delay == 45.0
+    for _ in range(STARTUPS):  # ... is forgotten once as many starts came after it
+        s.reconfigurer.started(2.0)
+    assert s.reconfigurer.startup_delay == 2.0
 
 
 @pytest.mark.parametrize("startup_delay, applied", [(30.0, False), (0.0, True)])

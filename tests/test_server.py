@@ -288,7 +288,7 @@ class _RefusingCluster:
     on_time_factor = 1.0
     admission_predicted = 0.0
     on_time = SimpleNamespace(finished=0, late=0)
-    deadline = deadline_factor = admission_capacity = quality_budget = planner_rounds = None
+    deadline = deadline_factor = admission_capacity = quality_budget = planner = None
 
     def __init__(self, error):
         self.error = error

@@ -98,6 +98,7 @@ class Controller:
             self.admission, answers, self.handles, self.stats, self.recording
         )
         self._specs: dict[str, InstanceSpec] = {}  # starting or running
+        self._started_at: dict[str, float] = {}  # starting: when (the planner prices starts)
         self._inflight: dict[str, tuple[float, StepBatch]] = {}
         self._events: deque[WorkerEvent] = deque()
         self._last = 0.0
@@ -238,6 +239,7 @@ class Controller:
             if restored is not None:
                 self.restored_after = restored
                 log.info("instance %s up: lost capacity restored after %.2f s", iid, restored)
+            self._measure_start(iid, now)
             if iid in self._specs:
                 self.rollout.on_up(self._specs[iid], now)
         elif event.kind == "done":
@@ -305,6 +307,7 @@ class Controller:
         self._inflight.pop(iid, None)
         self.hangs.gone(iid)
         spec = self._specs.pop(iid, None)
+        self._started_at.pop(iid, None)
         was_serving = iid in self.scheduler.instances  # not one that failed to load
         self.rollout.on_failed(iid, now)
         if spec is None or not self.config.replace_failed or self.closing.is_set():
@@ -348,17 +351,26 @@ class Controller:
 
     def start_instance(self, spec: InstanceSpec, now: float) -> None:
         self._specs[spec.instance_id] = spec
+        self._started_at[spec.instance_id] = now
         try:
             self.backend.start(spec)
         except Exception as e:  # e.g. no file descriptors or memory to spawn a process
             log.exception("could not start instance %s", spec.instance_id)
             self._events.append(WorkerEvent("died", spec.instance_id, error=f"not started: {e}"))
 
+    def _measure_start(self, iid: str, now: float) -> None:
+        """An instance is up: its start-up, measured, prices the planner's next moves."""
+        started = self._started_at.pop(iid, None)
+        reconfigurer = self.scheduler.reconfigurer
+        if started is not None and reconfigurer is not None:
+            reconfigurer.started(now - started)
+
     def instance_added(self, spec: InstanceSpec, now: float) -> None:
         self._log_instances(now)
 
     def instance_removed(self, instance_id: str, now: float) -> None:
         self._specs.pop(instance_id, None)
+        self._started_at.pop(instance_id, None)
         self._inflight.pop(instance_id, None)
         self.backend.stop(instance_id)
         self._log_instances(now)

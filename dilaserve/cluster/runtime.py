@@ -248,9 +248,9 @@ class Cluster:
         return self.scheduler.quality
 
     @property
-    def planner_rounds(self) -> dict[str, int] | None:
-        """Planning rounds by outcome (`Reconfigurer.outcomes`); None without a planner."""
-        return None if (r := self.scheduler.reconfigurer) is None else dict(r.outcomes)
+    def planner(self):
+        """The planner (`control/reconfigure.py`: its rounds, the start-up it prices), or None."""
+        return self.scheduler.reconfigurer
 
     @property
     def deadline_factor(self) -> float | None:

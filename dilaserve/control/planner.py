@@ -78,6 +78,7 @@ class PlannerConfig:
     improvement: float = 0.10  # apply a plan only if an objective improves this much
     guard_moves: bool = True  # skip a move whose steps leave too few GPUs serving the load ...
     startup_delay: float = 30.0  # ... for longer than this (an instance's start-up) > SLO slack
+    # (a live cluster measures its starts; this prices moves until one is: `Reconfigurer`)
     price_moves: bool = True  # a guarded move must pass the trigger with its start-ups counted
     serial_launches: bool = False  # each launch waits for the last (rollout.py; the paper's)
     rate_trend: bool = True  # plan for the load's growth over the window (monitor.py)

@@ -18,7 +18,8 @@ Our addition, on by default (`PlannerConfig.guard_moves`; the paper says nothing
 a move): a move from a configuration that meets the SLOs is skipped when, at some step of it,
 the instances still serving have fewer GPUs than the observed load needs (each class's
 token-steps at the lowest threshold, at TP-1's best throughput; a lenient bound) for longer
-than the SLOs can absorb: an instance's start-up (`PlannerConfig.startup_delay`) exceeds the
+than the SLOs can absorb: an instance's start-up (`startup_delay`: `PlannerConfig`'s until a
+start is measured, then the longest of the latest `STARTUPS` measured) exceeds the
 smallest slack the current configuration leaves a class (SLO_k - t_k). Stopping instances to
 load others takes their GPUs away for a whole start-up: 4 TP-1 instances replaced by one TP-4
 serve nobody for 30 s, which at a 4.6 s SLO misses every request that comes meanwhile, while a
@@ -52,6 +53,8 @@ from dilaserve.request import Request
 HISTORY_ROUNDS = 1000  # rounds a server keeps for its logs (3.5 days at the paper's 5 minutes)
 # what came of a round: nothing worth a move, a move the guard skipped, a move begun
 OUTCOMES = ("kept", "guarded", "applied")
+STARTUPS = 8  # the latest instance starts measured, whose longest prices a move: a server's
+# boot and its last few moves or replacements
 
 
 def worth_applying(proposal: CapacityPlan, current: CapacityPlan, gain: float) -> bool:
@@ -169,6 +172,19 @@ class Reconfigurer:
         # one entry per planning round, for run logs; a server up for months keeps the latest
         self.history: deque[dict] = deque(maxlen=history_rounds)
         self.outcomes = dict.fromkeys(OUTCOMES, 0)  # rounds with classes, by what came of them
+        self._startups: deque[float] = deque(maxlen=STARTUPS)  # measured, the latest
+
+    @property
+    def startup_delay(self) -> float:
+        """Seconds a move's new instances are priced to take to come up: the longest of the
+        latest starts measured (a move waits for its slowest; a spare worker makes one start
+        fast and the next slow: docs/cluster.md), or `PlannerConfig.startup_delay` before any."""
+        return max(self._startups) if self._startups else self.config.startup_delay
+
+    def started(self, seconds: float) -> None:
+        """An instance came up `seconds` after it was started (the live cluster measures it)."""
+        if seconds >= 0:
+            self._startups.append(seconds)
 
     def record(self, request: Request, now: float) -> None:
         assert request.deadline is not None  # the scheduler sets it at arrival
@@ -253,7 +269,7 @@ class Reconfigurer:
         (docs/control/reconfiguration.md, "The fallback, priced")."""
         period = left = self.config.period
         carried = 0.0
-        timeline = move_timeline(plan, running, self.config.startup_delay)
+        timeline = move_timeline(plan, running, self.startup_delay)
         for seconds, serving in within(timeline, period):
             carried += seconds * self._throughput(counts_by_tp(serving))
             left -= seconds
@@ -282,7 +298,7 @@ class Reconfigurer:
         self.history[-1].update(
             gpus_needed=round(needed, 2), fewest_serving=fewest, class_slack=round(slack, 3)
         )
-        return fewest < needed and self.config.startup_delay > slack
+        return fewest < needed and self.startup_delay > slack
 
     def _move_pays(self, plan: Reconfiguration, running, classes, proposal, current) -> bool:
         """Whether the move still passes the trigger once its start-ups are paid. Over the next
@@ -295,7 +311,7 @@ class Reconfigurer:
         period, gained = self.config.period, objectives(proposal)
         lost, left = [0.0, 0.0], period
         scored: dict[tuple, tuple[float, float]] = {}  # counts per TP degree -> objectives
-        timeline = move_timeline(plan, running, self.config.startup_delay)
+        timeline = move_timeline(plan, running, self.startup_delay)
         for seconds, serving in within(timeline, period):
             key = tuple(sorted(counts_by_tp(serving).items()))
             if key not in scored:

@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from dilaserve.cluster.requests import RequestResult
 from dilaserve.cluster.runtime import Cluster
+from dilaserve.control.reconfigure import STARTUPS, Reconfigurer
 from dilaserve.protocol import StepKind, StepOutput
 from dilaserve.server.dashboard import LiveFeed
 
@@ -236,12 +237,13 @@ def _instance_metrics(c: Cluster, m: ServerMetrics):
         yield CounterMetricFamily(name, text, value=c.controller.stats[key])
     text = "Events that held the controller up for over a tick (their steps not measured)"
     yield CounterMetricFamily("dilaserve_controller_stalls", text, c.controller.stalls.count)
-    yield from _planner_metrics(c.planner_rounds)
+    yield from _planner_metrics(c.planner)
 
 
-def _planner_metrics(rounds: dict[str, int] | None):
-    """The planner's rounds by outcome (`control/reconfigure.py`), when the policy has one."""
-    if rounds is None:
+def _planner_metrics(planner: Reconfigurer | None):
+    """The planner's rounds by outcome and the start-up it prices (`control/reconfigure.py`),
+    when the policy has one."""
+    if planner is None:
         return
     text = (
         "Planning rounds by outcome: kept (no proposal worth a move), guarded (a move the "
@@ -249,9 +251,14 @@ def _planner_metrics(rounds: dict[str, int] | None):
         "less), applied (a move begun)"
     )
     family = CounterMetricFamily("dilaserve_planner_rounds", text, labels=["outcome"])
-    for outcome, count in rounds.items():
+    for outcome, count in planner.outcomes.items():
         family.add_metric([outcome], count)
     yield family
+    text = (
+        "Seconds the planner prices a new instance's start-up at: the longest of the "
+        f"latest {STARTUPS} starts measured, or the configured value before any"
+    )
+    yield _gauge("dilaserve_planner_startup_seconds", text, planner.startup_delay)
 
 
 def _gauge(name: str, text: str, value: float) -> GaugeMetricFamily:
