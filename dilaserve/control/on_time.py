@@ -30,10 +30,10 @@ half-life, and the factor is the quantile of the decayed ratios: admission learn
 requests that ran at the lowest threshold, and at overload few do, so its window refreshes in a
 trickle while everything else is served; unaged, the ratios of a surge long past held the
 quantile (admission's factor at 3.5-3.9 for the last 50 s of a 3x overload after a surge at its
-start; aged, 1.3-1.6: docs/serving/reliability.md). Alg. 1's calibration learns from every
-request, so its window is as fresh as the service; aged too, its factor fell below what the
-requests took on the training traces (docs/control/thresholds.md). Pure bookkeeping: the
-caller passes the time.
+start; aged, 1.3-1.7). Alg. 1's calibration learns from every request, so its window is as
+fresh as the service; aged too, its factor fell below what the requests took on the training
+traces (both: docs/serving/reliability.md, "Admission's factor, held by a surge long past").
+Pure bookkeeping: the caller passes the time.
 """
 
 from __future__ import annotations
