@@ -89,17 +89,19 @@ def test_load_control_caps_no_lower_than_the_floor(over_budget, allowed):
     s.add_instance("a", 1, 10_000)
     if over_budget:
         s.quality.finished_at(0.5, 0.0)
-    for rid in ("r1", "r2"):
-        s.on_arrival(make_request(rid, gen_len=2 * BLOCK), 0.0)
+    for rid in ("r1", "r2"):  # (one block each: caps reach a request in its last block)
+        s.on_arrival(make_request(rid, gen_len=BLOCK), 0.0)
     assert s.requests["r2"].allowed == allowed
     assert s._selection.above_floor(s.requests["r2"].allowed, 0.0) == allowed[:1]
 
 
 def test_simulated_quality_stays_within_the_budget_where_it_fell_beyond_it():
-    # Fig. 10's GSM8K shape at the training pressure (docs/control/thresholds.md): without the
-    # budget the default lost 1.3% of the fixed-0.9 quality; with it, within 1%
+    # Fig. 10's GSM8K shape at 1.25x the training pressure (docs/control/thresholds.md): without
+    # the budget the default lost 1.2% of the fixed-0.9 quality; with it, within 1%. (At the
+    # training pressure it lost 1.3% while load control capped every request, 0.98% since its
+    # caps reach only the requests in their last block.)
     spec = SimulationSpec(
-        trace="fixed:2:300:1020:256", rate_scale=6.373, planner_period=100.0, startup_delay=10.0
+        trace="fixed:2:300:1020:256", rate_scale=8.0, planner_period=100.0, startup_delay=10.0
     )
     top = LLADA_GSM8K(0.9)
     without = simulate(dataclasses.replace(spec, quality_budget=1.0)).summary

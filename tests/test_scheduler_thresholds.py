@@ -196,9 +196,11 @@ def test_the_budget_window_binds_where_a_whole_slo_window_does_not():
     # a 100 ms SLO holds 500 token-steps: both requests at 0.9 (336) fit. At 80 ms the two have
     # 20 and 100 ms left, 60 ms on average: 300 token-steps, so the late one gets 0.5 only.
     # `dilaserve-slo-load` is Alg. 2/4's window as written; the default takes the budget left
+    # (every request capped here, two blocks to go or not: the window alone)
     allowed = {}
     for policy in ("dilaserve-slo-load", "dilaserve-budget", "dilaserve"):
         s = scheduler(policy, instances=(("a", 1),), slo=0.1, kv_cache="none")
+        s.load_control.last_block_caps = False
         s.on_arrival(make_request("early", arrival_time=0.0), 0.0)
         s.on_arrival(make_request("late", arrival_time=0.08), 0.08)
         allowed[policy] = (s.requests["early"].allowed, s.requests["late"].allowed)
@@ -214,12 +216,29 @@ def test_the_default_prices_the_work_in_flight_at_how_late_requests_turned_out()
     allowed = {}
     for policy in ("dilaserve-budget", "dilaserve"):
         s = scheduler(policy, instances=(("a", 1),), slo=0.2, kv_cache="none")
+        s.load_control.last_block_caps = False  # (every request capped: the pricing alone)
         learned_lateness(s, 3.0, now=10.0)
         s.on_arrival(make_request("early", arrival_time=10.0), 10.0)
         s.on_arrival(make_request("late", arrival_time=10.01), 10.01)
         allowed[policy] = (s.requests["early"].allowed, s.requests["late"].allowed)
     assert allowed["dilaserve-budget"] == ((0.9, 0.5), (0.9, 0.5))
     assert allowed["dilaserve"] == ((0.9, 0.5), (0.5,))
+
+
+@pytest.mark.parametrize(
+    "policy, blocks, arrival, late_allowed",
+    [
+        ("dilaserve-all-caps", 2, 0.08, (0.5,)),  # as written: every request capped
+        ("dilaserve", 2, 0.08, (0.9, 0.5)),  # blocks to go: left to Alg. 1's next choice
+        ("dilaserve", 1, 0.095, (0.5,)),  # its last block: capped
+    ],
+)
+def test_caps_reach_only_a_request_in_its_last_block(policy, blocks, arrival, late_allowed):
+    s = scheduler(policy, instances=(("a", 1),), slo=0.1, kv_cache="none")
+    s.on_arrival(make_request("early", arrival_time=0.0), 0.0)
+    late = make_request("late", arrival_time=arrival, gen_len=blocks * BLOCK)
+    s.on_arrival(late, arrival)
+    assert s.requests["late"].allowed == late_allowed
 
 
 def test_load_control_serves_a_later_high_priority_request_first():

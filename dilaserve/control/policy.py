@@ -22,9 +22,10 @@ A policy is a small frozen value; the one `Scheduler` reads it. DESIGN section 3
 - `dilaserve-paper`: the paper's algorithms as written (Alg. 1's point estimate, Alg. 2/4's
   one SLO window at the point estimate, lost requests served like the others);
 - readings of load control beside the default's: `dilaserve-slo-load` (the default with Alg.
-  2/4 as written: one SLO window, the point estimate; the default before 2026-12-05's load
-  change) and `dilaserve-budget` (the default's window at the point estimate); see
-  docs/control/thresholds.md;
+  2/4 as written: one SLO window, the point estimate, every request capped; the default before
+  2026-12-05's load change), `dilaserve-budget` (the default's window at the point estimate)
+  and `dilaserve-all-caps` (the default with Alg. 2/4's caps on every request, not only those
+  in their last block; the default before 2026-12-06); see docs/control/thresholds.md;
 - extensions, tuned deviations from the paper's algorithms, named so that they never pass
   for it: `dilaserve-headroom` (`dilaserve-paper` with Alg. 1 fitting the predicted time into
   half the remaining budget: `slo_headroom` 0.5);
@@ -97,6 +98,9 @@ class Policy:
     on_time_target: float | None = None
     # which requests count as lost and are served after the others (`lost_work.py`)
     lost_work: Lost = Lost.NEVER
+    # Alg. 2/4's caps reach a request only in its last block; one with blocks to go is left to
+    # Alg. 1, which chooses again at its next refresh (`load_control.py`); False: as written
+    last_block_caps: bool = False
     # a request with a home moves to placement's pick only when its next step ends sooner
     # there, net of what it costs the batch it joins (`Placer._move_pays`); the baselines move
     # whenever placement picks another instance
@@ -129,8 +133,13 @@ _DILASERVE = Policy(
     on_time_target=ON_TIME_TARGET,
     lost_work=Lost.LIKELY,
     quality_budget=QUALITY_BUDGET,
+    last_block_caps=True,
 )
-_PAPER_LOAD = {"load_window": LoadWindow.SLO, "load_estimate": LoadEstimate.POINT}  # as written
+_PAPER_LOAD = {  # Alg. 2/4 as written
+    "load_window": LoadWindow.SLO,
+    "load_estimate": LoadEstimate.POINT,
+    "last_block_caps": False,
+}
 # the baselines: a fixed threshold, no load control, a request stays where it started
 _FCFS = Policy(
     "fcfs",
@@ -175,6 +184,7 @@ POLICIES = {
     "dilaserve-budget": replace(
         _DILASERVE, name="dilaserve-budget", load_estimate=LoadEstimate.POINT
     ),
+    "dilaserve-all-caps": replace(_DILASERVE, name="dilaserve-all-caps", last_block_caps=False),
     "fcfs": _FCFS,
     "infaas": replace(_FCFS, name="infaas", placement=Placement.ON_ARRIVAL),
     "llumnix": replace(

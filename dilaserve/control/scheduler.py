@@ -89,6 +89,7 @@ class Scheduler:
                 policy.load_control,
                 policy.load_window,
                 self.speed,
+                policy.last_block_caps,
             )
             if policy.is_dynamic
             else None
