@@ -43,6 +43,7 @@ POLICIES = (
     "dilaserve-headroom",
     "dilaserve-budget",
     "dilaserve-slo-load",
+    "dilaserve-all-caps",
     "infaas",
     "llumnix",
     "fcfs",
