@@ -140,9 +140,14 @@ class Request:
         return self.output_ids != self.mask_id
 
     @property
+    def blocks_left(self) -> int:
+        """Blocks with a masked position, the current one included (0 once all committed)."""
+        return self.num_blocks - self.current_block
+
+    @property
     def num_blocks_to_recompute(self) -> int:
         """Recompute steps left with a KV cache: one per block not yet started."""
-        return self.num_blocks - self.current_block - (0 if self.starts_block else 1)
+        return self.blocks_left - (0 if self.starts_block else 1)
 
     @property
     def is_finished(self) -> bool:

@@ -113,7 +113,8 @@ def test_admission_counts_on_what_finished_requests_took():
 
 def test_admission_fits_again_while_a_trickle_follows_a_surge():
     """At overload few requests run at the lowest threshold, admission's only teachers: a
-    trickle of them as predicted must not leave a surge's ratios holding the factor."""
+    trickle of them as predicted must not leave a surge's ratios holding the factor. (Every
+    time here is passed in: seconds of a virtual clock, no wall clock read.)"""
     scheduler = build_scheduler(ControlSpec())
     scheduler.add_instance("i0", 1, 8192)
     for k in range(20):

@@ -190,7 +190,7 @@ class LoadControl:
         capacity = self.throughput(instances) * self.window_seconds(now) / self._factor(now)
         for rid, rank in self._table.run(capacity, self._costs, width):
             t = self._tracked[rid]
-            if self.last_block_caps and t.request.num_blocks - t.request.current_block > 1:
+            if self.last_block_caps and t.request.blocks_left > 1:
                 rank = 0  # blocks to go: Alg. 1 chooses again at its next refresh
             t.allowed = self.ladder[rank:]
             t.needs_threshold = True

@@ -47,7 +47,7 @@ def _most_steps(r) -> float:
     """Steps left at most: a schedule's steps for each block left (less those the current one
     ran), else one per masked position (every such step commits one at least), plus each block
     left's edit-only steps (less those the current one ran)."""
-    blocks_left = max(r.num_blocks - r.current_block, 1)  # the current one included
+    blocks_left = max(r.blocks_left, 1)
     if r.steps is not None:
         mask_steps = r.steps * blocks_left - r.block_step
     else:
