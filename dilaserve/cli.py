@@ -43,29 +43,12 @@ def cmd_generate(args) -> None:
 
 
 def cmd_eval(args) -> None:
+    from dataclasses import fields
+
     from dilaserve.tasks.evaluate import EvalConfig, evaluate
 
-    evaluate(
-        EvalConfig(
-            model=args.model,
-            task=args.task,
-            thresholds=args.thresholds,
-            num_problems=args.num,
-            max_tokens=args.max_tokens,
-            kv_cache=args.kv_cache,
-            dtype=args.dtype,
-            device=args.device,
-            cuda_graphs=args.cuda_graphs,
-            block_len=args.block_len,
-            max_batch=args.max_batch,
-            data=args.data,
-            out=args.out,
-            steps=args.steps,
-            step_budget=args.step_budget,
-            eos_stop=args.eos_stop,
-            editing=args.editing,
-        )
-    )
+    given = {f.name: getattr(args, f.name) for f in fields(EvalConfig) if hasattr(args, f.name)}
+    evaluate(EvalConfig(**given, num_problems=args.num))
 
 
 def cmd_train_model(args) -> None:
@@ -324,6 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="GSM8K test.jsonl (for --task gsm8k)",
     )
     ev.add_argument("--out", default="runs", help="folder for run folders")
+    keep = "also keep the accuracy per threshold as the model's quality curve (serve's budget)"
+    ev.add_argument("--keep-curve", action="store_true", help=keep)
     ev.set_defaults(func=cmd_eval)
 
     _add_measurement_commands(sub)

@@ -8,7 +8,7 @@ import pytest
 from dilaserve.cli import main
 from dilaserve.tasks.evaluate import EvalConfig, ProgressLine, evaluate
 
-from conftest import SHARED_DATA
+from conftest import SHARED_DATA, write_tiny_checkpoint
 
 
 def test_eval_bundled_task_writes_a_run_folder(tiny_checkpoint, tmp_path):
@@ -138,3 +138,20 @@ def test_cli_generate_in_bfloat16(tiny_checkpoint, capsys):
     args = ["generate", "--model", str(tiny_checkpoint), "--prompt", "Tom has 3 apples."]
     assert main([*args, "--max-tokens", "8", "--dtype", "bfloat16"]) == 0
     assert "steps" in capsys.readouterr().out
+
+
+def test_eval_keeps_the_models_quality_curve(tmp_path, capsys):
+    """`eval --keep-curve` keeps the accuracy per threshold beside the model, in its calibration
+    folder for the device and dtype, where `serve` finds it (`calibration/store.py`)."""
+    model = write_tiny_checkpoint(tmp_path / "model")
+    args = ["eval", "--model", str(model), "--num", "4", "--max-tokens", "32", "--out"]
+    args += [str(tmp_path / "runs"), "--thresholds", "0.5,0.9", "--keep-curve"]
+    assert main(args) == 0
+    kept = model / "dilaserve-calibration" / "cpu-float32" / "quality.json"
+    run = json.loads(next((tmp_path / "runs").glob("eval-*/summary.json")).read_text())
+    curve = json.loads(kept.read_text())
+    assert curve["table"] == run["table"] and [r["threshold"] for r in run["table"]] == [0.5, 0.9]
+    assert curve["settings"]["num_problems"] == 4 and "model" not in curve["settings"]
+    assert str(kept) in capsys.readouterr().out
+    assert main([*args[:-3], "--thresholds", "0.9", "--keep-curve"]) == 2  # one point: no curve
+    assert "two thresholds or more" in capsys.readouterr().err

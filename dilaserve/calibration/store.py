@@ -7,6 +7,8 @@ A calibration is a folder of one model's control inputs, measured on one device 
     profile.json       the latency profile (`control/profile.py`) at every measured TP degree
     predictor/         the step predictor trained on the model's own trajectories
     dws-cost.json      the DWS cost kernel (`calibrate --dws`), where DWS is used
+    quality.json       the model's accuracy per threshold (`eval --keep-curve`): the quality
+                       budget is kept on it (`control/quality_budget.py`)
     records.csv, summary.json, report.md, config.json: the run that made it
 
 It lives next to the model (`MODEL/dilaserve-calibration/<device>-<dtype>/`) when that folder is
@@ -35,6 +37,7 @@ CALIBRATION_FILE = "calibration.json"
 PROFILE_FILE = "profile.json"
 PREDICTOR_DIR = "predictor"
 DWS_COST_FILE = "dws-cost.json"
+QUALITY_FILE = "quality.json"
 FOLDER_NAME = "dilaserve-calibration"
 SCHEMA = 1
 
@@ -86,6 +89,12 @@ class Calibration:
         path = self.folder / DWS_COST_FILE
         return path if path.is_file() else None
 
+    @property
+    def quality(self) -> Path | None:
+        """The model's quality curve, where `eval --keep-curve` measured one."""
+        path = self.folder / QUALITY_FILE
+        return path if path.is_file() else None
+
     def label(self) -> dict:
         """What `/v1/models` and the logs say about the control plane's inputs."""
         return {
@@ -95,7 +104,7 @@ class Calibration:
             "device": self.key.device,
             "dtype": self.key.dtype,
             "tp": list(self.tp_degrees),
-        }
+        } | ({"quality": str(self.quality)} if self.quality else {})
 
     @classmethod
     def load(cls, folder: str | Path) -> Calibration:
@@ -229,6 +238,7 @@ class ControlInputs:
     label: dict = field(default_factory=dict)
     warnings: tuple[str, ...] = ()
     dws_cost: str | None = None
+    quality: str | None = None  # the calibration's quality curve (an eval summary.json)
 
 
 def materialize_preset(name: str) -> Path:
@@ -287,7 +297,9 @@ def resolve_control_inputs(
         _check_covers(path, tps, profile)
         label = {**label, "profile": preset}
     cost = str(found.dws_cost) if found.dws_cost else None
-    return ControlInputs(path, predictor or str(found.predictor), label, _warnings(found), cost)
+    quality = str(found.quality) if found.quality else None
+    predictor = predictor or str(found.predictor)
+    return ControlInputs(path, predictor, label, _warnings(found), cost, quality)
 
 
 def _warnings(found: Calibration) -> tuple[str, ...]:

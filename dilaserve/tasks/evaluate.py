@@ -2,7 +2,10 @@
 
 For each threshold, every problem is generated to completion and scored by exact match of the
 number after `####`. Reports accuracy and mean denoising steps per request; writes a run folder.
-While a threshold runs, one stderr line shows the problems done and the time left.
+While a threshold runs, one stderr line shows the problems done and the time left. With
+`keep_curve` the accuracy per threshold is also kept as the model's quality curve, in its
+calibration folder for the device and dtype (`quality.json`, `calibration/store.py`): `serve`
+keeps the quality budget on it.
 """
 
 from __future__ import annotations
@@ -51,10 +54,13 @@ class EvalConfig:
     step_budget: int | None = None  # EngineConfig.step_budget
     eos_stop: str | None = None  # EngineConfig.eos_stop
     editing: str | None = None  # EngineConfig.editing
+    keep_curve: bool = False  # keep the accuracy per threshold as the model's quality curve
 
     def __post_init__(self):
         if self.task not in TASKS:
             raise ValueError(f"{self.task=} must be one of {TASKS}")
+        if self.keep_curve and len(set(self.thresholds)) < 2:
+            raise ValueError(f"a quality curve needs two thresholds or more, not {self.thresholds}")
         if self.num_problems <= 0:
             raise ValueError(f"{self.num_problems=} must be positive")
         for t in self.thresholds:
@@ -158,14 +164,28 @@ def evaluate(cfg: EvalConfig, log=print, show_progress: bool = True) -> Path:
             f"mean steps {table[-1]['mean_steps']:.2f} ({seconds:.0f}s)"
         )
     write_records(run / "records.csv", records)
-    write_json(
-        run / "summary.json", {"task": cfg.task, "num_problems": len(problems), "table": table}
-    )
+    summary = {"task": cfg.task, "num_problems": len(problems), "table": table}
+    write_json(run / "summary.json", summary)
+    if cfg.keep_curve:
+        log(f"quality curve kept: {keep_curve(cfg, summary)}")
     report = markdown_table(table, TABLE_COLUMNS)
     (run / "report.md").write_text(f"# eval {cfg.task}\n\n{report}\n")
     log(report)
     log(f"run folder: {run}")
     return run
+
+
+def keep_curve(cfg: EvalConfig, summary: dict) -> Path:
+    """Write `summary` (its accuracy per threshold) as the model's quality curve for the device
+    and dtype it was measured on; the file written."""
+    from dilaserve.calibration.plan import device_name
+    from dilaserve.calibration.store import QUALITY_FILE, model_key, writable_folder
+
+    key = model_key(cfg.model, device_name(cfg.device), cfg.dtype)
+    path = writable_folder(cfg.model, key) / QUALITY_FILE
+    settings = {k: v for k, v in asdict(cfg).items() if k not in ("model", "out", "keep_curve")}
+    write_json(path, summary | {"settings": settings})
+    return path
 
 
 def _record(threshold: float, index: int, gold, out) -> dict:
