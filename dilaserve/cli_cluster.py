@@ -29,7 +29,8 @@ def cluster_config(args, record: bool = False, warned: bool = False):
         cuda_graph_context=args.cuda_graph_context,
         kv_memory=args.kv_memory,
     )
-    scheduler = _scheduler_config(args, inputs.predictor)
+    curve = args.quality_curve or inputs.quality
+    scheduler = _scheduler_config(args, inputs.predictor, curve)
     nodes = _nodes(args.nodes, instances)
     control = ControlSpec(
         args.policy,
@@ -40,7 +41,7 @@ def cluster_config(args, record: bool = False, warned: bool = False):
         planner_period=args.planner_period,
         plan_batch_limits=args.plan_batch_limits,
         candidates=args.candidates,
-        quality_budget=_live_quality_budget(args),
+        quality_budget=_live_quality_budget(args, curve),
     )
     config = ClusterConfig(
         worker=WorkerConfig(args.model, engine, args.threads, args.tp_timeout, args.worker_nice),
@@ -64,19 +65,20 @@ def cluster_config(args, record: bool = False, warned: bool = False):
     return with_family_cache(config, family_of(load_config(args.model))), inputs
 
 
-def _live_quality_budget(args) -> float | None:
+def _live_quality_budget(args, curve: str | None) -> float | None:
     """The quality budget of a live cluster: the option's if given; else the policy's only on
-    the served model's own curve (`--quality-curve`), and none without one. Kept on a curve
-    that is not the served model's, the budget would bind on an assumption, and it costs
-    throughput where it binds (live at 3x capacity, 117 against 167 requests a second served:
+    the served model's own curve (`curve`: `--quality-curve`, else its calibration's, `eval
+    --keep-curve`; the bundled model ships one), and none without one. Kept on a curve that is
+    not the served model's, the budget would bind on an assumption, and it costs throughput
+    where it binds (live at 3x capacity, 117 against 167 requests a second served:
     docs/serving/reliability.md). The simulator's quality metric is the curve it keeps the
     budget on, so `simulate` keeps the policy's."""
     if args.quality_budget is not None:
         return args.quality_budget
-    return None if args.quality_curve else 1.0
+    return None if curve else 1.0
 
 
-def _scheduler_config(args, predictor: str | None):
+def _scheduler_config(args, predictor: str | None, curve: str | None = None):
     """The scheduler's settings from the options; the step predictor's refresh period."""
     import json
 
@@ -96,7 +98,7 @@ def _scheduler_config(args, predictor: str | None):
         slo_headroom=args.slo_headroom,
         instance_speed=args.instance_speed,
         migration_price=args.migration_price,
-        quality=QualityModel.from_eval(args.quality_curve) if args.quality_curve else LLADA_GSM8K,
+        quality=QualityModel.from_eval(curve) if curve else LLADA_GSM8K,
     )
 
 

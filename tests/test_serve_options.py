@@ -13,7 +13,7 @@ from dilaserve.cli_args import apply_config_file, resolve_model
 from dilaserve.cli_cluster import cluster_config
 from dilaserve.cluster.config import ClusterConfig
 from dilaserve.cluster.worker import WorkerConfig
-from dilaserve.config import EngineConfig
+from dilaserve.config import BUNDLED_CALIBRATION, EngineConfig
 from dilaserve.control.build import ControlSpec
 from dilaserve.control.decisions import SchedulerConfig
 from dilaserve.server.app import ServerSettings
@@ -65,7 +65,8 @@ OWN_DEFAULT = {
     "WorkerConfig.threads": "one torch thread per rank, so that ranks do not oversubscribe",
     "SchedulerConfig.slo": "an interactive service's 1 s, not the library's 10 s",
     "ControlSpec.nodes": "the starting instances' total on one node",
-    "SchedulerConfig.quality": "a file to read (none: the field's default, the paper's curve)",
+    "SchedulerConfig.quality": "a file to read: the calibration's (eval --keep-curve), else none "
+    "(the field's default, the paper's curve)",
     "ServerSettings.model_name": "the checkpoint folder's name",
     "ServerSettings.allowed_hosts": "the loopback names on a loopback --host, else any",
 }
@@ -120,17 +121,28 @@ def test_new_options_reach_the_configuration():
 
 
 def test_a_live_quality_budget_needs_the_served_models_curve(tmp_path):
-    """Without `--quality-curve` the live cluster keeps no quality budget (the policy's would
-    bind on a curve that is not the served model's); with one, the policy's."""
+    """The live cluster keeps the policy's quality budget on the served model's own curve: the
+    calibration's (`eval --keep-curve`; the bundled model ships one) or `--quality-curve`;
+    without one it keeps none (the policy's would bind on a curve that is not the model's)."""
     args = build_parser().parse_args(["serve"])
+    resolve_model(args)
+    built, inputs = cluster_config(args)
+    assert built.control.make_policy().quality_budget == 0.01
+    assert built.control.scheduler.quality(0.9) == 0.836  # its eval at 0.9
+    assert inputs.label["quality"] == str(BUNDLED_CALIBRATION / "quality.json")  # /v1/models
+    given = ["--profile", str(BUNDLED_CALIBRATION / "profile.json")]
+    given += ["--predictor", str(BUNDLED_CALIBRATION / "predictor")]
+    args = build_parser().parse_args(["serve", *given])
     resolve_model(args)
     assert cluster_config(args)[0].control.make_policy().quality_budget is None
     curve = tmp_path / "summary.json"
     rows = [{"threshold": t, "accuracy": a} for t, a in ((0.7, 0.5), (0.8, 0.6), (0.9, 0.7))]
     curve.write_text(json.dumps({"table": rows}))
-    args = build_parser().parse_args(["serve", "--quality-curve", str(curve)])
+    args = build_parser().parse_args(["serve", *given, "--quality-curve", str(curve)])
     resolve_model(args)
-    assert cluster_config(args)[0].control.make_policy().quality_budget == 0.01
+    config = cluster_config(args)[0].control
+    assert config.make_policy().quality_budget == 0.01
+    assert config.scheduler.quality(0.9) == 0.7
 
 
 def test_a_config_file_sets_serve_options(tmp_path):
