@@ -46,6 +46,8 @@ COLUMNS = (
     "latency_p99",
     "ttft_mean",
     "ok",
+    "mean_threshold",  # the server's, over its steps at this rate (`/metrics`)
+    "quality_loss",  # the quality budget's loss read at the rate's end (nan: no budget)
 )
 
 
@@ -72,6 +74,18 @@ def start_server(policy: str, port: int, options: list[str]) -> subprocess.Popen
     raise RuntimeError(f"the {policy} server did not come up: {server.stderr.read()[-2000:]}")
 
 
+def server_view(url: str) -> dict[str, float]:
+    """What the server says of itself (`/metrics`): its step thresholds' sum and count, and
+    its quality budget's loss (nan where it keeps none)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    values = dict(line.split()[:2] for line in text.splitlines() if line[:1] not in ("#", ""))
+    return {
+        "sum": float(values.get("dilaserve_step_threshold_sum", 0.0)),
+        "count": float(values.get("dilaserve_step_threshold_count", 0.0)),
+        "quality_loss": float(values.get("dilaserve_quality_loss", nan)),
+    }
+
+
 def run_policy(policy: str, args, repeat: int = 0) -> list[dict]:
     port = free_port()
     options = ["--layout", args.layout, "--slo", str(args.slo_ms / 1000)]
@@ -85,7 +99,12 @@ def run_policy(policy: str, args, repeat: int = 0) -> list[dict]:
                 slo_ms=args.slo_ms,
                 seed=args.seed + repeat,
             )
+            before = server_view(spec.url)
             _, summary = run_bench(spec)
+            after = server_view(spec.url)
+            steps = max(after["count"] - before["count"], 1.0)
+            summary["mean_threshold"] = round((after["sum"] - before["sum"]) / steps, 4)
+            summary["quality_loss"] = round(after["quality_loss"], 5)
             row = {"policy": policy, "rps": rate, "repeat": repeat}
             row |= {c: summary[c] for c in COLUMNS}
             print(row, flush=True)
