@@ -75,7 +75,19 @@ def _live_quality_budget(args, curve: str | None) -> float | None:
     budget on, so `simulate` keeps the policy's."""
     if args.quality_budget is not None:
         return args.quality_budget
-    return None if curve else 1.0
+    if curve:
+        return None
+    from dilaserve.control.policy import get_policy
+
+    if get_policy(args.policy).is_dynamic:
+        import logging
+
+        logging.getLogger("dilaserve.calibration").info(
+            "no quality curve for %s: no quality budget (dilaserve eval MODEL --keep-curve "
+            "keeps one beside its calibration)",
+            args.model,
+        )
+    return 1.0
 
 
 def _scheduler_config(args, predictor: str | None, curve: str | None = None):

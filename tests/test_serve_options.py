@@ -5,6 +5,7 @@ not here), or is named below as derived, and from what."""
 
 import dataclasses
 import json
+import logging
 
 import pytest
 
@@ -120,7 +121,7 @@ def test_new_options_reach_the_configuration():
     assert cluster_config(args)[0].control.make_policy().quality_budget == 0.02
 
 
-def test_a_live_quality_budget_needs_the_served_models_curve(tmp_path):
+def test_a_live_quality_budget_needs_the_served_models_curve(tmp_path, caplog):
     """The live cluster keeps the policy's quality budget on the served model's own curve: the
     calibration's (`eval --keep-curve`; the bundled model ships one) or `--quality-curve`;
     without one it keeps none (the policy's would bind on a curve that is not the model's)."""
@@ -134,7 +135,9 @@ def test_a_live_quality_budget_needs_the_served_models_curve(tmp_path):
     given += ["--predictor", str(BUNDLED_CALIBRATION / "predictor")]
     args = build_parser().parse_args(["serve", *given])
     resolve_model(args)
-    assert cluster_config(args)[0].control.make_policy().quality_budget is None
+    with caplog.at_level(logging.INFO, logger="dilaserve.calibration"):
+        assert cluster_config(args)[0].control.make_policy().quality_budget is None
+    assert "no quality curve" in caplog.text and "--keep-curve" in caplog.text
     curve = tmp_path / "summary.json"
     rows = [{"threshold": t, "accuracy": a} for t, a in ((0.7, 0.5), (0.8, 0.6), (0.9, 0.7))]
     curve.write_text(json.dumps({"table": rows}))
