@@ -222,6 +222,8 @@ def test_the_live_feed_reads_priorities_events_and_gauges_from_the_cluster():
     assert data["series"]["attainment_of_arrivals"] == [0.5]
     assert data["current"]["slowdown"] == 1.0 and data["series"]["slowdown"] == [1.0]
     assert data["current"]["deadline_factor"] == 1.25  # Alg. 1's calibration, now
+    # the quality budget's loss read (none finished yet) and the budget, now
+    assert (data["current"]["quality_loss"], data["current"]["quality_budget"]) == (0.0, 0.01)
     assert [e["kind"] for e in data["events"]] == ["reconfiguration", "instance failure"]
     assert data["events"][0]["text"] == "to 2 x TP-1, 0 x TP-2"
     assert data["current"]["queue"] == 3
@@ -310,6 +312,8 @@ def test_a_simulation_run_folder_holds_only_the_data_of_the_page(tmp_path):
     assert data["totals"]["attainment"] == pytest.approx(run.summary["slo_attainment"], abs=1e-4)
     assert sum(data["series"]["finished"]) == run.summary["requests"]
     assert max(data["series"]["in_flight"]) > 0 and data["series"]["instances_by_tp"]
+    assert data["current"]["quality_loss"] == run.summary["quality_loss_read"]
+    assert data["current"]["quality_budget"] == run.summary["quality_budget"] == 0.01
 
 
 # -- Grafana --------------------------------------------------------------------------------

@@ -71,7 +71,8 @@ class Timeline:
         self.totals = dict.fromkeys(
             ("finished", "met", "failed", "rejected", "tokens", "migrations"), 0
         )
-        self.last = {"queue": 0, "in_flight": 0, "slowdown": None, "deadline_factor": None}
+        self.last = {"queue": 0, "in_flight": 0, "slowdown": None, "deadline_factor": None,
+                     "quality_loss": None, "quality_budget": None}  # fmt: skip
         self._by_tp: dict[int, int] = {}
 
     # -- what happened ----------------------------------------------------------------------
@@ -122,10 +123,12 @@ class Timeline:
         in_flight: int,
         slowdown: float | None = None,
         deadline_factor: float | None = None,
+        quality: tuple[float, float] | None = None,
     ) -> None:
         """The queue length, requests in flight, (a live server's) measured step slowdown now,
-        the one admission prices at (each interval keeps its largest), and Alg. 1's calibrated
-        factor (`control/on_time.py`; None: the policy has none)."""
+        the one admission prices at (each interval keeps its largest), Alg. 1's calibrated
+        factor (`control/on_time.py`; None: the policy has none), and the quality budget's
+        (loss read, budget) (`control/quality_budget.py`; None: none is kept)."""
         w = self._at(now)
         w.queue = max(w.queue, queue)
         w.in_flight = max(w.in_flight, in_flight)
@@ -136,6 +139,8 @@ class Timeline:
             "in_flight": in_flight,
             "slowdown": slowdown,
             "deadline_factor": deadline_factor,
+            "quality_loss": None if quality is None else round(quality[0], 5),
+            "quality_budget": None if quality is None else quality[1],
         }
 
     def set_instances(self, now: float, instance_tp: dict[str, int]) -> None:

@@ -124,7 +124,9 @@ class LiveFeed:
     def _sample(self, now: float) -> None:
         c, t = self._cluster, self.timeline
         self._next_sample = now + SAMPLE_SECONDS
-        t.sample(now, c.queue_length(), c.in_flight, c.step_slowdown, c.deadline_factor)
+        budget = c.quality_budget
+        quality = None if budget is None else (budget.loss(c.now()), budget.budget)
+        t.sample(now, c.queue_length(), c.in_flight, c.step_slowdown, c.deadline_factor, quality)
         instances = {iid: inst.tp for iid, inst in dict(c.scheduler.instances).items()}
         if instances != t.instance_tp:
             t.set_instances(now, instances)

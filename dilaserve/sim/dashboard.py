@@ -44,7 +44,9 @@ def run_data(run) -> dict:
         else:
             timeline.event(now, "reconfiguration", f"to {_mix_text(payload)}")
         timeline.sample(now, queue, in_flight)
-    timeline.sample(end, queue, in_flight, deadline_factor=run.summary.get("deadline_factor"))
+    budget = run.summary.get("quality_budget")
+    quality = None if budget is None else (run.summary["quality_loss_read"], budget)
+    timeline.sample(end, queue, in_flight, None, run.summary.get("deadline_factor"), quality)
     for r in result.unfinished:  # still running at the end: missed
         timeline.request_done(end, None, False, r.priority, r.threshold_steps, 0)
     meta = {

@@ -272,6 +272,9 @@ function drawHeader(data) {
   const share = (x) => (x === null || x === undefined ? "-" : `${(100 * x).toFixed(1)}%`);
   const slowdown = data.current.slowdown;
   const factor = data.current.deadline_factor;
+  const loss = data.current.quality_loss, budget = data.current.quality_budget;
+  const lost = loss === null || loss === undefined ? "-"
+    : `${(100 * loss).toFixed(2)}% of ${(100 * budget).toFixed(1)}%`;
   const cards = [["within SLO (refused = missed)", share(t.attainment_of_arrivals)],
                  ["of finished, on time", share(t.attainment)],
                  ["finished", t.finished], ["failed", t.failed], ["rejected", t.rejected],
@@ -279,6 +282,7 @@ function drawHeader(data) {
                    : `${slowdown.toFixed(1)}x`],
                  ["deadline factor", factor === null || factor === undefined ? "-"
                    : `${factor.toFixed(2)}x`],
+                 ["quality lost (budget)", lost],
                  ["in flight", data.current.in_flight], ["queue", data.current.queue],
                  ["migrations", t.migrations], ["time", `${fmt(data.now)} s`]];
   const box = document.getElementById("totals");
@@ -287,6 +291,7 @@ function drawHeader(data) {
     const card = document.createElement("div");
     card.dataset.total = k;
     if (k === "rejected" && t.rejected > 0) card.classList.add("bad");
+    if (k === "quality lost (budget)" && loss > budget) card.classList.add("bad");
     card.textContent = k;
     const b = document.createElement("b");
     b.textContent = v;
