@@ -2,9 +2,8 @@
 and its way back to the plain prediction when no evidence comes."""
 
 import pytest
+from test_admission_learning import busy_admission
 
-from dilaserve.control.admission import Admission
-from dilaserve.control.build import ControlSpec, build_scheduler
 from dilaserve.control.on_time import OnTimeCalibration
 
 from conftest import make_request
@@ -91,11 +90,7 @@ def test_bad_settings_are_refused_by_name(kw):
 def test_admission_counts_on_what_finished_requests_took():
     """Load in flight that fits a request's SLO by the prediction, but not once finished
     requests took five times theirs; with no request finishing for long, it fits again."""
-    scheduler = build_scheduler(ControlSpec())
-    scheduler.add_instance("i0", 1, 8192)
-    for k in range(20):
-        scheduler.on_arrival(make_request(f"busy{k}", gen_len=64, deadline=1e6), 0.0)
-    admission = Admission(scheduler)
+    admission = busy_admission()
     probe = make_request("probe", gen_len=32, deadline=1e6)
     assert admission.refusal(probe, 0.0) is None
     needed = admission._predicted  # what the load ahead and its own take, predicted
@@ -115,11 +110,7 @@ def test_admission_fits_again_while_a_trickle_follows_a_surge():
     """At overload few requests run at the lowest threshold, admission's only teachers: a
     trickle of them as predicted must not leave a surge's ratios holding the factor. (Every
     time here is passed in: seconds of a virtual clock, no wall clock read.)"""
-    scheduler = build_scheduler(ControlSpec())
-    scheduler.add_instance("i0", 1, 8192)
-    for k in range(20):
-        scheduler.on_arrival(make_request(f"busy{k}", gen_len=64, deadline=1e6), 0.0)
-    admission = Admission(scheduler)
+    admission = busy_admission()
     assert admission.refusal(make_request("probe", gen_len=32, deadline=1e6), 0.0) is None
     needed = admission._predicted
     finish(admission.on_time, [5.0] * 64)
