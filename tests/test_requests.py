@@ -29,15 +29,31 @@ def byte_tokenizer(tmp_path_factory) -> Tokenizer:
 def stream_in_steps(tokenizer: Tokenizer, ids: list[int], per_step: int) -> list[str]:
     """The deltas a handle streams when `per_step` more of `ids` commit at each step, left to
     right, then the request finishes."""
+    return list(run_in_steps(tokenizer, ids, per_step))
+
+
+def run_in_steps(tokenizer: Tokenizer, ids: list[int], per_step: int, **handle) -> RequestHandle:
+    """A request's handle (made with `handle`'s arguments) once `per_step` more of `ids` have
+    committed at each step, left to right, and the request has finished."""
     mask = tokenizer.special.mask
     request = Request("r", (1,), len(ids) + 1, len(ids) + 1, mask, 0.9, deadline=1.0)
-    handle, answers = RequestHandle(request, 0.0), Answers(tokenizer)
+    handle, answers = RequestHandle(request, 0.0, **handle), Answers(tokenizer)
     for end in range(per_step, len(ids) + per_step, per_step):
         request.output_ids[:end] = ids[:end]
         answers.stream(handle)
     request.output_ids[len(ids)] = tokenizer.special.eos
     answers.finish(handle, 0.5)
-    return list(handle)
+    return handle
+
+
+class CountingLoop:
+    """Stands for the server's event loop: counts the controller's wake-ups of it."""
+
+    def __init__(self):
+        self.wakeups = 0
+
+    def call_soon_threadsafe(self, callback, *args) -> None:
+        self.wakeups += 1
 
 
 def test_split_characters_stream_whole(byte_tokenizer):
@@ -66,3 +82,16 @@ def test_a_decode_stream_gives_decode_text(tiny_tokenizer, byte_tokenizer):
         assert "".join(stream.add(ids[i : i + 3]) for i in range(0, len(ids), 3)) == (
             tokenizer.decode(ids)
         )
+
+
+def test_a_request_not_streamed_wakes_no_event_loop(tiny_tokenizer):
+    """Its caller awaits the result alone: each step's text sent to the event loop would be a
+    wake-up of it from the controller's thread, for text nobody reads."""
+    ids = tiny_tokenizer.encode("Tom has 12 apples. Tom buys 5 more.\n#### 17")
+    streamed, plain = CountingLoop(), CountingLoop()
+    run_in_steps(tiny_tokenizer, ids, 4, loop=streamed)
+    handle = run_in_steps(tiny_tokenizer, ids, 4, loop=plain, stream=False)
+    assert streamed.wakeups > 2 and plain.wakeups == 0
+    assert handle.future.result().text == tiny_tokenizer.decode(ids)
+    with pytest.raises(RuntimeError, match="stream=True"):
+        list(handle)

@@ -112,6 +112,23 @@ def test_completions_plain_and_streaming_agree(live):
     assert plain.usage.completion_tokens <= 32  # the window: one 32-token block
 
 
+def test_only_a_streamed_request_streams_its_text(live, monkeypatch):
+    handles, submit = [], live.cluster.submit
+
+    def recording(*args, **kwargs):
+        handles.append(submit(*args, **kwargs))
+        return handles[-1]
+
+    monkeypatch.setattr(live.cluster, "submit", recording)
+    args = dict(model=MODEL, prompt=QUESTIONS[0], max_tokens=32, extra_body=PINNED)
+    plain = live.client.completions.create(**args).choices[0].text
+    chunks = list(live.client.completions.create(**args, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == plain
+    assert "".join(handles[1]) == plain  # the streamed request's deltas, as sent
+    with pytest.raises(RuntimeError, match="stream=True"):  # the plain one kept none
+        list(handles[0])
+
+
 def test_extension_fields_reach_the_scheduler(live):
     reply = live.client.chat.completions.create(
         model=MODEL,

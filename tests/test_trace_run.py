@@ -29,7 +29,7 @@ class TwoInFlightCluster:
     def now(self) -> float:
         return 1e9  # never wait for an arrival
 
-    def submit(self, question: str, slo: float, request_id: str):
+    def submit(self, question: str, slo: float, request_id: str, stream: bool = True):
         if len(self.handles) == 2:
             raise Overloaded("2 requests in flight (the limit)")
         r = make_request(request_id, arrival_time=0.0, deadline=slo)

@@ -116,7 +116,9 @@ class RequestHandle:
     """A submitted request: a future of its `RequestResult`, and its committed text as it
     grows (iterate it, or `async for` over it). Deltas are text whose every token and every
     token before it is committed, in order; with `stop` strings, text before the first of them
-    only (the request ends there), and nothing that may be the start of one."""
+    only (the request ends there), and nothing that may be the start of one. Not `stream`ed, a
+    request keeps no deltas: its caller awaits the result, and the controller does not wake
+    the event loop at each step for text nobody reads."""
 
     def __init__(
         self,
@@ -124,6 +126,7 @@ class RequestHandle:
         submitted: float,
         stop: Sequence[str] = (),
         loop: asyncio.AbstractEventLoop | None = None,
+        stream: bool = True,
     ):
         self.request = request
         self.submitted = submitted
@@ -131,8 +134,9 @@ class RequestHandle:
         self.future: concurrent.futures.Future[RequestResult] = concurrent.futures.Future()
         # done once the controller has taken the request in (or raised `Overloaded`, ...)
         self.admission: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._deltas: queue.SimpleQueue = queue.SimpleQueue()
-        self._loop = loop or _running_loop()  # stream to it without blocking a thread
+        self.stream = stream
+        self._deltas: queue.SimpleQueue | None = queue.SimpleQueue() if stream else None
+        self._loop = (loop or _running_loop()) if stream else None  # (streamed to, unblocked)
         self._async: asyncio.Queue | None = None
         if self._loop is not None:
             self._async = asyncio.Queue()
@@ -161,11 +165,15 @@ class RequestHandle:
         return stopped
 
     def _push(self, item) -> None:
+        if not self.stream:
+            return
         self._deltas.put(item)
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._async.put_nowait, item)
 
     def __iter__(self):
+        if not self.stream:
+            raise RuntimeError("iterating a request needs it submitted with stream=True")
         while (item := self._deltas.get()) is not None:
             if isinstance(item, BaseException):
                 raise item
@@ -173,7 +181,9 @@ class RequestHandle:
 
     async def __aiter__(self):
         if self._async is None:
-            raise RuntimeError("async iteration needs the request submitted from an event loop")
+            raise RuntimeError(
+                "async iteration needs the request submitted with stream=True from an event loop"
+            )
         while (item := await self._async.get()) is not None:
             if isinstance(item, BaseException):
                 raise item

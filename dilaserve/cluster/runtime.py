@@ -312,6 +312,7 @@ class Cluster:
         steps: int | None = None,
         received: float | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
+        stream: bool = True,
     ) -> RequestHandle:
         """Queue a request (thread-safe). `max_tokens` is the output window, rounded up to
         whole blocks; `slo` seconds from now (default: the scheduler's). `threshold` pins the
@@ -319,12 +320,11 @@ class Cluster:
         `text`: the user's prompt text for the DWS predictor (default: `prompt` if a string).
         `stop`: up to 4 strings; the answer ends before the first of them, and the request
         stops being worked on once one is committed. `steps`: steps per block of the family's
-        step schedule (None: the engine's). `received`: the `time.perf_counter()` at
-        which the request reached the caller (its latency and SLO count from there; default:
-        now). `loop`: the event loop to stream to (default: the caller's, if it runs in one).
-
-        Raises ValueError naming a bad argument, `Overloaded` when admission control refuses
-        work, and `Closed` when the cluster is not serving."""
+        step schedule (None: the engine's). `received`: the `time.perf_counter()` at which the
+        request reached the caller (its latency and SLO count from there; default: now).
+        `loop`: the event loop to stream to (default: the caller's, if it runs in one);
+        `stream=False`: the result only, no text as it grows (`RequestHandle`). Raises ValueError
+        naming a bad argument, `Overloaded` when admission refuses, `Closed` when not serving."""
         ahead = len(self.controller.arrivals)
         if self.gate.refuses(priority, slo, max_tokens, ahead):  # before any work, tokenizing
             raise Overloaded(FULL)
@@ -342,11 +342,11 @@ class Cluster:
             steps,
         )
         with self._lock:
-            handle = self._register(submission, request_id, received, loop)
+            handle = self._register(submission, request_id, received, loop, stream)
         self.backend.wake()
         return handle
 
-    def _register(self, submission, request_id, received, loop) -> RequestHandle:
+    def _register(self, submission, request_id, received, loop, stream) -> RequestHandle:
         """A checked submission becomes a request in flight, queued for the controller (under
         `_lock`): refused while closed, with nothing serving, or at `max_in_flight`."""
         if not self._accepting:
@@ -364,7 +364,7 @@ class Cluster:
         request = submission.request(
             rid, submitted, self.block_len, self.tokenizer.special.mask, self.aligned_blocks
         )
-        handle = RequestHandle(request, submitted, submission.stop, loop)
+        handle = RequestHandle(request, submitted, submission.stop, loop, stream)
         handles[rid] = handle
         self.controller.arrivals.append(handle)
         return handle

@@ -75,7 +75,8 @@ def run_trace(config: ClusterConfig, spec: TraceRunSpec, progress=None) -> dict:
             if delay > 0:
                 time.sleep(delay)
             try:
-                handles.append(cluster.submit(problem.question, slo=spec.slo, request_id=f"r{i}"))
+                question, rid = problem.question, f"r{i}"  # (the result only: no stream)
+                handles.append(cluster.submit(question, slo=spec.slo, request_id=rid, stream=False))
                 asked.append(problem)
             except Overloaded:  # admission control: counted, and a missed SLO
                 refused += 1

@@ -319,6 +319,7 @@ class _Api:
                 stop=body.stop,
                 received=arrived,
                 loop=asyncio.get_running_loop(),
+                stream=body.stream,
             )
             inline = self.cluster.intake.is_cheap(prompt)
             handle = call() if inline else await run_in_threadpool(call)
