@@ -296,7 +296,9 @@ class _Api:
             return error(500, str(e))
         if result is None:  # the client went away; nobody reads this
             return Response(status_code=499)
-        return shape.response(handle, result, self.settings.model_name)
+        # (a Response: FastAPI would walk the dict through `jsonable_encoder` first, 15% of a
+        # plain request's time on the event loop, for the same bytes)
+        return JSONResponse(shape.response(handle, result, self.settings.model_name))
 
     async def _submit(self, body, prompt, max_tokens, slo, text, arrived, entry):
         """(the request queued for the controller, the error that refused it or None) once
