@@ -18,7 +18,7 @@ ROLE_KEYS_PER_MESSAGE = 2
 
 
 def body_docs(schema: type[BaseModel]) -> dict:
-    """The OpenAPI description of a body the handler parses itself (`_Api.parse`)."""
+    """The OpenAPI description of a body the handler parses itself (`GenerationApi.parse`)."""
     described = schema.model_json_schema()
     definitions = described.pop("$defs", {})
 
