@@ -90,13 +90,17 @@ def health_verdict(name: str, h: dict) -> dict:
 
 
 def drain_verdicts(drain: dict) -> list[dict]:
+    """No request sent after the signal (the load's clients all waiting, or the server gone
+    before any was sent) is no evidence: not met, saying so."""
     limit = drain["drain_timeout_s"] + 1
+    sent = drain["sent_after_signal"]
+    measured = f"{drain['answered_503_close_retry']} of {sent} "
+    measured += f"(statuses {drain['statuses_after_signal']})" if sent else "(none sent after it)"
     return [
         verdict(
             "drain at capacity: every new request 503 + Retry-After + Connection: close",
-            f"{drain['answered_503_close_retry']} of {drain['sent_after_signal']} "
-            f"(statuses {drain['statuses_after_signal']})",
-            drain["answered_otherwise"] == 0 and drain["unanswered"] == 0,
+            measured,
+            sent > 0 and drain["answered_otherwise"] == 0 and drain["unanswered"] == 0,
         ),
         verdict(f"drain at capacity: exit <= {limit:g} s", f"{drain['exit_s']} s",
                 drain["exit_s"] <= limit),

@@ -184,3 +184,16 @@ def test_the_reliability_suite_judges_refusals_from_when_they_went_out():
     floor = asyncio.run(asyncio.wait_for(load.client_floor(20, 2000), HANG_GUARD_S))
     assert floor["statuses"] == {"429": 20}
     assert 0 < floor["p99_from_sent_s"] <= floor["p99_s"]
+
+
+def test_a_drain_with_no_request_after_the_signal_is_not_met():
+    """A drain the load sent nothing into proves nothing about what new requests get."""
+    targets = import_benchmark("reliability_targets")
+    drain = {"drain_timeout_s": 2.0, "exit_s": 0.7, "sent_after_signal": 0,
+             "statuses_after_signal": {}, "answered_503_close_retry": 0,
+             "answered_otherwise": 0, "unanswered": 0}  # fmt: skip
+    answers, exit_in_time = targets.drain_verdicts(drain)
+    assert not answers["met"] and "none sent" in answers["measured"] and exit_in_time["met"]
+    proper = {**drain, "sent_after_signal": 3, "statuses_after_signal": {"503": 3},
+              "answered_503_close_retry": 3}  # fmt: skip
+    assert targets.drain_verdicts(proper)[0]["met"]
