@@ -217,6 +217,8 @@ async def many_message_chat(host: str, port: int, end: float, messages: int = 25
 
 # -- drain -------------------------------------------------------------------------------------
 
+PROBES = 20  # requests sent into a drain besides the load's, at most
+
 
 async def drain_at_capacity(
     url: str, server: subprocess.Popen, clients: int, slo_ms: float, drain_timeout: float
@@ -224,20 +226,27 @@ async def drain_at_capacity(
     """SIGTERM to the server's process group while `clients` closed-loop clients keep it at or
     over capacity: every request sent after the signal must get 503 with Retry-After and
     `Connection: close` (or find the socket closed once the server stopped listening), and the
-    server must exit within the drain timeout plus one second."""
+    server must exit within the drain timeout plus one second. Besides the clients' own
+    requests, `PROBES` are sent one after another on a client of their own from the signal
+    until the server exits, so that the case has new requests to judge even if every client
+    is waiting on an answer then."""
     signalled: dict = {}
+    probes: list[dict] = []
 
     async def term():
         await asyncio.sleep(5.0)
         signalled["at"] = time.perf_counter()
         os.killpg(server.pid, signal.SIGTERM)
-        signalled["exit_s"] = round(
-            await asyncio.to_thread(exited_after, server) - signalled["at"], 2
-        )
+        exited = asyncio.ensure_future(asyncio.to_thread(exited_after, server))
+        async with client_for(url) as client:
+            while not exited.done() and len(probes) < PROBES:
+                probes.append(await one(client, slo_ms))
+        signalled["exit_s"] = round(await exited - signalled["at"], 2)
 
     records, _ = await asyncio.gather(
         closed_loop(url, clients, 5.0 + drain_timeout + 5.0, slo_ms), term()
     )
+    records += probes
     at = signalled["at"]
     after = [r for r in records if r["sent"] >= signalled["at"]]
     lost = [r for r in after if str(r["status"]).startswith("no answer")]
@@ -256,6 +265,7 @@ async def drain_at_capacity(
         "exit_code": server.returncode,
         "sent_after_signal": len(after),
         "statuses_after_signal": tally(r["status"] for r in after),
+        "probes": tally(r["status"] for r in probes),  # (of those: `PROBES`' own)
         "answered_503_close_retry": len(proper),
         "answered_otherwise": len(answered) - len(proper),
         "unanswered": len(lost),
