@@ -95,3 +95,20 @@ def test_a_request_not_streamed_wakes_no_event_loop(tiny_tokenizer):
     assert handle.future.result().text == tiny_tokenizer.decode(ids)
     with pytest.raises(RuntimeError, match="stream=True"):
         list(handle)
+    assert handle.sent_tokens == 0  # and nothing was decoded before it finished
+
+
+def test_a_request_not_streamed_still_ends_at_its_stop_string(tiny_tokenizer):
+    ids = tiny_tokenizer.encode("Tom has 12 apples. Tom buys 5 more.\n#### 17")
+    mask = tiny_tokenizer.special.mask
+    request = Request("r", (1,), len(ids) + 1, len(ids) + 1, mask, 0.9, deadline=1.0)
+    handle, answers = RequestHandle(request, 0.0, ("buys",), stream=False), Answers(tiny_tokenizer)
+    stopped_at = None
+    for end in range(4, len(ids) + 4, 4):
+        request.output_ids[:end] = ids[:end]
+        if answers.stream(handle):
+            stopped_at = end
+            break
+    assert stopped_at is not None and stopped_at < len(ids)
+    answers.finish(handle, 0.5)
+    assert handle.future.result().text == "Tom has 12 apples. Tom "

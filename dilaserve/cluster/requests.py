@@ -207,7 +207,10 @@ class Answers:
 
     def stream(self, handle: RequestHandle) -> bool:
         """Send the text whose tokens, and all before them, are committed (when it grew).
-        Returns whether it has reached a stop string: the request is done."""
+        Returns whether it has reached a stop string: the request is done. A request neither
+        streamed nor with stop strings needs no text before it finishes: none is decoded."""
+        if not (handle.stream or handle.stop):
+            return False
         stop_ids = self.tokenizer.special.stop_ids
         new = handle.request.generated_ids(stop_ids, start=handle.sent_tokens)
         if not new:
