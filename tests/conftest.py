@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dilaserve.cluster.requests import RequestHandle
 from dilaserve.config import EngineConfig
 from dilaserve.control.planner import PlannerConfig
 from dilaserve.control.profile import LatencyProfile
@@ -182,6 +183,16 @@ def make_request(
 ) -> Request:
     prompt = tuple(2 + i % 10 for i in range(prompt_len))
     return Request(request_id, prompt, gen_len, BLOCK_LEN, mask_id, threshold, **kwargs)
+
+
+def refused_handle(error: Exception, **submitted) -> RequestHandle:
+    """A request's handle as admission leaves one it refused with `error` (`Answers.refuse`),
+    for a stand-in cluster's `submit(prompt, **submitted)` (its `loop` and `stream` kept)."""
+    keep = {k: submitted[k] for k in ("loop", "stream") if k in submitted}
+    handle = RequestHandle(make_request("r"), 0.0, **keep)
+    handle.admission.set_exception(error)
+    handle.future.set_exception(error)
+    return handle
 
 
 # -- the planner's hand-solvable case (tests/test_planner.py explains the numbers) ----------

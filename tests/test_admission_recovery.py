@@ -7,10 +7,8 @@ factor above 1 while it lasts) and commit as the simulator's behaviour model say
 is asserted in events and steps of that clock, never in wall-clock seconds.
 """
 
-import concurrent.futures
 import contextlib
 import heapq
-from types import SimpleNamespace
 
 import pytest
 from fastapi.testclient import TestClient
@@ -30,7 +28,7 @@ from dilaserve.server.app import ServerSettings, create_app
 from dilaserve.server.metrics import ServerMetrics
 from dilaserve.sim.behaviour import ParametricBehaviour
 
-from conftest import AnyIntake, make_request
+from conftest import AnyIntake, make_request, refused_handle
 
 QUESTION = "What is 12 + 30?"
 MODEL = "tiny-llada"
@@ -292,9 +290,7 @@ class _InvalidAtAdmission:
         self.intake = AnyIntake()
 
     def submit(self, prompt, **kw):
-        handle = SimpleNamespace(admission=concurrent.futures.Future(), request_id="r")
-        handle.admission.set_exception(InvalidRequest("slo_ms", "slo_ms: no cluster meets it"))
-        return handle
+        return refused_handle(InvalidRequest("slo_ms", "slo_ms: no cluster meets it"), **kw)
 
     @contextlib.contextmanager
     def entering(self, entry=None):

@@ -2,7 +2,6 @@
 the service down or lets anyone in. Each test names the bug it guards against; the cluster's
 own are in tests/test_reliability_cluster.py."""
 
-import concurrent.futures
 import contextlib
 import gc
 import json
@@ -26,7 +25,7 @@ from dilaserve.server.guards import allowed_hosts_for
 from dilaserve.server.main import DrainingServer, build_app, serve
 from dilaserve.server.metrics import ServerMetrics
 
-from conftest import HANG_GUARD_S, AnyIntake, wait_until
+from conftest import HANG_GUARD_S, AnyIntake, refused_handle, wait_until
 
 # -- a live server of one instance, for the HTTP-level bugs ---------------------------------
 
@@ -186,9 +185,7 @@ class _AdmittingCluster:
         self.intake = AnyIntake()
 
     def submit(self, prompt, **kw):
-        handle = SimpleNamespace(admission=concurrent.futures.Future(), request_id="r")
-        handle.admission.set_exception(Overloaded("over capacity"))
-        return handle
+        return refused_handle(Overloaded("over capacity"), **kw)
 
     @contextlib.contextmanager
     def entering(self, entry=None):

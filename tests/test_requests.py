@@ -1,13 +1,20 @@
 """What a request's handle streams as its committed prefix grows (`Answers.stream`): the text of
 the whole prefix, decoded one new token at a time."""
 
+import asyncio
+import threading
+from functools import partial
+
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from dilaserve.cluster.requests import Answers, RequestHandle
+from dilaserve.cluster.loop_post import LoopPost
+from dilaserve.cluster.requests import Answers, Overloaded, RequestHandle
 from dilaserve.models.tokenizer import Tokenizer
 from dilaserve.request import Request
+
+from conftest import HANG_GUARD_S
 
 TEXT = "Zoë pays 5 € for 3 crêpes."  # ë and ê take two tokens each, € three
 
@@ -91,7 +98,7 @@ def test_a_request_not_streamed_wakes_no_event_loop(tiny_tokenizer):
     streamed, plain = CountingLoop(), CountingLoop()
     run_in_steps(tiny_tokenizer, ids, 4, loop=streamed)
     handle = run_in_steps(tiny_tokenizer, ids, 4, loop=plain, stream=False)
-    assert streamed.wakeups > 2 and plain.wakeups == 0
+    assert streamed.wakeups == 1 and plain.wakeups == 0  # (its deltas: one wake-up, `LoopPost`)
     assert handle.future.result().text == tiny_tokenizer.decode(ids)
     with pytest.raises(RuntimeError, match="stream=True"):
         list(handle)
@@ -112,3 +119,55 @@ def test_a_request_not_streamed_still_ends_at_its_stop_string(tiny_tokenizer):
     assert stopped_at is not None and stopped_at < len(ids)
     answers.finish(handle, 0.5)
     assert handle.future.result().text == "Tom has 12 apples. Tom "
+
+
+def test_calls_posted_while_the_loop_is_busy_wake_it_once_and_run_in_order():
+    seen = []
+
+    async def main():
+        post = LoopPost(asyncio.get_running_loop())
+        controller = threading.Thread(target=lambda: [post.post(seen.append, i) for i in range(50)])
+        controller.start()
+        controller.join()  # (the loop is held meanwhile: every call is posted before it runs)
+        await asyncio.sleep(0)
+        return post.wakeups
+
+    assert asyncio.run(main()) == 1 and seen == list(range(50))
+
+
+def test_a_handle_tells_its_loop_of_its_admission_and_result(tiny_tokenizer):
+    async def main():
+        ids = tiny_tokenizer.encode("Tom has 12 apples.")
+        mask = tiny_tokenizer.special.mask
+        request = Request("r", (1,), len(ids) + 1, len(ids) + 1, mask, 0.9, deadline=1.0)
+        handle, answers = RequestHandle(request, 0.0), Answers(tiny_tokenizer)
+        admitted, answered = handle.admitted(), handle.answered()
+
+        def controller():  # admits it, commits it in two steps, finishes it
+            handle.admission.set_result(None)
+            for end in (3, len(ids)):
+                request.output_ids[:end] = ids[:end]
+                answers.stream(handle)
+            request.output_ids[len(ids)] = tiny_tokenizer.special.eos
+            answers.finish(handle, 0.5)
+
+        await asyncio.to_thread(controller)
+        deltas = [delta async for delta in handle]
+        await asyncio.wait_for(answered, HANG_GUARD_S)
+        return admitted.result(), "".join(deltas), answered.result().text
+
+    admission, streamed, text = asyncio.run(main())
+    assert admission is None and streamed == text == "Tom has 12 apples."
+
+
+def test_a_refusal_reaches_the_loop_as_the_admissions_error(tiny_tokenizer):
+    async def main():
+        request = Request("r", (1,), 32, 32, tiny_tokenizer.special.mask, 0.9, deadline=1.0)
+        handle = RequestHandle(request, 0.0)
+        admitted = handle.admitted()
+        refuse = partial(Answers(tiny_tokenizer).refuse, handle, Overloaded("over capacity"))
+        await asyncio.to_thread(refuse)
+        await asyncio.wait([admitted], timeout=HANG_GUARD_S)
+        return admitted.exception()
+
+    assert isinstance(asyncio.run(main()), Overloaded)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from dilaserve.cluster.loop_post import LoopPost, on_loop
 from dilaserve.protocol import RequestStepResult, StepOutput
 from dilaserve.request import Request
 
@@ -136,10 +137,9 @@ class RequestHandle:
         self.admission: concurrent.futures.Future[None] = concurrent.futures.Future()
         self.stream = stream
         self._deltas: queue.SimpleQueue | None = queue.SimpleQueue() if stream else None
-        self._loop = (loop or _running_loop()) if stream else None  # (streamed to, unblocked)
-        self._async: asyncio.Queue | None = None
-        if self._loop is not None:
-            self._async = asyncio.Queue()
+        loop = loop or _running_loop()  # told of it without blocking a thread
+        self._post = None if loop is None else LoopPost.of(loop)
+        self._async = asyncio.Queue() if stream and loop is not None else None
         self.sent_tokens = 0  # committed-prefix tokens already decoded
         self.committed_text = ""  # their text
         self.text_stream = None  # their decoder (`Tokenizer.decode_stream()`), once one comes
@@ -151,6 +151,19 @@ class RequestHandle:
 
     def result(self, timeout: float | None = None) -> RequestResult:
         return self.future.result(timeout)
+
+    def admitted(self) -> asyncio.Future[None]:
+        """The admission's outcome (`admission`) as an asyncio future on the handle's loop."""
+        return self._on_loop(self.admission)
+
+    def answered(self) -> asyncio.Future[RequestResult]:
+        """The result (`future`) as an asyncio future on the handle's loop."""
+        return self._on_loop(self.future)
+
+    def _on_loop(self, future: concurrent.futures.Future) -> asyncio.Future:
+        if self._post is None:
+            raise RuntimeError("awaiting a request needs it submitted from an event loop")
+        return on_loop(future, self._post)
 
     def extend_text(self, text: str, final: bool = False) -> bool:
         """Stream what committed `text` adds to the text already sent (committed text only
@@ -168,8 +181,8 @@ class RequestHandle:
         if not self.stream:
             return
         self._deltas.put(item)
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._async.put_nowait, item)
+        if self._async is not None:
+            self._post.post(self._async.put_nowait, item)
 
     def __iter__(self):
         if not self.stream:

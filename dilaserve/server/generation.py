@@ -158,7 +158,7 @@ class GenerationApi:
             )
             inline = self.cluster.intake.is_cheap(prompt)
             handle = call() if inline else await run_in_threadpool(call)
-        admission = asyncio.wrap_future(handle.admission)
+        admission = handle.admitted()
         await asyncio.wait([admission])  # the controller took it in, or not
         # read, not raised: raised, the refusal's traceback would hold the frame, which holds
         # the handle, which holds the refusal (a cycle per request for the collector)
@@ -195,14 +195,13 @@ class GenerationApi:
     async def _answer_or_cancel(self, handle: RequestHandle, request: Request):
         """The request's result, or None once its client disconnects, after which the cluster
         stops working on it (a client that timed out must not keep holding capacity)."""
-        answer = asyncio.wrap_future(handle.future)
+        answer = handle.answered()
         gone = asyncio.ensure_future(_disconnected(request))
         await asyncio.wait((answer, gone), return_when=asyncio.FIRST_COMPLETED)
         gone.cancel()
         if answer.done():
             return answer.result()
-        # not answer.cancel(): that would cancel the handle's future under the controller
-        answer.add_done_callback(lambda f: f.cancelled() or f.exception())  # read: no warning
+        answer.cancel()  # (the handle's own future is the controller's to end)
         self.cluster.cancel(handle.request_id)
         return None
 
