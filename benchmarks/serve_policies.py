@@ -33,6 +33,7 @@ from math import nan
 from pathlib import Path
 
 import httpx
+from reliability_phases import metric_values
 
 from dilaserve.bench.loadgen import BenchSpec, run_bench
 from dilaserve.runs import create_run_dir, environment, markdown_table, write_json, write_records
@@ -77,8 +78,7 @@ def start_server(policy: str, port: int, options: list[str]) -> subprocess.Popen
 def server_view(url: str) -> dict[str, float]:
     """What the server says of itself (`/metrics`): its step thresholds' sum and count, and
     its quality budget's loss (nan where it keeps none)."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    values = dict(line.split()[:2] for line in text.splitlines() if line[:1] not in ("#", ""))
+    values = metric_values(httpx.get(f"{url}/metrics", timeout=10).text)
     return {
         "sum": float(values.get("dilaserve_step_threshold_sum", 0.0)),
         "count": float(values.get("dilaserve_step_threshold_count", 0.0)),

@@ -6,10 +6,13 @@ in `cli_cluster_args.py`; building never calibrates (`calibrate_if_missing` does
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from dilaserve.cli_args import engine_config
 from dilaserve.cli_cluster_args import INSTANCES_DEFAULT
+
+log = logging.getLogger("dilaserve.calibration")
 
 
 def cluster_config(args, record: bool = False, warned: bool = False):
@@ -80,9 +83,7 @@ def _live_quality_budget(args, curve: str | None) -> float | None:
     from dilaserve.control.policy import get_policy
 
     if get_policy(args.policy).is_dynamic:
-        import logging
-
-        logging.getLogger("dilaserve.calibration").info(
+        log.info(
             "no quality curve for %s: no quality budget (dilaserve eval MODEL --keep-curve "
             "keeps one beside its calibration)",
             args.model,

@@ -39,11 +39,17 @@ def stream_in_steps(tokenizer: Tokenizer, ids: list[int], per_step: int) -> list
     return list(run_in_steps(tokenizer, ids, per_step))
 
 
+def text_request(tokenizer: Tokenizer, ids: list[int]) -> Request:
+    """A request of one block, whose answer will be `ids` and then the end of text (its
+    deadline a time on the tests' own clock: they finish it at 0.5, nothing waits)."""
+    mask = tokenizer.special.mask
+    return Request("r", (1,), len(ids) + 1, len(ids) + 1, mask, 0.9, deadline=1.0)
+
+
 def run_in_steps(tokenizer: Tokenizer, ids: list[int], per_step: int, **handle) -> RequestHandle:
     """A request's handle (made with `handle`'s arguments) once `per_step` more of `ids` have
     committed at each step, left to right, and the request has finished."""
-    mask = tokenizer.special.mask
-    request = Request("r", (1,), len(ids) + 1, len(ids) + 1, mask, 0.9, deadline=1.0)
+    request = text_request(tokenizer, ids)
     handle, answers = RequestHandle(request, 0.0, **handle), Answers(tokenizer)
     for end in range(per_step, len(ids) + per_step, per_step):
         request.output_ids[:end] = ids[:end]
@@ -107,8 +113,7 @@ def test_a_request_not_streamed_wakes_no_event_loop(tiny_tokenizer):
 
 def test_a_request_not_streamed_still_ends_at_its_stop_string(tiny_tokenizer):
     ids = tiny_tokenizer.encode("Tom has 12 apples. Tom buys 5 more.\n#### 17")
-    mask = tiny_tokenizer.special.mask
-    request = Request("r", (1,), len(ids) + 1, len(ids) + 1, mask, 0.9, deadline=1.0)
+    request = text_request(tiny_tokenizer, ids)
     handle, answers = RequestHandle(request, 0.0, ("buys",), stream=False), Answers(tiny_tokenizer)
     stopped_at = None
     for end in range(4, len(ids) + 4, 4):
@@ -138,8 +143,7 @@ def test_calls_posted_while_the_loop_is_busy_wake_it_once_and_run_in_order():
 def test_a_handle_tells_its_loop_of_its_admission_and_result(tiny_tokenizer):
     async def main():
         ids = tiny_tokenizer.encode("Tom has 12 apples.")
-        mask = tiny_tokenizer.special.mask
-        request = Request("r", (1,), len(ids) + 1, len(ids) + 1, mask, 0.9, deadline=1.0)
+        request = text_request(tiny_tokenizer, ids)
         handle, answers = RequestHandle(request, 0.0), Answers(tiny_tokenizer)
         admitted, answered = handle.admitted(), handle.answered()
 
@@ -162,8 +166,7 @@ def test_a_handle_tells_its_loop_of_its_admission_and_result(tiny_tokenizer):
 
 def test_a_refusal_reaches_the_loop_as_the_admissions_error(tiny_tokenizer):
     async def main():
-        request = Request("r", (1,), 32, 32, tiny_tokenizer.special.mask, 0.9, deadline=1.0)
-        handle = RequestHandle(request, 0.0)
+        handle = RequestHandle(text_request(tiny_tokenizer, [7]), 0.0)
         admitted = handle.admitted()
         refuse = partial(Answers(tiny_tokenizer).refuse, handle, Overloaded("over capacity"))
         await asyncio.to_thread(refuse)
