@@ -131,6 +131,7 @@ def test_a_moved_request_prefills_on_its_new_instance(tmp_path):
         trace=tiny_trace(tmp_path, 40, 10.0),
         gpus=4,
         gpus_per_node=4,
+        initial_tp=1,
         planner_period=5.0,
         startup_delay=0.2,  # short against the period: the move pays for its start-up
     )

@@ -24,7 +24,8 @@ def small_trace(tmp_path, rate=1.0, seconds=20.0, seed=0):
 def spec(tmp_path, **kw) -> SimulationSpec:
     kw.setdefault("trace", small_trace(tmp_path))
     kw.setdefault("gpus", 4)
-    return SimulationSpec(gpus_per_node=4, predictor_prompts=12, **kw)
+    kw.setdefault("gpus_per_node", 4)
+    return SimulationSpec(predictor_prompts=12, **kw)
 
 
 def test_same_inputs_same_decisions_and_summary(tmp_path):
@@ -51,7 +52,7 @@ def test_the_planner_reconfigures_the_cluster_while_requests_run(tmp_path):
     # more slack, and one node keeps serving while the other's instance loads. The start-up is
     # short against the period, so the move pays for it (a 2 s one, twice over for a move to
     # less throughput, would eat the gain: reconfigure.Reconfigurer._move_pays)
-    run = simulate(spec(tmp_path, planner_period=5.0, startup_delay=0.5, gpus=8))
+    run = simulate(spec(tmp_path, planner_period=5.0, startup_delay=0.5, gpus=8, initial_tp=1))
     assert run.summary["reconfigurations"] >= 1
     shapes = {tuple(sorted(counts.items())) for _, counts in run.result.instance_log}
     assert len(shapes) > 1  # the instance mix changed during the run
@@ -212,6 +213,25 @@ def test_simulate_writes_its_run_folder_as_it_goes(tmp_path, monkeypatch):
     assert "summary.json" in names and "progress.json" not in names
 
 
+def test_a_cluster_starts_at_its_policys_degree_where_the_profile_and_nodes_allow(tmp_path):
+    from types import SimpleNamespace
+
+    from dilaserve.sim.run import initial_instances, load_profile, with_start
+
+    h100 = load_profile("llada-8b-h100")
+    degrees = {p: [i.tp for i in initial_instances(with_start(spec(tmp_path, policy=p), h100))]
+               for p in ("dilaserve", "no-reconfig", "infaas", "fcfs")}  # fmt: skip
+    assert degrees == {"dilaserve": [2, 2], "no-reconfig": [2, 2], "infaas": [1] * 4,
+                       "fcfs": [1] * 4}  # fmt: skip
+    only_tp1 = SimpleNamespace(tp_degrees=(1,))  # a profile measured on one device
+    assert with_start(spec(tmp_path), only_tp1).layout() == [1] * 4
+    assert with_start(spec(tmp_path, gpus=3, gpus_per_node=3), h100).layout() == [1] * 3
+    assert with_start(spec(tmp_path, initial_tp=4), h100).layout() == [4]  # given: kept
+    run = simulate(spec(tmp_path))
+    assert run.spec.initial_tp == 2  # (what the run folder's config.json records)
+    assert {2: 2} in [counts for _, counts in run.result.instance_log]
+
+
 def test_a_mixed_starting_layout_is_packed_onto_the_nodes_in_order(tmp_path):
     from dilaserve.sim.run import initial_instances
 
@@ -284,7 +304,7 @@ def test_measured_speed_without_a_straggler_makes_the_papers_decisions(tmp_path)
 def test_with_the_plans_batch_limits_every_request_still_finishes(tmp_path):
     # Alg. 3's maxBatchSize from Stage 1 (`--plan-batch-limits`): the same run, its instances'
     # batches bounded by the plan once it is applied, which moves decisions but loses nothing
-    kw = dict(planner_period=5.0, startup_delay=0.5, gpus=8)
+    kw = dict(planner_period=5.0, startup_delay=0.5, gpus=8, initial_tp=1)
     free = simulate(spec(tmp_path, **kw)).summary
     bounded = simulate(spec(tmp_path, plan_batch_limits=True, **kw)).summary
     assert bounded["finished"] == bounded["requests"] == free["requests"]

@@ -108,6 +108,11 @@ class Policy:
     # the relative quality loss (against the top threshold's) the requests may lose on average
     # before the lowest thresholds close (`quality_budget.py`); None: no bound, as written
     quality_budget: float | None = None
+    # the TP degree of the instances a cluster starts as when its layout is not given (the
+    # paper's admin input, "initial cluster configuration"): DiLaServe's 2, chosen on the
+    # training traces (docs/generalization.md, "Where the cluster starts"); the baselines' 1,
+    # their better start on the test traces
+    start_tp: int = 1
 
     def __post_init__(self):
         if self.fixed_threshold is not None and not 0 < self.fixed_threshold <= 1:
@@ -120,6 +125,8 @@ class Policy:
             raise ValueError(f"{self.on_time_target=} must be in (0, 1)")
         if self.quality_budget is not None and not 0 <= self.quality_budget < 1:
             raise ValueError(f"{self.quality_budget=} must be a relative loss in [0, 1)")
+        if self.start_tp < 1:
+            raise ValueError(f"{self.start_tp=} must be a positive TP degree")
 
     @property
     def is_dynamic(self) -> bool:
@@ -134,6 +141,7 @@ _DILASERVE = Policy(
     lost_work=Lost.LIKELY,
     quality_budget=QUALITY_BUDGET,
     last_block_caps=True,
+    start_tp=2,
 )
 _PAPER_LOAD = {  # Alg. 2/4 as written
     "load_window": LoadWindow.SLO,

@@ -52,6 +52,16 @@ class SimulationRun:
     planner_rounds: list[dict] = dataclasses.field(default_factory=list)  # Reconfigurer.history
 
 
+def with_start(spec: SimulationSpec, profile: LatencyProfile) -> SimulationSpec:
+    """The spec with the degree its cluster starts at: the one given, else its policy's
+    (`Policy.start_tp`) where the profile prices it and it divides the nodes, else 1."""
+    if spec.initial_tp is not None or spec.initial_layout is not None:
+        return spec
+    tp = get_policy(spec.policy).start_tp
+    fits = tp in profile.tp_degrees and spec.gpus_per_node % tp == 0 and spec.gpus % tp == 0
+    return dataclasses.replace(spec, initial_tp=tp if fits else 1)
+
+
 def check_profile(spec: SimulationSpec, profile: LatencyProfile) -> None:
     """The profile prices the cluster's first instances, and the cache mode is the model's: a
     block-causal model's cache is exact or none, and the exact cache needs such a model."""
@@ -108,6 +118,7 @@ def _reconfigurer(spec: SimulationSpec, policy, profile, behaviour, config):
 def simulate(spec: SimulationSpec, progress=None, log: DecisionLog | None = None) -> SimulationRun:
     """Run the spec; `log`: a decision log to record into (one with its lines kept, to read)."""
     profile = load_profile(spec.profile)
+    spec = with_start(spec, profile)
     check_profile(spec, profile)
     trace = make_trace(spec)
     policy = policy_for(spec)

@@ -31,7 +31,11 @@ class SimulationSpec:
     rate_scale: float = setting(1.0, "arrivals this many times as fast (a real trace, scaled)")
     gpus: int = setting(16, "GPUs of the simulated cluster")
     gpus_per_node: int = setting(4, "GPUs per node (a TP group never spans two)")
-    initial_tp: int = setting(1, "the cluster starts as GPUS / INITIAL_TP instances of this degree")
+    initial_tp: int | None = setting(
+        None,
+        "the cluster starts as GPUS / INITIAL_TP instances of this degree; default: the "
+        "policy's (dilaserve: 2, the baselines: 1) where the profile has it and it fits, else 1",
+    )
     initial_layout: str | None = setting(
         None,
         "or starts as this mix, TPxCOUNT,...: 4x2,1x8 is two TP-4 then eight TP-1 instances, "
@@ -118,7 +122,8 @@ class SimulationSpec:
     seed: int = setting(0, "random seed of the trace, behaviour and predictor")
 
     def __post_init__(self):
-        if self.gpus <= 0 or self.gpus % self.initial_tp:
+        tp = self.initial_tp or 1
+        if self.gpus <= 0 or tp <= 0 or self.gpus % tp:
             raise ValueError(f"{self.gpus=} must be a positive multiple of {self.initial_tp=}")
         self.layout()  # a malformed layout or straggler count fails here, not mid-run
         self.parsed_stragglers()
@@ -140,7 +145,8 @@ class SimulationSpec:
     def layout(self) -> list[int]:
         """The starting instances' TP degrees, in the order they are packed onto nodes."""
         if self.initial_layout is None:
-            return [self.initial_tp] * (self.gpus // self.initial_tp)
+            tp = self.initial_tp or 1  # (None: 1 until `sim.run.with_start` resolves it)
+            return [tp] * (self.gpus // tp)
         degrees = []
         for part in self.initial_layout.split(","):
             tp, sep, count = part.strip().partition("x")
