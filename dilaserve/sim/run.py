@@ -125,18 +125,7 @@ def simulate(spec: SimulationSpec, progress=None, log: DecisionLog | None = None
     behaviour, requests, predictor = workload(spec, trace, policy, profile.meta.get("model"))
     slo = slo_for(spec, profile, requests, behaviour.tokens_per_step(spec.threshold))
     quality = QualityModel.from_eval(spec.quality) if spec.quality else LLADA_GSM8K
-    config = SchedulerConfig(
-        kv_cache=spec.costs.mode,
-        block_len=spec.costs.block_len,
-        slo=slo,
-        refresh_every_tokens=spec.refresh_every_tokens,
-        max_requests_per_instance=spec.max_requests_per_instance,
-        max_batch_requests=spec.max_batch_requests,
-        slo_headroom=spec.slo_headroom,
-        refresh_interval=spec.refresh_interval,
-        instance_speed=spec.instance_speed,
-        quality=quality,
-    )
+    config = scheduler_config(spec, slo, quality)
     reconfigurer = _reconfigurer(spec, policy, profile, behaviour, config)
     scheduler = Scheduler(policy, profile, predictor, config, reconfigurer)
     simulator = Simulator(
@@ -144,14 +133,7 @@ def simulate(spec: SimulationSpec, progress=None, log: DecisionLog | None = None
         profile,
         behaviour,
         initial_instances(spec),
-        SimConfig(
-            startup_delay=spec.startup_delay,
-            latency_noise=spec.latency_noise,
-            instance_slowdown=straggler_slowdown(spec),
-            measured_speed=spec.measured_speed or spec.instance_speed,
-            max_batch_tokens=spec.max_batch_tokens,
-            seed=spec.seed,
-        ),
+        sim_config(spec),
         log=log,
     )
     start = time.perf_counter()
@@ -214,6 +196,34 @@ def quality_notes(
     if not spec.behaviour.startswith("replay:"):
         notes["speed_model"] = tokens_per_step_for(model).source
     return notes
+
+
+def scheduler_config(spec: SimulationSpec, slo: float, quality: QualityModel) -> SchedulerConfig:
+    """The control plane's settings the spec names, with the run's SLO and quality curve."""
+    return SchedulerConfig(
+        kv_cache=spec.costs.mode,
+        block_len=spec.costs.block_len,
+        slo=slo,
+        refresh_every_tokens=spec.refresh_every_tokens,
+        max_requests_per_instance=spec.max_requests_per_instance,
+        max_batch_requests=spec.max_batch_requests,
+        slo_headroom=spec.slo_headroom,
+        refresh_interval=spec.refresh_interval,
+        instance_speed=spec.instance_speed,
+        quality=quality,
+    )
+
+
+def sim_config(spec: SimulationSpec) -> SimConfig:
+    """The simulated cluster's settings the spec names."""
+    return SimConfig(
+        startup_delay=spec.startup_delay,
+        latency_noise=spec.latency_noise,
+        instance_slowdown=straggler_slowdown(spec),
+        measured_speed=spec.measured_speed or spec.instance_speed,
+        max_batch_tokens=spec.max_batch_tokens,
+        seed=spec.seed,
+    )
 
 
 def initial_instances(spec: SimulationSpec) -> list[InstanceSpec]:
