@@ -19,9 +19,10 @@ def qsum(terms):
 
 def new_model(time_limit: float, gap: float | None = None):
     """An empty, quiet HiGHS model with a time limit per solve; `gap` is the relative MIP gap
-    a solve may stop at (HiGHS's default is 1e-4). The planner passes its `tolerance`: an
-    objective is held only that close to its optimum anyway, and the looser gap cut the
-    simulator's planning time from 12.2 s to 8.7 s over its first 10 rounds, with the same plans."""
+    a solve may stop at (HiGHS's default is 1e-4). Stage 1 passes `PlannerConfig.gap`, 1%:
+    its objectives are read at the trigger's 10%, and a busy round's solve spends most of its
+    time closing the last 1% (the Table 4 run planned in 40 s instead of 115, with the same
+    decisions: docs/simulator/speed.md)."""
     import highspy
 
     h = highspy.Highs()
