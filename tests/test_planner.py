@@ -5,18 +5,21 @@ One class: 64-token prompts, 64-token outputs (128 tokens per full step). Thresh
 0.1 s on TP-1 and 0.06 s on TP-2.
 """
 
+from dataclasses import replace
+
 import pytest
 
 from dilaserve.control.decisions import RolloutStep
 from dilaserve.control.layout import InstanceSlot, launch_order, plan_layout
 from dilaserve.control.monitor import WorkloadClass, WorkloadMonitor
-from dilaserve.control.planner import CapacityPlan, plan_capacity
+from dilaserve.control.planner import CapacityPlan, PlannerConfig, plan_capacity
 from dilaserve.control.policy import get_policy
 from dilaserve.control.reconfigure import STARTUPS, Reconfigurer, move_timeline, worth_applying
 from dilaserve.control.scheduler import Scheduler, SchedulerConfig
 from dilaserve.control.step_costs import StepCosts
 from dilaserve.protocol import KVCacheMode, StepKind
 from dilaserve.request import Request
+from dilaserve.sim.run import load_profile
 
 from conftest import PLANNER_PROFILE as PROFILE
 from conftest import planner_config as config
@@ -435,11 +438,6 @@ def test_a_plan_stops_within_the_gap_of_the_best_mean_threshold():
     # ten classes of the paper-sized simulation's busiest round, on 16 GH200s with a dual cache:
     # the load makes the plan give up threshold (0.859 < 0.9), where the solve is hard. Stopped
     # at the default gap (1%), the plan's mean threshold is within 1% of the one solved exactly.
-    from dataclasses import replace
-
-    from dilaserve.control.planner import PlannerConfig
-    from dilaserve.sim.run import load_profile
-
     shapes = [(24, 32, 1.201), (27, 73, 1.495), (28, 172, 3.058), (36, 355, 6.569)]
     shapes += [(38, 677, 3.534), (179, 85, 0.204), (179, 190, 0.385), (190, 312, 0.385)]
     shapes += [(180, 694, 0.453), (328, 32, 0.159)]
