@@ -453,3 +453,5 @@ def test_a_plan_stops_within_the_gap_of_the_best_mean_threshold():
     assert cfg.gap == 0.01 and exact.mean_threshold < 0.89
     assert plan.mean_threshold >= (1 - cfg.gap) * exact.mean_threshold
     assert plan.feasible and max(plan.latency) <= 24.5 + 1e-6
+    with pytest.raises(ValueError, match="gap"):
+        replace(cfg, gap=0.0)

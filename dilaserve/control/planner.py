@@ -94,6 +94,8 @@ class PlannerConfig:
             raise ValueError(f"{self.tokens_per_step=} must give positive tokens per step")
         if self.period <= 0:
             raise ValueError(f"{self.period=} must be positive")
+        if not 0 < self.gap < 1:
+            raise ValueError(f"{self.gap=} must be a relative MIP gap in (0, 1)")
 
     @property
     def thresholds(self) -> tuple[float, ...]:
