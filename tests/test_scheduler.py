@@ -91,19 +91,20 @@ def test_migration_sends_the_sequence_and_releases_the_old_copy():
 
 
 @pytest.mark.parametrize(
-    "now, price, moves",
-    [(4.0, 0.0, True), (4.0, 1.0, False), (2.0, 0.0, False)],
+    "r3_blocks, now, price, moves",
+    [(3, 4.0, 0.0, True), (3, 4.0, 1.0, False), (3, 2.0, 0.0, False), (8, 2.0, 0.0, True)],
 )
-def test_a_request_moves_only_when_its_step_ends_first_there_by_more_than_the_price(
-    now, price, moves
+def test_a_request_moves_only_when_its_block_ends_first_there_by_more_than_the_price(
+    r3_blocks, now, price, moves
 ):
-    # the case above: r1's recompute ends sooner with r2 on b than with the long r3 on a, but b
-    # starts it only when its running step (r2's, launched at 2.0) ends. At 4.0 that step is
-    # long over and the move pays, unless a move costs a second; at 2.0 waiting for it takes
-    # longer than b saves
+    # the case above: r1's steps end sooner with r2 on b than with r3 on a, but b starts the
+    # first only when its running step (r2's, launched at 2.0) ends. At 4.0 that step is long
+    # over and the move pays, unless a move costs a second. At 2.0 the wait is paid once and
+    # the saving at every step of r1's block: beside a short r3 that saving is too small; beside
+    # the long one it pays, though one step's saving alone would not
     s = scheduler(instances=(("a", 1), ("b", 1)), migration_price=price)
     r1, r2 = (make_request(f"r{i}", gen_len=2 * BLOCK, arrival_time=i) for i in (1, 2))
-    r3 = make_request("r3", gen_len=8 * BLOCK, arrival_time=2)
+    r3 = make_request("r3", gen_len=r3_blocks * BLOCK, arrival_time=2)
     s.on_arrival(r1, 1.0)
     s.on_arrival(r2, 2.0)
     s.on_arrival(r3, 2.0)
@@ -112,8 +113,10 @@ def test_a_request_moves_only_when_its_step_ends_first_there_by_more_than_the_pr
     saving = a.full_curve.at(r1.num_tokens + r3.num_tokens) - b.full_curve.at(
         r1.num_tokens + r2.num_tokens
     )
-    assert 0 < saving < wait  # what makes the move lose at 2.0
     d = done(s, "a", result(r1, list(range(BLOCK)), block_done=True), now=now)
+    steps = s.load_control.steps_per_block(r1)
+    assert 0 < saving < wait and steps > 1
+    assert (saving * steps > wait) is (r3_blocks == 8)
     assert (d.releases == (("a", "r1"),)) is moves
     assert s.requests["r1"].instance == ("b" if moves else "a")
 

@@ -49,6 +49,7 @@ from dilaserve.control.profile import LatencyProfile
 from dilaserve.control.speed import MeasuredSpeed
 from dilaserve.control.step_limits import within_limits
 from dilaserve.control.thresholds import instance_capacity
+from dilaserve.request import Request
 
 
 class LoadControl:
@@ -255,6 +256,14 @@ class LoadControl:
     def lowest_priority(self) -> float:
         """The lowest priority in flight (+inf: none)."""
         return self._table.lowest_priority()
+
+    def steps_per_block(self, request: Request) -> float:
+        """The steps each block the request has left is predicted to take at its threshold
+        (its steps left over its blocks left); one for a threshold off the ladder."""
+        if request.threshold not in self._rank:
+            return 1.0
+        steps = self._table.steps_of(request.request_id)[self._rank[request.threshold]]
+        return steps / max(request.blocks_left, 1)
 
     def steps_left(self, request_id: str, thresholds: Sequence[float]) -> list[float]:
         """What threshold selection reads: the request's predicted steps left now at each of

@@ -75,7 +75,6 @@ class Scheduler:
         self._short_path = policy.migration is not Migration.ANY and self._costs.stays_with_cache(
             self._costs.inner_kind
         )
-        self._placer = Placer(policy, config, self.instances, self.requests, self._solo, self.speed)
         self._admitted = 0
         # predictions and load control (Alg. 2/4; admission asks it the same question): dynamic
         # thresholds only, a fixed one needs neither
@@ -93,6 +92,9 @@ class Scheduler:
             )
             if policy.is_dynamic
             else None
+        )
+        self._placer = Placer(
+            policy, config, self.instances, self.requests, self._solo, self.speed, self.load_control
         )
         self._selection = ThresholdSelection(policy, profile, config, self.speed, self.load_control)
         self.deadline = self._selection.deadline  # Alg. 1's calibration (None: point estimate)
