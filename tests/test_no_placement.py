@@ -33,12 +33,12 @@ def test_alg3_picks_the_faster_instance_where_least_tokens_takes_the_first_empty
     [("no-placement", 4.0, True), ("no-placement", 2.0, False), ("llumnix", 2.0, True)],
 )
 def test_no_placement_moves_a_request_only_when_the_move_pays_as_dilaserve_does(policy, now, moves):
-    # tests/test_scheduler.py's move case: b (r2's) holds fewer tokens than a (the long r3), so
+    # tests/test_scheduler.py's move case: b (r2's) holds fewer tokens than a (the longer r3), so
     # least tokens picks b for r1's recompute; at 2.0 waiting for b's running step costs more
-    # than it saves, and only the baseline, which does not price moves, goes
+    # than it saves over r1's block, and only the baseline, which does not price moves, goes
     s = scheduler(policy, instances=(("a", 1), ("b", 1)))
     r1, r2 = (make_request(f"r{i}", gen_len=2 * BLOCK, arrival_time=i) for i in (1, 2))
-    r3 = make_request("r3", gen_len=8 * BLOCK, arrival_time=2)
+    r3 = make_request("r3", gen_len=3 * BLOCK, arrival_time=2)
     s.on_arrival(r1, 1.0)
     s.on_arrival(r2, 2.0)
     s.on_arrival(r3, 2.0)
