@@ -165,34 +165,22 @@ class Placer:
     ) -> float:
         """Request-seconds a block of `steps` steps of `kind` processing `n` tokens costs on
         `inst`: the wait for its running step, then each step's latency with the request in
-        the batch and what the request adds to the others' (the batch taken as it is now)."""
-        full, cache = inst.next_batch()
-        if kind in CACHED_KINDS:
-            cache += n
-        else:
-            full += n
-        wait = inst.busy_until - now if inst.busy and inst.busy_until > now else 0.0
-        return wait + steps * (inst.latency(full, cache) + self._slows(inst, kind, n))
-
-    @staticmethod
-    def _slows(inst: InstanceState, kind: StepKind, n: int) -> float:
-        """Seconds a step of `kind` processing `n` tokens adds to the requests of the
-        instance's next batch together (each waits for the longer step)."""
-        full, cache = inst.next_batch()
-        with_it = (full, cache + n) if kind in CACHED_KINDS else (full + n, cache)
-        return inst.next_batch_requests() * (inst.latency(*with_it) - inst.latency(full, cache))
+        the batch and what the request adds to the others' (each waits for the longer step;
+        the batch taken as it is now)."""
+        without, with_it = _next_step(inst, kind, n)
+        slows = inst.next_batch_requests() * (with_it - without)
+        return self._start(inst, now) - now + steps * (with_it + slows)
 
     def _step_end(self, inst: InstanceState, kind: StepKind, n: int, now: float) -> float:
         """When the instance's next step, with a step of `kind` processing `n` tokens in it,
         ends: its next batch (the gathered one and, while a step runs, that step's requests,
         which come back to it) starts when the running step ends."""
-        full, cache = inst.next_batch()
-        if kind in CACHED_KINDS:
-            cache += n
-        else:
-            full += n
-        start = inst.busy_until if inst.busy and inst.busy_until > now else now
-        return start + inst.latency(full, cache)
+        return self._start(inst, now) + _next_step(inst, kind, n)[1]
+
+    @staticmethod
+    def _start(inst: InstanceState, now: float) -> float:
+        """When the instance's next step starts: when its running step ends, or now."""
+        return inst.busy_until if inst.busy and inst.busy_until > now else now
 
     def _cost(self, inst: InstanceState, kind: StepKind, n: int, joining: int, now: float) -> float:
         """What placement minimises on `inst` for a step of `kind` processing `n` tokens, the
@@ -246,3 +234,11 @@ class Placer:
             t.request.num_tokens for t in self.tracked.values() if t.bound == inst.instance_id
         )
         return tokens, inst.instance_id
+
+
+def _next_step(inst: InstanceState, kind: StepKind, n: int) -> tuple[float, float]:
+    """The latency of the instance's next step (`InstanceState.next_batch`) without and with a
+    step of `kind` processing `n` tokens in it."""
+    full, cache = inst.next_batch()
+    with_it = (full, cache + n) if kind in CACHED_KINDS else (full + n, cache)
+    return inst.latency(full, cache), inst.latency(*with_it)
