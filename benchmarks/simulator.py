@@ -32,6 +32,7 @@ from dilaserve.control.load_control import LoadControl
 from dilaserve.control.placement import Placer
 from dilaserve.control.reconfigure import Reconfigurer
 from dilaserve.control.scheduler import Scheduler
+from dilaserve.control.selection import ThresholdSelection
 from dilaserve.request import Request
 from dilaserve.runs import control_plane_compiled, markdown_table, write_records, write_table_run
 from dilaserve.sim.behaviour import ParametricBehaviour
@@ -41,7 +42,7 @@ PARTS = {  # what --breakdown times: no part calls another
     "planner (monitor, Stage 1 and 2)": (Reconfigurer, "on_tick"),
     "step-predictor refreshes": (LoadControl, "refresh"),
     "load control (Alg. 2/4)": (LoadControl, "run_if_due"),
-    "threshold selection (Alg. 1/5)": (Scheduler, "_threshold"),
+    "threshold selection (Alg. 1/5)": (ThresholdSelection, "choose"),
     "placement search (Alg. 3)": (Placer, "place"),
     "launching batches": (Scheduler, "_launch"),
     "simulated steps (behaviour model)": (ParametricBehaviour, "step"),

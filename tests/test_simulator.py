@@ -11,6 +11,8 @@ from dilaserve.sim.run import SimulationSpec, simulate, write_run
 from dilaserve.sim.traces import Trace, save_trace
 from dilaserve.trajectory import Trajectory
 
+from conftest import import_benchmark
+
 
 def small_trace(tmp_path, rate=1.0, seconds=20.0, seed=0):
     rng = np.random.default_rng(seed)
@@ -331,3 +333,16 @@ def test_the_simulated_predictor_learns_from_requests_of_the_specs_block_length(
     s = spec(tmp_path, block_len=16)
     make_predictor(s, get_policy("dilaserve", predictor=predictor), load_trace(s.trace))
     assert seen == {16}
+
+
+def test_the_speed_benchmarks_breakdown_times_every_part_and_puts_it_back(tmp_path):
+    # `benchmarks/simulator.py --breakdown` wraps methods by name: a renamed one must fail here,
+    # not an hour into the benchmark
+    bench = import_benchmark("simulator")
+    originals = {part: getattr(cls, name) for part, (cls, name) in bench.PARTS.items()}
+    totals: dict[str, list] = {}
+    with bench.timed_parts(totals):
+        simulate(spec(tmp_path, planner_period=5.0, startup_delay=0.5))
+    assert set(totals) == set(bench.PARTS)
+    assert all(calls > 0 for _, calls in totals.values())  # each part ran, and was timed
+    assert {part: getattr(cls, name) for part, (cls, name) in bench.PARTS.items()} == originals
