@@ -24,6 +24,7 @@ import enum
 from collections.abc import Sequence
 
 from dilaserve.control.instance import InstanceState
+from dilaserve.protocol import StepKind
 
 
 class Lost(str, enum.Enum):
@@ -45,7 +46,7 @@ class LostWork:
 
     def place(
         self, t, now: float, open_instances: Sequence[InstanceState]
-    ) -> tuple[InstanceState, object] | None:
+    ) -> tuple[InstanceState, StepKind] | None:
         """Alg. 3's pick for the scheduler's record `t`; for a lost request (or one found lost
         there) the pick among the instances that hold only lost requests; None: it waits."""
         if not t.lost:

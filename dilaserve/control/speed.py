@@ -77,7 +77,7 @@ class Estimate:
 
     __slots__ = ("ratio", "_anchor", "_seen", "_fresh_for")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.ratio = 1.0  # as of the last `advance` (or observation)
         self._anchor = 1.0  # as of the last observation
         self._seen: float | None = None  # the event time of the last observation
@@ -109,7 +109,7 @@ class Served:
 
     __slots__ = ("work", "seconds", "_seen", "_fresh_for")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.work = 0.0  # tokens processed, running (each step `WEIGHT` of the sum)
         self.seconds = 0.0  # their steps' round trips, the same
         self._seen = 0.0  # the event time of the latest step
@@ -130,7 +130,7 @@ class Served:
 class ServedRates:
     """`Served` by instance: what each instance's steps got through (`capacity`)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.by_instance: dict[str, Served] = {}
 
     def observe(self, instance_id: str, tokens: float, seconds: float, now: float) -> None:

@@ -243,9 +243,10 @@ class ReplayBehaviour:
         """An edit-only step of the block whose masks are all committed: it commits nothing
         (the recorded edits rewrite tokens this model does not track), and the block is done
         after as many as its trajectory ran on it."""
-        t = self._trajectory(r.request_id, threshold)
+        t, block = self._trajectory(r.request_id, threshold), r.edit_block
+        assert block is not None  # (`step` sends only a block being edited here)
         post = r.post_steps + 1
-        block_done = not self._edits_left(r, threshold, r.edit_block, post)
+        block_done = not self._edits_left(r, threshold, block, post)
         if block_done:
             self._post.pop(r.request_id, None)
         else:
@@ -260,7 +261,7 @@ class ReplayBehaviour:
             np.zeros(0, np.int32),
             np.zeros(0, np.int32),
             t.confidences[s].copy(),
-            r.edit_block,
+            block,
             block_done,
             finished,
         )
