@@ -44,8 +44,10 @@ from dilaserve.control.decisions import SchedulerConfig
 from dilaserve.control.features import request_states
 from dilaserve.control.instance import InstanceState
 from dilaserve.control.load_table import LoadTable
+from dilaserve.control.on_time import OnTimeCalibration
 from dilaserve.control.policy import LoadWindow
 from dilaserve.control.profile import LatencyProfile
+from dilaserve.control.quality_budget import QualityBudget
 from dilaserve.control.speed import MeasuredSpeed
 from dilaserve.control.step_limits import within_limits
 from dilaserve.control.thresholds import instance_capacity
@@ -83,8 +85,9 @@ class LoadControl:
         self.last_block_caps = last_block_caps
         self._deadlines: dict[str, float] = {}  # request -> deadline (BUDGET_LEFT only)
         self._tracked = tracked
-        self.calibration = None  # Alg. 1's OnTimeCalibration where work is priced at its quantile
-        self.quality = None  # the policy's QualityBudget: its floor is Alg. 2/4's lowest threshold
+        # Alg. 1's calibration where work is priced at its quantile
+        self.calibration: OnTimeCalibration | None = None
+        self.quality: QualityBudget | None = None  # its floor is Alg. 2/4's lowest threshold
         self._width = len(ladder)  # the ladder's thresholds at or above that floor, last run
         self._columns = [list(predictor.thresholds).index(g) for g in ladder]
         self._table = LoadTable(len(ladder))
