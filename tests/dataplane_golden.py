@@ -1,11 +1,13 @@
 """Step logs of the bundled models (and a random Dream) through `Engine.execute`, for the test
 that compares today's data plane with the one it replaced (`tests/test_dataplane.py`).
 
-    PYTHONPATH=<checkout> python tests/dataplane_golden.py OUT.json
+    PYTHONPATH=<checkout> python tests/dataplane_golden.py GOLDEN.json
 
-wrote `tests/fixtures/dataplane_golden.json` from commit e1936f1, the last with the old data
-plane (padded K/V stacks, concatenation in every layer, dense masks), its decoding rules and
-float16-stored bundled weights. Each scenario steps requests of different prompt
+adds this machine's logs (`machine()`: the CPU and torch, which pick the kernels and so the
+last bits) to `tests/fixtures/dataplane_golden.json`, run from commit e1936f1, the last with
+the old data plane (padded K/V stacks, concatenation in every layer, dense masks), its
+decoding rules and float16-stored bundled weights. The first logs, of 2026-11, did not
+record their machine ("unrecorded"). Each scenario steps requests of different prompt
 lengths and thresholds, joining at different steps, so that batches mix step kinds, query
 lengths and cached lengths; a log entry is (kind, positions, tokens, confidences) per step,
 the confidences as base64 float32 (`decode`).
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import json
+import platform
 import sys
 import tempfile
 from pathlib import Path
@@ -82,6 +85,20 @@ def run(path: Path, kv_cache: str, dtype: str, block_len: int, gen_len: int) -> 
     return log
 
 
+def machine() -> str:
+    """What decides the last bits of a step's arithmetic here: the CPU (its model, and the
+    kernels torch picks for it) and torch's version."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.partition(":")[2].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}"
+
+
 def encode(conf) -> str:
     """float32 confidences, bit for bit, as base64."""
     return base64.b64encode(conf.astype("<f4").tobytes()).decode()
@@ -95,6 +112,7 @@ def decode(text: str):
 
 def all_logs() -> dict:
     torch.manual_seed(0)
+    torch.set_num_threads(1)  # as the tests run (conftest.py): the threads split the sums
     with tempfile.TemporaryDirectory() as scratch:
         return {
             "/".join(map(str, s)): run(model_path(s[0], Path(scratch)), *s[1:]) for s in SCENARIOS
@@ -102,4 +120,7 @@ def all_logs() -> dict:
 
 
 if __name__ == "__main__":
-    Path(sys.argv[1]).write_text(json.dumps(all_logs()))
+    golden = Path(sys.argv[1])
+    by_machine = json.loads(golden.read_text()) if golden.exists() else {}
+    by_machine[machine()] = all_logs()
+    golden.write_text(json.dumps(by_machine))

@@ -2,7 +2,10 @@
 concatenation in every layer, dense masks), through `Engine.execute` on the bundled models
 and a random Dream: the same step kinds, positions and tokens; confidences equal to the bit
 where the arithmetic is the same, within rounding where it is not (`dataplane_golden.py`); in
-bf16 a run may part from the old one only at a near-tie."""
+bf16 a run may part from the old one only at a near-tie. The bits hold on the machine the old
+run was recorded on (another CPU picks other kernels: on an AMD EPYC the float32 runs
+differed by up to 5e-6 from the first recording's); elsewhere the confidences are held to
+the rounding bounds, and a bf16 run may part where both runs' picks were within twice it."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from dataplane_golden import SCENARIOS, all_logs, decode
+from dataplane_golden import SCENARIOS, all_logs, decode, machine
 
 from dilaserve.config import BUNDLED_MODEL, EngineConfig
 from dilaserve.engine.engine import Engine
@@ -33,8 +36,13 @@ BITWISE = {
 
 
 @pytest.fixture(scope="module")
-def logs() -> tuple[dict, dict]:
-    return json.loads(GOLDEN.read_text()), json.loads(json.dumps(all_logs()))
+def logs() -> tuple[list[dict], dict, bool]:
+    """(the old run's logs to compare with, this run's, whether they are this machine's): this
+    machine's recording where there is one, else every recording."""
+    by_machine = json.loads(GOLDEN.read_text())
+    here = by_machine.get(machine())
+    want = [here] if here is not None else list(by_machine.values())
+    return want, json.loads(json.dumps(all_logs())), here is not None
 
 
 def first_difference(want: list, got: list) -> int | None:
@@ -47,14 +55,21 @@ def first_difference(want: list, got: list) -> int | None:
 
 @pytest.mark.parametrize("key", KEYS)
 def test_steps_and_tokens_are_those_of_the_replaced_data_plane(logs, key):
-    want, got = logs[0][key], logs[1][key]
+    recordings, got, same_machine = logs
+    for recording in recordings:
+        compare(recording[key], got[key], key, same_machine)
+
+
+def compare(want: dict, got: dict, key: str, same_machine: bool) -> None:
     dtype = key.split("/")[2]
+    bitwise = same_machine and key in BITWISE
+    tie = TOLERANCE[dtype] * (1 if same_machine else 2)
     assert want.keys() == got.keys()
     for rid in want:
         split = first_difference(want[rid], got[rid])
         for a, b in zip(want[rid][:split], got[rid][:split]):
             diff = np.abs(decode(a[3]) - decode(b[3])).max()
-            assert diff == 0.0 if key in BITWISE else diff <= TOLERANCE[dtype]
+            assert diff == 0.0 if bitwise else diff <= TOLERANCE[dtype]
         if split is None:
             continue
         # only bf16 may part, and only at a near-tie: the positions either side picked were
@@ -63,7 +78,7 @@ def test_steps_and_tokens_are_those_of_the_replaced_data_plane(logs, key):
         a, b = want[rid][split], got[rid][split]
         picked = a[1] + b[1]
         for conf in (decode(a[3]), decode(b[3])):
-            assert np.ptp(conf[picked]) <= TOLERANCE[dtype], (rid, split, conf[picked])
+            assert np.ptp(conf[picked]) <= tie, (rid, split, conf[picked])
 
 
 def run_steps(engine, requests, joins: dict[str, int]):
