@@ -259,7 +259,7 @@ def test_a_bad_layout_is_refused_naming_it(tmp_path, layout, words):
         spec(tmp_path, gpus=8, initial_layout=layout)
 
 
-@pytest.mark.parametrize("stragglers", ["2", "5:2", "1:0", "a:b"])
+@pytest.mark.parametrize("stragglers", ["2", "5:2", "1:0", "a:b", "1:2@-1", "1:2@x"])
 def test_bad_stragglers_are_refused_naming_them(tmp_path, stragglers):
     with pytest.raises(ValueError, match="stragglers"):
         spec(tmp_path, stragglers=stragglers)
@@ -273,6 +273,17 @@ def test_straggling_instances_slow_the_requests_bound_to_them(tmp_path):
     # INFaaS binds each request at arrival: half of them run every step three times as long
     assert slow.summary["latency_mean"] > 1.5 * base.summary["latency_mean"]
     assert slow.summary["finished"] == slow.summary["requests"]
+    # slowed from second 10 on (a GPU that throttles mid-run): the earlier arrivals' first
+    # steps ran at the profile's speed, the later ones as slow as from the start
+    late = simulate(spec(tmp_path, policy="infaas", planner_period=1e9, stragglers="2:3@10"))
+    done_early = {
+        r["request_id"]: r["latency"] for r in base.rows if r["latency"] + r["arrival"] < 10
+    }
+    assert done_early and all(
+        done_early.get(r["request_id"], r["latency"]) == r["latency"] for r in late.rows
+    )  # what finished before second 10 ran as without a straggler
+    assert late.summary["latency_mean"] < slow.summary["latency_mean"]
+    assert late.summary["latency_mean"] > base.summary["latency_mean"]
 
 
 def test_pricing_instances_at_their_measured_speed_steers_work_off_a_straggler(tmp_path):

@@ -220,6 +220,7 @@ def sim_config(spec: SimulationSpec) -> SimConfig:
         startup_delay=spec.startup_delay,
         latency_noise=spec.latency_noise,
         instance_slowdown=straggler_slowdown(spec),
+        slowdown_from=spec.parsed_stragglers()[2],
         measured_speed=spec.measured_speed or spec.instance_speed,
         max_batch_tokens=spec.max_batch_tokens,
         seed=spec.seed,
@@ -239,7 +240,7 @@ def initial_instances(spec: SimulationSpec) -> list[InstanceSpec]:
 
 def straggler_slowdown(spec: SimulationSpec) -> dict[str, float]:
     """Instance id -> its steps' time factor, for the spec's stragglers."""
-    count, factor = spec.parsed_stragglers()
+    count, factor, _ = spec.parsed_stragglers()
     return {f"i{k}": factor for k in range(count)}
 
 

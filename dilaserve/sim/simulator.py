@@ -55,6 +55,7 @@ class SimConfig:
     # instance id -> a further factor on its steps' time (stragglers the control plane is not
     # told about; `SimulationSpec.stragglers`)
     instance_slowdown: Mapping[str, float] = field(default_factory=dict)
+    slowdown_from: float = 0.0  # the simulated second `instance_slowdown` starts to apply
 
     def __post_init__(self):
         if self.tick <= 0 or self.startup_delay < 0 or self.latency_noise < 0:
@@ -213,7 +214,9 @@ class Simulator:
         if self.config.slowdown_by_batch:
             bin_ = batch_bin(len(batch.items))
             slowdown = self.config.slowdown_by_batch.get(bin_, slowdown)
-        seconds *= slowdown * self.config.instance_slowdown.get(instance_id, 1.0)
+        if now >= self.config.slowdown_from:
+            slowdown *= self.config.instance_slowdown.get(instance_id, 1.0)
+        seconds *= slowdown
         if self.config.latency_noise:
             seconds *= float(self.rng.lognormal(0.0, self.config.latency_noise))
         return seconds

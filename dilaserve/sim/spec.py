@@ -43,8 +43,9 @@ class SimulationSpec:
     )
     stragglers: str | None = setting(
         None,
-        "COUNT:FACTOR: the first COUNT starting instances take FACTOR times as long per step as "
-        "the profile says (a throttled GPU, a noisy neighbour); the control plane is not told",
+        "COUNT:FACTOR[@SECONDS]: the first COUNT starting instances take FACTOR times as long "
+        "per step as the profile says (a throttled GPU, a noisy neighbour), from simulated "
+        "second SECONDS on (default 0); the control plane is not told",
     )
     measured_speed: bool = setting(
         False,
@@ -167,18 +168,21 @@ class SimulationSpec:
             raise ValueError(f"{self.initial_layout=} needs {first} GPUs; {self.gpus=}")
         return degrees
 
-    def parsed_stragglers(self) -> tuple[int, float]:
-        """(how many of the first instances are slow, their step-time factor); (0, 1.0): none."""
+    def parsed_stragglers(self) -> tuple[int, float, float]:
+        """(how many of the first instances are slow, their step-time factor, the simulated
+        second they slow from); (0, 1.0, 0.0): none."""
         if self.stragglers is None:
-            return 0, 1.0
-        count, sep, factor = self.stragglers.partition(":")
+            return 0, 1.0, 0.0
+        slow, at, start = self.stragglers.partition("@")
+        count, sep, factor = slow.partition(":")
         try:
-            n, f = int(count), float(factor)
+            n, f, s = int(count), float(factor), float(start) if at else 0.0
         except ValueError:
-            n, f = -1, 0.0
-        if not sep or n < 0 or f <= 0 or n > len(self.layout()):
+            n, f, s = -1, 0.0, 0.0
+        if not sep or n < 0 or f <= 0 or s < 0 or n > len(self.layout()):
             raise ValueError(
-                f"{self.stragglers=} must be COUNT:FACTOR, at most the starting instances "
-                f"({len(self.layout())}) and a positive factor, e.g. '2:1.5'"
+                f"{self.stragglers=} must be COUNT:FACTOR[@SECONDS], at most the starting "
+                f"instances ({len(self.layout())}), a positive factor and a start >= 0, e.g. "
+                "'2:1.5' or '1:3@120'"
             )
-        return n, f
+        return n, f, s
