@@ -107,9 +107,11 @@ def _threshold_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--instance-speed",
-        action="store_true",
-        help="extension: place each step by the instance's own measured speed, so that a slow "
-        "GPU takes less work (needs the measured speed; docs/control/thresholds.md)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="place each step by the instance's own measured speed, so that a slow GPU takes "
+        "less work (needs the measured speed); default: the policy's, on for DiLaServe's, off "
+        "for dilaserve-paper (docs/control/thresholds.md)",
     )
     p.add_argument(
         "--candidates",

@@ -35,13 +35,14 @@ MODEL = "tiny-llada"
 
 
 class VirtualInstances:
-    """A backend on a virtual clock (`t`): a step of a batch takes `factor` times what the
-    latency profile prices it at; `poll` moves the clock to the next step's end, or by its
-    timeout when none ends sooner."""
+    """A backend on a virtual clock (`t`): a step of a batch takes `factor` (times the
+    instance's `slow`) times what the latency profile prices it at; `poll` moves the clock to
+    the next step's end, or by its timeout when none ends sooner."""
 
     def __init__(self):
         self.t = 0.0
         self.factor = 1.0
+        self.slow: dict[str, float] = {}  # instance id -> a further factor on its steps
         self.cluster = None  # set once the cluster is built (its scheduler prices the steps)
         self._running: dict[str, tuple[float, object]] = {}
         self._events: list[WorkerEvent] = []
@@ -57,7 +58,8 @@ class VirtualInstances:
         s = self.cluster.scheduler
         tp = s.instances[instance_id].tp
         price = batch_seconds(s.profile, tp, batch, s.config.costs, s.requests)
-        self._running[instance_id] = (self.t + self.factor * price, batch)
+        factor = self.factor * self.slow.get(instance_id, 1.0)
+        self._running[instance_id] = (self.t + factor * price, batch)
 
     def kill(self, instance_id) -> None:
         self._running.pop(instance_id, None)

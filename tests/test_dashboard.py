@@ -172,7 +172,8 @@ class _Cluster:
             stats=stats, stalls=stalls, rollout=SimpleNamespace(log=[]), restored_after=None
         )
         inst = {"i0": SimpleNamespace(tp=1), "i1": SimpleNamespace(tp=2)}
-        self.scheduler = SimpleNamespace(instances=inst, requests={})
+        speed = SimpleNamespace(instance_ratio={"i0": 1.0, "i1": 2.5}.get)
+        self.scheduler = SimpleNamespace(instances=inst, requests={}, speed=speed)
 
     def now(self):
         return 0.0

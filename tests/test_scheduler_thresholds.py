@@ -115,26 +115,32 @@ def test_a_runs_slowdown_per_batch_size_keeps_each_sizes_steps_apart():
     assert s.speed.run_ratio_by_batch() == pytest.approx({1: 0.5, 2: 3.0})
 
 
-def test_the_instance_speed_extension_prices_a_straggler_at_its_measured_speed():
+@pytest.mark.parametrize(
+    "policy, setting, by_speed",
+    [
+        ("dilaserve", None, True),  # DiLaServe's default
+        ("dilaserve-paper", None, False),  # Alg. 3 as written: the profile alone
+        ("dilaserve", False, False),  # --no-instance-speed
+        ("dilaserve-paper", True, True),  # --instance-speed
+    ],
+)
+def test_placement_prices_a_straggler_at_its_measured_speed_where_the_policy_says(
+    policy, setting, by_speed
+):
     # b (TP-2) is the profile's faster instance; measured 3x slower than its profile, it is the
-    # slower one, and only the extension takes that into Alg. 3's price
-    placed = {}
-    for extension in (False, True):
-        s = scheduler(instance_speed=extension)
-        first = only_launch(s.on_arrival(make_request("r", gen_len=2 * BLOCK), 0.0))
-        price = batch_seconds(PROFILE, 2, first.batch, s.config.costs, s.requests)
-        s.speed.observe(2, first.batch, 3 * price, "b")
-        assert (
-            s.speed.instance_ratio("b") == pytest.approx(1.1) and s.speed.instance_ratio("a") == 1
-        )
-        for _ in range(100):  # as after many steps, the latest at the next arrival's time
-            s.speed.observe(2, first.batch, 3 * price, "b", now=1.0)
-        assert s.speed.instance_ratio("b") == pytest.approx(3.0, rel=0.01)
-        done(s, "b", result(s.requests["r"].request, [0], kind=StepKind.RECOMPUTE))
-        x = make_request("x", gen_len=2 * BLOCK, arrival_time=0.0)
-        s.on_arrival(x, 1.0)
-        placed[extension] = s.requests["x"].instance
-    assert placed == {False: "b", True: "a"}
+    # slower one, and only pricing each instance at its own speed takes that into Alg. 3's price
+    s = scheduler(policy, instance_speed=setting)
+    first = only_launch(s.on_arrival(make_request("r", gen_len=2 * BLOCK), 0.0))
+    price = batch_seconds(PROFILE, 2, first.batch, s.config.costs, s.requests)
+    s.speed.observe(2, first.batch, 3 * price, "b")
+    assert s.speed.instance_ratio("b") == pytest.approx(1.1) and s.speed.instance_ratio("a") == 1
+    for _ in range(100):  # as after many steps, the latest at the next arrival's time
+        s.speed.observe(2, first.batch, 3 * price, "b", now=1.0)
+    assert s.speed.instance_ratio("b") == pytest.approx(3.0, rel=0.01)
+    done(s, "b", result(s.requests["r"].request, [0], kind=StepKind.RECOMPUTE))
+    x = make_request("x", gen_len=2 * BLOCK, arrival_time=0.0)
+    s.on_arrival(x, 1.0)
+    assert s.requests["x"].instance == ("a" if by_speed else "b")
 
 
 def test_measured_slowdown_shrinks_load_controls_capacity():

@@ -320,6 +320,7 @@ class _RefusingCluster:
             stats=stats, stalls=SimpleNamespace(count=0), restored_after=None
         )
         self.intake = AnyIntake()
+        self.scheduler = SimpleNamespace(instances={})
 
     def submit(self, *args, **kwargs):
         raise self.error

@@ -23,9 +23,10 @@ class SchedulerConfig:
     # Alg. 1 fits the predicted remaining time into this share of the budget left: 1.0 is the
     # paper's rule. A policy may set its own (`dilaserve-headroom`: 0.5, a tuned extension).
     slo_headroom: float = 1.0
-    # an extension: Alg. 3 prices each instance's step at that instance's measured speed
-    # (`speed.py`), so that a straggler the profile does not know looks as slow as it is
-    instance_speed: bool = False
+    # Alg. 3 prices each instance's step at that instance's measured speed (`speed.py`), so
+    # that a straggler the profile does not know looks as slow as it is; None: the policy's
+    # (`Policy.instance_speed`: DiLaServe's on, the paper's reading off)
+    instance_speed: bool | None = None
     # beyond the paper: a request leaves its instance for Alg. 3's pick only if the move saves
     # this many request-seconds of the next step (its own, after that instance's running step,
     # and the other requests' of both batches; `placement.py`); 0: whenever it saves any

@@ -9,10 +9,11 @@ candidates with room, Alg. 3 as the paper writes it sends the request where the 
 prices a step over the instance's batch with the request in it lowest: the batch is every
 request the instance holds (running, gathered or between steps), in tokens, and the price is the
 full-step curve of the instance's TP degree (ties go to an idle instance); with
-`SchedulerConfig.instance_speed` (an extension) it is taken times the instance's measured speed
-over the profile's (`speed.py`), so that a straggler the profile does not know is priced as it
-runs. A request that has a home moves to placement's pick only when the move pays (beyond the
-paper; `Policy.priced_moves`, off for the baselines): the steps of its block must end there,
+`Policy.instance_speed` (DiLaServe's; `SchedulerConfig.instance_speed` overrides it) it is
+taken times the instance's measured speed over the profile's (`speed.py`; compared to 1%),
+so that a straggler the profile does not know is priced as it runs. A request that has a home
+moves to placement's pick only when the move pays (beyond the paper; `Policy.priced_moves`,
+off for the baselines): the steps of its block must end there,
 the wait for that instance's running step included once, sooner than at home by more than it
 lengthens the steps of the requests it joins there (less what it spares those it leaves) and
 `SchedulerConfig.migration_price` seconds (`_move_pays`). With an
@@ -37,6 +38,10 @@ from dilaserve.control.policy import Migration, Order, Placement, Policy
 from dilaserve.control.speed import MeasuredSpeed
 from dilaserve.protocol import CACHED_KINDS, StepKind
 
+# Instances' measured speeds are compared to this many decimals (1%): a difference below it is
+# timing noise, which must not overrule placement's tie-break to an idle instance
+SPEED_DIGITS = 2
+
 
 class Placer:
     def __init__(
@@ -60,7 +65,9 @@ class Placer:
         self._alg3 = self._fastest and not self._costs.exact
         # a move must pay (`_move_pays`): with an approximate cache, whatever placement picks
         self._priced = policy.priced_moves and not self._costs.exact
-        self._speed = speed if config.instance_speed else None
+        by_instance = config.instance_speed
+        by_instance = policy.instance_speed if by_instance is None else by_instance
+        self._speed = speed if by_instance else None
 
     def service_key(self, now: float):
         """The order waiting requests are served in (Alg. 3's loop over them): arrival (with
@@ -187,8 +194,8 @@ class Placer:
         request bringing `joining` tokens to the instance (0 at home)."""
         if self._alg3:  # the step latency at the batch's tokens with this request in it
             price = inst.full_curve.at(inst.resident_tokens + joining)
-            if self._speed is not None:  # the extension: at the instance's measured speed
-                price *= self._speed.instance_ratio(inst.instance_id)
+            if self._speed is not None:  # at the instance's measured speed
+                price *= round(self._speed.instance_ratio(inst.instance_id), SPEED_DIGITS)
             return price
         if self._fastest:  # an exact cache: where the step, a prefill away from home, ends first
             return self._step_end(inst, kind, n, now)

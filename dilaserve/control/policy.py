@@ -113,6 +113,12 @@ class Policy:
     # training traces (docs/generalization.md, "Where the cluster starts"); the baselines' 1,
     # their better start on the test traces
     start_tp: int = 1
+    # Alg. 3 prices each instance's step at that instance's measured speed (`speed.py`), so a
+    # straggler the profile does not know looks as slow as it runs; where every instance runs
+    # at the same ratio the argmin is the paper's. False: the profile alone, as written.
+    # DiLaServe's: on, from the straggler shapes (docs/control/scheduling.md, "Each instance
+    # at its own speed"); `SchedulerConfig.instance_speed` overrides it
+    instance_speed: bool = False
 
     def __post_init__(self):
         if self.fixed_threshold is not None and not 0 < self.fixed_threshold <= 1:
@@ -142,6 +148,7 @@ _DILASERVE = Policy(
     quality_budget=QUALITY_BUDGET,
     last_block_caps=True,
     start_tp=2,
+    instance_speed=True,
 )
 _PAPER_LOAD = {  # Alg. 2/4 as written
     "load_window": LoadWindow.SLO,
@@ -175,6 +182,7 @@ POLICIES = {
     "dilaserve-paper": replace(
         _DILASERVE,
         name="dilaserve-paper",
+        instance_speed=False,
         on_time_target=None,
         quality_budget=None,
         lost_work=Lost.NEVER,
@@ -183,6 +191,7 @@ POLICIES = {
     "dilaserve-headroom": replace(
         _DILASERVE,
         name="dilaserve-headroom",
+        instance_speed=False,
         on_time_target=None,
         quality_budget=None,
         slo_headroom=0.5,

@@ -229,6 +229,15 @@ def _instance_metrics(c: Cluster, m: ServerMetrics):
     for iid, tp in sorted(m.dashboard.timeline.instance_tp.items()):
         tp_of.add_metric([iid], tp)
     yield tp_of
+    speed = GaugeMetricFamily(
+        "dilaserve_instance_step_slowdown",
+        "Each instance's steps' measured time over the latency profile's (running; decays "
+        "toward 1 while it reports none): what placement prices it at (--instance-speed)",
+        labels=["instance"],
+    )
+    for iid in sorted(set(c.scheduler.instances)):  # (a copy: the controller's thread adds)
+        speed.add_metric([iid], c.scheduler.speed.instance_ratio(iid))
+    yield speed
     for name, key, text in (
         ("dilaserve_migrations", "migrations", "Requests moved between instances"),
         ("dilaserve_reconfigurations", "reconfigurations", "Cluster reconfigurations begun"),

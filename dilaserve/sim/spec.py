@@ -52,10 +52,10 @@ class SimulationSpec:
         "report step times to the control plane as the live cluster does, which then prices "
         "steps at the cluster's measured slowdown (control/speed.py)",
     )
-    instance_speed: bool = setting(
-        False,
-        "extension: Alg. 3 prices each instance at its own measured speed, a straggler's too "
-        "(implies the measured speed)",
+    instance_speed: bool | None = setting(
+        None,
+        "Alg. 3 prices each instance at its own measured speed, a straggler's too (implies "
+        "the measured speed); default: the policy's (DiLaServe's on, dilaserve-paper's off)",
     )
     slo: float | None = setting(None, "seconds per request; default: SLO_MULTIPLE x isolated")
     slo_multiple: float = setting(5.0, "the SLO as a multiple of a request's isolated TP-1 latency")
