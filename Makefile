@@ -56,7 +56,6 @@ COMPILED := dilaserve/request.py dilaserve/sim/simulator.py \
 SITE = $(shell $(PY) -c "import sysconfig; print(sysconfig.get_paths()['platlib'])")
 
 compile: setup  ## under a minute to a few on one core
-	$(PY) -m pip install -q 'mypy>=1.10'  # mypyc comes with it
 	$(VENV)/bin/mypyc $(COMPILED)
 	echo $(CURDIR) > $(SITE)/dilaserve-mypyc.pth  # the modules' shared runtime, at the top level
 
