@@ -177,25 +177,28 @@ def placement(x: Experiments, seeds=(0, 1, 2, 3)) -> None:
 
 
 # (row, policy, spec changes): Alg. 3 at a fixed threshold and DiLaServe, as the simulator
-# runs them (no step times reported), at the cluster's measured slowdown (as `serve` runs),
-# and with the extension pricing each instance at its own, beside INFaaS and no migration
-MEASURED, PER_INSTANCE = {"measured_speed": True}, {"instance_speed": True}
+# runs them without per-instance speeds (no step times reported), at the cluster's measured
+# slowdown (as `serve` ran before 2026-12-07), and pricing each instance at its own (DiLaServe's
+# default since), beside INFaaS and no migration
+PROFILE_ONLY = {"instance_speed": False}
+MEASURED = {"measured_speed": True, "instance_speed": False}
+PER_INSTANCE = {"instance_speed": True}
 STRAGGLER_ROWS = (
-    ("Alg. 3, fixed 0.9 (placement-only)", "no-dynamic-threshold", {}),
+    ("Alg. 3, fixed 0.9 (placement-only)", "no-dynamic-threshold", PROFILE_ONLY),
     ("Alg. 3, fixed 0.9, per-instance speeds", "no-dynamic-threshold", PER_INSTANCE),
     ("INFaaS", "infaas", {}),
-    ("DiLaServe", "dilaserve", {}),
+    ("DiLaServe, the profile alone", "dilaserve", PROFILE_ONLY),
     ("DiLaServe, cluster's measured slowdown", "dilaserve", MEASURED),
-    ("DiLaServe, per-instance speeds", "dilaserve", PER_INSTANCE),
-    ("DiLaServe without migration", "no-migration", {}),
+    ("DiLaServe, per-instance speeds (the default)", "dilaserve", PER_INSTANCE),
+    ("DiLaServe without migration, the profile alone", "no-migration", PROFILE_ONLY),
     ("DiLaServe without migration, per-instance speeds", "no-migration", PER_INSTANCE),
 )
 
 
 def stragglers(x: Experiments, seeds=(0, 1, 2, 3)) -> None:
-    """The straggler shape with the extension that prices each instance at its measured speed
-    (`--instance-speed`): SLO attainment and p99 latency per policy, the mean over seeds, and
-    each row's attainment minus INFaaS's."""
+    """The straggler shape with and without pricing each instance at its measured speed
+    (`--instance-speed`, DiLaServe's default): SLO attainment and p99 latency per policy, the
+    mean over seeds, and each row's attainment minus INFaaS's."""
     spec = {**SHAPES[STRAGGLER], "gpus": 4, "profile": GH200}
     runs = {
         label: [
@@ -224,8 +227,8 @@ def stragglers(x: Experiments, seeds=(0, 1, 2, 3)) -> None:
         f"Stragglers: {STRAGGLER}, 4 GH200s, seeds {list(seeds)}",
         rows,
         "Means over the seeds; minus_infaas in points, mean [min, max]. Per-instance speeds: "
-        "Alg. 3 prices each instance's step at that instance's measured speed (an extension; "
-        "the cluster's measured slowdown applies too).",
+        "Alg. 3 prices each instance's step at that instance's measured speed (DiLaServe's "
+        "default since 2026-12-07; the cluster's measured slowdown applies too).",
     )
 
 
