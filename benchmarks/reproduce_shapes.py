@@ -203,7 +203,7 @@ def stragglers(x: Experiments, seeds=(0, 1, 2, 3)) -> None:
     runs = {
         label: [
             x.run(
-                f"straggle-{policy}{''.join(f'-{k}' for k in changes)}-s{seed}",
+                f"straggle-{policy}{''.join(f'-{k}-{v}' for k, v in changes.items())}-s{seed}",
                 policy=policy,
                 seed=seed,
                 **spec,
