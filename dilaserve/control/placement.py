@@ -51,7 +51,7 @@ class Placer:
         instances: Mapping[str, InstanceState],
         tracked: Mapping,  # request id -> the scheduler's record (request, instance, bound)
         solo: Set[str] = frozenset(),  # requests whose steps run alone (the scheduler's set)
-        speed: MeasuredSpeed | None = None,  # per-instance speeds (`config.instance_speed`)
+        speed: MeasuredSpeed | None = None,  # per-instance speeds (`Policy.prices_instances`)
         load_control: LoadControl | None = None,  # the steps a move is for (`_move_pays`)
     ):
         self.policy, self.config = policy, config
@@ -65,9 +65,7 @@ class Placer:
         self._alg3 = self._fastest and not self._costs.exact
         # a move must pay (`_move_pays`): with an approximate cache, whatever placement picks
         self._priced = policy.priced_moves and not self._costs.exact
-        by_instance = config.instance_speed
-        by_instance = policy.instance_speed if by_instance is None else by_instance
-        self._speed = speed if by_instance else None
+        self._speed = speed if policy.prices_instances(config.instance_speed) else None
 
     def service_key(self, now: float):
         """The order waiting requests are served in (Alg. 3's loop over them): arrival (with

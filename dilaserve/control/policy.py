@@ -134,6 +134,11 @@ class Policy:
         if self.start_tp < 1:
             raise ValueError(f"{self.start_tp=} must be a positive TP degree")
 
+    def prices_instances(self, setting: bool | None) -> bool:
+        """Whether each instance is priced at its own measured speed: `setting` (a config's or
+        a command line's), else this policy's `instance_speed`."""
+        return self.instance_speed if setting is None else setting
+
     @property
     def is_dynamic(self) -> bool:
         return self.fixed_threshold is None

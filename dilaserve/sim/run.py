@@ -221,18 +221,12 @@ def sim_config(spec: SimulationSpec) -> SimConfig:
         latency_noise=spec.latency_noise,
         instance_slowdown=straggler_slowdown(spec),
         slowdown_from=spec.parsed_stragglers()[2],
-        measured_speed=spec.measured_speed or prices_instances(spec),
+        # pricing each instance at its own speed needs the steps' times reported
+        measured_speed=spec.measured_speed
+        or get_policy(spec.policy).prices_instances(spec.instance_speed),
         max_batch_tokens=spec.max_batch_tokens,
         seed=spec.seed,
     )
-
-
-def prices_instances(spec: SimulationSpec) -> bool:
-    """Whether Alg. 3 prices each instance at its own measured speed: the spec's setting, else
-    its policy's (`Policy.instance_speed`); the simulator then reports step times."""
-    if spec.instance_speed is not None:
-        return spec.instance_speed
-    return get_policy(spec.policy).instance_speed
 
 
 def initial_instances(spec: SimulationSpec) -> list[InstanceSpec]:
