@@ -57,28 +57,37 @@ def first_difference(want: list, got: list) -> int | None:
 def test_steps_and_tokens_are_those_of_the_replaced_data_plane(logs, key):
     recordings, got, same_machine = logs
     for recording in recordings:
-        compare(recording[key], got[key], key, same_machine)
+        assert recording[key].keys() == got[key].keys()
+        assert departures(recording[key], got[key], key, same_machine) == []
 
 
-def compare(want: dict, got: dict, key: str, same_machine: bool) -> None:
+def departures(want: dict, got: dict, key: str, same_machine: bool) -> list[tuple]:
+    """Where this run departs from the recorded one beyond what the machines allow: steps
+    whose confidences differ (by any bit where the arithmetic is the same on the recording's
+    machine, beyond rounding elsewhere), and runs that part other than at a bf16 near-tie."""
     dtype = key.split("/")[2]
     bitwise = same_machine and key in BITWISE
     tie = TOLERANCE[dtype] * (1 if same_machine else 2)
-    assert want.keys() == got.keys()
+    found = []
     for rid in want:
         split = first_difference(want[rid], got[rid])
-        for a, b in zip(want[rid][:split], got[rid][:split]):
+        for step, (a, b) in enumerate(zip(want[rid][:split], got[rid][:split])):
             diff = np.abs(decode(a[3]) - decode(b[3])).max()
-            assert diff == 0.0 if bitwise else diff <= TOLERANCE[dtype]
+            if not (diff == 0.0 if bitwise else diff <= TOLERANCE[dtype]):
+                found.append((rid, step, "confidences", float(diff)))
         if split is None:
             continue
         # only bf16 may part, and only at a near-tie: the positions either side picked were
         # within bf16's rounding of each other in both runs
-        assert dtype == "bfloat16" and split < len(want[rid]) and split < len(got[rid]), rid
+        if dtype != "bfloat16" or split >= min(len(want[rid]), len(got[rid])):
+            found.append((rid, split, "parted"))
+            continue
         a, b = want[rid][split], got[rid][split]
         picked = a[1] + b[1]
         for conf in (decode(a[3]), decode(b[3])):
-            assert np.ptp(conf[picked]) <= tie, (rid, split, conf[picked])
+            if np.ptp(conf[picked]) > tie:
+                found.append((rid, split, "parted away from a tie", conf[picked].tolist()))
+    return found
 
 
 def run_steps(engine, requests, joins: dict[str, int]):
