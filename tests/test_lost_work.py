@@ -149,3 +149,21 @@ def test_a_far_deadline_that_leaves_leaves_the_budget_window_as_it_was():
     assert s.load_control.window_seconds(1.0) > 1e296
     s.cancel("far")
     assert s.load_control.window_seconds(1.0) == pytest.approx(99.0)
+
+
+def test_lost_requests_waiting_keep_their_turn_and_count_as_waiting():
+    s = scheduler(Lost.LATE)
+    on_time = make_request("on-time", gen_len=BLOCK, arrival_time=0.0)
+    only_launch(s.on_arrival(on_time, 0.0))
+    for k, name in enumerate(["late-1", "late-2", "late-3", "late-4"]):
+        late = make_request(name, gen_len=BLOCK, arrival_time=0.0)
+        late.deadline = 0.5  # passed when it arrives
+        assert s.on_arrival(late, 1.0 + k).launches == ()
+    assert all(s.requests[f"late-{k}"].lost for k in range(1, 5))
+    assert s.num_waiting == 4  # parked, each counted
+    s.cancel("late-2")
+    assert s.num_waiting == 3
+    # on-time finishes: a holds no request on time, and the lost run there in arrival order
+    d = done(s, "a", result(on_time, list(range(BLOCK)), finished=True), now=9.0)
+    assert [i.request_id for i in only_launch(d).batch.items] == ["late-1", "late-3", "late-4"]
+    assert s.num_waiting == 0

@@ -190,7 +190,7 @@ class Cluster:
 
     def queue_length(self) -> int:
         """Requests waiting to be placed on an instance."""
-        return len(self.controller.arrivals) + len(self.scheduler._ready)
+        return len(self.controller.arrivals) + self.scheduler.num_waiting
 
     @property
     def step_slowdown(self) -> float:

@@ -20,8 +20,9 @@ docs/control/scheduling.md, "Lost work".
 
 from __future__ import annotations
 
+import bisect
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from dilaserve.control.instance import InstanceState
 from dilaserve.protocol import StepKind
@@ -36,10 +37,14 @@ class Lost(str, enum.Enum):
 
 
 class LostWork:
-    def __init__(self, rule: Lost, placer, selection, move):
+    def __init__(self, rule: Lost, placer, selection, move, fixed_order: bool):
         self.rule, self._placer, self._selection = rule, placer, selection
-        self._instances = placer.instances
+        self._instances, self._tracked = placer.instances, placer.tracked
         self._move = move  # the scheduler's: re-home a request (None: nowhere)
+        # lost requests that wait holding nothing, bound nowhere (`service_order`): (service
+        # key, request id) in service order; keys that never change where `fixed_order`
+        self._fixed_order = fixed_order
+        self._parked: list[tuple] = []
         self.on_lost: list = []  # callables (request id, when it would have finished)
         # (the open instances, those of them holding only lost requests), until `moved`
         self._free: tuple[Sequence[InstanceState], list[InstanceState]] | None = None
@@ -66,6 +71,51 @@ class LostWork:
         and is bound to none, and no open instance holds only lost requests (so `place` would
         find nothing and `park` release nothing). What most of an overload's events ask."""
         return t.instance is None and t.bound is None and not self._free_instances(open_instances)
+
+    def service_order(
+        self, ready: Iterable[str], key, open_instances: Sequence[InstanceState]
+    ) -> Iterator[str]:
+        """The ready requests, in service order (`key`, the placer's), that may be placed this
+        round, with the parked ones merged in at their turn. A lost request that holds nothing
+        and is bound nowhere waits (`waits`) while no open instance holds only lost requests:
+        it is parked, and while no instance is free the parked are passed over in bulk, kept in
+        order for the next round. In an overload most requests are lost and waiting, and asking
+        each of them on every event was most of a round's time."""
+        parked, self._parked, i = self._parked, [], 0
+        if not self._fixed_order:  # (keys that change with time: sorted afresh)
+            parked = sorted((key(rid), rid) for _, rid in parked)
+        try:
+            for rid in [*ready, None]:
+                k = None if rid is None else key(rid)
+                while i < len(parked) and (k is None or parked[i] < (k,)):
+                    if self._free_instances(open_instances):
+                        i += 1
+                        yield parked[i - 1][1]
+                        continue
+                    j = len(parked) if k is None else bisect.bisect_left(parked, (k,), i)
+                    self._parked += parked[i:j]
+                    i = j
+                if rid is None:
+                    break
+                t = self._tracked[rid]
+                if t.lost and self.waits(t, open_instances):
+                    self._parked.append((k, rid))
+                else:
+                    yield rid
+        finally:  # (a round cut short keeps what it did not reach)
+            self._parked += parked[i:]
+
+    def unpark(self, request_id: str) -> bool:
+        """Forget a parked request (cancelled, or ready again); whether it was parked."""
+        for k, (_, rid) in enumerate(self._parked):
+            if rid == request_id:
+                del self._parked[k]
+                return True
+        return False
+
+    @property
+    def num_parked(self) -> int:
+        return len(self._parked)
 
     def moved(self) -> None:
         """A request moved or was found lost: which instances hold only lost requests may

@@ -18,7 +18,8 @@ batch keeps its own books (`instance.py`); an instance whose running step is far
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, replace
+from collections.abc import Iterable
+from dataclasses import replace
 
 from dilaserve.control.decisions import Decisions, SchedulerConfig, StepLaunch
 from dilaserve.control.instance import InstanceState
@@ -26,26 +27,14 @@ from dilaserve.control.layout import InstanceSlot
 from dilaserve.control.load_control import LoadControl
 from dilaserve.control.lost_work import Lost, LostWork
 from dilaserve.control.placement import Placer
-from dilaserve.control.policy import Migration, Policy
+from dilaserve.control.policy import Migration, Order, Policy
 from dilaserve.control.profile import LatencyProfile
 from dilaserve.control.reconfigure import Reconfigurer
 from dilaserve.control.selection import ThresholdSelection
 from dilaserve.control.speed import MeasuredSpeed
+from dilaserve.control.tracked import Tracked
 from dilaserve.protocol import StepBatch, StepItem, StepKind, StepOutput
 from dilaserve.request import Request, RequestStatus
-
-
-@dataclass
-class _Tracked:
-    request: Request
-    seq: int  # admission order, the last tie-break of service order
-    refreshed_at: int = -1  # committed tokens at the last prediction refresh
-    allowed: tuple[float, ...] = ()
-    instance: str | None = None  # where its state lives
-    bound: str | None = None  # the only instance it may use (no migration / on-arrival)
-    needs_threshold: bool = True
-    order: tuple = ()  # (-priority, arrival, seq): arrival service order
-    lost: bool = False  # it cannot meet its deadline any more (`lost_work.py`)
 
 
 class Scheduler:
@@ -64,7 +53,7 @@ class Scheduler:
         self.instances: dict[str, InstanceState] = {}
         self._batch_limits: dict[int, tuple[int, int | None]] = {}  # tp -> the plan's batch
         self._open: list[InstanceState] = []  # instances that take new work (`takes_work`)
-        self.requests: dict[str, _Tracked] = {}
+        self.requests: dict[str, Tracked] = {}
         self._ready: list[str] = []
         self._solo: set[str] = set()  # requests whose steps run alone (after a failed batch)
         self._ladder = tuple(sorted(policy.candidates, reverse=True))
@@ -101,7 +90,10 @@ class Scheduler:
         self.quality = self._selection.quality  # the quality budget (None: none)
         self.lost_work = None  # served after the requests still on time (`lost_work.py`), or alike
         if policy.lost_work is not Lost.NEVER and policy.is_dynamic:
-            self.lost_work = LostWork(policy.lost_work, self._placer, self._selection, self._move)
+            fixed = policy.order is Order.ARRIVAL
+            self.lost_work = LostWork(
+                policy.lost_work, self._placer, self._selection, self._move, fixed
+            )
 
     # -- instances ---------------------------------------------------------------------------
 
@@ -171,7 +163,7 @@ class Scheduler:
             self.requests[rid].request.starts_block for rid in inst.holds if rid in self.requests
         )
 
-    def _move(self, t: _Tracked, to: InstanceState | None) -> None:
+    def _move(self, t: Tracked, to: InstanceState | None) -> None:
         """Re-home a request, keeping each instance's resident counts."""
         old = self.instances.get(t.instance) if t.instance is not None else None
         if old is not None:
@@ -191,7 +183,8 @@ class Scheduler:
         self._move(t, None)
         t.bound = None
         t.needs_threshold = True
-        if rid not in self._ready:
+        parked = self.lost_work is not None and self.lost_work.unpark(rid)
+        if parked or rid not in self._ready:
             self._ready.append(rid)
 
     def _open_instances(self) -> list[InstanceState]:
@@ -210,6 +203,11 @@ class Scheduler:
                     self._ready.append(rid)
 
     @property
+    def num_waiting(self) -> int:
+        """Requests waiting to be placed on an instance (a parked lost one included)."""
+        return len(self._ready) + (self.lost_work.num_parked if self.lost_work else 0)
+
+    @property
     def num_stalled(self) -> int:
         return sum(inst.stalled for inst in list(self.instances.values()))
 
@@ -223,7 +221,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         if self.reconfigurer is not None:
             self.reconfigurer.record(request, now)
-        tracked = _Tracked(request, self._admitted, allowed=self._ladder)
+        tracked = Tracked(request, self._admitted, allowed=self._ladder)
         tracked.order = (-request.priority, request.arrival_time, self._admitted)
         self._admitted += 1
         tracked.bound = self._placer.bind(self._open)
@@ -286,6 +284,8 @@ class Scheduler:
         t.request.status = RequestStatus.FAILED
         if request_id in self._ready:
             self._ready.remove(request_id)
+        elif self.lost_work is not None:
+            self.lost_work.unpark(request_id)
         inst = self.instances.get(t.instance) if t.instance is not None else None
         self._forget(t)
         if inst is None:
@@ -296,7 +296,7 @@ class Scheduler:
         inst.holds.discard(request_id)
         return Decisions(releases=((inst.instance_id, request_id),))
 
-    def _forget(self, t: _Tracked) -> None:
+    def _forget(self, t: Tracked) -> None:
         rid = t.request.request_id
         self._move(t, None)
         del self.requests[rid]
@@ -319,16 +319,16 @@ class Scheduler:
 
     def _schedule(self, now: float, load_changed: bool) -> Decisions:
         self.speed.advance(now)  # a stale measured slowdown decays with event time (speed.py)
-        ready = sorted(self._ready, key=self._placer.service_key(now))
+        key = self._placer.service_key(now)
+        ready: Iterable[str] = sorted(self._ready, key=key)
         if self.load_control is not None:
             refreshed = self.load_control.refresh(now)
             self.load_control.run_if_due(now, load_changed, refreshed, self.instances.values())
         releases, waiting, block, inner = [], [], self._costs.block_len, self._costs.inner_kind
+        if self.lost_work is not None:  # lost and nowhere to go: parked (`service_order`)
+            ready = self.lost_work.service_order(ready, key, self._open)
         for rid in ready:
             t = self.requests[rid]
-            if t.lost and self.lost_work is not None and self.lost_work.waits(t, self._open):
-                waiting.append(rid)  # lost, and nowhere to go: most events of an overload
-                continue
             home = self._cache_home(t)
             if home is not None:  # Alg. 3's only candidate; what place and _assign would do
                 solo = rid in self._solo
@@ -348,7 +348,7 @@ class Scheduler:
         self._ready = waiting
         return Decisions(tuple(self._launch(now)), tuple(releases))
 
-    def _cache_home(self, t: _Tracked) -> InstanceState | None:
+    def _cache_home(self, t: Tracked) -> InstanceState | None:
         """The instance holding this request's cache when its next step is a cache step there
         and it may not move (migration only before recompute steps): the common case of every
         step-completion event, placed without the general search."""
@@ -362,7 +362,7 @@ class Scheduler:
     # -- assignment and threshold selection ----------------------------------------------
 
     def _assign(
-        self, t: _Tracked, inst: InstanceState, kind: StepKind, now: float
+        self, t: Tracked, inst: InstanceState, kind: StepKind, now: float
     ) -> list[tuple[str, str]]:
         rid, releases = t.request.request_id, []
         if t.instance != inst.instance_id:
