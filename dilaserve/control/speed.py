@@ -174,9 +174,7 @@ class MeasuredSpeed:
     def advance(self, now: float) -> None:
         """The event time is `now`: stale ratios decay toward the profile (`HALF_LIFE`)."""
         self.now = max(self.now, now)
-        self.overall.advance(self.now)
-        for estimate in self.by_instance.values():
-            estimate.advance(self.now)
+        self.overall.advance(self.now)  # (an instance's, when it is read: the same numbers)
 
     def stale_seconds(self) -> float:
         """How long the slowdown has been decaying for want of steps (0: it is current)."""
@@ -206,7 +204,10 @@ class MeasuredSpeed:
     def instance_ratio(self, instance_id: str) -> float:
         """Measured over predicted step time on one instance, running (1 before any step)."""
         estimate = self.by_instance.get(instance_id)
-        return 1.0 if estimate is None else estimate.ratio
+        if estimate is None:
+            return 1.0
+        estimate.advance(self.now)
+        return estimate.ratio
 
     def observe(
         self,
