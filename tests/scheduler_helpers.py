@@ -28,6 +28,10 @@ PROFILE = LatencyProfile.from_dict(
 class FakePredictor:
     thresholds = (0.5, 0.9)
 
+    def at(self, thresholds):  # predicts at the scheduler's ladder, in its order
+        self.thresholds = tuple(thresholds)
+        return self
+
     def __init__(self, steps=None):
         self.steps = steps or {0.5: 4.0, 0.9: 8.0}
         self.calls = 0

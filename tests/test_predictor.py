@@ -152,3 +152,29 @@ def test_gbm_predictions_through_the_c_api_equal_lightgbms_own():
     assert len(set(pred.ravel().round(6))) > 1  # the rows differ, so the check has teeth
     with pytest.raises(ValueError, match="features given"):
         model._trees.predict(rows[:, :3])
+
+
+def test_a_predictor_at_some_thresholds_predicts_their_columns_exactly():
+    """`at`: the scheduler's ladder only (the rows of other thresholds are not computed), in
+    the ladder's order, each number the whole predictor's."""
+    from dilaserve.config import BUNDLED_PREDICTOR
+
+    full = load_gbm(BUNDLED_PREDICTOR, "full")
+    rng = np.random.default_rng(0)
+    states = np.stack(
+        [
+            state_features(rng.random(GEN) < 0.3, rng.random(GEN).astype(np.float32), s, BLOCK)
+            for s in range(5)
+        ]
+    )
+    every = full.predict(["r"] * 5, states)
+    ladder = (full.thresholds[-1], full.thresholds[0])
+    some = full.at(ladder)
+    assert some.thresholds == ladder
+    assert some.predict(["r"] * 5, states).tolist() == every[:, [-1, 0]].tolist()
+    oracle = OraclePredictor((0.5, 0.9), lambda rid, t: 2.0 * t).at((0.9,))
+    assert oracle.predict(["a"], states[:1]).tolist() == [[1.8]]
+    one_shot = OneShotPredictor((0.5, 0.9), {0.5: 0.25, 0.9: 0.5}).at((0.9,))
+    assert one_shot.predict(["r"], states[:1]).shape == (1, 1)
+    with pytest.raises(ValueError, match=r"no predictions for thresholds \[0.65\]"):
+        full.at((0.65,))

@@ -36,8 +36,12 @@ EXACT = StepCosts(KVCacheMode.BLOCK, BLOCK_LEN)
 class FakePredictor:
     thresholds = (0.5, 0.9)
 
+    def at(self, thresholds):  # predicts at the scheduler's ladder, in its order
+        self.thresholds = tuple(thresholds)
+        return self
+
     def predict(self, request_ids, states):
-        return np.array([[4.0, 8.0] for _ in request_ids])
+        return np.array([[{0.5: 4.0, 0.9: 8.0}[t] for t in self.thresholds] for _ in request_ids])
 
 
 def scheduler(instances=(("a", 1),), max_tokens=10_000, kv_cache="block"):

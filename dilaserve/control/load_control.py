@@ -67,15 +67,9 @@ class LoadControl:
         speed: MeasuredSpeed | None = None,  # capacity is divided by its slowdown
         last_block_caps: bool = False,  # caps reach only a request in its last block
     ):
-        missing = set(ladder) - set(predictor.thresholds)
-        if missing:
-            raise ValueError(
-                f"the step predictor has no predictions for thresholds "
-                f"{sorted(missing)} (it covers {predictor.thresholds})"
-            )
         self.ladder = ladder  # candidate thresholds, descending
         self._rank = {g: i for i, g in enumerate(ladder)}
-        self.predictor = predictor
+        self.predictor = predictor.at(ladder)  # (the ladder's columns, in its order)
         self.profile = profile
         self.config = config
         self._costs = config.costs  # (a property that builds one: read once)
@@ -89,7 +83,6 @@ class LoadControl:
         self.calibration: OnTimeCalibration | None = None
         self.quality: QualityBudget | None = None  # its floor is Alg. 2/4's lowest threshold
         self._width = len(ladder)  # the ladder's thresholds at or above that floor, last run
-        self._columns = [list(predictor.thresholds).index(g) for g in ladder]
         self._table = LoadTable(len(ladder))
         self._unpredicted: dict[str, np.ndarray | None] = {}  # admitted, not in the table yet
         # (insertion order), with the steps admission had predicted for it if it had
@@ -103,7 +96,7 @@ class LoadControl:
         asks); if it is the next admitted, its first `refresh` takes them rather than asking
         the predictor again (the same request, the same state: the same numbers)."""
         states = request_states([request])
-        row = self.predictor.predict([request.request_id], states)[0, self._columns]
+        row = self.predictor.predict([request.request_id], states)[0]
         self._asked = (request.request_id, row)
         return row
 
@@ -178,7 +171,7 @@ class LoadControl:
                 rows[k] = row
         if ask:
             states = request_states([requests[k] for k in ask])
-            rows[ask] = self.predictor.predict([due[k] for k in ask], states)[:, self._columns]
+            rows[ask] = self.predictor.predict([due[k] for k in ask], states)
         return rows
 
     def run_if_due(self, now: float, load_changed: bool, refreshed: bool, instances) -> None:

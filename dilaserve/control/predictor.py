@@ -1,6 +1,7 @@
 """The step predictor: remaining denoising steps of a request under each candidate threshold.
 
-Variants behind one interface, `predict(request_ids, states) -> [n, len(thresholds)]`:
+Variants behind one interface, `predict(request_ids, states) -> [n, len(thresholds)]`, and
+`at(thresholds)`: the same predictor predicting at those of its thresholds only:
 - `OneShotPredictor`: output length times the historical mean steps per output token at each
   threshold, minus the steps already done (the paper's one-shot baseline);
 - `GBMPredictor`: LightGBM on the progress features only, or on all 11 features;
@@ -56,6 +57,9 @@ class OneShotPredictor:
         self.thresholds = tuple(thresholds)
         self.steps_per_token = steps_per_token
 
+    def at(self, thresholds: Sequence[float]) -> OneShotPredictor:
+        return OneShotPredictor(_covered(self, thresholds), self.steps_per_token)
+
     def predict(self, request_ids: Sequence[str], states: np.ndarray) -> np.ndarray:
         states = np.atleast_2d(states)
         gen_len, done = states[:, 0], states[:, 0] * states[:, 1]
@@ -110,6 +114,11 @@ class GBMPredictor:
         columns = [FEATURE_NAMES.index(f) for f in self.features]
         self._columns = None if columns == list(range(len(FEATURE_NAMES))) else columns
 
+    def at(self, thresholds: Sequence[float]) -> GBMPredictor:
+        """The same trees predicting at `thresholds` only: each row is predicted alone, so
+        the same numbers, without the rows of thresholds nobody reads."""
+        return GBMPredictor(_covered(self, thresholds), self.booster, self.features)
+
     def predict(self, request_ids: Sequence[str], states: np.ndarray) -> np.ndarray:
         rows = feature_matrix(states, self.thresholds)
         if self._columns is not None:
@@ -125,11 +134,25 @@ class OraclePredictor:
         self.thresholds = tuple(thresholds)
         self.truth = truth
 
+    def at(self, thresholds: Sequence[float]) -> OraclePredictor:
+        return OraclePredictor(_covered(self, thresholds), self.truth)
+
     def predict(self, request_ids: Sequence[str], states: np.ndarray) -> np.ndarray:
         return np.array(
             [[max(self.truth(r, t), MIN_STEPS) for t in self.thresholds] for r in request_ids],
             dtype=np.float64,
         )
+
+
+def _covered(predictor, thresholds: Sequence[float]) -> tuple[float, ...]:
+    """`thresholds`, each one the predictor predicts at (else a clear error)."""
+    missing = set(thresholds) - set(predictor.thresholds)
+    if missing:
+        raise ValueError(
+            f"the step predictor has no predictions for thresholds "
+            f"{sorted(missing)} (it covers {predictor.thresholds})"
+        )
+    return tuple(thresholds)
 
 
 def fit_gbm(
