@@ -1,5 +1,7 @@
 """The simulator drives the real control plane: deterministic, complete, and reconfiguring."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -7,7 +9,8 @@ from dilaserve.protocol import StepKind
 from dilaserve.request import Request
 from dilaserve.sim import metrics
 from dilaserve.sim.behaviour import ParametricBehaviour, ReplayBehaviour, llada_tokens_per_step
-from dilaserve.sim.run import SimulationSpec, simulate, write_run
+from dilaserve.sim.run import SimulationSpec, sim_config, simulate, write_run
+from dilaserve.sim.simulator import Simulator
 from dilaserve.sim.traces import Trace, save_trace
 from dilaserve.trajectory import Trajectory
 
@@ -259,7 +262,9 @@ def test_a_bad_layout_is_refused_naming_it(tmp_path, layout, words):
         spec(tmp_path, gpus=8, initial_layout=layout)
 
 
-@pytest.mark.parametrize("stragglers", ["2", "5:2", "1:0", "a:b", "1:2@-1", "1:2@x"])
+@pytest.mark.parametrize(
+    "stragglers", ["2", "5:2", "1:0", "a:b", "1:2@-1", "1:2@x", "1:2@5/0", "1:2@5/x", "1:2@5/"]
+)
 def test_bad_stragglers_are_refused_naming_them(tmp_path, stragglers):
     with pytest.raises(ValueError, match="stragglers"):
         spec(tmp_path, stragglers=stragglers)
@@ -284,6 +289,29 @@ def test_straggling_instances_slow_the_requests_bound_to_them(tmp_path):
     )  # what finished before second 10 ran as without a straggler
     assert late.summary["latency_mean"] < slow.summary["latency_mean"]
     assert late.summary["latency_mean"] > base.summary["latency_mean"]
+
+
+def test_a_straggler_that_moves_slows_each_starting_instance_in_turn(tmp_path):
+    config = sim_config(spec(tmp_path, gpus=4, stragglers="1:3@10/5"))
+    assert config.slowdown_moves == (5.0, ("i0", "i1", "i2", "i3"))
+    sim = SimpleNamespace(config=config)  # (`_straggling` reads only the config)
+
+    def slow_at(now):
+        return [
+            i for i in ("i0", "i1", "i2", "i3", "i9") if Simulator._straggling(sim, i, now) == 3
+        ]
+
+    assert [slow_at(t) for t in (10.0, 14.9, 15.0, 20.0, 25.0, 30.0)] == [
+        ["i0"],
+        ["i0"],
+        ["i1"],
+        ["i2"],
+        ["i3"],
+        ["i0"],
+    ]  # around the starting instances; one a reconfiguration started (i9) never slows
+    fixed = SimpleNamespace(config=sim_config(spec(tmp_path, gpus=4, stragglers="1:3@10")))
+    assert Simulator._straggling(fixed, "i0", 99.0) == 3.0
+    assert Simulator._straggling(fixed, "i1", 99.0) == 1.0
 
 
 def test_pricing_instances_at_their_measured_speed_steers_work_off_a_straggler(tmp_path):

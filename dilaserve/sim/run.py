@@ -221,6 +221,10 @@ def sim_config(spec: SimulationSpec) -> SimConfig:
         latency_noise=spec.latency_noise,
         instance_slowdown=straggler_slowdown(spec),
         slowdown_from=spec.parsed_stragglers()[2],
+        slowdown_moves=(
+            spec.parsed_stragglers()[3],
+            tuple(i.instance_id for i in initial_instances(spec)),
+        ),
         # pricing each instance at its own speed needs the steps' times reported
         measured_speed=spec.measured_speed
         or get_policy(spec.policy).prices_instances(spec.instance_speed),
@@ -242,7 +246,7 @@ def initial_instances(spec: SimulationSpec) -> list[InstanceSpec]:
 
 def straggler_slowdown(spec: SimulationSpec) -> dict[str, float]:
     """Instance id -> its steps' time factor, for the spec's stragglers."""
-    count, factor, _ = spec.parsed_stragglers()
+    count, factor, _, _ = spec.parsed_stragglers()
     return {f"i{k}": factor for k in range(count)}
 
 

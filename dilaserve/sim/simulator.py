@@ -56,6 +56,10 @@ class SimConfig:
     # told about; `SimulationSpec.stragglers`)
     instance_slowdown: Mapping[str, float] = field(default_factory=dict)
     slowdown_from: float = 0.0  # the simulated second `instance_slowdown` starts to apply
+    # (seconds, ring): every `seconds` after `slowdown_from` each instance's slowdown passes
+    # to the instance len(instance_slowdown) places on in `ring` (the starting instances, in
+    # order; around it); (0, ()): it stays
+    slowdown_moves: tuple[float, tuple[str, ...]] = (0.0, ())
 
     def __post_init__(self):
         if self.tick <= 0 or self.startup_delay < 0 or self.latency_noise < 0:
@@ -215,11 +219,23 @@ class Simulator:
             bin_ = batch_bin(len(batch.items))
             slowdown = self.config.slowdown_by_batch.get(bin_, slowdown)
         if now >= self.config.slowdown_from:
-            slowdown *= self.config.instance_slowdown.get(instance_id, 1.0)
+            slowdown *= self._straggling(instance_id, now)
         seconds *= slowdown
         if self.config.latency_noise:
             seconds *= float(self.rng.lognormal(0.0, self.config.latency_noise))
         return seconds
+
+    def _straggling(self, instance_id: str, now: float) -> float:
+        """The further factor on the instance's steps at `now` (`SimConfig.instance_slowdown`,
+        moved on `slowdown_moves`' turns since `slowdown_from`)."""
+        period, ring = self.config.slowdown_moves
+        slow = self.config.instance_slowdown
+        if not period:
+            return slow.get(instance_id, 1.0)
+        if instance_id not in ring:
+            return 1.0  # (started later, by a reconfiguration: never slowed)
+        turn = int((now - self.config.slowdown_from) // period)
+        return slow.get(ring[(ring.index(instance_id) - turn * len(slow)) % len(ring)], 1.0)
 
     def _not_started(self) -> int:
         """Requests in flight that have not run a step: queued, or gathered for a batch that

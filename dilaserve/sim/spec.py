@@ -43,9 +43,11 @@ class SimulationSpec:
     )
     stragglers: str | None = setting(
         None,
-        "COUNT:FACTOR[@SECONDS]: the first COUNT starting instances take FACTOR times as long "
-        "per step as the profile says (a throttled GPU, a noisy neighbour), from simulated "
-        "second SECONDS on (default 0); the control plane is not told",
+        "COUNT:FACTOR[@SECONDS[/PERIOD]]: the first COUNT starting instances take FACTOR "
+        "times as long per step as the profile says (a throttled GPU, a noisy neighbour), from "
+        "simulated second SECONDS on (default 0); with PERIOD, every PERIOD seconds the "
+        "slowdown moves on to the next COUNT starting instances (a neighbour that moves); "
+        "the control plane is not told",
     )
     measured_speed: bool = setting(
         False,
@@ -168,21 +170,26 @@ class SimulationSpec:
             raise ValueError(f"{self.initial_layout=} needs {first} GPUs; {self.gpus=}")
         return degrees
 
-    def parsed_stragglers(self) -> tuple[int, float, float]:
+    def parsed_stragglers(self) -> tuple[int, float, float, float]:
         """(how many of the first instances are slow, their step-time factor, the simulated
-        second they slow from); (0, 1.0, 0.0): none."""
+        second they slow from, the seconds after which the slowdown moves on to the next
+        ones, 0: never); (0, 1.0, 0.0, 0.0): none."""
         if self.stragglers is None:
-            return 0, 1.0, 0.0
-        slow, at, start = self.stragglers.partition("@")
+            return 0, 1.0, 0.0, 0.0
+        slow, at, when = self.stragglers.partition("@")
         count, sep, factor = slow.partition(":")
+        start, every, period = when.partition("/")
         try:
-            n, f, s = int(count), float(factor), float(start) if at else 0.0
+            n, f = int(count), float(factor)
+            s, p = (float(start) if at else 0.0), (float(period) if every else 0.0)
         except ValueError:
-            n, f, s = -1, 0.0, 0.0
-        if not sep or n < 0 or f <= 0 or s < 0 or n > len(self.layout()):
+            n, f, s, p = -1, 0.0, 0.0, 0.0
+        if not sep or n < 0 or f <= 0 or s < 0 or p < 0 or (every and not p):
+            n = -1
+        if n < 0 or n > len(self.layout()):
             raise ValueError(
-                f"{self.stragglers=} must be COUNT:FACTOR[@SECONDS], at most the starting "
-                f"instances ({len(self.layout())}), a positive factor and a start >= 0, e.g. "
-                "'2:1.5' or '1:3@120'"
+                f"{self.stragglers=} must be COUNT:FACTOR[@SECONDS[/PERIOD]], at most the "
+                f"starting instances ({len(self.layout())}), a positive factor, a start >= 0 "
+                "and a positive period, e.g. '2:1.5', '1:3@120' or '1:3@60/10'"
             )
-        return n, f, s
+        return n, f, s, p
