@@ -32,7 +32,15 @@ from dataclasses import replace
 from pathlib import Path
 
 import reproduce_lengths as lengths
-from reproduce_shapes import GH200, batch_limits, mechanisms, placement, quality, stragglers
+from reproduce_shapes import (
+    GH200,
+    batch_limits,
+    mechanisms,
+    moving,
+    placement,
+    quality,
+    stragglers,
+)
 from reproduce_traces import azure, dws_setting
 
 from dilaserve.runs import create_run_dir, markdown_table, source_commit, write_json
@@ -341,6 +349,7 @@ EXPERIMENTS = {
     "quality": quality,
     "placement": placement,
     "stragglers": stragglers,
+    "moving": moving,
     "batchlimits": batch_limits,
     "dws": dws_setting,
 }

@@ -232,6 +232,59 @@ def stragglers(x: Experiments, seeds=(0, 1, 2, 3)) -> None:
     )
 
 
+# A straggler that moves (a noisy neighbour, throttling that passes from GPU to GPU) on Fig. 13's
+# longest outputs, 8 TP-2 instances: two at a third of their speed, the slowdown passing on
+# every 60 s (long against a request's life, so a request bound where it landed stays slow) and
+# every 30 s (where it passes over every request alike)
+MOVING = {"trace": "fixed:2.4:300:256:1024", "gpus": 16, "profile": GH200, **NO_PLANNER}
+MOVING_STRAGGLERS = ("2:3@30/60", "2:4@30/30")
+
+
+def moving(x: Experiments, seeds=(0, 1, 2, 3)) -> None:
+    """Migration with a straggler that moves: DiLaServe against its no-migration ablation (and
+    INFaaS), attainment and p99 per seed, and migration's effect in points."""
+    rows = []
+    for stragglers in MOVING_STRAGGLERS:
+        runs = {
+            policy: [
+                x.run(
+                    f"moving-{policy}-{stragglers.replace('/', 'every')}-s{seed}",
+                    policy=policy,
+                    seed=seed,
+                    stragglers=stragglers,
+                    **MOVING,
+                )
+                for seed in seeds
+            ]
+            for policy in ("dilaserve", "no-migration", "infaas")
+        }
+        for policy, out in runs.items():
+            rows.append(
+                {"stragglers": stragglers, "policy": policy}
+                | {"slo_attainment": " / ".join(f"{s['slo_attainment']:.2%}" for s in out)}
+                | {"latency_p99_s": " / ".join(f"{s['latency_p99']:.0f}" for s in out)}
+            )
+        effect = [
+            100 * (a["slo_attainment"] - b["slo_attainment"])
+            for a, b in zip(runs["dilaserve"], runs["no-migration"])
+        ]
+        rows.append(
+            {
+                "stragglers": stragglers,
+                "policy": "migration's effect",
+                "slo_attainment": spread(effect),
+            }
+        )
+    x.section(
+        "Migration with a straggler that moves: Fig. 13's lengths, 16 GH200 (8 TP-2), "
+        f"seeds {list(seeds)}",
+        rows,
+        "COUNT:FACTOR@ONSET/PERIOD: COUNT instances at 1/FACTOR of their speed from ONSET, the "
+        "slowdown passing to the next instances every PERIOD seconds (`--stragglers`). Effect: "
+        "dilaserve minus no-migration, points, mean [min, max].",
+    )
+
+
 def quality(x: Experiments, seeds=(0, 1)) -> None:
     """How much of the gain rests on extrapolated thresholds: the Fig. 10 shape (4 GPUs) with
     the candidates 0.5-0.9 and restricted to the measured 0.7-0.9, each with its quality under
