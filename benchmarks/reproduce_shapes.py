@@ -273,6 +273,10 @@ def moving(x: Experiments, seeds=(0, 1, 2, 3)) -> None:
                 "stragglers": stragglers,
                 "policy": "migration's effect",
                 "slo_attainment": spread(effect),
+                "latency_p99_s": " / ".join(
+                    f"{a['latency_p99'] / b['latency_p99'] - 1:+.0%}"
+                    for a, b in zip(runs["dilaserve"], runs["no-migration"])
+                ),
             }
         )
     x.section(
