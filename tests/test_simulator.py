@@ -263,7 +263,20 @@ def test_a_bad_layout_is_refused_naming_it(tmp_path, layout, words):
 
 
 @pytest.mark.parametrize(
-    "stragglers", ["2", "5:2", "1:0", "a:b", "1:2@-1", "1:2@x", "1:2@5/0", "1:2@5/x", "1:2@5/"]
+    "stragglers",
+    [
+        "2",
+        "5:2",
+        "1:0",
+        "a:b",
+        "1:2@-1",
+        "1:2@x",
+        "1:2@5/0",
+        "1:2@5/x",
+        "1:2@5/",
+        "1:nan",
+        "1:2@5/nan",
+    ],
 )
 def test_bad_stragglers_are_refused_naming_them(tmp_path, stragglers):
     with pytest.raises(ValueError, match="stragglers"):

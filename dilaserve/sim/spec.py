@@ -184,7 +184,7 @@ class SimulationSpec:
             s, p = (float(start) if at else 0.0), (float(period) if every else 0.0)
         except ValueError:
             n, f, s, p = -1, 0.0, 0.0, 0.0
-        if not sep or n < 0 or f <= 0 or s < 0 or p < 0 or (every and not p):
+        if not sep or n < 0 or not (f > 0 and s >= 0 and p >= 0) or (every and not p):  # (nan)
             n = -1
         if n < 0 or n > len(self.layout()):
             raise ValueError(
