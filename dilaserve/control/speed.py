@@ -93,9 +93,13 @@ class Estimate:
     def advance(self, now: float) -> None:
         """Decay toward 1 for the stale part of the time since the last observation (a
         function of `now` alone: advancing twice to the same time is advancing once)."""
+        self.ratio = self.at(now)
+
+    def at(self, now: float) -> float:
+        """The ratio as `advance(now)` would leave it, changing nothing (a reader on another
+        thread, `/metrics`, must not write it under an observation)."""
         stale = _stale(now, self._seen, self._fresh_for)
-        if stale > 0:
-            self.ratio = _toward(1.0, self._anchor, stale)
+        return _toward(1.0, self._anchor, stale) if stale > 0 else self.ratio
 
     def stale_seconds(self, now: float) -> float:
         """Seconds of `now` past the time the latest observation counts as current (0:
@@ -174,7 +178,7 @@ class MeasuredSpeed:
     def advance(self, now: float) -> None:
         """The event time is `now`: stale ratios decay toward the profile (`HALF_LIFE`)."""
         self.now = max(self.now, now)
-        self.overall.advance(self.now)  # (an instance's, when it is read: the same numbers)
+        self.overall.advance(self.now)  # (an instance's is decayed when read: `at`)
 
     def stale_seconds(self) -> float:
         """How long the slowdown has been decaying for want of steps (0: it is current)."""
@@ -204,10 +208,7 @@ class MeasuredSpeed:
     def instance_ratio(self, instance_id: str) -> float:
         """Measured over predicted step time on one instance, running (1 before any step)."""
         estimate = self.by_instance.get(instance_id)
-        if estimate is None:
-            return 1.0
-        estimate.advance(self.now)
-        return estimate.ratio
+        return 1.0 if estimate is None else estimate.at(self.now)
 
     def observe(
         self,
