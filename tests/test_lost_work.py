@@ -157,7 +157,7 @@ def test_lost_requests_waiting_keep_their_turn_and_count_as_waiting():
     only_launch(s.on_arrival(on_time, 0.0))
     for k, name in enumerate(["late-1", "late-2", "late-3", "late-4"]):
         late = make_request(name, gen_len=BLOCK, arrival_time=0.0)
-        late.deadline = 0.5  # passed when it arrives
+        late.deadline = 0.5  # on the scheduler's event clock: passed at its arrival (1.0 + k)
         assert s.on_arrival(late, 1.0 + k).launches == ()
     assert all(s.requests[f"late-{k}"].lost for k in range(1, 5))
     assert s.num_waiting == 4  # parked, each counted

@@ -235,7 +235,7 @@ def _instance_metrics(c: Cluster, m: ServerMetrics):
         "toward 1 while it reports none): what placement prices it at (--instance-speed)",
         labels=["instance"],
     )
-    for iid in sorted(set(c.scheduler.instances)):  # (a copy: the controller's thread adds)
+    for iid in sorted(c.scheduler.instances):  # (a copy: the controller's thread adds)
         speed.add_metric([iid], c.scheduler.speed.instance_ratio(iid))
     yield speed
     for name, key, text in (

@@ -216,15 +216,14 @@ def scheduler_config(spec: SimulationSpec, slo: float, quality: QualityModel) ->
 
 def sim_config(spec: SimulationSpec) -> SimConfig:
     """The simulated cluster's settings the spec names."""
+    count, factor, onset, period = spec.parsed_stragglers()
+    ring = tuple(i.instance_id for i in initial_instances(spec))  # the first `count` straggle
     return SimConfig(
         startup_delay=spec.startup_delay,
         latency_noise=spec.latency_noise,
-        instance_slowdown=straggler_slowdown(spec),
-        slowdown_from=spec.parsed_stragglers()[2],
-        slowdown_moves=(
-            spec.parsed_stragglers()[3],
-            tuple(i.instance_id for i in initial_instances(spec)),
-        ),
+        instance_slowdown={iid: factor for iid in ring[:count]},
+        slowdown_from=onset,
+        slowdown_moves=(period, ring),
         # pricing each instance at its own speed needs the steps' times reported
         measured_speed=spec.measured_speed
         or get_policy(spec.policy).prices_instances(spec.instance_speed),
@@ -242,12 +241,6 @@ def initial_instances(spec: SimulationSpec) -> list[InstanceSpec]:
         )
         first += tp
     return out
-
-
-def straggler_slowdown(spec: SimulationSpec) -> dict[str, float]:
-    """Instance id -> its steps' time factor, for the spec's stragglers."""
-    count, factor, _, _ = spec.parsed_stragglers()
-    return {f"i{k}": factor for k in range(count)}
 
 
 def write_run(
