@@ -193,9 +193,9 @@ class Request:
         """Record one step's outcome: `positions` were masked until this step (or, with token
         editing, held a token of the current block), and blocks complete in order, as the
         engine decodes them."""
-        # (count_nonzero: half the time of `.sum()` on a step's few positions)
-        newly = int(np.count_nonzero(self.output_ids[result.positions] == self.mask_id))
-        remasked = int(np.count_nonzero(result.tokens == self.mask_id))  # edits to the mask
+        # (a step's few positions counted as a list: a third of `np.count_nonzero`'s time)
+        newly = self.output_ids[result.positions].tolist().count(self.mask_id)
+        remasked = result.tokens.tolist().count(self.mask_id)  # edits to the mask
         masks_before = self.edits and self._block_has_masks(result.block_index)
         self.output_ids.put(result.positions, result.tokens)  # 3x `a[i] = v` for int32 indices
         if self.edits:
