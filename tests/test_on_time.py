@@ -1,10 +1,11 @@
 """On-time calibration (`control/on_time.py`): admission's margin learned from finished requests,
 and its way back to the plain prediction when no evidence comes."""
 
+import numpy as np
 import pytest
 from test_admission_learning import busy_admission
 
-from dilaserve.control.on_time import OnTimeCalibration
+from dilaserve.control.on_time import OnTimeCalibration, linear_quantile
 
 from conftest import make_request
 
@@ -21,6 +22,15 @@ def test_the_factor_is_the_target_quantile_of_taken_over_predicted_time():
     finish(calibration, [1.0] * 90 + [3.0] * 10)  # 10% take three times the prediction
     assert 1.0 < calibration.factor(3.0) <= 3.0
     assert calibration.finished == 100
+
+
+def test_the_quantile_is_numpys_to_the_bit():
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 16, 63, 64):
+        for values in (rng.lognormal(0.0, 1.0, n), rng.integers(0, 3, n).astype(float)):
+            ordered = sorted(values.tolist())
+            for q in (0.0, 0.05, 0.5, 0.95, 1.0, float(rng.random())):
+                assert linear_quantile(ordered, q) == float(np.quantile(values, q))
 
 
 def test_a_prediction_that_holds_needs_no_margin():

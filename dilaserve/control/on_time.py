@@ -110,8 +110,9 @@ class OnTimeCalibration:
         self._measured_at.append(now)
         self._last = now
         if len(self._ratios) >= self.min_evidence:
-            q = np.quantile(self._decayed(now), (self.target, 1 - self.target))
-            self._quantile, self._low = float(q[0]), float(q[1])
+            ordered = np.sort(self._decayed(now)).tolist()
+            self._quantile = linear_quantile(ordered, self.target)
+            self._low = linear_quantile(ordered, 1 - self.target)
 
     def _decayed(self, now: float) -> np.ndarray:
         """The window's ratios; with `age_each`, each one's excess over 1 decayed by its age."""
@@ -144,3 +145,15 @@ class OnTimeCalibration:
     @property
     def pending(self) -> int:
         return len(self._pending)
+
+
+def linear_quantile(ordered: list[float], q: float) -> float:
+    """The `q` quantile of values sorted ascending, as `np.quantile`'s default (linear) method
+    computes it, to the bit, without its 150 us of setup a call (one call per finished
+    request: 5% of a long simulation)."""
+    at = (len(ordered) - 1) * q
+    below = min(int(at), len(ordered) - 1)  # at >= 0: int() is floor
+    a, b = ordered[below], ordered[min(below + 1, len(ordered) - 1)]
+    t = at - below
+    # numpy's lerp: from the nearer end, so that t = 1 gives b exactly
+    return b - (b - a) * (1 - t) if t >= 0.5 else a + (b - a) * t
