@@ -51,7 +51,7 @@ COMPILED := dilaserve/request.py dilaserve/sim/simulator.py \
 	dilaserve/sim/behaviour.py $(addprefix dilaserve/control/,scheduler.py placement.py \
 	instance.py load_control.py load_table.py thresholds.py features.py step_costs.py \
 	decision_log.py tracked.py lost_work.py selection.py on_time.py quality_budget.py \
-	profile.py speed.py)
+	profile.py speed.py step_limits.py)
 
 SITE = $(shell $(PY) -c "import sysconfig; print(sysconfig.get_paths()['platlib'])")
 

@@ -31,16 +31,18 @@ MIN_STEPS = 1.0
 
 def step_limits(requests: Sequence) -> tuple[np.ndarray, np.ndarray]:
     """(fewest, most) remaining steps of each request as it stands, float64 [n] each."""
-    most = np.array([_most_steps(r) for r in requests], dtype=np.float64)
-    fewest = np.array([_fewest_steps(r) for r in requests], dtype=np.float64)
-    return np.minimum(fewest, most), most
+    most = [_most_steps(r) for r in requests]
+    fewest = [min(_fewest_steps(r), m) for r, m in zip(requests, most)]
+    return np.array(fewest, dtype=np.float64), np.array(most, dtype=np.float64)
 
 
 def within_limits(rows: np.ndarray, requests: Sequence) -> np.ndarray:
     """`rows` [n, thresholds] of predicted remaining steps, each request's row held within its
-    `step_limits`."""
+    `step_limits` (fewest <= most, so `minimum(maximum(...))` is `np.clip`, without its
+    Python wrapper: it runs on every prediction)."""
     fewest, most = step_limits(requests)
-    return np.clip(np.asarray(rows, dtype=np.float64), fewest[:, None], most[:, None])
+    rows = np.maximum(np.asarray(rows, dtype=np.float64), fewest[:, None])
+    return np.minimum(rows, most[:, None], out=rows)
 
 
 def _most_steps(r) -> float:
