@@ -88,17 +88,15 @@ def _state_rows(gen_len, progress, ordered: np.ndarray, total: np.ndarray, lengt
     """Rows from each row's confidences sorted ascending (float64) and their sum; `lengths`:
     the cells of each sorted row that count (the rest sort after them), or None for all."""
     q = _quartiles(ordered, lengths)
-    mean = total / gen_len
-    columns = [
-        gen_len.astype(np.float64),
-        *progress,
-        ordered[:, 0],
-        q[:, 0],
-        q[:, 1],
-        mean,
-        q[:, 2],
-    ]
-    return np.column_stack(columns)
+    rows = np.empty((len(ordered), NUM_FEATURES - 1))  # (`np.column_stack`'s, written in place)
+    rows[:, 0] = gen_len
+    for i, column in enumerate(progress, start=1):
+        rows[:, i] = column
+    rows[:, 5] = ordered[:, 0]
+    rows[:, 6:8] = q[:, :2]
+    rows[:, 8] = total / gen_len
+    rows[:, 9] = q[:, 2]
+    return rows
 
 
 _QUARTILES = np.array([0.25, 0.5, 0.75])

@@ -141,7 +141,11 @@ class LoadTable:
         return float(-self._keys[slots, 0].max()) if slots.size else float("inf")
 
     def mean_tokens(self) -> float:
-        return float(self.tokens[self._service_order()].mean()) if self._slots else 0.0
+        """The rows' mean tokens: `.mean()`'s value, without its Python wrapper (every run of
+        Alg. 2/4 asks)."""
+        if not self._slots:
+            return 0.0
+        return float(np.add.reduce(self.tokens[self._service_order()])) / len(self._slots)
 
     def _service_order(self) -> np.ndarray:
         if self._order is None:
