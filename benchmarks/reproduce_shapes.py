@@ -237,7 +237,7 @@ def stragglers(x: Experiments, seeds=(0, 1, 2, 3)) -> None:
 # every 60 s (long against a request's life, so a request bound where it landed stays slow) and
 # every 30 s (where it passes over every request alike)
 MOVING = {"trace": "fixed:2.4:300:256:1024", "gpus": 16, "profile": GH200, **NO_PLANNER}
-MOVING_STRAGGLERS = ("2:3@30/60", "2:4@30/30")
+MOVING_STRAGGLERS = ("2:3@30/60", "2:3@30/90", "2:4@30/30")
 
 
 def moving(x: Experiments, seeds=(0, 1, 2, 3)) -> None:
