@@ -8,7 +8,12 @@ import pytest
 from dilaserve.protocol import StepKind
 from dilaserve.request import Request
 from dilaserve.sim import metrics
-from dilaserve.sim.behaviour import ParametricBehaviour, ReplayBehaviour, llada_tokens_per_step
+from dilaserve.sim.behaviour import (
+    ParametricBehaviour,
+    ReplayBehaviour,
+    Uniforms,
+    llada_tokens_per_step,
+)
 from dilaserve.sim.run import SimulationSpec, sim_config, simulate, write_run
 from dilaserve.sim.simulator import Simulator
 from dilaserve.sim.traces import Trace, save_trace
@@ -398,3 +403,15 @@ def test_the_speed_benchmarks_breakdown_times_every_part_and_puts_it_back(tmp_pa
     assert set(totals) == set(bench.PARTS)
     assert all(calls > 0 for _, calls in totals.values())  # each part ran, and was timed
     assert {part: getattr(cls, name) for part, (cls, name) in bench.PARTS.items()} == originals
+
+
+def test_uniforms_draw_what_the_generator_draws_call_by_call():
+    """Blocks of uniforms give the very numbers one generator call per draw gives, small and
+    large Poisson means (the generator's own method) and block ends included."""
+    means = np.random.default_rng(1).uniform(0.0, 14.0, 3000)
+    means[::9] = 0.0
+    reference, blocks = np.random.default_rng(7), Uniforms(np.random.default_rng(7))
+    for k, lam in enumerate(means):
+        assert blocks.poisson(lam) == int(reference.poisson(lam)), (k, lam)
+        assert [blocks.random() for _ in range(k % 3)] == reference.random(k % 3).tolist()
+    assert (means >= 10).sum() > 100  # (the generator's own draws were taken)

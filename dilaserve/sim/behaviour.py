@@ -26,6 +26,7 @@ confidences (the inputs of the step predictor's features), and when the request 
 from __future__ import annotations
 
 import bisect
+import math
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -88,16 +89,17 @@ def tokens_per_step_for(model: str | None) -> TokensPerStep:
 class ParametricBehaviour:
     def __init__(self, seed: int = 0, difficulty_sigma: float = 0.35, tokens_per_step=None):
         self.seed = seed
-        self.rng = np.random.default_rng(seed)
+        self.rng = Uniforms(np.random.default_rng(seed))
         self.sigma = difficulty_sigma
         self.tokens_per_step = tokens_per_step or llada_tokens_per_step
         self._rates: dict[float, float] = {}  # tokens_per_step by threshold, memoised
-        self._state: dict[str, tuple[float, np.ndarray, np.ndarray]] = {}
+        # request id -> (difficulty, commit order as an array and as a list, confidences)
+        self._state: dict[str, tuple[float, np.ndarray, list[int], np.ndarray]] = {}
 
     def forget(self, request_id: str) -> None:
         self._state.pop(request_id, None)
 
-    def _draw(self, r: Request) -> tuple[float, np.ndarray, np.ndarray]:
+    def _draw(self, r: Request) -> tuple[float, np.ndarray, list[int], np.ndarray]:
         """Difficulty, commit order within each block, and the confidences masked positions
         report, kept for the request's later steps: drawn from the request id, so a prompt id
         run at several thresholds (predictor training) is the same prompt each time. Harder
@@ -106,25 +108,26 @@ class ParametricBehaviour:
         difficulty = float(rng.lognormal(0.0, self.sigma))
         order = _commit_order(r, rng.random((r.num_blocks, r.block_len)))
         confidences = rng.beta(2.0, 2.0 * difficulty, r.gen_len).astype(np.float32)
-        state = self._state[r.request_id] = (difficulty, order, confidences)
+        state = self._state[r.request_id] = (difficulty, order, order.tolist(), confidences)
         return state
 
     def step(self, r: Request, threshold: float, kind: StepKind) -> RequestStepResult:
-        difficulty, order, confidences = self._state.get(r.request_id) or self._draw(r)
+        difficulty, order, order_list, confidences = self._state.get(r.request_id) or self._draw(r)
         block = r.current_block
         # this model is the request's only committer and commits each block in `order`, so
         # the block's committed positions are a prefix of its order
-        masked = order[r.num_committed : r.block_span(block)[1]]
+        first = r.num_committed
+        masked = r.block_span(block)[1] - first
         rate = self._rates.get(threshold)
         if rate is None:
             rate = self._rates[threshold] = self.tokens_per_step(threshold)
-        n = min(masked.size, 1 + int(self.rng.poisson(max(rate / difficulty - 1.0, 0.0))))
-        positions = masked[:n]
+        n = min(masked, 1 + self.rng.poisson(max(rate / difficulty - 1.0, 0.0)))
         # committed positions keep a commit-time confidence, uniform in [threshold, 1)
         span = 1.0 - threshold  # a few positions a step: scalars beat array arithmetic
-        for position, u in zip(positions.tolist(), self.rng.random(n).tolist()):
-            confidences[position] = threshold + span * u
-        block_done = n == masked.size
+        for position in order_list[first : first + n]:
+            confidences[position] = threshold + span * self.rng.random()
+        positions = order[first : first + n]
+        block_done = n == masked
         return RequestStepResult(
             r.request_id,
             kind,
@@ -135,6 +138,56 @@ class ParametricBehaviour:
             block_done,
             block_done and block == r.num_blocks - 1,
         )
+
+
+class Uniforms:
+    """A numpy generator's uniform doubles and small Poisson draws, taken from blocks of its
+    `random()`: the very numbers one call per draw gives (`Generator.poisson` below 10 is
+    Knuth's product of uniforms, `random_poisson_mult` in numpy's distributions.c), at a
+    fraction of the calls (two a simulated request's step, 10 million in the 2-hour run).
+    A mean of 10 or more (numpy's PTRS, a few draws in a million) goes to the generator itself,
+    set to where the blocks had reached."""
+
+    BLOCK = 4096
+
+    def __init__(self, rng: np.random.Generator):
+        self._rng = rng
+        self._start = rng.bit_generator.state  # the generator's state before the block
+        self._block: list[float] = rng.random(self.BLOCK).tolist()
+        self._next = 0
+
+    def random(self) -> float:
+        if self._next == len(self._block):
+            self._refill()
+        u = self._block[self._next]
+        self._next += 1
+        return u
+
+    def poisson(self, lam: float) -> int:
+        if lam >= 10.0:
+            return self._poisson_by_generator(lam)
+        if lam == 0.0:
+            return 0
+        limit, product, count = math.exp(-lam), 1.0, 0
+        while True:
+            product *= self.random()
+            if product <= limit:
+                return count
+            count += 1
+
+    def _refill(self) -> None:
+        self._start = self._rng.bit_generator.state
+        self._block = self._rng.random(self.BLOCK).tolist()
+        self._next = 0
+
+    def _poisson_by_generator(self, lam: float) -> int:
+        """The generator's own draw, from where this block's uniforms had reached; a new
+        block from where that draw leaves it."""
+        self._rng.bit_generator.state = self._start
+        self._rng.random(self._next)  # (discarded: the uniforms already taken)
+        draw = int(self._rng.poisson(lam))
+        self._refill()
+        return draw
 
 
 def _commit_order(r: Request, keys: np.ndarray) -> np.ndarray:
