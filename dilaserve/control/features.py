@@ -78,15 +78,16 @@ def _with_confidences(gen_len, progress, confidences: np.ndarray, pad) -> np.nda
     statistics over each row's first `gen_len` cells (`pad` marks the others, or is None)."""
     conf = confidences.astype(np.float64)
     if pad is None:  # sorted before widening (faster for float32; the same values)
-        ordered = np.sort(confidences, axis=1).astype(np.float64)
-        return _state_rows(gen_len, progress, ordered, conf.sum(axis=1), None)
+        return _state_rows(gen_len, progress, np.sort(confidences, axis=1), conf.sum(axis=1), None)
     ordered = np.sort(np.where(pad, np.inf, conf), axis=1)
     return _state_rows(gen_len, progress, ordered, np.where(pad, 0.0, conf).sum(axis=1), gen_len)
 
 
 def _state_rows(gen_len, progress, ordered: np.ndarray, total: np.ndarray, lengths) -> np.ndarray:
-    """Rows from each row's confidences sorted ascending (float64) and their sum; `lengths`:
-    the cells of each sorted row that count (the rest sort after them), or None for all."""
+    """Rows from each row's confidences sorted ascending and their sum (float64); `lengths`:
+    the cells of each sorted row that count (the rest sort after them), or None for all. The
+    statistics are read in float64 whatever `ordered`'s type (sorted float32 is widened only
+    where read: the same values)."""
     q = _quartiles(ordered, lengths)
     rows = np.empty((len(ordered), NUM_FEATURES - 1))  # (`np.column_stack`'s, written in place)
     rows[:, 0] = gen_len
@@ -111,7 +112,8 @@ def _quartiles(ordered: np.ndarray, lengths: np.ndarray | None) -> np.ndarray:
     pos = last * _QUARTILES
     lo = np.floor(pos).astype(np.int64)
     rows = np.arange(n)[:, None]
-    below, above = ordered[rows, lo], ordered[rows, np.minimum(lo + 1, last)]
+    below = ordered[rows, lo].astype(np.float64)
+    above = ordered[rows, np.minimum(lo + 1, last)].astype(np.float64)
     return below + (above - below) * (pos - lo)
 
 
@@ -135,11 +137,11 @@ def request_states(requests) -> np.ndarray:
     outputs padded to the longest. A block whose masks are all committed but whose edit-only
     steps go on (token editing) counts as done, as its committed positions alone say (the
     trajectories the predictor learns from record commits, not the edit phase)."""
-    gen_len = np.array([r.gen_len for r in requests])
     block_len = requests[0].block_len
     counters = np.array(
         [
             (
+                r.gen_len,
                 r.num_steps,
                 r.num_committed,
                 r.current_block + (r.edit_block is not None),
@@ -147,9 +149,10 @@ def request_states(requests) -> np.ndarray:
                 r.block_offset,
             )
             for r in requests
-        ]
+        ],
+        dtype=np.int64,
     )
-    steps, committed, block, num_blocks, offset = counters.T
+    gen_len, steps, committed, block, num_blocks, offset = counters.T
     start = np.maximum(block * block_len - offset, 0)  # the current block's first position
     in_block = np.where(block < num_blocks, (committed - start) / block_len, 1.0)
     progress = (steps / gen_len, committed / gen_len, block / num_blocks, in_block)
@@ -158,11 +161,10 @@ def request_states(requests) -> np.ndarray:
         return _with_confidences(
             gen_len, progress, np.stack([r.confidences for r in requests]), None
         )
-    # padded twice: with zeros to sum (the same sums as `state_matrix`), with +inf to sort
-    # (after every real cell); sorted as float32, then widened: the same order and values
-    zeros = np.zeros((len(requests), width), dtype=np.float32)
+    # padded twice: with zeros to sum in float64 (the same sums as `state_matrix`), with +inf
+    # to sort as float32 (after every real cell; the same order)
+    zeros = np.zeros((len(requests), width))
     infs = np.full((len(requests), width), np.inf, dtype=np.float32)
     for i, r in enumerate(requests):
         zeros[i, : r.gen_len] = infs[i, : r.gen_len] = r.confidences
-    ordered = np.sort(infs, axis=1).astype(np.float64)
-    return _state_rows(gen_len, progress, ordered, zeros.astype(np.float64).sum(axis=1), gen_len)
+    return _state_rows(gen_len, progress, np.sort(infs, axis=1), zeros.sum(axis=1), gen_len)
