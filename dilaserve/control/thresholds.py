@@ -120,12 +120,15 @@ def allowed_ranks(loads: np.ndarray, capacity: float) -> np.ndarray:
     fits_top = np.cumsum(extra[:, 0]) <= budget
     prefix = n if fits_top.all() else int(np.argmin(fits_top))
     ranks[:prefix] = 0
+    if prefix == n:  # (the common case: every row at the first column)
+        return ranks
     budget -= extra[:prefix, 0].sum()
     upgrades = extra[:, :-1]
     smallest_after = np.minimum.accumulate(
         np.where(upgrades > 0, upgrades, np.inf).min(axis=1)[::-1]
-    )[::-1]
-    free_after = np.logical_or.accumulate((upgrades <= 0).any(axis=1)[::-1])[::-1]
+    )[::-1].tolist()
+    free_after = np.logical_or.accumulate((upgrades <= 0).any(axis=1)[::-1])[::-1].tolist()
+    budget = float(budget)  # (Python floats and lists in the loop: numpy scalars cost more)
     for i in range(prefix, n):
         if budget < smallest_after[i] and not free_after[i]:
             break  # no later row can afford any step up
