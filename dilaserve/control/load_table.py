@@ -25,6 +25,7 @@ class LoadTable:
         self.steps = np.zeros((0, num_thresholds))  # predicted at the last refresh
         self.counted = np.zeros(0)  # steps done since then
         self.tokens = np.zeros(0)
+        self._token_sum = 0  # of the rows' tokens (integers: exactly the array's sum)
         self.recompute = np.zeros(0)
         self.ranks = np.zeros(0, dtype=np.int64)
         self._keys = np.zeros((0, 3))  # (-priority, arrival, admission sequence)
@@ -67,6 +68,7 @@ class LoadTable:
         self._keys[slot] = order_key
         self._left_out[slot] = False
         self.tokens[slot] = num_tokens
+        self._token_sum += num_tokens
         self.ranks[slot] = -1  # not yet decided
         self._order = None
 
@@ -78,6 +80,7 @@ class LoadTable:
     def remove(self, request_id: str) -> None:
         slot = self._slots.pop(request_id, None)
         if slot is not None:
+            self._token_sum -= int(self.tokens[slot])
             self._ids[slot] = None
             self._free.append(slot)
             self._order = None
@@ -141,11 +144,11 @@ class LoadTable:
         return float(-self._keys[slots, 0].max()) if slots.size else float("inf")
 
     def mean_tokens(self) -> float:
-        """The rows' mean tokens: `.mean()`'s value, without its Python wrapper (every run of
-        Alg. 2/4 asks)."""
+        """The rows' mean tokens (every run of Alg. 2/4 asks): their sum is kept as rows come
+        and go, exactly the array's (integers, far below 2**53)."""
         if not self._slots:
             return 0.0
-        return float(np.add.reduce(self.tokens[self._service_order()])) / len(self._slots)
+        return self._token_sum / len(self._slots)
 
     def _service_order(self) -> np.ndarray:
         if self._order is None:

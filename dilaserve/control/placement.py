@@ -66,6 +66,7 @@ class Placer:
         # a move must pay (`_move_pays`): with an approximate cache, whatever placement picks
         self._priced = policy.priced_moves and not self._costs.exact
         self._speed = speed if policy.prices_instances(config.instance_speed) else None
+        self._rounded_ratios: dict[float, float] = {}
 
     def service_key(self, now: float):
         """The order waiting requests are served in (Alg. 3's loop over them): arrival (with
@@ -193,7 +194,7 @@ class Placer:
         if self._alg3:  # the step latency at the batch's tokens with this request in it
             price = inst.full_curve.at(inst.resident_tokens + joining)
             if self._speed is not None:  # at the instance's measured speed
-                price *= round(self._speed.instance_ratio(inst.instance_id), SPEED_DIGITS)
+                price *= self._rounded(self._speed.instance_ratio(inst.instance_id))
             return price
         if self._fastest:  # an exact cache: where the step, a prefill away from home, ends first
             return self._step_end(inst, kind, n, now)
@@ -203,6 +204,16 @@ class Placer:
         else:
             full += n
         return full + cache + self._running_tokens(inst)
+
+    def _rounded(self, ratio: float) -> float:
+        """`round(ratio, SPEED_DIGITS)`, remembered for the latest ratios: `round` to digits is
+        slow, and one event's placements read each instance's ratio, the same, many times."""
+        rounded = self._rounded_ratios.get(ratio)
+        if rounded is None:
+            if len(self._rounded_ratios) > 64:
+                self._rounded_ratios.clear()
+            rounded = self._rounded_ratios[ratio] = round(ratio, SPEED_DIGITS)
+        return rounded
 
     def bind(self, open_instances: Sequence[InstanceState]) -> str | None:
         """On-arrival placement (INFaaS): the instance a new request is bound to, the one with
