@@ -56,18 +56,6 @@ class EosStop(str, enum.Enum):
     NONE = "none"  # never: the whole window is decoded
 
 
-def next_step_kind(mode: KVCacheMode, starts_block: bool, has_cache: bool) -> StepKind:
-    """The kind of a request's next step: recompute at a block's first step or without a cache;
-    with an exact block cache, prefill without one and commit when a block has just finished."""
-    if mode is KVCacheMode.NONE:
-        return StepKind.FULL
-    if mode is KVCacheMode.BLOCK:
-        if not has_cache:
-            return StepKind.PREFILL
-        return StepKind.COMMIT if starts_block else StepKind.BLOCK
-    return StepKind.RECOMPUTE if starts_block or not has_cache else StepKind.CACHE
-
-
 def block_offset(prompt_len: int, block_len: int, aligned: bool) -> int:
     """How far into its first block the output window starts: blocks at absolute multiples of
     `block_len` (`aligned`: block-causal models) put it `prompt_len % block_len` in, else 0."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Final
 
 import numpy as np
 
@@ -17,8 +18,30 @@ from dilaserve.protocol import (
     SequenceSpec,
     StepItem,
     StepKind,
-    next_step_kind,
 )
+
+# Enum members read for each request's every step, as constants: compiled (`make compile`), a
+# module's Final constant is a C variable, where `StepKind.CACHE` is a lookup on its class
+_NO_CACHE: Final = KVCacheMode.NONE
+_EXACT_CACHE: Final = KVCacheMode.BLOCK
+_FULL: Final = StepKind.FULL
+_RECOMPUTE: Final = StepKind.RECOMPUTE
+_CACHE: Final = StepKind.CACHE
+_PREFILL: Final = StepKind.PREFILL
+_BLOCK: Final = StepKind.BLOCK
+_COMMIT: Final = StepKind.COMMIT
+
+
+def next_step_kind(mode: KVCacheMode, starts_block: bool, has_cache: bool) -> StepKind:
+    """The kind of a request's next step: recompute at a block's first step or without a cache;
+    with an exact block cache, prefill without one and commit when a block has just finished."""
+    if mode is _NO_CACHE:
+        return _FULL
+    if mode is _EXACT_CACHE:
+        if not has_cache:
+            return _PREFILL
+        return _COMMIT if starts_block else _BLOCK
+    return _RECOMPUTE if starts_block or not has_cache else _CACHE
 
 
 class RequestStatus(str, enum.Enum):
@@ -26,6 +49,9 @@ class RequestStatus(str, enum.Enum):
     RUNNING = "running"
     FINISHED = "finished"
     FAILED = "failed"
+
+
+_FINISHED: Final = RequestStatus.FINISHED
 
 
 @dataclass
@@ -151,7 +177,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
+        return self.status is _FINISHED
 
     def spec(self) -> SequenceSpec:
         """The whole state an instance needs to take this request on (copies: the request
@@ -212,7 +238,7 @@ class Request:
         self.starts_block = result.is_block_done
         self.block_step = 0 if result.is_block_done else self.block_step + 1
         if result.is_finished:
-            self.status = RequestStatus.FINISHED
+            self.status = _FINISHED
             self.finish_time = now
 
     def _edit_progress(self, result: RequestStepResult, masks_before: bool) -> None:

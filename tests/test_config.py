@@ -1,7 +1,8 @@
 import pytest
 
 from dilaserve.config import EngineConfig, SamplingParams
-from dilaserve.protocol import KVCacheMode, StepKind, next_step_kind
+from dilaserve.protocol import KVCacheMode, StepKind
+from dilaserve.request import next_step_kind
 
 
 def test_max_tokens_rounds_up_to_whole_blocks():

@@ -9,8 +9,8 @@ from dilaserve.protocol import (
     StepBatch,
     StepItem,
     StepKind,
-    next_step_kind,
 )
+from dilaserve.request import next_step_kind
 
 from conftest import BLOCK_LEN, FakeModel, fake_engine, make_request, tiny_engine
 

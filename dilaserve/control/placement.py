@@ -30,6 +30,7 @@ and the tracked requests, shared mappings) and decides.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence, Set
+from typing import Final
 
 from dilaserve.control.decisions import SchedulerConfig
 from dilaserve.control.instance import InstanceState
@@ -41,6 +42,7 @@ from dilaserve.protocol import CACHED_KINDS, StepKind
 # Instances' measured speeds are compared to this many decimals (1%): a difference below it is
 # timing noise, which must not overrule placement's tie-break to an idle instance
 SPEED_DIGITS = 2
+_CACHED_KINDS: Final = CACHED_KINDS  # (compiled: a C variable, not a module-dict lookup)
 
 
 class Placer:
@@ -66,6 +68,9 @@ class Placer:
         # a move must pay (`_move_pays`): with an approximate cache, whatever placement picks
         self._priced = policy.priced_moves and not self._costs.exact
         self._speed = speed if policy.prices_instances(config.instance_speed) else None
+        self._migrates = policy.migration is not Migration.NONE
+        self._at_recompute_only = policy.migration is Migration.RECOMPUTE
+        self._anywhere = policy.migration is Migration.ANY
         self._rounded_ratios: dict[float, float] = {}
 
     def service_key(self, now: float):
@@ -98,7 +103,7 @@ class Placer:
         that runs alone)."""
         if inst.busy and self._queue:
             return False  # a queue: requests wait, in service order, until an instance is free
-        return inst.has_room(tokens, self._max_requests, solo, kind in CACHED_KINDS)
+        return inst.has_room(tokens, self._max_requests, solo, kind in _CACHED_KINDS)
 
     def place(
         self, t, now: float, open_instances: Sequence[InstanceState]
@@ -112,7 +117,7 @@ class Placer:
             home = None  # its step is overdue: go elsewhere now, paying for a fresh state
         if home is not None and home.draining:
             stays = costs.stays_with_cache(home_kind)
-            if not stays or self.policy.migration is Migration.ANY:
+            if not stays or self._anywhere:
                 home = None  # leave now; a cache step stays with its cache
         candidates = self._candidates(t, home, home_kind, open_instances)
         solo = r.request_id in self.solo
@@ -199,7 +204,7 @@ class Placer:
         if self._fastest:  # an exact cache: where the step, a prefill away from home, ends first
             return self._step_end(inst, kind, n, now)
         full, cache = inst.pending_full, inst.pending_cache
-        if kind in CACHED_KINDS:
+        if kind in _CACHED_KINDS:
             cache += n
         else:
             full += n
@@ -228,13 +233,9 @@ class Placer:
             if bound is not None and bound.takes_work:
                 return [bound]
             t.bound = None  # its instance went away: bind again where it lands
-        if home is not None and self.policy.migration is Migration.NONE:
+        if home is not None and not self._migrates:
             return [home]
-        if (
-            home is not None
-            and self.policy.migration is Migration.RECOMPUTE
-            and self._costs.stays_with_cache(home_kind)
-        ):
+        if home is not None and self._at_recompute_only and self._costs.stays_with_cache(home_kind):
             return [home]
         return open_instances
 
@@ -256,5 +257,5 @@ def _next_step(inst: InstanceState, kind: StepKind, n: int) -> tuple[float, floa
     """The latency of the instance's next step (`InstanceState.next_batch`) without and with a
     step of `kind` processing `n` tokens in it."""
     full, cache = inst.next_batch()
-    with_it = (full, cache + n) if kind in CACHED_KINDS else (full + n, cache)
+    with_it = (full, cache + n) if kind in _CACHED_KINDS else (full + n, cache)
     return inst.latency(full, cache), inst.latency(*with_it)
