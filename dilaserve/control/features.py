@@ -161,10 +161,11 @@ def request_states(requests) -> np.ndarray:
         return _with_confidences(
             gen_len, progress, np.stack([r.confidences for r in requests]), None
         )
-    # padded twice: with zeros to sum in float64 (the same sums as `state_matrix`), with +inf
-    # to sort as float32 (after every real cell; the same order)
+    # padded twice: with zeros to sum in float64 (the same sums as `state_matrix`), and
+    # sorted as float32, each row alone (less to sort than padded rows), then +inf after it
     zeros = np.zeros((len(requests), width))
-    infs = np.full((len(requests), width), np.inf, dtype=np.float32)
+    ordered = np.full((len(requests), width), np.inf, dtype=np.float32)
     for i, r in enumerate(requests):
-        zeros[i, : r.gen_len] = infs[i, : r.gen_len] = r.confidences
-    return _state_rows(gen_len, progress, np.sort(infs, axis=1), zeros.sum(axis=1), gen_len)
+        zeros[i, : r.gen_len] = r.confidences
+        ordered[i, : r.gen_len] = np.sort(r.confidences)
+    return _state_rows(gen_len, progress, ordered, zeros.sum(axis=1), gen_len)
