@@ -32,8 +32,10 @@ class LoadTable:
         self._left_out = np.zeros(0, dtype=bool)  # rows Alg. 2/4 skips (lost work)
         self._grow(capacity)
         self._order: np.ndarray | None = None  # active slots in service order
-        self._stepped: list[int] = []  # slots with a step done, not yet counted
-        self._recompute_now: dict[int, int] = {}  # slot -> recompute steps left, not yet stored
+        # slot -> steps done and recompute steps left, not yet stored (the same keys, inserted
+        # together: in the same order)
+        self._stepped: dict[int, int] = {}
+        self._recompute_now: dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -106,16 +108,21 @@ class LoadTable:
     def count_step(self, requests: Sequence) -> None:
         """One step done for each of `requests` (in the table): the estimates count down one
         step until the next refresh; recompute steps left are re-read."""
-        slots = [self._slots[r.request_id] for r in requests]
-        self._stepped += slots
-        self._recompute_now.update(zip(slots, [r.num_blocks_to_recompute for r in requests]))
+        stepped, recompute = self._stepped, self._recompute_now
+        for r in requests:
+            slot = self._slots[r.request_id]
+            stepped[slot] = stepped.get(slot, 0) + 1
+            recompute[slot] = r.num_blocks_to_recompute
 
     def _count(self) -> None:
+        """Store the steps noted since the last read (counted in a dict: `np.add.at` over a
+        list of slots cost more than the rest of the table's upkeep)."""
         if self._stepped:
-            np.add.at(self.counted, self._stepped, 1.0)
-            slots = np.fromiter(self._recompute_now, np.int64, len(self._recompute_now))
-            self.recompute[slots] = list(self._recompute_now.values())
-            self._stepped, self._recompute_now = [], {}
+            n = len(self._stepped)
+            slots = np.fromiter(self._stepped, np.int64, n)
+            self.counted[slots] += np.fromiter(self._stepped.values(), np.float64, n)
+            self.recompute[slots] = np.fromiter(self._recompute_now.values(), np.float64, n)
+            self._stepped, self._recompute_now = {}, {}
 
     def lowest_load(self, min_priority: float, costs, column: int = -1) -> tuple[float, float, int]:
         """(load, tokens, rows) of the rows of priority >= `min_priority`, each at its steps
