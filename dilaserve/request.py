@@ -13,6 +13,7 @@ from typing import Final
 import numpy as np
 
 from dilaserve.protocol import (
+    CACHED_KINDS,
     KVCacheMode,
     RequestStepResult,
     SequenceSpec,
@@ -20,28 +21,31 @@ from dilaserve.protocol import (
     StepKind,
 )
 
-# Enum members read for each request's every step, as constants: compiled (`make compile`), a
-# module's Final constant is a C variable, where `StepKind.CACHE` is a lookup on its class
-_NO_CACHE: Final = KVCacheMode.NONE
-_EXACT_CACHE: Final = KVCacheMode.BLOCK
-_FULL: Final = StepKind.FULL
-_RECOMPUTE: Final = StepKind.RECOMPUTE
-_CACHE: Final = StepKind.CACHE
-_PREFILL: Final = StepKind.PREFILL
-_BLOCK: Final = StepKind.BLOCK
-_COMMIT: Final = StepKind.COMMIT
+# The cache modes and step kinds read for each request's every step, as constants (here and in
+# `control/step_costs.py`, `control/placement.py`): compiled (`make compile`), a Final constant
+# of a compiled module is a C variable, in the modules that import it too, where
+# `StepKind.COMMIT` looks the member up on its class each time (about 70 ns)
+MODE_NONE: Final = KVCacheMode.NONE
+MODE_BLOCK: Final = KVCacheMode.BLOCK
+KIND_FULL: Final = StepKind.FULL
+KIND_RECOMPUTE: Final = StepKind.RECOMPUTE
+KIND_CACHE: Final = StepKind.CACHE
+KIND_PREFILL: Final = StepKind.PREFILL
+KIND_BLOCK: Final = StepKind.BLOCK
+KIND_COMMIT: Final = StepKind.COMMIT
+KINDS_CACHED: Final = CACHED_KINDS
 
 
 def next_step_kind(mode: KVCacheMode, starts_block: bool, has_cache: bool) -> StepKind:
     """The kind of a request's next step: recompute at a block's first step or without a cache;
     with an exact block cache, prefill without one and commit when a block has just finished."""
-    if mode is _NO_CACHE:
-        return _FULL
-    if mode is _EXACT_CACHE:
+    if mode is MODE_NONE:
+        return KIND_FULL
+    if mode is MODE_BLOCK:
         if not has_cache:
-            return _PREFILL
-        return _COMMIT if starts_block else _BLOCK
-    return _RECOMPUTE if starts_block or not has_cache else _CACHE
+            return KIND_PREFILL
+        return KIND_COMMIT if starts_block else KIND_BLOCK
+    return KIND_RECOMPUTE if starts_block or not has_cache else KIND_CACHE
 
 
 class RequestStatus(str, enum.Enum):

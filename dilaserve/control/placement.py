@@ -30,19 +30,18 @@ and the tracked requests, shared mappings) and decides.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence, Set
-from typing import Final
 
 from dilaserve.control.decisions import SchedulerConfig
 from dilaserve.control.instance import InstanceState
 from dilaserve.control.load_control import LoadControl
 from dilaserve.control.policy import Migration, Order, Placement, Policy
 from dilaserve.control.speed import MeasuredSpeed
-from dilaserve.protocol import CACHED_KINDS, StepKind
+from dilaserve.protocol import StepKind
+from dilaserve.request import KINDS_CACHED  # (a compiled constant: `request.py` says why)
 
 # Instances' measured speeds are compared to this many decimals (1%): a difference below it is
 # timing noise, which must not overrule placement's tie-break to an idle instance
 SPEED_DIGITS = 2
-_CACHED_KINDS: Final = CACHED_KINDS  # (compiled: a C variable, not a module-dict lookup)
 
 
 class Placer:
@@ -103,7 +102,7 @@ class Placer:
         that runs alone)."""
         if inst.busy and self._queue:
             return False  # a queue: requests wait, in service order, until an instance is free
-        return inst.has_room(tokens, self._max_requests, solo, kind in _CACHED_KINDS)
+        return inst.has_room(tokens, self._max_requests, solo, kind in KINDS_CACHED)
 
     def place(
         self, t, now: float, open_instances: Sequence[InstanceState]
@@ -204,7 +203,7 @@ class Placer:
         if self._fastest:  # an exact cache: where the step, a prefill away from home, ends first
             return self._step_end(inst, kind, n, now)
         full, cache = inst.pending_full, inst.pending_cache
-        if kind in _CACHED_KINDS:
+        if kind in KINDS_CACHED:
             cache += n
         else:
             full += n
@@ -257,5 +256,5 @@ def _next_step(inst: InstanceState, kind: StepKind, n: int) -> tuple[float, floa
     """The latency of the instance's next step (`InstanceState.next_batch`) without and with a
     step of `kind` processing `n` tokens in it."""
     full, cache = inst.next_batch()
-    with_it = (full, cache + n) if kind in _CACHED_KINDS else (full + n, cache)
+    with_it = (full, cache + n) if kind in KINDS_CACHED else (full + n, cache)
     return inst.latency(full, cache), inst.latency(*with_it)

@@ -21,23 +21,20 @@ block steps). Without a cache every step is a full step over the whole sequence.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final
 
 from dilaserve.config import DEFAULT_BLOCK_LEN
-from dilaserve.protocol import CACHED_KINDS, KVCacheMode, StepKind
-
-# The members read on every step's pricing, as constants: compiled (`make compile`), a module's
-# Final constant is a C variable, where `StepKind.COMMIT` looks the member up on its class each
-# time (about 70 ns; several times for each request of each step)
-_NO_CACHE: Final = KVCacheMode.NONE
-_EXACT_CACHE: Final = KVCacheMode.BLOCK
-_FULL: Final = StepKind.FULL
-_RECOMPUTE: Final = StepKind.RECOMPUTE
-_CACHE: Final = StepKind.CACHE
-_PREFILL: Final = StepKind.PREFILL
-_BLOCK: Final = StepKind.BLOCK
-_COMMIT: Final = StepKind.COMMIT
-_CACHED_KINDS: Final = CACHED_KINDS
+from dilaserve.protocol import KVCacheMode, StepKind
+from dilaserve.request import (  # (compiled constants: `request.py` says why)
+    KIND_BLOCK,
+    KIND_CACHE,
+    KIND_COMMIT,
+    KIND_FULL,
+    KIND_PREFILL,
+    KIND_RECOMPUTE,
+    KINDS_CACHED,
+    MODE_BLOCK,
+    MODE_NONE,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,11 +60,11 @@ class StepCosts:
 
     @property
     def cached(self) -> bool:
-        return self.mode is not _NO_CACHE
+        return self.mode is not MODE_NONE
 
     @property
     def exact(self) -> bool:
-        return self.mode is _EXACT_CACHE
+        return self.mode is MODE_BLOCK
 
     @property
     def cache_block(self) -> int | None:
@@ -88,34 +85,34 @@ class StepCosts:
     def sequence_kind(self) -> StepKind:
         """The kind of a step of a request new to an instance (the sequence group's curve)."""
         if self.exact:
-            return _PREFILL
-        return _RECOMPUTE if self.cached else _FULL
+            return KIND_PREFILL
+        return KIND_RECOMPUTE if self.cached else KIND_FULL
 
     @property
     def inner_kind(self) -> StepKind:
         """The kind of a block's later steps (the block group's curve, with a cache)."""
         if self.exact:
-            return _BLOCK
-        return _CACHE if self.cached else _FULL
+            return KIND_BLOCK
+        return KIND_CACHE if self.cached else KIND_FULL
 
     @property
     def boundary_kind(self) -> StepKind:
         """The kind of a block's first step where the request's cache is."""
-        return _COMMIT if self.exact else self.sequence_kind
+        return KIND_COMMIT if self.exact else self.sequence_kind
 
     def tokens(self, kind: StepKind, num_tokens: int) -> int:
         """Tokens a step of `kind` processes for a request of `num_tokens` (prompt + window):
         one block for cache and block steps, two for a commit, else the whole sequence (a
         prefill runs up to the current block's end: `request_tokens` prices it so)."""
-        if kind is _COMMIT:
+        if kind is KIND_COMMIT:
             return 2 * self.block_len
-        return self.block_len if kind in _CACHED_KINDS else num_tokens
+        return self.block_len if kind in KINDS_CACHED else num_tokens
 
     def request_tokens(self, kind: StepKind, request) -> int:
         """Tokens a step of `kind` processes for `request` as it stands: a prefill runs the
         prompt and the output up to the end of its current block (its blocks at absolute
         positions), the other kinds as `tokens` says."""
-        if kind is not _PREFILL:
+        if kind is not KIND_PREFILL:
             return self.tokens(kind, request.num_tokens)
         end = (
             request.prompt_len - request.block_offset + (request.current_block + 1) * self.block_len
@@ -133,4 +130,4 @@ class StepCosts:
     def stays_with_cache(self, kind: StepKind) -> bool:
         """Whether a step of `kind` must run where the request's cache is: an approximate
         cache's mid-block steps. (An exact cache moves at the price of a prefill.)"""
-        return kind is _CACHE
+        return kind is KIND_CACHE
