@@ -468,6 +468,30 @@ def test_an_instance_whose_step_ended_does_not_wait_for_a_burst_to_be_admitted()
     run_until(cluster, lambda: not controller.handles)
 
 
+def test_a_failed_read_of_the_instances_between_arrivals_fails_no_request(monkeypatch):
+    """The read between a burst's arrivals is the controller's own: if it raises, the error
+    is survived as a failed wait, not blamed on the arrival handled before it."""
+    cluster, clock = virtual_cluster(instances=(1,), slo=5.0)
+    controller = cluster.controller
+    poll = clock.poll
+
+    def failing_once(timeout):
+        if timeout == 0.0 and not failing_once.failed:
+            failing_once.failed = True
+            raise OSError("a socket went bad")
+        return poll(timeout)
+
+    failing_once.failed = False
+    monkeypatch.setattr(clock, "poll", failing_once)
+    handles = [submit(cluster, f"b{k}") for k in range(3)]
+    while controller.arrivals:
+        controller.run_once()
+        clock.t += 0.001
+    run_until(cluster, lambda: not controller.handles)
+    assert failing_once.failed and controller.stats["controller_errors"] == 1
+    assert all(h.future.exception() is None for h in handles)
+
+
 def test_a_bursts_refusals_are_answered_from_the_back_of_the_queue(monkeypatch):
     """A burst the front let through (here: its room refused nothing) queues for admission;
     once the room is priced again with the first of it in flight, what it refuses behind

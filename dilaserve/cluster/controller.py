@@ -159,6 +159,7 @@ class Controller:
             self._next_tick += self.config.tick
             self._tick(self._last)
             return
+        self._handling = ("poll", None)
         if (self.arrivals or self.cancels) and now - self._read_at >= READ_EVENTS_EVERY:
             self._read_events(0.0)
         if self._events:
@@ -171,7 +172,6 @@ class Controller:
             self._handling = ("cancel", self.cancels.popleft())
             self._cancel(self._handling[1], now)
         else:
-            self._handling = ("poll", None)
             self._read_events(self._next_tick - now)
 
     def _read_events(self, timeout: float) -> None:
