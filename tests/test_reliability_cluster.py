@@ -194,9 +194,10 @@ def test_the_default_step_timeout_comes_from_the_latency_profile():
     cfg = config(max_batch_tokens=4096)
     cluster = Cluster(cfg)  # (not started: nothing loads)
     slowest = cluster.scheduler.profile.step_latency(1, 4096, StepKind.RECOMPUTE)
-    assert cluster.controller.step_timeout == max(slowest * HUNG_STEP_FACTOR, MIN_STEP_TIMEOUT)
-    assert cluster.controller.step_timeout < 120
-    overridden = Cluster(config(step_timeout=3.0)).controller.step_timeout
+    timeout = cluster.controller.hangs.step_timeout
+    assert timeout == max(slowest * HUNG_STEP_FACTOR, MIN_STEP_TIMEOUT)
+    assert timeout < 120
+    overridden = Cluster(config(step_timeout=3.0)).controller.hangs.step_timeout
     assert overridden == 3.0  # --step-timeout overrides
 
 

@@ -72,7 +72,7 @@ class ClusterConfig:
         step of `max_batch_tokens` on the layout's slowest TP degree, as `profile` predicts it)
         times `HUNG_STEP_FACTOR`, and at least `MIN_STEP_TIMEOUT` seconds. Either is the
         timeout at the profile's speed: the controller multiplies it by each instance's
-        measured slowdown (`Controller.step_timeout_of`), so that a loaded machine's slow
+        measured slowdown (`HangWatch.timeout_of`), so that a loaded machine's slow
         steps are not taken for hung ones."""
         if self.step_timeout is not None:
             return self.step_timeout

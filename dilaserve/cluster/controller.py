@@ -12,7 +12,7 @@ in the simulator to the same decision log (`sim.replay`); that is tested.
 Faults: a dead instance's requests continue elsewhere from their last committed tokens (its
 running step is lost), the failure is counted and logged, and a replacement with the same GPUs
 is started (`replace_failed`; retried with backoff: `replacements`); an instance whose step
-runs past its step timeout (`step_timeout_of`: the configured or derived timeout times its
+runs past its step timeout (`HangWatch.timeout_of`: the configured or derived timeout times its
 measured slowdown) is killed as hung, the last one serving only past `LAST_INSTANCE_GRACE`
 times that (`hangs.py`): slowness alone never leaves none. If the engine raises on a step, its
 requests resume, each alone from then on; one whose step fails alone fails. An exception in
@@ -147,11 +147,9 @@ class Controller:
         return bool(self.arrivals or self.cancels or self._events)
 
     def _next_event(self) -> None:
-        """A tick when due; else an instance's event, an arrival, a cancellation, in that
-        order; else a wait for the instances' events. An instance's event goes first: its
-        step has ended, and until it is handled the instance waits (a burst of 300 arrivals,
-        each admitted in about a millisecond, held both instances idle for 0.3 s, and the step
-        that had ended was measured that long)."""
+        """A tick when due; else an instance's event (its step has ended: until it is handled
+        the instance waits), an arrival, a cancellation; else a wait for the instances' events
+        (docs/cluster.md: 300 arrivals first once held both instances idle for 0.3 s)."""
         now = self._clock()
         if now >= self._next_tick:
             self._handling = ("tick", None)
@@ -218,15 +216,6 @@ class Controller:
         launched = {iid: start for iid, (start, _) in self._inflight.items()}
         for iid in self.hangs.to_kill(launched, self.scheduler.instances, now):
             self.backend.kill(iid)
-
-    @property
-    def step_timeout(self) -> float:
-        """Seconds a step may run at the profile's speed before it counts as hung."""
-        return self.hangs.step_timeout
-
-    def step_timeout_of(self, instance_id: str) -> float:
-        """The instance's step timeout: `step_timeout` times its measured slowdown (`hangs`)."""
-        return self.hangs.timeout_of(instance_id)
 
     def _admit(self, handle: RequestHandle, now: float) -> None:
         request = handle.request

@@ -141,7 +141,7 @@ class Cluster:
             "cluster up: %d instances %s; a step past %.1f s counts as hung",
             len(specs),
             [s.tp for s in specs],
-            self.controller.step_timeout,
+            self.controller.hangs.step_timeout,
         )
         return self
 
