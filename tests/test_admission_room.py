@@ -104,12 +104,26 @@ def test_the_room_counts_each_request_queued_ahead_at_the_least_one_block_adds()
     assert not Room().refuses(0, ahead=100)  # nothing in flight: asked in full (a probe)
 
 
-def idle_burst(size: int, model: str) -> Counter:
-    """`size` requests submitted at once to an idle cluster that served 20 together before
-    (admission priced enough of them to know the least time per block alone), before the
-    controller's next event: who refused them."""
+def test_a_request_longer_than_any_priced_is_left_to_admission():
+    """The room prices by the least per block of the latest requests priced: a request longer
+    than those may be one no idle cluster serves, admission's 400 (a bad `max_tokens` among
+    good requests was refused 429 by the room: `test_server`)."""
+    room = Room(0, throughput=100.0, load=100.0, least=32.0, slo=2.0, least_per_block=40.0,
+                block_len=32, most_blocks=2)  # fmt: skip
+    assert room.refuses(0, max_tokens=64, ahead=2)
+    assert not room.refuses(0, max_tokens=96, ahead=2)
+
+
+def idle_burst(size: int, model: str, one_at_a_time: bool = False) -> Counter:
+    """`size` requests submitted at once to an idle cluster that served 20 before, together
+    or `one_at_a_time` (admission priced enough of them to know the least time per block
+    alone), before the controller's next event: who refused them."""
     cluster, clock = virtual_cluster(instances=(1, 1), slo=SLO, admission_time=model)
-    warm = [cluster.submit(QUESTION, max_tokens=32, request_id=f"w{k}") for k in range(20)]
+    warm = []
+    for k in range(20):
+        warm.append(cluster.submit(QUESTION, max_tokens=32, request_id=f"w{k}"))
+        if one_at_a_time:  # (each a probe: nothing in flight when admission asks)
+            run_until(cluster, lambda: warm[-1].future.done())
     run_until(cluster, lambda: all(handle.future.done() for handle in warm))
     assert cluster.in_flight == 0
     seen, handles = Counter(), []
@@ -135,6 +149,16 @@ def test_a_burst_at_an_idle_server_is_refused_at_once_beyond_what_it_takes():
     assert seen["room"] > 2 * seen["admission"]
     queue = idle_burst(300, "queue")  # (no model of a burst: asked in full, as before)
     assert queue["room"] == 0 and queue["first admitted"]
+
+
+def test_requests_served_one_at_a_time_teach_the_room_a_burst():
+    """Admission learnt the least time per block alone only from requests priced beside
+    others, not from probes: after requests one at a time the room had no model of a burst,
+    and the 400 clients' first wave went through it to admission in full, each request
+    tokenized and queued first (docs/serving/reliability.md)."""
+    seen = idle_burst(300, "batched", one_at_a_time=True)
+    assert seen["first admitted"] and seen["admitted"] > 0
+    assert seen["room"] > 2 * seen["admission"]
 
 
 def recording_room(cluster) -> list[int]:

@@ -109,6 +109,7 @@ class Admission:
         self._priced: dict[str, Request] = {}  # admitted, their predicted time on record
         self._predicted = 0.0  # seconds the last request asked about needs (`refusal`)
         self._per_block: deque[float] = deque(maxlen=RECENT)  # load per block, latest priced
+        self._blocks: deque[int] = deque(maxlen=RECENT)  # output blocks, latest priced
         self._mean_tokens = 0.0  # of the requests in flight, as of the latest `room`
         if getattr(scheduler, "lost_work", None) is not None:
             scheduler.lost_work.on_lost.append(self.lost)
@@ -136,7 +137,10 @@ class Admission:
         least = block_len  # one step over one block
         per_block = min(self._per_block) if len(self._per_block) >= MIN_RECENT else 0.0
         lowest = self._loads.lowest_priority()
-        room = Room(lowest, throughput, load, least, self._slo, per_block, block_len)
+        most = self._most_blocks
+        room = Room(
+            lowest, throughput, load, least, self._slo, per_block, block_len, most_blocks=most
+        )
         if self._batched is None or len(self._alone_per_block) < MIN_RECENT:
             return room
         rows, count, tokens = self._in_flight(now)
@@ -149,7 +153,8 @@ class Admission:
         ones ahead (a burst at an idle server is refused at the front beyond what it takes,
         not each in full by the controller: docs/serving/reliability.md)."""
         block_len = self.scheduler.config.costs.block_len
-        room = Room(slo=self._slo, block_len=block_len, fits=UNLIMITED)
+        most = self._most_blocks
+        room = Room(slo=self._slo, block_len=block_len, fits=UNLIMITED, most_blocks=most)
         if self._batched is None or len(self._alone_per_block) < MIN_RECENT:
             return room
         return self._priced_room(room, 0, self._mean_tokens, now, self.on_time.factor(now))
@@ -184,13 +189,12 @@ class Admission:
         deadline = request.deadline if request.deadline is not None else now + self._slo
         left = max(deadline - now, 0.0)
         alone = needed * self.scheduler.speed.slowdown
+        own = self._learn_price(request, steps, needed)  # (its load)
         if not self.scheduler.requests:  # a probe: priced at the profile, not the estimates
             self._predicted = alone
             return _too_late(needed, left)
-        own = self._load([request], [steps])
-        self._per_block.append(own / request.num_blocks)
         if self._batched is not None:
-            return self._batched_refusal(request, now, left, lowest, steps, needed)
+            return self._batched_refusal(request, now, left, lowest, steps)
         load, tokens, count = self._loads.lowest_load(request.priority, now)
         load += own
         queued = load / self.capacity(now, (tokens + request.num_tokens) / (count + 1))
@@ -204,11 +208,27 @@ class Admission:
             )
         return _too_late(alone * factor, left)
 
-    def _batched_refusal(self, request, now, left, lowest, steps, needed):
+    @property
+    def _most_blocks(self) -> float:
+        """The most output blocks of the latest requests priced (none priced: no bound)."""
+        return max(self._blocks, default=float("inf"))
+
+    def _learn_price(self, request: Request, steps: float, needed: float) -> float:
+        """Keep what `request` costs per output block (load, and with the batched model the
+        seconds alone and steps), of which the `Room` prices a newcomer by the least. Every
+        request priced teaches it, a probe too: served one at a time, requests left the room
+        without a model of a burst, and it let an idle server's whole burst through to be
+        refused in full (docs/serving/reliability.md). Returns its load."""
+        blocks, load = request.num_blocks, self._load([request], [steps])
+        self._per_block.append(load / blocks)
+        self._blocks.append(blocks)
+        if self._batched is not None:
+            self._alone_per_block.append((needed / blocks, steps / blocks))
+        return load
+
+    def _batched_refusal(self, request, now, left, lowest, steps):
         """`refusal` by the batched time model (`batched_time.py`): its own steps in the batch
         it will share with every request in flight, at the measured speed."""
-        blocks = request.num_blocks
-        self._alone_per_block.append((needed / blocks, steps / blocks))
         rows, count, tokens = self._in_flight(now)  # every request in flight shares the batches
         view = _view(request, lowest, steps)
         self._predicted = self._batched.seconds(view, lowest, count, tokens)

@@ -20,7 +20,10 @@ class Room:
     the requests ahead of it, exceeds its SLO, or when the requests in flight take fewer
     newcomers (`fits`) than it and those ahead. With nothing in flight it refuses nothing but,
     with the batched model, a request behind others not priced yet (a burst at an idle
-    server), priced as if those were in flight."""
+    server), priced as if those were in flight. A request that asks for more output blocks
+    than any of the latest priced is asked in full: its price is the room's least per block,
+    which tells a request no idle cluster serves (admission's 400) from one the load refuses
+    (a 429) only within the lengths it was learnt from."""
 
     lowest_priority: float = float("inf")  # in flight (+inf: nothing is)
     throughput: float = float("inf")  # token-steps per second, at the measured speed, over
@@ -37,6 +40,7 @@ class Room:
     alone_per_block: float = 0.0
     scales: tuple[float, ...] = ()
     fits: int = 0  # (batched) newcomers the requests in flight take (`tolerated`)
+    most_blocks: float = float("inf")  # the most output blocks of the latest requests priced
 
     @property
     def spare(self) -> float:
@@ -61,6 +65,8 @@ class Room:
         if self.lowest_priority == float("inf") and not (ahead and self.scales):
             return False  # nothing in flight or ahead (a probe), or no model of a burst
         blocks = 1 if max_tokens is None else max(-(-max_tokens // self.block_len), 1)
+        if blocks > self.most_blocks:
+            return False  # longer than any priced lately: perhaps one no idle cluster serves
         slo = self.slo if slo is None else slo
         if self.scales:
             late = ahead + 1 > self.fits
