@@ -21,7 +21,7 @@ from dilaserve.cluster.runtime import ClusterConfig
 from dilaserve.cluster.worker import WorkerConfig
 from dilaserve.server.app import ServerSettings
 from dilaserve.server.guards import EarlyRefusals, Guards
-from dilaserve.server.limits import HttpLimits, limited_protocol
+from dilaserve.server.limits import STARTS_PER_TURN, HttpLimits, _Starts, limited_protocol
 from dilaserve.server.main import DrainingServer, build_app, server_config
 from dilaserve.tasks import arith
 
@@ -190,10 +190,12 @@ async def _api(scope, receive, send):
 class Front:
     """`app` behind `Guards` and the HTTP protocol with `EarlyRefusals`, over a stand-in
     cluster whose room refuses the default priority and SLO (a priority above 0 never): always,
-    or, given `room`, once that many requests are `entering`."""
+    or, given `room`, once that many requests are `entering`; asked for a request let through
+    already (its entry, in its turn to begin), as `room_at_begin` says (None: as before)."""
 
-    def __init__(self, api_key: str | None = None, room: int | None = None, app=_api):
+    def __init__(self, api_key=None, room: int | None = None, app=_api, room_at_begin=None):
         self.room, self.refused, self.entering = room, 0, 0
+        self.room_at_begin = room_at_begin
         cluster = SimpleNamespace(accepting=True, is_full=self._is_full, enter=self._enter)
         refusals = EarlyRefusals(cluster, api_key=api_key, on_refusal=self._count)
         self.port = free_port()
@@ -206,8 +208,11 @@ class Front:
         self.thread.start()
         wait_until(lambda: self.server.started)
 
-    def _is_full(self, priority, slo=None, max_tokens=None, probe=False) -> bool:
-        return priority <= 0 and (self.room is None or self.entering >= self.room)
+    def _is_full(self, priority, slo=None, max_tokens=None, entry=None, probe=False) -> bool:
+        if entry is not None and self.room_at_begin is not None:
+            return priority <= 0 and self.room_at_begin == "full"
+        ahead = self.entering - (entry is not None and entry.counted)  # (not itself)
+        return priority <= 0 and (self.room is None or ahead >= self.room)
 
     def _enter(self):
         self.entering += 1
@@ -244,6 +249,18 @@ def completion(body: bytes = b'{"prompt": "1+1"}', head: bytes = b"") -> bytes:
         b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n" + head
         + b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
     )  # fmt: skip
+
+
+def one_answer(s: socket.socket) -> bytes:
+    """One whole answer with a Content-Length, read from `s`."""
+    answer = b""
+    while b"\r\n\r\n" not in answer:
+        answer += s.recv(65536)
+    head, body = answer.split(b"\r\n\r\n", 1)
+    length = int(re.search(rb"content-length: *(\d+)", head, re.IGNORECASE).group(1))
+    while len(body) < length:
+        body += s.recv(65536)
+    return head + b"\r\n\r\n" + body
 
 
 def statuses(answer: bytes) -> list[int]:
@@ -337,6 +354,74 @@ def test_a_burst_read_at_once_is_let_through_only_as_far_as_the_room_goes():
         for s in sockets:
             s.close()
         server.stop()
+
+
+def test_a_request_whose_room_closed_before_its_turn_is_refused_below_the_app():
+    """Let through when read (the room had room), refused when its turn to begin came (the
+    room is priced again as the controller admits those ahead): answered 429 as a held one,
+    the app never called, its count in the room gone; its connection kept alive."""
+    calls = []
+
+    async def api(scope, receive, send):
+        calls.append(scope["path"])
+        await _api(scope, receive, send)
+
+    server = Front(room=10, app=api, room_at_begin="full")
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=HANG_GUARD_S) as s:
+            for head in (b"", CLOSE):  # (the second after the first's answer: not pipelined)
+                s.sendall(completion(head=head))
+                answer = one_answer(s)
+                assert statuses(answer) == [429] and b"retry-after" in answer.lower()
+        assert calls == [] and server.refused == 2 and server.entering == 0
+        server.room_at_begin = "room"
+        assert statuses(raw_exchange(server.port, completion(head=CLOSE))) == [204]
+        assert calls == ["/v1/completions"]
+    finally:
+        server.stop()
+
+
+def test_a_request_let_through_whose_body_is_not_whole_goes_to_the_app():
+    server = Front(room=10, room_at_begin="full")
+    try:
+        request = completion(head=CLOSE)
+        with socket.create_connection(("127.0.0.1", server.port), timeout=HANG_GUARD_S) as s:
+            s.sendall(request[:-3])  # (let through: its body is the app's to read)
+            wait_until(lambda: server.entering == 1)
+            s.sendall(request[-3:])
+            answer = b"".join(iter(partial(s.recv, 65536), b""))
+        assert statuses(answer) == [204] and server.refused == 0
+    finally:
+        server.stop()
+
+
+def test_requests_let_through_begin_in_order_a_few_per_event_loop_turn():
+    """Between turns the event loop reads its sockets: a burst's requests that the room
+    refuses are answered as they are read, not after the app's work for those let through."""
+    begun, after_each_turn = [], []
+
+    class Protocol:
+        loop = None
+
+        def __init__(self, k):
+            self.k = k
+
+        def begin(self, cycle, app):
+            begun.append(self.k)
+
+    async def burst():
+        Protocol.loop = asyncio.get_running_loop()
+        starts = _Starts()
+        for k in range(10):
+            starts.add(Protocol(k), None, None)
+        while len(begun) < 10:
+            await asyncio.sleep(0)  # (one turn of the loop)
+            after_each_turn.append(len(begun))
+
+    asyncio.run(burst())
+    assert begun == list(range(10))
+    counts = [b - a for a, b in zip([0, *after_each_turn], after_each_turn)]
+    assert max(counts) == STARTS_PER_TURN and len(after_each_turn) >= 10 / STARTS_PER_TURN
 
 
 def test_a_held_body_that_stops_coming_is_a_408(front):

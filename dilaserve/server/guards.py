@@ -234,11 +234,16 @@ class EarlyRefusals:
         """Count a request let through (`Cluster.enter`); it leaves when `Guards` is done."""
         return self.cluster.enter()
 
-    def answer(self, body: bytes, headers: Sequence[tuple[bytes, bytes]] = ()) -> bytes | None:
-        """The whole 429, with `headers` (the connection's own) first, for a held request whose
-        whole body is `body`; or None to let it through."""
+    def answer(
+        self, body: bytes, headers: Sequence[tuple[bytes, bytes]] = (), entry=None
+    ) -> bytes | None:
+        """The whole 429, with `headers` (the connection's own) first, for a request whose
+        whole body is `body`, held or let through already (its `entry`, not ahead of itself);
+        or None to let it through."""
         asks = _priority_and_slo(body)
-        if asks is None or not self.cluster.accepting or not self.cluster.is_full(*asks):
+        if asks is None or not self.cluster.accepting:
+            return None
+        if not self.cluster.is_full(*asks, entry):
             return None
         self.on_refusal()
         retry = _encoded(retry_headers(self.retry_after))

@@ -27,12 +27,21 @@ stay in order. Under 3x overload this is most requests, and a refusal here costs
 two thirds of what one through the app did (120 against 175 us at 600 a second:
 docs/serving/reliability.md, "Refusals below the app").
 
+The requests let through begin their ASGI cycles in order, at most `STARTS_PER_TURN` per turn
+of the event loop (`_Starts`), which reads its sockets between turns: the requests of a burst
+that the room refuses are answered as they are read, not after the app's work for every
+request let through ahead of them; and one whose room has closed by its turn (the room is
+priced again as the controller admits those ahead) is answered 429 then, as a held one, if its
+whole body is read and small (docs/serving/reliability.md, "the first wave").
+
 What the app refuses (body size, draining) is `guards.py`'s.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
+from collections import deque
 from dataclasses import dataclass
 
 import httptools
@@ -46,6 +55,12 @@ from dilaserve.server.guards import (
     http_answer,
     respond,
 )
+
+log = logging.getLogger("dilaserve.server")
+
+# Let-through requests whose ASGI cycles begin per event-loop turn (`_Starts`): the first step
+# of one, to its wait for admission, costs the loop about 0.5 ms on a 2-core machine
+STARTS_PER_TURN = 4
 
 
 @dataclass(frozen=True)
@@ -77,7 +92,31 @@ def limited_protocol(
     429s (off where the access log drops them, `main.RefusalsCounted`: a record made only to
     be dropped was 4% of the event loop's time in the 400 clients' first wave)."""
     fields = {"limits": limits, "refusals": refusals, "log_refusals": log_refusals}
+    if refusals is not None:
+        fields["starts"] = _Starts()
     return type("LimitedHttpToolsProtocol", (LimitedHttpToolsProtocol,), fields)
+
+
+class _Starts:
+    """The ASGI cycles of requests the room let through, begun in order, at most
+    `STARTS_PER_TURN` per turn of the event loop (the module's docstring)."""
+
+    def __init__(self):
+        self._queue: deque = deque()
+
+    def add(self, protocol: LimitedHttpToolsProtocol, cycle, app) -> None:
+        self._queue.append((protocol, cycle, app))
+        if len(self._queue) == 1:
+            protocol.loop.call_soon(self._begin_some, protocol.loop)
+
+    def _begin_some(self, loop) -> None:
+        try:
+            for _ in range(min(STARTS_PER_TURN, len(self._queue))):
+                protocol, cycle, app = self._queue.popleft()
+                protocol.begin(cycle, app)
+        finally:
+            if self._queue:  # (the rest after the loop's next read of its sockets)
+                loop.call_soon(self._begin_some, loop)
 
 
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
@@ -87,6 +126,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     limits = HttpLimits()
     refusals: EarlyRefusals | None = None
     log_refusals = True
+    starts: _Starts | None = None  # (with `refusals`)
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -185,6 +225,47 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         if body:
             super().on_body(body)
+
+    def _start_asgi_task(self, cycle, app) -> None:
+        """uvicorn's, but a request the room let through (its entry in its scope) waits its
+        turn in `starts`."""
+        if self.starts is None or ENTRY not in cycle.scope:
+            return super()._start_asgi_task(cycle, app)
+        self.starts.add(self, cycle, app)
+        return None
+
+    def begin(self, cycle, app) -> None:
+        """Begin a let-through request's cycle in its turn: not if its client has gone
+        (nothing to answer); answered 429 here if the room refuses now what its whole body
+        asks for (`EarlyRefusals.answer`, its entry not ahead of itself)."""
+        entry = cycle.scope[ENTRY]
+        if cycle.disconnected or self.transport.is_closing():
+            entry.leave()
+            return
+        try:
+            answer = self._refusal_now(cycle, entry)
+        except Exception:  # a bug here must not lose the request: the app answers it
+            log.exception("judging a request let through failed; it goes to the app")
+            answer = None
+        if answer is None:
+            super()._start_asgi_task(cycle, app)
+            return
+        entry.leave()
+        cycle.response_complete = True  # (uvicorn's callbacks leave it be)
+        self._refuse(answer, cycle.keep_alive)
+
+    def _refusal_now(self, cycle, entry) -> bytes | None:
+        """The room's 429 for a let-through request whose body is whole, or None. Not for one
+        the room leaves to the API when read (`Expect`); only for the connection's latest
+        request, nothing pipelined behind it: the parser still holds its request line (the
+        access log's)."""
+        if cycle is not self.cycle or self.pipeline or cycle.more_body:
+            return None
+        if any(name == b"expect" for name, _ in cycle.scope["headers"]):
+            return None
+        closing = [] if cycle.keep_alive else [(b"connection", b"close")]
+        headers = [*self.server_state.default_headers, *closing]
+        return self.refusals.answer(bytes(cycle.body), headers, entry)
 
     def _keeps_alive(self) -> bool:
         """Does the request being parsed leave its connection open (as uvicorn's cycle)?"""
