@@ -395,33 +395,57 @@ def test_a_request_let_through_whose_body_is_not_whole_goes_to_the_app():
         server.stop()
 
 
-def test_requests_let_through_begin_in_order_a_few_per_event_loop_turn():
-    """Between turns the event loop reads its sockets: a burst's requests that the room
-    refuses are answered as they are read, not after the app's work for those let through."""
-    begun, after_each_turn = [], []
+class Waiting:
+    """Stands for the protocol of a let-through request waiting in `_Starts`; the room takes
+    the requests numbered below `room[0]`."""
 
-    class Protocol:
-        loop = None
+    loop, room = None, [10]
 
-        def __init__(self, k):
-            self.k = k
+    def __init__(self, k, begun, refused):
+        self.k, self.begun, self.refused = k, begun, refused
 
-        def begin(self, cycle, app):
-            begun.append(self.k)
+    def answered_here(self, cycle) -> bool:
+        if self.k < self.room[0]:
+            return False
+        self.refused.append(self.k)
+        return True
+
+    def start(self, cycle, app):
+        self.begun.append(self.k)
+
+
+def run_starts(count: int, room: int) -> tuple[list, list, list]:
+    """`count` requests queued in `_Starts` at once, `room` of them taken: (begun, refused,
+    how many had begun after each turn of the event loop)."""
+    begun, refused, after_each_turn = [], [], []
+    Waiting.room = [room]
 
     async def burst():
-        Protocol.loop = asyncio.get_running_loop()
+        Waiting.loop = asyncio.get_running_loop()
         starts = _Starts()
-        for k in range(10):
-            starts.add(Protocol(k), None, None)
-        while len(begun) < 10:
+        for k in range(count):
+            starts.add(Waiting(k, begun, refused), None, None)
+        while len(begun) + len(refused) < count:
             await asyncio.sleep(0)  # (one turn of the loop)
             after_each_turn.append(len(begun))
 
     asyncio.run(burst())
-    assert begun == list(range(10))
+    return begun, refused, after_each_turn
+
+
+def test_requests_let_through_begin_in_order_a_few_per_event_loop_turn():
+    """Between turns the event loop reads its sockets: a burst's requests that the room
+    refuses are answered as they are read, not after the app's work for those let through."""
+    begun, refused, after_each_turn = run_starts(10, room=10)
+    assert begun == list(range(10)) and refused == []
     counts = [b - a for a, b in zip([0, *after_each_turn], after_each_turn)]
     assert max(counts) == STARTS_PER_TURN and len(after_each_turn) >= 10 / STARTS_PER_TURN
+
+
+def test_those_waiting_that_the_room_no_longer_takes_are_refused_from_the_back_at_once():
+    begun, refused, after_each_turn = run_starts(10, room=6)
+    assert refused == [9, 8, 7, 6] and begun == list(range(6))
+    assert after_each_turn[0] == STARTS_PER_TURN  # (refused in the first turn, not theirs)
 
 
 def test_a_held_body_that_stops_coming_is_a_408(front):

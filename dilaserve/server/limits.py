@@ -30,9 +30,10 @@ docs/serving/reliability.md, "Refusals below the app").
 The requests let through begin their ASGI cycles in order, at most `STARTS_PER_TURN` per turn
 of the event loop (`_Starts`), which reads its sockets between turns: the requests of a burst
 that the room refuses are answered as they are read, not after the app's work for every
-request let through ahead of them; and one whose room has closed by its turn (the room is
-priced again as the controller admits those ahead) is answered 429 then, as a held one, if its
-whole body is read and small (docs/serving/reliability.md, "the first wave").
+request let through ahead of them. Those waiting whose room has closed since (the room is
+priced again as the controller admits the requests ahead) are answered 429 from the back of
+the queue at the next turn, as held ones, if their whole bodies are read and small
+(docs/serving/reliability.md, "the first wave").
 
 What the app refuses (body size, draining) is `guards.py`'s.
 """
@@ -111,12 +112,24 @@ class _Starts:
 
     def _begin_some(self, loop) -> None:
         try:
+            self._refuse_from_the_back()
             for _ in range(min(STARTS_PER_TURN, len(self._queue))):
                 protocol, cycle, app = self._queue.popleft()
-                protocol.begin(cycle, app)
+                if not protocol.answered_here(cycle):
+                    protocol.start(cycle, app)
         finally:
             if self._queue:  # (the rest after the loop's next read of its sockets)
                 loop.call_soon(self._begin_some, loop)
+
+    def _refuse_from_the_back(self) -> None:
+        """Answer here the requests at the back of the queue that the room refuses now, each
+        behind all those queued ahead of it, up to the first it takes (or cannot judge): when
+        the room shrinks, the last let through are refused at once, not in their turn."""
+        while self._queue:
+            protocol, cycle, _ = self._queue[-1]
+            if not protocol.answered_here(cycle):
+                return
+            self._queue.pop()
 
 
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
@@ -234,25 +247,30 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self.starts.add(self, cycle, app)
         return None
 
-    def begin(self, cycle, app) -> None:
-        """Begin a let-through request's cycle in its turn: not if its client has gone
-        (nothing to answer); answered 429 here if the room refuses now what its whole body
-        asks for (`EarlyRefusals.answer`, its entry not ahead of itself)."""
+    def start(self, cycle, app) -> None:
+        """Begin a let-through request's cycle (its turn in `starts` came)."""
+        super()._start_asgi_task(cycle, app)
+
+    def answered_here(self, cycle) -> bool:
+        """Is a let-through request waiting its turn done with here? When its client has gone
+        (nothing to answer), or the room refuses now what its whole body asks for
+        (`EarlyRefusals.answer`, its entry not ahead of itself: a 429, as a held one's). Its
+        count in the room then leaves."""
         entry = cycle.scope[ENTRY]
         if cycle.disconnected or self.transport.is_closing():
             entry.leave()
-            return
+            return True
         try:
             answer = self._refusal_now(cycle, entry)
         except Exception:  # a bug here must not lose the request: the app answers it
             log.exception("judging a request let through failed; it goes to the app")
-            answer = None
+            return False
         if answer is None:
-            super()._start_asgi_task(cycle, app)
-            return
+            return False
         entry.leave()
         cycle.response_complete = True  # (uvicorn's callbacks leave it be)
         self._refuse(answer, cycle.keep_alive)
+        return True
 
     def _refusal_now(self, cycle, entry) -> bytes | None:
         """The room's 429 for a let-through request whose body is whole, or None. Not for one
