@@ -217,9 +217,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._disarm()
         if self._held is not None:
             keep_alive = self._keeps_alive()
-            closing = [] if keep_alive else [(b"connection", b"close")]
-            headers = [*self.server_state.default_headers, *closing]  # (server, date)
-            answer = self.refusals.answer(bytes(self._held), headers)
+            answer = self.refusals.answer(bytes(self._held), self._own_headers(keep_alive))
             if answer is not None:
                 return self._refuse(answer, keep_alive)
             self._let_through()
@@ -281,9 +279,13 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             return None
         if any(name == b"expect" for name, _ in cycle.scope["headers"]):
             return None
-        closing = [] if cycle.keep_alive else [(b"connection", b"close")]
-        headers = [*self.server_state.default_headers, *closing]
+        headers = self._own_headers(cycle.keep_alive)
         return self.refusals.answer(bytes(cycle.body), headers, entry)
+
+    def _own_headers(self, keep_alive: bool) -> list[tuple[bytes, bytes]]:
+        """The connection's headers on an answer written here (server, date; close)."""
+        closing = [] if keep_alive else [(b"connection", b"close")]
+        return [*self.server_state.default_headers, *closing]
 
     def _keeps_alive(self) -> bool:
         """Does the request being parsed leave its connection open (as uvicorn's cycle)?"""
