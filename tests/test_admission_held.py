@@ -1,9 +1,11 @@
-"""Admission and the requests a fault holds (`Admission._lefts`): a newcomer is refused if it
-would make late a request in flight that would be on time without it (`batched_time.late`),
+"""Admission and the requests a fault holds (`BatchedTime.in_flight`): a newcomer is refused if
+it would make late a request in flight that would be on time without it (`batched_time.late`),
 but not for a request in the step of a stopped worker. No refusal brings that step's end
 nearer; protected, such a request reached the edge of its deadline still priced as on time,
 and every newcomer was refused while it crossed it (SIGSTOP in the reliability suite: the
-429s 1 s after the stop, docs/serving/reliability.md).
+429s 1 s after the stop, docs/serving/reliability.md). Nor for a request in its last step,
+which a newcomer cannot join; and the lost requests that wait for an instance of their own
+(those the stopped worker held, once it is replaced) are not priced as sharing the batches.
 
 On the virtual clock of `test_admission_recovery`; asserted at points of that clock."""
 
@@ -11,6 +13,7 @@ import numpy as np
 from test_admission_recovery import outcome, run_until, submit, virtual_cluster
 
 from dilaserve.control.admission import MIN_RECENT
+from dilaserve.control.batched_time import InFlight
 from dilaserve.control.instance import STALL_SECONDS
 
 SLO = 2.0
@@ -76,7 +79,47 @@ def test_the_held_requests_are_protected_until_their_step_is_overdue():
     warm(cluster)
     _, held = stop_a_loaded_worker(cluster, clock)
     admission = cluster.controller.admission
-    assert np.all(np.isfinite(admission._lefts(held, clock.t)))
+    assert np.all(np.isfinite(admission._batched.lefts(held, clock.t)))
     stopped = clock.t
     run_until(cluster, lambda: clock.t >= stopped + STALL_SECONDS)
-    assert np.all(admission._lefts(held, clock.t) == -np.inf)
+    assert np.all(admission._batched.lefts(held, clock.t) == -np.inf)
+
+
+def test_lost_requests_waiting_for_an_instance_do_not_close_admission():
+    """The stopped worker is killed once its requests are past their deadlines, and its
+    replacement is not up yet: those requests are lost and wait for an instance that holds
+    no request still on time (`lost_work.py`), so a newcomer shares the one instance left
+    with the few on time only. Priced as sharing it with the 45 waiting too, it was refused
+    (in the suite, 14-30 requests 429 after a SIGSTOP)."""
+    cluster, clock = virtual_cluster(instances=(1, 1), slo=SLO)
+    warm(cluster)
+    clock.start = lambda spec: None  # the replacement never comes up
+    iid, held = stop_a_loaded_worker(cluster, clock, requests=90)
+    deadlines = [cluster.scheduler.requests[rid].request.deadline for rid in held]
+    run_until(cluster, lambda: clock.t > max(deadlines))
+    on_time = [submit(cluster, f"o{k}", slo=SLO) for k in range(4)]
+    assert [outcome(cluster, h) for h in on_time] == ["admitted"] * 4
+    clock.kill(iid)
+    run_until(cluster, lambda: cluster.controller.stats["failures"] == 1)
+    waiting = [t for t in cluster.scheduler.requests.values() if t.lost and t.instance is None]
+    assert len(waiting) >= 40 and list(cluster.scheduler.instances) != [iid]
+    assert not cluster.controller.admission.room(clock.t).refuses(0, None, 32)
+    assert outcome(cluster, submit(cluster, "new", slo=SLO)) == "admitted"
+
+
+def test_a_request_in_its_last_step_is_not_made_later_by_a_newcomer():
+    """A newcomer joins the steps after the running one: a request whose last step runs,
+    at the edge of its deadline, does not close admission; one with a step still to come
+    does."""
+    cluster, _ = virtual_cluster(instances=(1,), slo=SLO)
+    batched = cluster.controller.admission._batched
+    tokens = 64.0
+    inner, _ = batched.step_seconds(1, tokens)
+
+    def edge(steps: float, running: float) -> InFlight:
+        one = np.array([steps])
+        return InFlight(one, np.zeros(1), tokens, one * inner, np.array([running]))
+
+    assert batched.late(edge(1.0, running=1.0), 1, tokens) == 0
+    assert batched.late(edge(2.0, running=1.0), 1, tokens) == 1
+    assert batched.late(edge(1.0, running=0.0), 1, tokens) == 1

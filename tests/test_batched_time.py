@@ -155,8 +155,9 @@ def test_a_lost_request_teaches_admission_once_when_found_lost_not_at_its_finish
     lost = []
     cluster.scheduler.lost_work.on_lost.append(lambda rid, at: lost.append(rid))
     start = clock.t
-    for k in range(2000):  # every 5 ms: over capacity
-        run_until(cluster, lambda k=k: clock.t >= start + k * 0.005)
+    for k in range(2000):  # every 3 ms: far over capacity (every 5 ms, none was found lost
+        # once a request in its last step no longer kept out a newcomer, `late`)
+        run_until(cluster, lambda k=k: clock.t >= start + k * 0.003)
         handle = submit(cluster, f"r{k}", slo=0.5)
         if not isinstance(handle, Overloaded):
             run_until(cluster, handle.admission.done)

@@ -71,7 +71,12 @@ class Controller:
         self.observer = observer
         self.now = now
         self.rollout = Rollout(scheduler, self, config.max_batch_tokens)
-        self.admission = Admission(scheduler, config.overload, model=config.admission_time)
+        self.admission = Admission(
+            scheduler,
+            config.overload,
+            model=config.admission_time,
+            restoring=lambda: self.replacements.pending,
+        )
         self.stalls = StallWatch(config.tick)
         self.hangs = HangWatch(config.derived_step_timeout(scheduler.profile), scheduler.speed)
         self.log = DecisionLog(keep_lines=config.record)

@@ -12,7 +12,8 @@ The time a request needs (`ClusterConfig.admission_time`): by default (`batched`
 `batched_time.py`) its own predicted steps, each at the latency of the batch it shares with
 the requests in flight, at the measured speed; and a newcomer is refused too if it would make
 late a request in flight that would finish in time without it (not one held in an overdue
-step, a stopped worker's: no refusal brings that step's end nearer). Or (`queue`) the load of
+step, a stopped worker's: no refusal brings that step's end nearer; nor one in its last step,
+which a newcomer cannot join: `BatchedTime.in_flight`). Or (`queue`) the load of
 it and of every request served before it (predicted remaining steps times the tokens each step
 processes, Alg. 4 with a KV cache) over the cluster's throughput: load control's model at the
 measured speed (`speed.py`), or what each instance's steps measured where that is less
@@ -93,13 +94,15 @@ class Admission:
         mode: str = "reject",
         on_time: OnTimeCalibration | None = None,
         model: str = "batched",
+        restoring=lambda: False,
     ):
         if mode not in OVERLOAD_MODES:
             raise ValueError(f"overload mode {mode!r} must be one of {OVERLOAD_MODES}")
         if model not in TIME_MODELS:
             raise ValueError(f"admission time model {model!r} must be one of {TIME_MODELS}")
         self.model = model
-        self._batched = BatchedTime(scheduler) if model == "batched" else None
+        # (`restoring`: is an instance starting to restore lost capacity? `BatchedTime`)
+        self._batched = BatchedTime(scheduler, restoring) if model == "batched" else None
         self._alone_per_block: deque[tuple[float, float]] = deque(maxlen=RECENT)  # (batched)
         # of the latest priced: (seconds alone at the profile's speed, steps), per block
         self.scheduler = scheduler  # control.scheduler.Scheduler, read on the controller thread
@@ -143,9 +146,9 @@ class Admission:
         )
         if self._batched is None or len(self._alone_per_block) < MIN_RECENT:
             return room
-        rows, count, tokens = self._in_flight(now)
-        fits = self._batched.tolerated(count, tokens, self._lefts(rows[0], now) / factor, rows)
-        return self._priced_room(replace(room, fits=fits), count, mean_tokens, now, factor)
+        flight = self._in_flight(now, factor)
+        fits = self._batched.tolerated(flight)
+        return self._priced_room(replace(room, fits=fits), flight.count, mean_tokens, now, factor)
 
     def _idle_room(self, now: float) -> Room:
         """The `Room` with nothing in flight: the next request is admitted (a probe), and, with
@@ -229,55 +232,28 @@ class Admission:
     def _batched_refusal(self, request, now, left, lowest, steps):
         """`refusal` by the batched time model (`batched_time.py`): its own steps in the batch
         it will share with every request in flight, at the measured speed."""
-        rows, count, tokens = self._in_flight(now)  # every request in flight shares the batches
-        view = _view(request, lowest, steps)
-        self._predicted = self._batched.seconds(view, lowest, count, tokens)
         factor = self.on_time.factor(now)
+        flight = self._in_flight(now, factor)  # the requests it shares the batches with
+        view = _view(request, lowest, steps)
+        self._predicted = self._batched.seconds(view, lowest, flight.count, flight.tokens)
         if self._predicted * factor > left:
             return Refusal(
-                f"over capacity: in a batch with the {count} requests in flight it takes "
-                f"{self._predicted:.2f} s (x{factor:.2f} to be on time "
+                f"over capacity: in a batch with the {flight.count} requests in flight it "
+                f"takes {self._predicted:.2f} s (x{factor:.2f} to be on time "
                 f"{self.on_time.target:.0%} of the time), and {left:.2f} s are left"
             )
-        lefts = self._lefts(rows[0], now) / factor
-        late = self._batched.late(count, tokens, lefts, rows, 1, request.num_tokens)
+        late = self._batched.late(flight, 1, request.num_tokens)
         if late:
             return Refusal(
-                f"over capacity: {late} of the {count} requests in flight would no longer "
-                f"finish in time in a batch one larger"
+                f"over capacity: {late} of the {flight.count} requests in flight would no "
+                f"longer finish in time in a batch one larger"
             )
         return None
 
-    def _in_flight(self, now: float):
-        """Load control's rows of the requests in flight at the lowest threshold now
-        (`LoadTable.lowest_rows`), their count and their tokens."""
-        rows = self._loads.lowest_rows(now)
-        return rows, len(rows[0]), float(rows[3].sum())
-
-    def _lefts(self, request_ids: list[str], now: float) -> np.ndarray:
-        """Seconds to each request's deadline (inf: none) that a newcomer could take from it;
-        -inf (a newcomer makes it no later) where its instance's running step is overdue
-        (`InstanceState.overdue`): a fault holds it, and no refusal brings that step's end
-        nearer (protected, a SIGSTOPped worker's request reached its deadline still priced as
-        on time, and every newcomer was refused while it crossed it)."""
-        tracked, held = self.scheduler.requests, self._held(now)
-        lefts = np.empty(len(request_ids))
-        for k, rid in enumerate(request_ids):
-            t = tracked[rid]
-            deadline = t.request.deadline
-            lefts[k] = np.inf if deadline is None else deadline - now
-            if t.instance in held:
-                lefts[k] = -np.inf
-        return lefts
-
-    def _held(self, now: float) -> set[str]:
-        """The instances whose running step is overdue (a fault holds their requests)."""
-        speed = self.scheduler.speed
-        return {
-            iid
-            for iid, inst in self.scheduler.instances.items()
-            if inst.stalled or inst.overdue(now, speed.instance_ratio(iid))
-        }
+    def _in_flight(self, now: float, factor: float):
+        """The requests in flight at the lowest threshold now (`LoadTable.lowest_rows`), as a
+        newcomer shares the batches with them (`BatchedTime.in_flight`)."""
+        return self._batched.in_flight(self._loads.lowest_rows(now), now, factor)
 
     def admitted(self, request: Request, now: float) -> None:
         """The request last asked about was admitted: its predicted time is on record for the

@@ -47,6 +47,7 @@ class InstanceState:
     running_full: int = 0  # full-sequence tokens of the running step's batch
     running_cache: int = 0  # cache-step tokens of the running step's batch
     running_requests: int = 0  # requests in the running step's batch
+    running: frozenset[str] = frozenset()  # their ids (while `busy`)
     solo: bool = False  # the gathered batch is one request that must run alone
     holds: set[str] = field(default_factory=set)  # requests whose state lives here
     residents: int = 0  # requests assigned here (running, waiting or held)
@@ -153,5 +154,6 @@ class InstanceState:
         self.busy_until = now + self.latency(self.pending_full, self.pending_cache)
         self.running_full, self.running_cache = self.pending_full, self.pending_cache
         self.running_requests = len(self.pending)
+        self.running = frozenset(self.pending)
         self.busy = True
         self.holds.update(self.clear())

@@ -138,7 +138,7 @@ class LoadTable:
     def lowest_rows(self, column: int = -1) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
         """(ids, steps left at the lowest threshold (`column`), recompute steps left, tokens) of
         every row, lost ones too (served last, they still take their steps): what the batched
-        time model prices the requests sharing the batches by (`batched_time.py`)."""
+        time model prices the requests sharing the batches by (`BatchedTime.in_flight`)."""
         slots = self._service_order()
         self._count()
         steps = np.maximum(self.steps[slots, column] - self.counted[slots], 1.0)
