@@ -33,9 +33,10 @@ from dilaserve.control.thresholds import InstanceLoad, LoadView, seconds_left, s
 
 AHEAD = (0, 1, 3, 7, 15, 31, 63, 127, 255, 511)  # requests ahead of a newcomer the `Room` has
 # a scale for (an idle cluster's burst: every request of it but the first is ahead of others)
-MOST_AHEAD = 64  # newcomers the `Room` tries; if that many are taken, it counts no limit (at
-# 512 a burst's front let fewer through that were refused once queued, but a SIGSTOPped
-# worker's transient refused requests in 3 of 5 runs against 0 of 4: docs/serving/reliability.md)
+MOST_AHEAD = 512  # newcomers the `Room` tries; if that many are taken, it counts no limit
+# (at 64 a burst's front let through about 350 where the requests in flight took about 250;
+# at 512 a SIGSTOPped worker's transient refused requests until `BatchedTime.in_flight` left
+# out the running step and the lost waiting for a replacement: docs/serving/reliability.md)
 UNLIMITED = 2**62  # (`tolerated`: no limit)
 
 
