@@ -12,9 +12,9 @@ On the virtual clock of `test_admission_recovery`; asserted at points of that cl
 import numpy as np
 from test_admission_recovery import outcome, run_until, submit, virtual_cluster
 
-from dilaserve.control.admission import MIN_RECENT
 from dilaserve.control.batched_time import InFlight
 from dilaserve.control.instance import STALL_SECONDS
+from dilaserve.control.room import MIN_RECENT
 
 SLO = 2.0
 MS = 1e-3
@@ -27,7 +27,7 @@ def warm(cluster) -> None:
         pair = [submit(cluster, f"w{k}.{j}", slo=SLO) for j in range(2)]
         assert [outcome(cluster, h) for h in pair] == ["admitted"] * 2
         run_until(cluster, lambda pair=pair: all(h.future.done() for h in pair))
-    assert len(cluster.controller.admission._alone_per_block) >= MIN_RECENT
+    assert cluster.controller.admission.prices.least_alone is not None
 
 
 def batch_of(clock, least: int) -> str | None:

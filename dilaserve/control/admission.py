@@ -48,7 +48,6 @@ docs/serving/reliability.md)."""
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
@@ -56,7 +55,7 @@ import numpy as np
 
 from dilaserve.control.batched_time import UNLIMITED, BatchedTime
 from dilaserve.control.on_time import OnTimeCalibration
-from dilaserve.control.room import Room
+from dilaserve.control.room import RecentPrices, Room
 from dilaserve.control.step_limits import within_limits
 from dilaserve.control.thresholds import (
     InstanceLoad,
@@ -69,8 +68,6 @@ from dilaserve.request import Request
 OVERLOAD_MODES = ("reject", "deprioritize")
 TIME_MODELS = ("batched", "queue")  # a request's predicted time (`batched_time.py`), or the
 # load ahead of it over the cluster's throughput
-RECENT = 64  # requests priced whose load per block the `Room` keeps (the latest)
-MIN_RECENT = 16  # of them, before the least of them is used
 LOWEST_PRIORITY = -(2**31)  # (intake.PRIORITIES[0]) where a deprioritized request goes
 
 
@@ -103,16 +100,13 @@ class Admission:
         self.model = model
         # (`restoring`: is an instance starting to restore lost capacity? `BatchedTime`)
         self._batched = BatchedTime(scheduler, restoring) if model == "batched" else None
-        self._alone_per_block: deque[tuple[float, float]] = deque(maxlen=RECENT)  # (batched)
-        # of the latest priced: (seconds alone at the profile's speed, steps), per block
         self.scheduler = scheduler  # control.scheduler.Scheduler, read on the controller thread
         self.mode = mode
         self._loads = scheduler.load_control  # None for fixed-threshold policies
         self.on_time = on_time or OnTimeCalibration(age_each=True)
         self._priced: dict[str, Request] = {}  # admitted, their predicted time on record
         self._predicted = 0.0  # seconds the last request asked about needs (`refusal`)
-        self._per_block: deque[float] = deque(maxlen=RECENT)  # load per block, latest priced
-        self._blocks: deque[int] = deque(maxlen=RECENT)  # output blocks, latest priced
+        self.prices = RecentPrices()  # of the latest requests priced, what the `Room` reads
         self._mean_tokens = 0.0  # of the requests in flight, as of the latest `room`
         if getattr(scheduler, "lost_work", None) is not None:
             scheduler.lost_work.on_lost.append(self.lost)
@@ -138,13 +132,12 @@ class Admission:
         throughput = self.capacity(now, mean_tokens) / factor
         block_len = self.scheduler.config.costs.block_len
         least = block_len  # one step over one block
-        per_block = min(self._per_block) if len(self._per_block) >= MIN_RECENT else 0.0
+        per_block, most = self.prices.least_load, self.prices.most_blocks
         lowest = self._loads.lowest_priority()
-        most = self._most_blocks
         room = Room(
             lowest, throughput, load, least, self._slo, per_block, block_len, most_blocks=most
         )
-        if self._batched is None or len(self._alone_per_block) < MIN_RECENT:
+        if self._batched is None or self.prices.least_alone is None:
             return room
         flight = self._in_flight(now, factor)
         fits = self._batched.tolerated(flight)
@@ -156,9 +149,9 @@ class Admission:
         ones ahead (a burst at an idle server is refused at the front beyond what it takes,
         not each in full by the controller: docs/serving/reliability.md)."""
         block_len = self.scheduler.config.costs.block_len
-        most = self._most_blocks
+        most = self.prices.most_blocks
         room = Room(slo=self._slo, block_len=block_len, fits=UNLIMITED, most_blocks=most)
-        if self._batched is None or len(self._alone_per_block) < MIN_RECENT:
+        if self._batched is None or self.prices.least_alone is None:
             return room
         return self._priced_room(room, 0, self._mean_tokens, now, self.on_time.factor(now))
 
@@ -166,7 +159,7 @@ class Admission:
         """`room` with the batched model's price of a newcomer behind `count` in flight of
         `mean_tokens` each, at the lowest threshold now and the on-time `factor`: the least
         time alone per block seen, and its scales."""
-        alone, steps = min(self._alone_per_block)
+        alone, steps = self.prices.least_alone
         scales = self._batched.scales(count, mean_tokens, self._loads.lowest(now), steps)
         times = self.scheduler.speed.slowdown * factor
         return replace(room, alone_per_block=alone, scales=tuple(x * times for x in scales))
@@ -192,7 +185,9 @@ class Admission:
         deadline = request.deadline if request.deadline is not None else now + self._slo
         left = max(deadline - now, 0.0)
         alone = needed * self.scheduler.speed.slowdown
-        own = self._learn_price(request, steps, needed)  # (its load)
+        own = self._load([request], [steps])
+        batched = (needed, steps) if self._batched is not None else None
+        self.prices.learn(request.num_blocks, own, batched)  # a probe too (`RecentPrices`)
         if not self.scheduler.requests:  # a probe: priced at the profile, not the estimates
             self._predicted = alone
             return _too_late(needed, left)
@@ -210,24 +205,6 @@ class Admission:
                 f"{left:.2f} s are left"
             )
         return _too_late(alone * factor, left)
-
-    @property
-    def _most_blocks(self) -> float:
-        """The most output blocks of the latest requests priced (none priced: no bound)."""
-        return max(self._blocks, default=float("inf"))
-
-    def _learn_price(self, request: Request, steps: float, needed: float) -> float:
-        """Keep what `request` costs per output block (load, and with the batched model the
-        seconds alone and steps), of which the `Room` prices a newcomer by the least. Every
-        request priced teaches it, a probe too: served one at a time, requests left the room
-        without a model of a burst, and it let an idle server's whole burst through to be
-        refused in full (docs/serving/reliability.md). Returns its load."""
-        blocks, load = request.num_blocks, self._load([request], [steps])
-        self._per_block.append(load / blocks)
-        self._blocks.append(blocks)
-        if self._batched is not None:
-            self._alone_per_block.append((needed / blocks, steps / blocks))
-        return load
 
     def _batched_refusal(self, request, now, left, lowest, steps):
         """`refusal` by the batched time model (`batched_time.py`): its own steps in the batch

@@ -97,7 +97,7 @@ class BatchedTime:
         on time (`lost_work.py`), the new one (after a SIGSTOPped worker was replaced, 90 of
         them priced as sharing the one instance left refused every newcomer:
         docs/serving/reliability.md). Else it is counted: in an overload the lost wait for an
-        instance to hold only them, and newcomers then share it with them (left out, 3x
+        instance to hold only them, and newcomers then share it with them (left out, 5x
         capacity on the virtual clock admitted 445 and served 221 on time, against 369 and
         243)."""
         ids, steps, recompute, tokens = rows

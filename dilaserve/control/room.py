@@ -3,9 +3,13 @@ before tokenizing or queueing for the controller."""
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 from dilaserve.control.batched_time import scale_at
+
+RECENT = 64  # requests priced whose cost per block `RecentPrices` keeps (the latest)
+MIN_RECENT = 16  # of them, before the least of them is used
 
 
 @dataclass(frozen=True)
@@ -74,3 +78,41 @@ class Room:
         least = max(self.least, self.least_per_block * blocks)
         unpriced = ahead * max(self.least, self.least_per_block)
         return self.spare_within(slo) < least + unpriced
+
+
+class RecentPrices:
+    """What the latest `RECENT` requests priced cost per output block, of which the `Room`
+    prices a newcomer by the least (once `MIN_RECENT` are kept): their load (token-steps)
+    and, with the batched time model, their seconds alone at the profile's speed and steps;
+    and the most output blocks of them. Every request priced teaches it, a probe too: served
+    one at a time, requests left the room without a model of a burst, and it let an idle
+    server's whole burst through to be refused in full (docs/serving/reliability.md)."""
+
+    def __init__(self):
+        self._load: deque[float] = deque(maxlen=RECENT)
+        self._alone: deque[tuple[float, float]] = deque(maxlen=RECENT)
+        self._blocks: deque[int] = deque(maxlen=RECENT)
+
+    def learn(self, blocks: int, load: float, alone: tuple[float, float] | None = None) -> None:
+        """A request of `blocks` output blocks priced at `load`, and (batched) `alone`:
+        (seconds alone at the profile's speed, steps)."""
+        self._load.append(load / blocks)
+        self._blocks.append(blocks)
+        if alone is not None:
+            self._alone.append((alone[0] / blocks, alone[1] / blocks))
+
+    @property
+    def least_load(self) -> float:
+        """The least load per block (0: too few priced)."""
+        return min(self._load) if len(self._load) >= MIN_RECENT else 0.0
+
+    @property
+    def least_alone(self) -> tuple[float, float] | None:
+        """(seconds alone, steps) per block of the request least in seconds (None: too few
+        priced by the batched model)."""
+        return min(self._alone) if len(self._alone) >= MIN_RECENT else None
+
+    @property
+    def most_blocks(self) -> float:
+        """The most output blocks (none priced: no bound)."""
+        return max(self._blocks, default=float("inf"))
