@@ -10,9 +10,10 @@ which a newcomer cannot join; and the lost requests that wait for an instance of
 On the virtual clock of `test_admission_recovery`; asserted at points of that clock."""
 
 import numpy as np
+import pytest
 from test_admission_recovery import outcome, run_until, submit, virtual_cluster
 
-from dilaserve.control.batched_time import InFlight
+from dilaserve.control.batched_time import InFlight, scale_at
 from dilaserve.control.instance import STALL_SECONDS
 from dilaserve.control.room import MIN_RECENT
 
@@ -123,3 +124,19 @@ def test_a_request_in_its_last_step_is_not_made_later_by_a_newcomer():
     assert batched.late(edge(1.0, running=1.0), 1, tokens) == 0
     assert batched.late(edge(2.0, running=1.0), 1, tokens) == 1
     assert batched.late(edge(1.0, running=0.0), 1, tokens) == 1
+
+
+def test_the_room_prices_the_measured_slowdown_once():
+    """As admission in full does (`BatchedTime.seconds`): steps measured 3x slower than the
+    profile make a newcomer's price 3x, not 9x (the room refused what admission would take)."""
+    cluster, clock = virtual_cluster(instances=(1, 1), slo=SLO)
+    warm(cluster)
+    handles = [submit(cluster, f"r{k}", slo=SLO) for k in range(8)]
+    assert [outcome(cluster, h) for h in handles] == ["admitted"] * 8
+    admission, speed = cluster.controller.admission, cluster.scheduler.speed
+    speed.ratio = 1.0
+    profile = admission.room(clock.t)
+    speed.ratio = 3.0
+    slower = admission.room(clock.t)
+    assert speed.slowdown == 3.0
+    assert scale_at(slower.scales, 0) == pytest.approx(3 * scale_at(profile.scales, 0))

@@ -508,7 +508,7 @@ def test_a_bursts_refusals_are_answered_from_the_back_of_the_queue(monkeypatch):
                         refusal(r, *a))  # fmt: skip
     controller.admitting.room = Room()  # the front lets the whole burst through
     burst = [submit(cluster, f"b{k}") for k in range(200)]
-    for _ in range(200):  # each event takes ROOM_MAX_AGE: the room is priced after each
+    for _ in range(1000):  # each event takes ROOM_MAX_AGE: the room is priced after each
         if not controller.arrivals:
             break
         clock.t += ROOM_MAX_AGE

@@ -158,11 +158,12 @@ class Admission:
     def _priced_room(self, room, count: int, mean_tokens: float, now: float, factor: float):
         """`room` with the batched model's price of a newcomer behind `count` in flight of
         `mean_tokens` each, at the lowest threshold now and the on-time `factor`: the least
-        time alone per block seen, and its scales."""
+        time alone per block seen, and its scales (the measured slowdown in them once: until
+        2026-12-07 it was counted twice, and at 3x capacity, steps 1.5x slower than the
+        profile, the room refused what admission in full would have taken)."""
         alone, steps = self.prices.least_alone
         scales = self._batched.scales(count, mean_tokens, self._loads.lowest(now), steps)
-        times = self.scheduler.speed.slowdown * factor
-        return replace(room, alone_per_block=alone, scales=tuple(x * times for x in scales))
+        return replace(room, alone_per_block=alone, scales=tuple(x * factor for x in scales))
 
     def refusal(self, request: Request, now: float, submitted: float | None = None):
         """Why `request` is not admitted now (a `Refusal`; None: admit it). Its SLO counts
