@@ -17,6 +17,7 @@ from pathlib import Path
 
 from reliability_inputs import MODEL, PROMPT
 from reliability_load import client_for, closed_loop, loop_lag, one, open_loop, stream_one
+from reliability_phases import gauge_watch, gauges_now
 from reliability_summaries import overload_summary, percentile, tally
 
 from dilaserve.bench.client import NoAnswer
@@ -94,16 +95,21 @@ async def storm(
     url: str, clients: int, seconds: float, capacity: float, slo_ms: float, polite: bool
 ) -> dict:
     """`clients` closed-loop clients for `seconds`, each waiting 50 ms after a refusal (a
-    storm) or, `polite`, as long as OpenAI's client waits (`openai_wait`)."""
+    storm) or, `polite`, as long as OpenAI's client waits (`openai_wait`); with what
+    admission saw at the start and each second (`GAUGES`: the slowdown a first wave was priced
+    at)."""
     lags: list[float] = []
-    records, _ = await asyncio.gather(
+    gauges: list = [await gauges_now(url)]  # (then one a second)
+    records, _, _ = await asyncio.gather(
         closed_loop(url, clients, seconds, slo_ms, polite),
         loop_lag(time.monotonic() + seconds, lags),
+        gauge_watch(url, time.monotonic() + seconds, gauges),
     )
     figures = {"clients": clients, "seconds": seconds, "polite": polite}
     figures |= overload_summary(records, seconds, capacity, slo_ms)
     return figures | {"client_loop_lag_p50_s": percentile(lags, 0.5),
-                      "client_loop_lag_p99_s": percentile(lags, 0.99)}  # fmt: skip
+                      "client_loop_lag_p99_s": percentile(lags, 0.99),
+                      "gauges_each_second": gauges}  # fmt: skip
 
 
 async def neighbour(url: str, rate: float, seconds: float, slo_ms: float) -> dict:

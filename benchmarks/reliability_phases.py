@@ -217,8 +217,18 @@ GAUGES = ("requests_in_flight", "step_slowdown", "admission_on_time_factor", "de
 async def gauge_watch(url: str, until: float, seen: list) -> None:
     """Record `GAUGES` of `/metrics` every second (what admission saw around a fault)."""
     async for values in metrics_each_second(url, until):
-        if values is None:
-            seen.append(None)
-            continue
-        row = [values.get(f"dilaserve_{name}") for name in GAUGES]
-        seen.append([None if v is None else round(float(v), 2) for v in row])
+        seen.append(None if values is None else gauge_row(values))
+
+
+async def gauges_now(url: str) -> list | None:
+    """`GAUGES` of `/metrics` once (None: no answer)."""
+    async with client_for(url, timeout=5) as client:
+        try:
+            return gauge_row(metric_values((await client.get("/metrics")).body.decode()))
+        except (NoAnswer, asyncio.TimeoutError):
+            return None
+
+
+def gauge_row(values: dict[str, str]) -> list:
+    row = [values.get(f"dilaserve_{name}") for name in GAUGES]
+    return [None if v is None else round(float(v), 2) for v in row]
