@@ -25,8 +25,9 @@ process group of its own and runs these phases, each bounded in time:
    without an answer, and the served rate against the capacity, at its mean step threshold.
 4. closed loop: `--storm-clients` closed-loop clients for `--storm-seconds`, each waiting
    after a refusal as long as OpenAI's client does (`retry-after-ms`, jittered by the server,
-   else Retry-After), the same figures; then a storm: the same
-   clients waiting only 50 ms after a refusal (the same figures, judged only by what follows).
+   else Retry-After), the same figures and admission's gauges at the start and each second;
+   then a storm: the same clients waiting only 50 ms after a refusal (the same figures,
+   judged only by what follows).
 5. neighbour: half the capacity, open loop, beside a CPU hog on every core.
 6. kill -9, then SIGSTOP, of a worker under load (half the capacity): requests that failed (a
    429 after the fault counts as failed), the longest wait, and how long until /health says
