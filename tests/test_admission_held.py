@@ -80,10 +80,10 @@ def test_the_held_requests_are_protected_until_their_step_is_overdue():
     warm(cluster)
     _, held = stop_a_loaded_worker(cluster, clock)
     admission = cluster.controller.admission
-    assert np.all(np.isfinite(admission._batched.lefts(held, clock.t)))
+    assert np.all(np.isfinite(admission._in_flight(clock.t, 1.0).left))
     stopped = clock.t
     run_until(cluster, lambda: clock.t >= stopped + STALL_SECONDS)
-    assert np.all(admission._batched.lefts(held, clock.t) == -np.inf)
+    assert np.count_nonzero(admission._in_flight(clock.t, 1.0).left == -np.inf) == len(held)
 
 
 def test_lost_requests_waiting_for_an_instance_do_not_close_admission():

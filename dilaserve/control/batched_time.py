@@ -101,7 +101,7 @@ class BatchedTime:
         capacity on the virtual clock admitted 445 and served 221 on time, against 369 and
         243)."""
         ids, steps, recompute, tokens = rows
-        instances, held = self.scheduler.instances, self.held(now)
+        instances, held = self.scheduler.instances, self._held(now)
         elsewhere = self.restoring()
         keep = np.ones(len(ids), dtype=bool)
         left, running = np.empty(len(ids)), np.zeros(len(ids))
@@ -120,7 +120,7 @@ class BatchedTime:
             running[keep],
         )
 
-    def held(self, now: float) -> set[str]:
+    def _held(self, now: float) -> set[str]:
         """The instances whose running step is overdue (a fault holds their requests)."""
         speed = self.scheduler.speed
         return {
@@ -128,11 +128,6 @@ class BatchedTime:
             for iid, inst in self.scheduler.instances.items()
             if inst.stalled or inst.overdue(now, speed.instance_ratio(iid))
         }
-
-    def lefts(self, request_ids: list[str], now: float) -> np.ndarray:
-        """Seconds to each request's deadline that a newcomer could take from it (`_left`)."""
-        held = self.held(now)
-        return np.array([_left(self.scheduler.requests[rid], now, held) for rid in request_ids])
 
     def late(self, flight: InFlight, added: int, added_tokens: float) -> int:
         """Of the requests in `flight`, how many that finish in time now would not with
