@@ -11,7 +11,7 @@ On the virtual clock of `test_admission_recovery`; asserted at points of that cl
 
 import numpy as np
 import pytest
-from test_admission_recovery import outcome, run_until, submit, virtual_cluster
+from test_admission_recovery import outcome, run_to, run_until, submit, virtual_cluster
 
 from dilaserve.control.batched_time import InFlight, scale_at
 from dilaserve.control.instance import STALL_SECONDS
@@ -97,7 +97,7 @@ def test_lost_requests_waiting_for_an_instance_do_not_close_admission():
     clock.start = lambda spec: None  # the replacement never comes up
     iid, held = stop_a_loaded_worker(cluster, clock, requests=90)
     deadlines = [cluster.scheduler.requests[rid].request.deadline for rid in held]
-    run_until(cluster, lambda: clock.t > max(deadlines))
+    run_to(cluster, clock, max(deadlines) + MS)  # (the virtual clock's seconds)
     on_time = [submit(cluster, f"o{k}", slo=SLO) for k in range(4)]
     assert [outcome(cluster, h) for h in on_time] == ["admitted"] * 4
     clock.kill(iid)

@@ -71,12 +71,9 @@ class Controller:
         self.observer = observer
         self.now = now
         self.rollout = Rollout(scheduler, self, config.max_batch_tokens)
-        self.admission = Admission(
-            scheduler,
-            config.overload,
-            model=config.admission_time,
-            restoring=lambda: self.replacements.pending,
-        )
+        self.replacements = Replacements()
+        self.admission = Admission(scheduler, config.overload, model=config.admission_time,
+                                   restoring=lambda: self.replacements.pending)  # fmt: skip
         self.stalls = StallWatch(config.tick)
         self.hangs = HangWatch(config.derived_step_timeout(scheduler.profile), scheduler.speed)
         self.log = DecisionLog(keep_lines=config.record)
@@ -99,7 +96,6 @@ class Controller:
         self.arrivals: deque[RequestHandle] = deque()
         self.cancels: deque[str] = deque()
         self.closing = threading.Event()  # `run` returns once it is set
-        self.replacements = Replacements()
         self.restored_after: float | None = None  # the latest replacement: seconds lost to up
         # the room the front asks, and admission of each arrival (`gate.py`)
         self.admitting = Admitting(

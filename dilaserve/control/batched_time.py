@@ -56,6 +56,25 @@ class InFlight:
         return len(self.steps)
 
 
+@dataclass(frozen=True)
+class _Baseline:
+    """What `late` compares against, however many are added: each request's time at the batch
+    it shares now, and its steps after the running one (with their recompute steps and time)."""
+
+    now: np.ndarray
+    after: np.ndarray
+    recompute: np.ndarray
+    after_now: np.ndarray
+
+    @classmethod
+    def of(cls, model: BatchedTime, flight: InFlight) -> _Baseline:
+        pair = model.step_seconds(flight.count, flight.tokens)
+        after = np.maximum(flight.steps - flight.running, 0.0)
+        recompute = np.minimum(flight.recompute, after)
+        now = model._times(flight.steps, flight.recompute, pair)
+        return cls(now, after, recompute, model._times(after, recompute, pair))
+
+
 class BatchedTime:
     def __init__(self, scheduler, restoring=lambda: False):
         self.scheduler = scheduler  # control.scheduler.Scheduler (profile, instances, speed)
@@ -135,29 +154,28 @@ class BatchedTime:
         each one's running step: a request in its last step is not made later (protected, a
         request finishing its last step at the edge of its deadline closed admission until
         that step ended)."""
-        count, tokens = flight.count, flight.tokens
-        pair_now = self.step_seconds(count, tokens)
-        pair = self.step_seconds(count + added, tokens + added_tokens)
-        now = self._times(flight.steps, flight.recompute, pair_now)
-        after = np.maximum(flight.steps - flight.running, 0.0)
-        recompute = np.minimum(flight.recompute, after)
-        added_time = self._times(after, recompute, pair) - self._times(after, recompute, pair_now)
-        left = flight.left
-        return int(np.count_nonzero((now <= left) & (now + added_time > left)))
+        return self._late(flight, _Baseline.of(self, flight), added, added_tokens)
 
     def tolerated(self, flight: InFlight) -> int:
         """How many more requests of the mean size the requests in `flight` take (as `late`
         counts them), found up to `MOST_AHEAD` (a bisection: more make more late); past it,
         no limit (a very large count: the `Room` leaves the rest to admission in full)."""
         mean = flight.tokens / flight.count if flight.count else 0.0
+        base = _Baseline.of(self, flight)  # (the same for every count tried)
         low, high = 0, MOST_AHEAD + 1  # low are taken; high are not (or past the range)
         while high - low > 1:
             middle = (low + high) // 2
-            if self.late(flight, middle, middle * mean):
+            if self._late(flight, base, middle, middle * mean):
                 high = middle
             else:
                 low = middle
         return low if low < MOST_AHEAD else UNLIMITED
+
+    def _late(self, flight: InFlight, base: _Baseline, added: int, added_tokens: float) -> int:
+        pair = self.step_seconds(flight.count + added, flight.tokens + added_tokens)
+        added_time = self._times(base.after, base.recompute, pair) - base.after_now
+        late = (base.now <= flight.left) & (base.now + added_time > flight.left)
+        return int(np.count_nonzero(late))
 
     @staticmethod
     def _times(steps: np.ndarray, recompute: np.ndarray, pair: tuple[float, float]):

@@ -46,8 +46,7 @@ class InstanceState:
     pending_cache: int = 0  # cache-step tokens of the gathered batch
     running_full: int = 0  # full-sequence tokens of the running step's batch
     running_cache: int = 0  # cache-step tokens of the running step's batch
-    running_requests: int = 0  # requests in the running step's batch
-    running: frozenset[str] = frozenset()  # their ids (while `busy`)
+    running: frozenset[str] = frozenset()  # the running step's requests (while `busy`)
     solo: bool = False  # the gathered batch is one request that must run alone
     holds: set[str] = field(default_factory=set)  # requests whose state lives here
     residents: int = 0  # requests assigned here (running, waiting or held)
@@ -131,7 +130,7 @@ class InstanceState:
 
     def next_batch_requests(self) -> int:
         """Requests in this instance's next step as known now (see `next_batch`)."""
-        return len(self.pending) + (self.running_requests if self.busy else 0)
+        return len(self.pending) + (len(self.running) if self.busy else 0)
 
     def latency(self, full: int, cache: int) -> float:
         """Seconds of one step over `full` full-sequence and `cache` cache-step tokens."""
@@ -153,7 +152,6 @@ class InstanceState:
         self.launched_at = now
         self.busy_until = now + self.latency(self.pending_full, self.pending_cache)
         self.running_full, self.running_cache = self.pending_full, self.pending_cache
-        self.running_requests = len(self.pending)
         self.running = frozenset(self.pending)
         self.busy = True
         self.holds.update(self.clear())
