@@ -20,7 +20,7 @@ import uvicorn
 from dilaserve.cluster.runtime import ClusterConfig
 from dilaserve.cluster.worker import WorkerConfig
 from dilaserve.server.app import ServerSettings
-from dilaserve.server.guards import EarlyRefusals, Guards
+from dilaserve.server.guards import RECEIVED, EarlyRefusals, Guards
 from dilaserve.server.limits import STARTS_PER_TURN, HttpLimits, _Starts, limited_protocol
 from dilaserve.server.main import DrainingServer, build_app, server_config
 from dilaserve.tasks import arith
@@ -377,6 +377,30 @@ def test_a_request_whose_room_closed_before_its_turn_is_refused_below_the_app():
         server.room_at_begin = "room"
         assert statuses(raw_exchange(server.port, completion(head=CLOSE))) == [204]
         assert calls == ["/v1/completions"]
+    finally:
+        server.stop()
+
+
+def test_a_requests_latency_counts_from_its_head_not_from_when_its_app_cycle_began():
+    """Its SLO and latency count from the moment the server read its head (`RECEIVED`): a
+    request held until its body came, or let through to wait its turn (`_Starts`; at 400
+    clients most of the refusals over 100 ms had waited there), has spent that time of it."""
+    seen = []
+
+    async def api(scope, receive, send):
+        seen.append(time.perf_counter() - scope[RECEIVED][0])
+        await _api(scope, receive, send)
+
+    server = Front(app=api)  # (held: the room refuses the default priority; 1 it takes)
+    try:
+        request = completion(body=b'{"prompt": "1+1", "priority": 1}', head=CLOSE)
+        head, body = request.split(b"\r\n\r\n", 1)
+        with socket.create_connection(("127.0.0.1", server.port), timeout=HANG_GUARD_S) as s:
+            s.sendall(head + b"\r\n\r\n")
+            time.sleep(0.3)
+            s.sendall(body)
+            assert statuses(b"".join(iter(partial(s.recv, 65536), b""))) == [204]
+        assert seen and seen[0] >= 0.3
     finally:
         server.stop()
 

@@ -53,6 +53,9 @@ CLOSED_RETRY_AFTER = 5  # seconds a client refused by a server shutting down sho
 SHUTTING_DOWN = "the server is shutting down; retry on another replica or later"
 RETRY_JITTER = (0.5, 1.5)  # a 429's retry-after-ms, as multiples of its Retry-After
 ENTRY = "dilaserve_entry"  # a request's count in the room while on its way (`EarlyRefusals`)
+# (perf_counter, Unix time) a request's head was read (`limits.py`; else when `Guards` began
+# it): its latency and SLO count from there, a wait for its turn in the front included
+RECEIVED = "dilaserve_received"
 
 
 def has_key(authorization: bytes, key: str | None) -> bool:
@@ -117,14 +120,15 @@ def retry_headers(seconds: int) -> dict[str, str]:
 
 def received(request) -> tuple[float, float]:
     """(perf_counter, Unix time) when the request reached the server (now, if not recorded)."""
-    return request.scope.get("dilaserve_received") or (time.perf_counter(), time.time())
+    return request.scope.get(RECEIVED) or (time.perf_counter(), time.time())
 
 
 class Guards:
-    """ASGI middleware: stamps the arrival time, checks the Host header, refuses while draining,
-    and checks the body size; a request `EarlyRefusals` counted leaves the count when it ends,
-    at the latest. `cluster` (`accepting`): None refuses nothing for draining; `on_refusal()`:
-    counts those refusals (the server's metrics, as the API's own)."""
+    """ASGI middleware: stamps the arrival time (unless the HTTP protocol did when it read the
+    head: `RECEIVED`), checks the Host header, refuses while draining, and checks the body
+    size; a request `EarlyRefusals` counted leaves the count when it ends, at the latest.
+    `cluster` (`accepting`): None refuses nothing for draining; `on_refusal()`: counts those
+    refusals (the server's metrics, as the API's own)."""
 
     def __init__(
         self,
@@ -151,7 +155,7 @@ class Guards:
                 entry.leave()
 
     async def _guarded(self, scope, receive, send):
-        scope["dilaserve_received"] = (time.perf_counter(), time.time())
+        scope.setdefault(RECEIVED, (time.perf_counter(), time.time()))  # (or when read)
         headers = dict(scope.get("headers") or ())
         send = self._closing_while_draining(send)
         if not host_allowed(self.allowed_hosts, headers.get(b"host", b"")):

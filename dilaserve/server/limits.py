@@ -27,6 +27,10 @@ stay in order. Under 3x overload this is most requests, and a refusal here costs
 two thirds of what one through the app did (120 against 175 us at 600 a second:
 docs/serving/reliability.md, "Refusals below the app").
 
+Every request's receipt is stamped when its head is read (`guards.RECEIVED`): its latency and
+SLO count from there, the time it was held or waited its turn here included (at 400 clients,
+before 2026-12-07 evening, that wait was in neither, nor in admission's `Pace`).
+
 The requests let through begin their ASGI cycles in order, at most `STARTS_PER_TURN` per turn
 of the event loop (`_Starts`), which reads its sockets between turns: the requests of a burst
 that the room refuses are answered as they are read, not after the app's work for every
@@ -42,6 +46,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -51,6 +56,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from dilaserve.server.guards import (
     EARLY_PARSE_BYTES,
     ENTRY,
+    RECEIVED,
     EarlyRefusals,
     Verdict,
     http_answer,
@@ -175,6 +181,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._arm(self.limits.body_timeout)
+        self.scope[RECEIVED] = (time.perf_counter(), time.time())  # (before any wait of ours)
         if self._is_over_capacity():
             app, self.app = self.app, too_many_connections
             try:
