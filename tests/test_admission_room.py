@@ -8,12 +8,15 @@ burst between two controller events all found the room left for one before the r
 requests queued ahead of them."""
 
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 from test_admission_recovery import QUESTION, run_to, run_until, virtual_cluster
 
+from dilaserve.cluster.gate import ROOM_MAX_AGE, Pace
 from dilaserve.cluster.requests import Overloaded
 from dilaserve.control.admission import Room
+from dilaserve.control.batched_time import AHEAD, UNLIMITED
 
 SLO = 0.5
 
@@ -112,6 +115,45 @@ def test_a_request_longer_than_any_priced_is_left_to_admission():
                 block_len=32, most_blocks=2)  # fmt: skip
     assert room.refuses(0, max_tokens=64, ahead=2)
     assert not room.refuses(0, max_tokens=96, ahead=2)
+
+
+def test_the_room_takes_the_wait_for_those_ahead_from_a_newcomers_slo():
+    """A newcomer's SLO counts from its arrival, and admission in full prices it only after
+    every request ahead of it (`Pace`): the 250th of a burst waited 0.42 s for it, and the room
+    let through a wave for a batch the cluster did not take by then."""
+    linear = tuple(1.0 + ahead for ahead in AHEAD)  # (time alone times 1 + those ahead)
+    room = Room(0, slo=2.0, block_len=32, alone_per_block=0.01, scales=linear, fits=UNLIMITED)
+    assert not room.refuses(0, max_tokens=32, ahead=150)  # 1.51 s of 2
+    assert room.refuses(0, max_tokens=32, ahead=200)  # 2.01 s
+    paced = replace(room, pace=0.005)
+    assert paced.refuses(0, max_tokens=32, ahead=150)  # 1.51 s of 2 - 0.75
+    assert not paced.refuses(0, max_tokens=32, ahead=130)  # 1.31 s of 2 - 0.65
+    assert not paced.refuses(0, max_tokens=32, ahead=0)  # (none ahead: none of its SLO)
+
+
+def test_the_pace_is_the_wait_per_request_ahead_and_a_lone_request_teaches_none():
+    pace = Pace()
+    assert pace.seconds == 0.0
+    for k in range(3):  # received together, asked 3 ms apart
+        pace.asked(received=0.0, now=0.003 * (k + 1))
+    assert pace.seconds == pytest.approx(0.003)  # 0.006 / 2, 0.009 / 3
+    pace.asked(received=1.0, now=1.05)  # alone: its wait is its own path's, not a pace
+    assert pace.seconds == pytest.approx(0.003)
+
+
+def test_a_burst_the_controller_prices_a_millisecond_apart_sets_the_rooms_pace():
+    cluster, clock = virtual_cluster(instances=(1, 1), slo=SLO)
+    controller = cluster.controller
+    run_until(cluster, lambda: len(cluster.scheduler.instances) == 2 and not controller._queued())
+    assert controller.admitting.room.pace == 0.0
+    for k in range(30):
+        cluster.submit(QUESTION, max_tokens=32, slo=SLO, request_id=f"b{k}")
+    while controller.arrivals:
+        controller.run_once()
+        clock.t += 0.001  # (each admission takes the controller's clock a millisecond on)
+    run_to(cluster, clock, clock.t + ROOM_MAX_AGE)
+    assert controller.admitting.room.pace == pytest.approx(0.001, rel=0.05)
+    assert cluster.admission_pace == controller.admitting.room.pace
 
 
 def idle_burst(size: int, model: str, one_at_a_time: bool = False) -> Counter:

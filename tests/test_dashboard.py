@@ -155,6 +155,7 @@ class _Cluster:
     quality_budget = QualityBudget(LLADA_GSM8K, (0.9, 0.8, 0.7))
     admission_capacity = (900.0, 1000.0)  # (served, modelled) token-steps per second
     admission_predicted = 0.5  # seconds, the latest request priced
+    admission_pace = 0.002  # seconds per request ahead
     planner = SimpleNamespace(  # a `Reconfigurer`
         outcomes={"kept": 3, "guarded": 1, "applied": 0}, startup_delay=30.0
     )

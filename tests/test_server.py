@@ -287,6 +287,7 @@ def test_metrics_expose_outcomes_thresholds_instances_and_steps(live):
         "dilaserve_admission_capacity",
         "dilaserve_admission_modelled_capacity",
         "dilaserve_admission_predicted_seconds",
+        "dilaserve_admission_pace_seconds",
         "dilaserve_deadline_factor",
         "dilaserve_deadline_measured_total",
         "dilaserve_migrations_total",
@@ -303,7 +304,7 @@ class _RefusingCluster:
     step_slowdown_stale_seconds = 0.0
     instances_stalled = 0
     on_time_factor = 1.0
-    admission_predicted = 0.0
+    admission_predicted = admission_pace = 0.0
     on_time = SimpleNamespace(finished=0, late=0)
     deadline = deadline_factor = admission_capacity = quality_budget = planner = None
 

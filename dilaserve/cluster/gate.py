@@ -15,16 +15,20 @@ each arrival it takes (`control.admission`), answering those refused."""
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
+import statistics
 import threading
 from collections import deque
+from dataclasses import replace
 
 from dilaserve.cluster.requests import FULL, InvalidRequest, Overloaded, RequestHandle
 from dilaserve.control.admission import LOWEST_PRIORITY, Admission, Room
 
 log = logging.getLogger("dilaserve.cluster")
 ROOM_MAX_AGE = 0.01  # s: while events queue, the `room` is priced again at most this late
+PACE_KEPT = 64  # the latest requests asked in full whose waits the `Pace` is the median of
 
 
 class Gate:
@@ -121,6 +125,36 @@ def refused_behind(room, server_slo: float, requests) -> list[bool]:
     return refused
 
 
+class Pace:
+    """Seconds from a request's receipt to its pricing by admission in full, per request
+    ahead of it (itself included): the median over the latest `PACE_KEPT` requests asked
+    behind others, each its wait over the requests asked between its receipt and it, plus
+    one (its receipt: when the front read its head, `guards.RECEIVED`). The `Room` takes this
+    much of a newcomer's SLO for each request ahead of it, as admission in full will find it
+    gone. A burst of 400 at an idle server was let through for the time alone each takes
+    beside those ahead, but the controller priced them 1.7-3 ms apart (the 250th waited 0.42
+    s), and those it no longer took were refused as the room, priced again while those ahead
+    were admitted, closed: 100-460 ms after they were sent (docs/serving/reliability.md). A
+    lone request teaches nothing (its wait is its own path's, tokenizing included, about 1
+    ms, not a pace), so between bursts it keeps the latest burst's; it takes nothing from a
+    request with none ahead, and those of a burst that it lets through measure it again."""
+
+    def __init__(self):
+        self.seconds = 0.0  # per request ahead (0 before any is asked behind another)
+        self._asked: list[float] = []  # when the latest requests were asked (ascending)
+        self._waits: deque[float] = deque(maxlen=PACE_KEPT)  # each wait over its count
+
+    def asked(self, received: float, now: float) -> None:
+        """A request received at `received` is asked in full at `now` (the same clock)."""
+        ahead = len(self._asked) - bisect.bisect_right(self._asked, received)
+        if ahead:
+            self._waits.append(max(now - received, 0.0) / (ahead + 1))
+            self.seconds = statistics.median(self._waits)  # (read by other threads)
+        self._asked.append(now)
+        if len(self._asked) > 16 * PACE_KEPT:  # (a burst's is what counts: keep the latest)
+            del self._asked[: 8 * PACE_KEPT]
+
+
 class Admitting:
     """The controller's side of the gate, on its thread: the `room` the front asks, priced again
     after events (`price_room`), and admission of each arrival (`within_capacity`). A refused
@@ -135,6 +169,7 @@ class Admitting:
         self.stale = False  # an event may have changed the room since it was priced
         self._room_at = 0.0  # when it was priced
         self.refused_in_a_row = 0  # refused for capacity since the last admitted
+        self.pace = Pace()  # how long the requests ahead of a newcomer delay it
 
     def price_room(self, now: float, queued: bool, arrivals: deque[RequestHandle]) -> None:
         """Price the `room` again if it is `stale`: at once when no event is `queued`, else at
@@ -143,7 +178,8 @@ class Admitting:
         refuse the queued `arrivals` it refuses."""
         if not self.stale or (queued and now - self._room_at < ROOM_MAX_AGE):
             return
-        self.room, self._room_at, self.stale = self.admission.room(now), now, False
+        room = replace(self.admission.room(now), pace=self.pace.seconds)
+        self.room, self._room_at, self.stale = room, now, False
         self._refuse_beyond_room(arrivals, now)
 
     def _refuse_beyond_room(self, arrivals: deque[RequestHandle], now: float) -> None:
@@ -168,6 +204,7 @@ class Admitting:
     def within_capacity(self, handle: RequestHandle, now: float) -> bool:
         """Admission by capacity (`admission`): a request that cannot meet its SLO is refused,
         or served last."""
+        self.pace.asked(handle.submitted, now)
         try:
             refusal = self.admission.refusal(handle.request, now, handle.submitted)
         except Exception:  # a bug in the check must not fail the request: admit it

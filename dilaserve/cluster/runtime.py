@@ -233,6 +233,11 @@ class Cluster:
         return self.controller.admission.predicted
 
     @property
+    def admission_pace(self) -> float:
+        """Seconds each request queued ahead of a newcomer delays its pricing (`gate.Pace`)."""
+        return self.controller.admitting.pace.seconds
+
+    @property
     def on_time_factor(self) -> float:
         """How many times its predicted time admission allows a request now (>= 1)."""
         return self.on_time.factor(self.now())

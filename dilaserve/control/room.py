@@ -22,7 +22,8 @@ class Room:
     one block); others are asked in full. With the batched time model (`scales` set) it is
     refused instead when its least time per block alone, times its blocks and the scale for
     the requests ahead of it, exceeds its SLO, or when the requests in flight take fewer
-    newcomers (`fits`) than it and those ahead. With nothing in flight it refuses nothing but,
+    newcomers (`fits`) than it and those ahead. Either way its SLO is less the time it waits
+    for those ahead to be admitted (`pace` each). With nothing in flight it refuses nothing but,
     with the batched model, a request behind others not priced yet (a burst at an idle
     server), priced as if those were in flight. A request that asks for more output blocks
     than any of the latest priced is asked in full: its price is the room's least per block,
@@ -45,6 +46,9 @@ class Room:
     scales: tuple[float, ...] = ()
     fits: int = 0  # (batched) newcomers the requests in flight take (`tolerated`)
     most_blocks: float = float("inf")  # the most output blocks of the latest requests priced
+    # seconds each request ahead delays a newcomer's pricing (the controller's `Pace`): its
+    # SLO counts from its arrival, and it waits for those ahead to be admitted first
+    pace: float = 0.0
 
     @property
     def spare(self) -> float:
@@ -63,7 +67,7 @@ class Room:
     ):
         """`max_tokens`: the answer's length at most (None: one block, the least). `ahead`:
         requests queued for admission, not priced yet (each counted at the least a one-block
-        request adds): they come before this one."""
+        request adds, and `pace` seconds of its SLO): they come before this one."""
         if priority > self.lowest_priority:
             return False  # served before everything in flight: asked in full
         if self.lowest_priority == float("inf") and not (ahead and self.scales):
@@ -71,7 +75,7 @@ class Room:
         blocks = 1 if max_tokens is None else max(-(-max_tokens // self.block_len), 1)
         if blocks > self.most_blocks:
             return False  # longer than any priced lately: perhaps one no idle cluster serves
-        slo = self.slo if slo is None else slo
+        slo = (self.slo if slo is None else slo) - ahead * self.pace
         if self.scales:
             late = ahead + 1 > self.fits
             return late or self.alone_per_block * blocks * scale_at(self.scales, ahead) > slo

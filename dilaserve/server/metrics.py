@@ -194,6 +194,11 @@ def _admission_metrics(c: Cluster):
         "the load ahead of it over the capacity (queue)"
     )
     yield _gauge("dilaserve_admission_predicted_seconds", text, c.admission_predicted)
+    text = (
+        "Seconds from receipt to admission per request ahead (the median of the latest 64): "
+        "the front takes this much of a newcomer's SLO for each request queued ahead of it"
+    )
+    yield _gauge("dilaserve_admission_pace_seconds", text, c.admission_pace)
     yield CounterMetricFamily(
         "dilaserve_admission_on_time_measured",
         "Admitted requests whose time admission's on-time calibration measured",
