@@ -211,7 +211,7 @@ async def kill_phase(url: str, server: subprocess.Popen, rate: float, slo_ms: fl
 
 GAUGES = ("requests_in_flight", "step_slowdown", "admission_on_time_factor", "deadline_factor",
           "instances_stalled", "queue_length", "admission_capacity",
-          "admission_modelled_capacity")  # fmt: skip
+          "admission_modelled_capacity", "admission_pace_seconds")  # fmt: skip
 
 
 async def gauge_watch(url: str, until: float, seen: list) -> None:
@@ -231,4 +231,4 @@ async def gauges_now(url: str) -> list | None:
 
 def gauge_row(values: dict[str, str]) -> list:
     row = [values.get(f"dilaserve_{name}") for name in GAUGES]
-    return [None if v is None else round(float(v), 2) for v in row]
+    return [None if v is None else round(float(v), 4) for v in row]  # (the pace: ms)
