@@ -7,7 +7,8 @@ thread once the initial instances are up; the clock starts at zero then. Callers
 submit requests (checked by `intake`, then queued for the controller, or refused at once:
 `Overloaded` over capacity or at `max_in_flight`, `Closed` while not serving or while no
 instance serves) and cancel them; `health()` says "degraded" until lost capacity is back;
-`drain` and `close` end serving. What the controller records (`stats`, the decision `log`, the
+`drain` and `close` end serving; what it shows of itself (load, estimates) is
+`readings.ClusterReadings`'. What the controller records (`stats`, the decision `log`, the
 `recording` for replay, step timings, instances over time) is the controller's
 (`cluster.controller`).
 """
@@ -27,6 +28,7 @@ from dilaserve.cluster.config import ClusterConfig, make_backend
 from dilaserve.cluster.controller import Controller
 from dilaserve.cluster.gate import Gate
 from dilaserve.cluster.intake import Intake, longest_token_chars
+from dilaserve.cluster.readings import ClusterReadings
 from dilaserve.cluster.requests import (
     FULL,
     Answers,
@@ -65,7 +67,7 @@ def checked_model_config(config: ClusterConfig):
     return model_config
 
 
-class Cluster:
+class Cluster(ClusterReadings):
     def __init__(
         self,
         config: ClusterConfig = ClusterConfig(),
@@ -183,97 +185,6 @@ class Cluster:
 
     def _all_lost(self) -> bool:
         return not self.scheduler.instances and self.controller.replacements.pending
-
-    @property
-    def in_flight(self) -> int:
-        return len(self.controller.handles)
-
-    def queue_length(self) -> int:
-        """Requests waiting to be placed on an instance."""
-        return len(self.controller.arrivals) + self.scheduler.num_waiting
-
-    @property
-    def step_slowdown(self) -> float:
-        """Steps' measured time over the latency profile's, running and decaying toward 1 when
-        no step reports (`control/speed.py`)."""
-        return self.scheduler.speed.ratio
-
-    @property
-    def instances_stalled(self) -> int:
-        """Instances whose running step is overdue: they take no new work until it ends."""
-        return self.scheduler.num_stalled
-
-    @property
-    def step_slowdown_stale_seconds(self) -> float:
-        """How long the slowdown has been decaying for want of steps (0: it is current)."""
-        return self.scheduler.speed.stale_seconds()
-
-    @property
-    def slo(self) -> float:
-        """The server's SLO, seconds: a request's that names none."""
-        return self.scheduler.config.slo
-
-    @property
-    def on_time(self):
-        """Admission's on-time calibration (`control/on_time.py`)."""
-        return self.controller.admission.on_time
-
-    @property
-    def admission_capacity(self) -> tuple[float, float] | None:
-        """Token-steps per second admission counts on (before its on-time factor), and load
-        control's model of it alone (`control/admission.py`); None without load control."""
-        admission = self.controller.admission
-        if not admission.enabled:
-            return None
-        return admission.capacity(self.now()), admission.modelled_capacity()
-
-    @property
-    def admission_predicted(self) -> float:
-        """Seconds admission predicted the latest request it priced needs (`Admission`)."""
-        return self.controller.admission.predicted
-
-    @property
-    def admission_pace(self) -> float:
-        """Seconds each request queued ahead of a newcomer delays its pricing (`gate.Pace`)."""
-        return self.controller.admitting.pace.seconds
-
-    @property
-    def on_time_factor(self) -> float:
-        """How many times its predicted time admission allows a request now (>= 1)."""
-        return self.on_time.factor(self.now())
-
-    @property
-    def deadline(self):
-        """Alg. 1's on-time calibration (`control/on_time.py`), or None (the policy has none)."""
-        return self.scheduler.deadline
-
-    @property
-    def quality_budget(self):
-        """The policy's quality budget (`control/quality_budget.py`), or None (it has none)."""
-        return self.scheduler.quality
-
-    @property
-    def planner(self):
-        """The planner (`control/reconfigure.py`: its rounds, the start-up it prices), or None."""
-        return self.scheduler.reconfigurer
-
-    @property
-    def deadline_factor(self) -> float | None:
-        """How many times its estimated remaining time Alg. 1 prices a request at now."""
-        return None if self.deadline is None else self.deadline.factor(self.now())
-
-    @property
-    def step_time_ratio(self) -> float:
-        """Steps' measured time over the profile's, each summed over every step so far."""
-        return self.scheduler.speed.run_ratio
-
-    @property
-    def step_time_ratio_by_batch(self) -> dict[int, float]:
-        """`step_time_ratio` per batch size (`MeasuredSpeed.run_ratio_by_batch`)."""
-        return self.scheduler.speed.run_ratio_by_batch()
-
-    def instances_by_tp(self) -> dict[int, int]:
-        return dict(self.controller.instance_log[-1][1]) if self.controller.instance_log else {}
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop serving; requests still in flight fail with `Closed`. Closing twice is once."""
