@@ -26,8 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-from reliability import free_port
+from reliability import free_port, healthy
 from reliability_hostile import CpuHog
 from reliability_load import closed_loop, open_loop
 from reliability_summaries import answer_latencies, percentile
@@ -44,15 +43,7 @@ def serve(checkout: Path, port: int, slo_ms: float) -> subprocess.Popen:
         command, cwd=checkout, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True,
     )  # fmt: skip
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    os.killpg(server.pid, signal.SIGKILL)
-    raise RuntimeError(f"the server from {checkout} did not come up")
+    return healthy(server, port, f"the server from {checkout} did not come up")
 
 
 async def load(url: str, args) -> list[dict]:

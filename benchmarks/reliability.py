@@ -126,6 +126,12 @@ def start_server(port: int, args, log: Path) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = log.open("w")
     server = subprocess.Popen(command, env=env, stdout=out, stderr=out, start_new_session=True)
+    return healthy(server, port, f"the server did not come up; see {log}")
+
+
+def healthy(server: subprocess.Popen, port: int, failure: str) -> subprocess.Popen:
+    """`server` once its `/health` answers 200 (within 5 minutes; else it is killed and
+    `failure` raised)."""
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         try:
@@ -134,7 +140,7 @@ def start_server(port: int, args, log: Path) -> subprocess.Popen:
         except httpx.HTTPError:
             time.sleep(0.5)
     os.killpg(server.pid, signal.SIGKILL)
-    raise RuntimeError(f"the server did not come up; see {log}")
+    raise RuntimeError(failure)
 
 
 # -- the run ---------------------------------------------------------------------------------
