@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import pytest
 from test_admission_recovery import QUESTION, run_to, run_until, virtual_cluster
+from test_stalls import stall_next_tick
 
 from dilaserve.cluster.gate import ROOM_MAX_AGE, Pace
 from dilaserve.cluster.requests import Overloaded
@@ -133,12 +134,46 @@ def test_the_room_takes_the_wait_for_those_ahead_from_a_newcomers_slo():
 
 def test_the_pace_is_the_wait_per_request_ahead_and_a_lone_request_teaches_none():
     pace = Pace()
-    assert pace.seconds == 0.0
+    assert pace.at(0.0) == 0.0
     for k in range(3):  # received together, asked 3 ms apart
         pace.asked(received=0.0, now=0.003 * (k + 1))
-    assert pace.seconds == pytest.approx(0.003)  # 0.006 / 2, 0.009 / 3
-    pace.asked(received=1.0, now=1.05)  # alone: its wait is its own path's, not a pace
-    assert pace.seconds == pytest.approx(0.003)
+    assert pace.at(0.009) == pytest.approx(0.003)  # 0.006 / 2, 0.009 / 3
+    pace.asked(received=0.01, now=0.05)  # alone: its wait is its own path's, not a pace
+    assert pace.at(0.009) == pytest.approx(0.003)
+
+
+def test_between_bursts_the_pace_decays_toward_none():
+    pace = Pace(half_life=10.0)
+    for k in range(3):
+        pace.asked(received=0.0, now=0.003 * (k + 1))
+    assert pace.at(0.009 + 10.0) == pytest.approx(0.0015)  # a half-life later, half
+    assert pace.at(0.009 + 100.0) < 0.003 / 1000
+    for k in range(3):  # the next burst measures it again
+        pace.asked(received=200.0, now=200.0 + 0.002 * (k + 1))
+    assert pace.at(200.006) == pytest.approx(0.002, rel=0.3)
+
+
+def test_a_stall_of_the_controller_teaches_the_pace_nothing():
+    # a burst queued as the controller is held up 1.5 s (a planner round on a busy machine):
+    # learnt, its waits read 95 ms per request ahead, and the room then took 95 ms of each
+    # later newcomer's SLO for every request ahead of it
+    cluster, clock = virtual_cluster(instances=(1, 1), slo=SLO)
+    controller = cluster.controller
+    run_until(cluster, lambda: len(cluster.scheduler.instances) == 2 and not controller._queued())
+    for k in range(30):
+        cluster.submit(QUESTION, max_tokens=32, slo=60.0, request_id=f"b{k}")
+    stall_next_tick(cluster, clock, seconds=1.5)
+    while controller.arrivals:
+        controller.run_once()
+        clock.t += 0.001
+    assert controller.stalls.count == 1
+    assert cluster.admission_pace == 0.0
+    for k in range(30):  # a burst after it teaches it
+        cluster.submit(QUESTION, max_tokens=32, slo=60.0, request_id=f"a{k}")
+    while controller.arrivals:
+        controller.run_once()
+        clock.t += 0.001
+    assert cluster.admission_pace == pytest.approx(0.001, rel=0.05)
 
 
 def test_a_burst_the_controller_prices_a_millisecond_apart_sets_the_rooms_pace():

@@ -138,6 +138,7 @@ class Controller:
             if self._handling[0] != "poll":  # the load or the instances may have changed
                 if self.stalls.handled(began, self.now(), self._inflight):
                     self._void_timings()  # it held up every result (`stalls.py`)
+                    self.admitting.pace.stalled(self.now())  # and every arrival
                 self.admitting.stale = True
             self.admitting.price_room(self._last, self._queued(), self.arrivals)
         except Exception as e:  # a controller bug: fail what it concerned, never the rest

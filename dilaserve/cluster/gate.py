@@ -25,6 +25,7 @@ from dataclasses import replace
 
 from dilaserve.cluster.requests import FULL, InvalidRequest, Overloaded, RequestHandle
 from dilaserve.control.admission import LOWEST_PRIORITY, Admission, Room
+from dilaserve.control.on_time import HALF_LIFE
 
 log = logging.getLogger("dilaserve.cluster")
 ROOM_MAX_AGE = 0.01  # s: while events queue, the `room` is priced again at most this late
@@ -136,23 +137,42 @@ class Pace:
     s), and those it no longer took were refused as the room, priced again while those ahead
     were admitted, closed: 100-460 ms after they were sent (docs/serving/reliability.md). A
     lone request teaches nothing (its wait is its own path's, tokenizing included, about 1
-    ms, not a pace), so between bursts it keeps the latest burst's; it takes nothing from a
-    request with none ahead, and those of a burst that it lets through measure it again."""
+    ms, not a pace), and it takes nothing from a request with none ahead.
 
-    def __init__(self):
-        self.seconds = 0.0  # per request ahead (0 before any is asked behind another)
+    An estimate is not a fact (DESIGN.md 7): between bursts the latest burst's pace decays
+    toward none with admission's half-life (`on_time.HALF_LIFE`), and a wait across a stall
+    of the controller (`stalls.py`) is the stall's, not a pace: a request received before a
+    stall ended teaches nothing. Else a controller held up for a second would have taught a
+    pace that refused, at the front, every request with others ahead: the very requests that
+    measure it again."""
+
+    def __init__(self, half_life: float = HALF_LIFE):
+        self.half_life = half_life
+        self._median = 0.0  # of the waits kept, when the latest was learnt
+        self._learnt_at = 0.0
+        self._stall_ended = float("-inf")
         self._asked: list[float] = []  # when the latest requests were asked (ascending)
         self._waits: deque[float] = deque(maxlen=PACE_KEPT)  # each wait over its count
+
+    def at(self, now: float) -> float:
+        """The pace at `now`: the median of the waits kept, halved for each half-life since
+        the latest was learnt (0 before any request is asked behind another)."""
+        return self._median * 0.5 ** (max(now - self._learnt_at, 0.0) / self.half_life)
 
     def asked(self, received: float, now: float) -> None:
         """A request received at `received` is asked in full at `now` (the same clock)."""
         ahead = len(self._asked) - bisect.bisect_right(self._asked, received)
-        if ahead:
+        if ahead and received >= self._stall_ended:
             self._waits.append(max(now - received, 0.0) / (ahead + 1))
-            self.seconds = statistics.median(self._waits)  # (read by other threads)
+            self._median, self._learnt_at = statistics.median(self._waits), now
         self._asked.append(now)
         if len(self._asked) > 16 * PACE_KEPT:  # (a burst's is what counts: keep the latest)
             del self._asked[: 8 * PACE_KEPT]
+
+    def stalled(self, ended: float) -> None:
+        """The controller was held up until `ended` (`StallWatch.handled`): the requests
+        received before then waited for the stall."""
+        self._stall_ended = ended
 
 
 class Admitting:
@@ -178,7 +198,7 @@ class Admitting:
         refuse the queued `arrivals` it refuses."""
         if not self.stale or (queued and now - self._room_at < ROOM_MAX_AGE):
             return
-        room = replace(self.admission.room(now), pace=self.pace.seconds)
+        room = replace(self.admission.room(now), pace=self.pace.at(now))
         self.room, self._room_at, self.stale = room, now, False
         self._refuse_beyond_room(arrivals, now)
 

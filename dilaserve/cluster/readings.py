@@ -57,7 +57,7 @@ class ClusterReadings:
     @property
     def admission_pace(self) -> float:
         """Seconds each request queued ahead of a newcomer delays its pricing (`gate.Pace`)."""
-        return self.controller.admitting.pace.seconds
+        return self.controller.admitting.pace.at(self.now())
 
     @property
     def on_time_factor(self) -> float:
