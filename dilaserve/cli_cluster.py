@@ -60,6 +60,7 @@ def cluster_config(args, record: bool = False, warned: bool = False):
         max_in_flight=args.max_in_flight,
         overload=args.overload,
         admission_time=args.admission_time,
+        admission_wait=args.admission_wait,
         measured_speed=args.measured_speed,
         step_timeout=args.step_timeout,
         record=record,

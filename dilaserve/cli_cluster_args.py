@@ -165,6 +165,14 @@ def _protection_args(p: argparse.ArgumentParser) -> None:
         "cluster's throughput (queue)",
     )
     p.add_argument(
+        "--admission-wait",
+        type=float,
+        default=field_default(ClusterConfig, "admission_wait"),
+        help="seconds a request may wait, as the front expects it, for admission to answer "
+        "it (behind the requests queued ahead of it): one that would wait longer is refused "
+        "at once (429), not after the wait (default: %(default)s)",
+    )
+    p.add_argument(
         "--step-timeout",
         type=float,
         default=None,

@@ -436,7 +436,7 @@ def test_a_burst_of_arrivals_is_priced_into_the_room_once_it_is_handled(monkeypa
     run_until(cluster, lambda: not controller.arrivals)
     assert all(outcome(cluster, h) == "admitted" for h in handles)
     assert len(priced) == 1
-    latest = replace(controller.admitting.room, pace=0.0)  # (the pace is the gate's)
+    latest = replace(controller.admitting.room, pace=0.0, most_wait=float("inf"))  # (the gate's)
     assert latest == room(controller._last)  # (the latest, with all 20 in flight)
     assert controller.admitting.room.lowest_priority == 0
     run_until(cluster, lambda: not controller.handles)  # each event alone: priced after each
@@ -449,7 +449,9 @@ def test_an_instance_whose_step_ended_does_not_wait_for_a_burst_to_be_admitted()
     so far, not after the last of it (each admission costs the controller about a
     millisecond: 300 of them held both instances idle for 0.3 s, and the step that had ended
     was measured that long)."""
-    cluster, clock = virtual_cluster(instances=(1,), slo=5.0)
+    # (a wait for admission's answer of a second: the burst, priced a millisecond apart, is
+    # all admitted, not refused from the back as it queues past the default's 50 ms)
+    cluster, clock = virtual_cluster(instances=(1,), slo=5.0, admission_wait=1.0)
     controller = cluster.controller
     first = submit(cluster, "first")
     run_until(cluster, lambda: controller._inflight)

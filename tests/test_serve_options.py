@@ -106,7 +106,7 @@ def test_new_options_reach_the_configuration():
     argv = ["serve", "--max-batch-tokens", "4096", "--max-requests-per-instance", "16"]
     argv += ["--refresh-interval", "0.2", "--migration-price", "0.05", "--start-timeout", "60"]
     argv += ["--load-control-interval", "0.1", "--tp-timeout", "30", "--max-forward-tokens", "512"]
-    argv += ["--cuda-graph-context", "1024"]
+    argv += ["--cuda-graph-context", "1024", "--admission-wait", "0.02"]
     args = build_parser().parse_args(argv)
     resolve_model(args)
     config, _ = cluster_config(args)
@@ -116,6 +116,7 @@ def test_new_options_reach_the_configuration():
     assert (scheduler.migration_price, scheduler.load_control_interval) == (0.05, 0.1)
     assert (config.worker.tp_timeout, engine.max_forward_tokens) == (30.0, 512)
     assert engine.cuda_graph_context == 1024
+    assert config.admission_wait == 0.02
     args = build_parser().parse_args(["serve", "--quality-budget", "0.02"])
     resolve_model(args)
     assert cluster_config(args)[0].control.make_policy().quality_budget == 0.02

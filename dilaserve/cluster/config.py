@@ -14,6 +14,7 @@ from dilaserve.control.profile import LatencyProfile
 
 HUNG_STEP_FACTOR = 10.0  # a step this many times the slowest predicted one counts as hung
 MIN_STEP_TIMEOUT = 10.0  # seconds, whatever the profile says (a busy machine, a cold start)
+ADMISSION_WAIT = 0.05  # seconds (`ClusterConfig.admission_wait`)
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,11 @@ class ClusterConfig:
     overload: str = "reject"  # a request over capacity (`admission`): "reject" | "deprioritize"
     admission_time: str = "batched"  # a request's predicted time at admission: "batched" (its
     # steps in the batch it shares, `control/batched_time.py`) | "queue" (the load ahead of it)
+    # seconds a request may wait for admission's answer, as the front expects it (the
+    # requests ahead of it times admission's pace, `gate.Pace`): one that would wait longer
+    # is refused at once. Half issue 38's bound on a refusal's p99 (100 ms): the waits ran
+    # up to twice the pace's median (docs/serving/reliability.md)
+    admission_wait: float = ADMISSION_WAIT
     measured_speed: bool = True  # price steps at their measured slowdown (`control/speed.py`)
     dws: str | None = None  # a DWS predictor folder: expected cost and step prior at admission
     dws_cost: str | None = None  # its cost kernel (`dilaserve profile --dws`); None: unit cost
@@ -51,6 +57,8 @@ class ClusterConfig:
             raise ValueError(f"{self.backend=} must be 'local' or 'ray'")
         if self.tick <= 0 or (self.step_timeout is not None and self.step_timeout <= 0):
             raise ValueError(f"{self.tick=} and {self.step_timeout=} must be positive")
+        if not self.admission_wait > 0:
+            raise ValueError(f"{self.admission_wait=} must be positive (seconds)")
         if self.overload not in OVERLOAD_MODES:
             raise ValueError(f"{self.overload=} must be one of {OVERLOAD_MODES}")
         if self.admission_time not in TIME_MODELS:

@@ -182,8 +182,11 @@ class Admitting:
     and in `refused_in_a_row` (`Cluster.health`; written from the callers' threads too: a
     monitoring figure), dropped from `handles` and kept by the `recording` if there is one."""
 
-    def __init__(self, admission: Admission, answers, handles: dict, stats: dict, recording):
+    def __init__(
+        self, admission: Admission, answers, handles: dict, stats: dict, recording, most_wait
+    ):
         self.admission = admission
+        self.most_wait = most_wait  # seconds (`Room.most_wait`: `ClusterConfig.admission_wait`)
         self.answers, self.handles, self.stats, self.recording = answers, handles, stats, recording
         self.room = Room()  # admission's answer between events (`Gate.is_full`)
         self.stale = False  # an event may have changed the room since it was priced
@@ -198,7 +201,8 @@ class Admitting:
         refuse the queued `arrivals` it refuses."""
         if not self.stale or (queued and now - self._room_at < ROOM_MAX_AGE):
             return
-        room = replace(self.admission.room(now), pace=self.pace.at(now))
+        room = self.admission.room(now)
+        room = replace(room, pace=self.pace.at(now), most_wait=self.most_wait)
         self.room, self._room_at, self.stale = room, now, False
         self._refuse_beyond_room(arrivals, now)
 

@@ -23,7 +23,10 @@ class Room:
     refused instead when its least time per block alone, times its blocks and the scale for
     the requests ahead of it, exceeds its SLO, or when the requests in flight take fewer
     newcomers (`fits`) than it and those ahead. Either way its SLO is less the time it waits
-    for those ahead to be admitted (`pace` each). With nothing in flight it refuses nothing but,
+    for those ahead to be admitted (`pace` each), and it is refused when that wait is longer
+    than `most_wait`: a request let through waits that long for admission's answer, and if
+    admission refuses it then, its 429 came that late (docs/serving/reliability.md, "The
+    refusals that waited for admission"). With nothing in flight it refuses nothing but,
     with the batched model, a request behind others not priced yet (a burst at an idle
     server), priced as if those were in flight. A request that asks for more output blocks
     than any of the latest priced is asked in full: its price is the room's least per block,
@@ -49,6 +52,7 @@ class Room:
     # seconds each request ahead delays a newcomer's pricing (the controller's `Pace`): its
     # SLO counts from its arrival, and it waits for those ahead to be admitted first
     pace: float = 0.0
+    most_wait: float = float("inf")  # seconds a newcomer may wait for those ahead (`pace` each)
 
     @property
     def spare(self) -> float:
@@ -75,6 +79,8 @@ class Room:
         blocks = 1 if max_tokens is None else max(-(-max_tokens // self.block_len), 1)
         if blocks > self.most_blocks:
             return False  # longer than any priced lately: perhaps one no idle cluster serves
+        if ahead * self.pace > self.most_wait:
+            return True  # it would wait too long for an answer, which may be a refusal
         slo = (self.slo if slo is None else slo) - ahead * self.pace
         if self.scales:
             late = ahead + 1 > self.fits
