@@ -121,6 +121,8 @@ def start_server(port: int, args, log: Path) -> subprocess.Popen:
         command += ["--planner-period", str(args.planner_period)]
     if args.admission_time is not None:
         command += ["--admission-time", args.admission_time]
+    if args.admission_wait is not None:
+        command += ["--admission-wait", str(args.admission_wait)]
     if args.quality_budget is not None:
         command += ["--quality-budget", str(args.quality_budget)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -315,6 +317,7 @@ def main() -> None:
     parser.add_argument(
         "--admission-time", choices=["batched", "queue"], help="serve's (default: its)"
     )
+    parser.add_argument("--admission-wait", type=float, metavar="S", help="serve's (default: its)")
     parser.add_argument(
         "--quality-budget", type=float, metavar="LOSS", help="serve's (default: its; 1: none)"
     )

@@ -14,7 +14,7 @@ import pytest
 from test_admission_recovery import QUESTION, run_to, run_until, virtual_cluster
 from test_stalls import stall_next_tick
 
-from dilaserve.cluster.gate import ROOM_MAX_AGE, Pace
+from dilaserve.cluster.gate import PACE_EVIDENCE, ROOM_MAX_AGE, Pace
 from dilaserve.cluster.requests import Overloaded
 from dilaserve.control.admission import Room
 from dilaserve.control.batched_time import AHEAD, UNLIMITED
@@ -161,25 +161,41 @@ def test_the_room_a_controller_prices_bounds_the_wait_its_cluster_was_set_for():
     assert not replace(room, most_wait=float("inf")).refuses(0, 60.0, 32, ahead=21)
 
 
+def burst(pace: Pace, count: int, at: float, apart: float) -> float:
+    """`count` requests received together at `at`, asked `apart` seconds apart: when the last
+    was asked."""
+    for k in range(count):
+        pace.asked(received=at, now=at + apart * (k + 1))
+    return at + apart * count
+
+
 def test_the_pace_is_the_wait_per_request_ahead_and_a_lone_request_teaches_none():
     pace = Pace()
     assert pace.at(0.0) == 0.0
-    for k in range(3):  # received together, asked 3 ms apart
-        pace.asked(received=0.0, now=0.003 * (k + 1))
-    assert pace.at(0.009) == pytest.approx(0.003)  # 0.006 / 2, 0.009 / 3
-    pace.asked(received=0.01, now=0.05)  # alone: its wait is its own path's, not a pace
-    assert pace.at(0.009) == pytest.approx(0.003)
+    last = burst(pace, PACE_EVIDENCE + 1, at=0.0, apart=0.003)  # 0.006 / 2, 0.009 / 3, ...
+    assert pace.at(last) == pytest.approx(0.003, rel=0.1)
+    pace.asked(received=last, now=last + 0.05)  # alone: its wait is its own path's, no pace
+    assert pace.at(last) == pytest.approx(0.003, rel=0.1)
+
+
+def test_a_few_waits_set_no_pace():
+    # a cold server priced its first burst of 16 streams tens of milliseconds apart, and
+    # the room's wait bound then refused 9 of them
+    pace = Pace()
+    last = burst(pace, PACE_EVIDENCE, at=0.0, apart=0.05)  # its first is asked behind none
+    assert pace.at(last) == 0.0
+    pace.asked(received=0.0, now=last + 0.05)
+    assert pace.at(last + 0.05) > 0.0
 
 
 def test_between_bursts_the_pace_decays_toward_none():
     pace = Pace(half_life=10.0)
-    for k in range(3):
-        pace.asked(received=0.0, now=0.003 * (k + 1))
-    assert pace.at(0.009 + 10.0) == pytest.approx(0.0015)  # a half-life later, half
-    assert pace.at(0.009 + 100.0) < 0.003 / 1000
-    for k in range(3):  # the next burst measures it again
-        pace.asked(received=200.0, now=200.0 + 0.002 * (k + 1))
-    assert pace.at(200.006) == pytest.approx(0.002, rel=0.3)
+    last = burst(pace, 2 * PACE_EVIDENCE, at=0.0, apart=0.003)
+    learnt = pace.at(last)
+    assert pace.at(last + 10.0) == pytest.approx(learnt / 2)  # a half-life later, half
+    assert pace.at(last + 100.0) < learnt / 1000
+    last = burst(pace, 2 * PACE_EVIDENCE, at=200.0, apart=0.002)  # the next burst measures it
+    assert pace.at(last) == pytest.approx(0.002, rel=0.3)
 
 
 def test_a_stall_of_the_controller_teaches_the_pace_nothing():

@@ -30,6 +30,7 @@ from dilaserve.control.on_time import HALF_LIFE
 log = logging.getLogger("dilaserve.cluster")
 ROOM_MAX_AGE = 0.01  # s: while events queue, the `room` is priced again at most this late
 PACE_KEPT = 64  # the latest requests asked in full whose waits the `Pace` is the median of
+PACE_EVIDENCE = 16  # of them, before the median is used (a few say little)
 
 
 class Gate:
@@ -156,7 +157,9 @@ class Pace:
 
     def at(self, now: float) -> float:
         """The pace at `now`: the median of the waits kept, halved for each half-life since
-        the latest was learnt (0 before any request is asked behind another)."""
+        the latest was learnt; 0 until `PACE_EVIDENCE` requests were asked behind others (a
+        cold server priced its first burst's streams tens of milliseconds apart while its
+        caches warmed, and a pace from those few refused 9 of 16 with the room's wait bound)."""
         return self._median * 0.5 ** (max(now - self._learnt_at, 0.0) / self.half_life)
 
     def asked(self, received: float, now: float) -> None:
@@ -164,7 +167,8 @@ class Pace:
         ahead = len(self._asked) - bisect.bisect_right(self._asked, received)
         if ahead and received >= self._stall_ended:
             self._waits.append(max(now - received, 0.0) / (ahead + 1))
-            self._median, self._learnt_at = statistics.median(self._waits), now
+            if len(self._waits) >= PACE_EVIDENCE:
+                self._median, self._learnt_at = statistics.median(self._waits), now
         self._asked.append(now)
         if len(self._asked) > 16 * PACE_KEPT:  # (a burst's is what counts: keep the latest)
             del self._asked[: 8 * PACE_KEPT]
