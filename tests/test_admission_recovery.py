@@ -290,6 +290,21 @@ def test_over_capacity_is_served_last_instead_when_deprioritized():
     assert cluster.controller.stats["refused"] == 0
 
 
+def test_when_deprioritizing_the_front_refuses_nothing_for_capacity():
+    # the room is admission's answer ahead of time: where admission serves last what it would
+    # refuse, the room must not answer it 429 (it did a burst behind others, before this)
+    cluster, clock = virtual_cluster(instances=(1, 1), slo=0.3, overload="deprioritize")
+    warm = [submit(cluster, f"w{k}") for k in range(20)]  # (the room learns their prices)
+    run_until(cluster, lambda: all(h.future.done() for h in warm))
+    run_to(cluster, clock, clock.t + 0.05)
+    assert not cluster.gate.refuses(0, 0.3, 32, ahead=500)
+    burst = [submit(cluster, f"b{k}") for k in range(60)]
+    run_until(cluster, lambda: not cluster.controller.arrivals)
+    assert not cluster.gate.refuses(0, 0.3, 32, ahead=500)
+    run_until(cluster, lambda: all(h.future.done() for h in burst))
+    assert cluster.controller.stats["refused"] == 0
+
+
 class _InvalidAtAdmission:
     """Just enough of a Cluster for the API: admission fails each request as invalid."""
 

@@ -121,8 +121,10 @@ class Admission:
         return self._loads is not None and self._loads.enabled
 
     def room(self, now: float) -> Room:
-        """What is left at `now` for a request served after everything in flight (`Room`)."""
-        if not self.enabled or not self.scheduler.instances:
+        """What is left at `now` for a request served after everything in flight (`Room`).
+        One that refuses nothing unless admission refuses (`reject`): deprioritized, what it
+        would refuse is served last, and the front must not answer it 429."""
+        if not self.enabled or not self.scheduler.instances or self.mode != "reject":
             return Room()
         if not self.scheduler.requests:
             return self._idle_room(now)
