@@ -99,9 +99,8 @@ class Controller:
         self.restored_after: float | None = None  # the latest replacement: seconds lost to up
         # the room the front asks, and admission of each arrival (`gate.py`)
         self.admitting = Admitting(
-            self.admission, answers, self.handles, self.stats, self.recording,
-            config.admission_wait,
-        )  # fmt: skip
+            self.admission, answers, self.handles, self.stats, self.recording, config.admission_wait
+        )
         self._specs: dict[str, InstanceSpec] = {}  # starting or running
         self._started_at: dict[str, float] = {}  # starting: when (the planner prices starts)
         self._inflight: dict[str, tuple[float, StepBatch]] = {}
