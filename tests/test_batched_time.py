@@ -150,7 +150,7 @@ def test_a_lost_request_teaches_admission_once_when_found_lost_not_at_its_finish
     (then refused after a fault what one instance could serve). Now it teaches what the
     estimate that found it lost says it would have needed: the factor stays under 4. (Without
     the quality budget: admission learns only from requests that ran every step at the ladder's
-    lowest threshold, and with the budget's floor at the top fewer do: 82 here.)"""
+    lowest threshold, and with the budget's floor at the top fewer do: 90 here.)"""
     cluster, clock = virtual_cluster(instances=(1, 1), slo=0.5, quality_budget=1.0)
     lost = []
     cluster.scheduler.lost_work.on_lost.append(lambda rid, at: lost.append(rid))
@@ -163,7 +163,7 @@ def test_a_lost_request_teaches_admission_once_when_found_lost_not_at_its_finish
             run_until(cluster, handle.admission.done)
     run_until(cluster, lambda: not cluster.controller.handles)
     admission = cluster.controller.admission
-    assert len(lost) > 10 and admission.on_time.finished > 64  # (more than a window)
+    assert len(lost) > 10 and admission.on_time.finished > 100
     assert admission.on_time._quantile < 4
 
 

@@ -142,34 +142,3 @@ def test_a_void_request_teaches_nothing_even_if_priced_again_until_it_ends():
     calibration.admitted("slow", 1.0, 10.0)  # an id used again, after it ended, counts
     calibration.finished_at("slow", 13.0)
     assert calibration.finished == 1 and calibration.factor(13.0) == 3.0
-
-
-def test_admissions_factor_is_the_longer_half_of_the_window():
-    """Short requests took three times their prediction (a wait that does not grow with a
-    request's length), long ones 1.2 times: the request at admission's margin, predicted near
-    its SLO, is priced by the long ones' ratios."""
-
-    def mixed(calibration):
-        for k in range(64):
-            predicted, ratio = (0.3, 3.0) if k % 2 else (1.0, 1.2)
-            calibration.admitted(f"r{k}", predicted, 0.0)
-            calibration.finished_at(f"r{k}", predicted * ratio)
-        return calibration.factor(1.2)
-
-    assert mixed(OnTimeCalibration(age_each=True, marginal=True)) == pytest.approx(1.2)
-    assert mixed(OnTimeCalibration(age_each=True)) == pytest.approx(3.0, abs=0.05)
-
-
-def test_the_longer_half_waits_for_its_own_evidence():
-    calibration = OnTimeCalibration(min_evidence=16, marginal=True)
-    finish(calibration, [3.0] * 31)  # the half holds 31 at the median (all predicted 1 s)...
-    assert calibration.factor(3.0) == pytest.approx(3.0)
-    sparse = OnTimeCalibration(min_evidence=16, marginal=True)
-    for k in range(20):  # ...but of 20 predicted apart, 10 are the longer half: too few
-        sparse.admitted(f"r{k}", 1.0 + k, 0.0)
-        sparse.finished_at(f"r{k}", 3.0 * (1.0 + k))
-    assert sparse.factor(60.0) == 1.0
-
-
-def test_admission_prices_by_the_longer_half():
-    assert busy_admission().on_time.marginal

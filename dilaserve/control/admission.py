@@ -21,10 +21,9 @@ measured speed (`speed.py`), or what each instance's steps measured where that i
 priced against its own SLO (`deadline - now`), not the server's default.
 
 Predicted times are multiplied by admission's on-time factor (`on_time.py`: how much longer
-than predicted admitted requests took, of the half predicted longest, as the request at the
-margin is), learnt only from the requests that ran every step at the lowest threshold, the
-threshold admission prices every request at. A request that had room ran higher and took
-longer by choice, not by an error of this estimate (Alg. 1's factor,
+than predicted admitted requests took), learnt only from the requests that ran every step at
+the lowest threshold, the threshold admission prices every request at. A request that had room
+ran higher and took longer by choice, not by an error of this estimate (Alg. 1's factor,
 which measures from each request's chosen threshold, is another estimate's error:
 docs/control.md). The factor decays toward 1 while no such request finishes (under light
 load, few do).
@@ -104,7 +103,7 @@ class Admission:
         self.scheduler = scheduler  # control.scheduler.Scheduler, read on the controller thread
         self.mode = mode
         self._loads = scheduler.load_control  # None for fixed-threshold policies
-        self.on_time = on_time or OnTimeCalibration(age_each=True, marginal=True)
+        self.on_time = on_time or OnTimeCalibration(age_each=True)
         self._priced: dict[str, Request] = {}  # admitted, their predicted time on record
         self._predicted = 0.0  # seconds the last request asked about needs (`refusal`)
         self.prices = RecentPrices()  # of the latest requests priced, what the `Room` reads

@@ -33,14 +33,6 @@ quantile (admission's factor at 3.5-3.9 for the last 50 s of a 3x overload after
 start; aged, 1.3-1.7). Alg. 1's calibration learns from every request, so its window is as
 fresh as the service; aged too, its factor fell below what the requests took on the training
 traces (both: docs/serving/reliability.md, "Admission's factor, held by a surge long past").
-With `marginal` (admission's) the quantile is of the ratios of the window's longer half by
-prediction: admission applies the factor to the request at its margin, predicted near the time
-it has left, and a short request's ratio overstates what that one needs: the waits a request
-meets (the step in flight, joining a batch) do not grow with its length. Logged at 400
-closed-loop clients, the ratio's 95th percentile fell from 2.89 for the fifth of requests
-predicted shortest to 1.43 for the longest; the factor over all of them ran at 2.5-3.0 while
-no request took over 1.8 s of its 2 s SLO; two quiet runs of the suite served 0.70x and 0.885x
-of the capacity there, 100% on time (docs/serving/reliability.md, 2026-12-07 "late").
 Pure bookkeeping: the caller passes the time.
 """
 
@@ -65,7 +57,6 @@ class OnTimeCalibration:
         half_life: float = HALF_LIFE,
         min_evidence: int = MIN_EVIDENCE,
         age_each: bool = False,
-        marginal: bool = False,
     ):
         if not 0.0 < target < 1.0:
             raise ValueError(f"{target=} must be in (0, 1)")
@@ -75,10 +66,8 @@ class OnTimeCalibration:
         self.half_life = half_life
         self.min_evidence = min_evidence
         self.age_each = age_each  # each ratio decays by its own age (admission's)
-        self.marginal = marginal  # the longer half's quantile (admission's)
         self._ratios: deque[float] = deque(maxlen=window)
         self._measured_at: deque[float] = deque(maxlen=window)  # when each ratio was measured
-        self._predicted: deque[float] = deque(maxlen=window)  # each ratio's prediction
         self._pending: dict[str, tuple[float, float]] = {}  # id -> (admitted at, predicted s)
         self._void: set[str] = set()  # in flight, and never to teach (`void`)
         self._quantile = 1.0  # of the window, as of the last finished request
@@ -119,15 +108,9 @@ class OnTimeCalibration:
         self.finished += 1
         self._ratios.append(ratio)
         self._measured_at.append(now)
-        self._predicted.append(predicted)
         self._last = now
-        if len(self._ratios) < self.min_evidence:
-            return
-        ratios = self._decayed(now)
-        if self.marginal:
-            ratios = self._longer_half(ratios)
-        if len(ratios) >= self.min_evidence:
-            ordered = np.sort(ratios).tolist()
+        if len(self._ratios) >= self.min_evidence:
+            ordered = np.sort(self._decayed(now)).tolist()
             self._quantile = linear_quantile(ordered, self.target)
             self._low = linear_quantile(ordered, 1 - self.target)
 
@@ -138,11 +121,6 @@ class OnTimeCalibration:
             return ratios
         age = now - np.fromiter(self._measured_at, float, len(self._measured_at))
         return 1.0 + (ratios - 1.0) * 0.5 ** (age / self.half_life)
-
-    def _longer_half(self, ratios: np.ndarray) -> np.ndarray:
-        """Of the window's `ratios`, those of requests predicted at least its median."""
-        predicted = np.fromiter(self._predicted, float, len(self._predicted))
-        return ratios[predicted >= np.median(predicted)]
 
     def factor(self, now: float) -> float:
         """How many times its predicted time admission should allow a request (>= 1): the
