@@ -102,6 +102,8 @@ ROOT = Path(__file__).resolve().parent
 CASES = ("hostile", "overload", "closed_loop", "storm", "neighbour", "kill_9", "sigstop", "drain",
          "streams")  # fmt: skip
 CAPACITY_CLIENTS = (32, 128)  # closed loops whose best served rate is the capacity
+SERVE_OPTIONS = ("worker_nice", "planner_period", "admission_time", "admission_wait",
+                 "quality_budget")  # serve's, passed on when given  # fmt: skip
 LOADED = ("overload", "closed_loop", "storm", "neighbour", "kill_9", "sigstop")  # need capacity
 
 
@@ -115,16 +117,9 @@ def start_server(port: int, args, log: Path) -> subprocess.Popen:
     command = [sys.executable, "-m", "dilaserve.cli", "serve", "--port", str(port)]
     command += ["--slo", str(args.slo_ms / 1000), "--drain-timeout", str(args.drain_timeout)]
     command += ["--slo-headroom", str(args.slo_headroom)]  # (serve's log lines: 429s counted)
-    if args.worker_nice is not None:
-        command += ["--worker-nice", str(args.worker_nice)]
-    if args.planner_period is not None:
-        command += ["--planner-period", str(args.planner_period)]
-    if args.admission_time is not None:
-        command += ["--admission-time", args.admission_time]
-    if args.admission_wait is not None:
-        command += ["--admission-wait", str(args.admission_wait)]
-    if args.quality_budget is not None:
-        command += ["--quality-budget", str(args.quality_budget)]
+    for name in SERVE_OPTIONS:  # (given: passed on; else serve's default)
+        if getattr(args, name) is not None:
+            command += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = log.open("w")
     server = subprocess.Popen(command, env=env, stdout=out, stderr=out, start_new_session=True)
