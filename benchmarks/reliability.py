@@ -147,6 +147,24 @@ def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
+TICK = os.sysconf("SC_CLK_TCK")  # /proc's CPU times are in these
+
+
+def cpu_seconds(session: int) -> dict[str, float]:
+    """CPU seconds used so far by this process (the load client, every thread) and by the
+    server's session: its leader (the front) and the rest (its workers)."""
+    used = {"client": sum(os.times()[:2]), "front": 0.0, "workers": 0.0}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # (from the state on)
+        except OSError:
+            continue  # (ended meanwhile)
+        if int(fields[3]) == session:
+            part = "front" if int(stat.parent.name) == session else "workers"
+            used[part] += (int(fields[11]) + int(fields[12])) / TICK  # utime + stime
+    return used
+
+
 class Run:
     """The phases in order against one server after another, each phase's summary kept and
     printed as it ends."""
@@ -189,6 +207,14 @@ class Run:
         self.keep("header_flood", await health_while(url, pid, huge_header, 4, 15.0))
         self.keep("many_message_chats", await health_while(url, pid, many_message_chat, 8, 15.0))
 
+    async def cores_used(self, phase) -> tuple:
+        """What `phase` returns, and the cores each part used on average while it ran (what
+        the load client took of a 2-core machine, the workers could not)."""
+        before, started = cpu_seconds(self.server.pid), time.monotonic()
+        result = await phase
+        after, seconds = cpu_seconds(self.server.pid), time.monotonic() - started
+        return result, {part: round((after[part] - before[part]) / seconds, 2) for part in after}
+
     def wants(self, *cases: str) -> bool:
         return any(case in self.args.cases for case in cases)
 
@@ -196,29 +222,35 @@ class Run:
         args = self.args
         if args.capacity is not None:
             return args.capacity
-        served, thresholds = {}, {}
+        served, thresholds, cores = {}, {}, {}
         for clients in CAPACITY_CLIENTS:
             before = await step_thresholds(self.url)
-            records = await closed_loop(self.url, clients, args.capacity_seconds, args.slo_ms)
+            loop = closed_loop(self.url, clients, args.capacity_seconds, args.slo_ms)
+            records, cores[clients] = await self.cores_used(loop)
             served[clients] = served_rate(records, args.capacity_seconds)
             thresholds[clients] = mean_threshold(before, await step_thresholds(self.url))
         capacity = max(served.values())
-        figures = {"seconds": args.capacity_seconds, "served_per_s": served}
+        figures = {"seconds": args.capacity_seconds, "served_per_s": served, "cores_used": cores}
         self.keep("capacity", figures | {"mean_threshold": thresholds, "capacity_per_s": capacity})
         return capacity
 
     async def load(self, capacity: float) -> None:
         args, url = self.args, self.url
         if self.wants("overload"):
-            self.keep("overload", await overload_phase(url, 3 * capacity, capacity, args))
+            phase = overload_phase(url, 3 * capacity, capacity, args)
+            figures, cores = await self.cores_used(phase)
+            self.keep("overload", figures | {"cores_used": cores})
             await self.idle("overload")
         clients, seconds = args.storm_clients, args.storm_seconds
         if self.wants("closed_loop"):
-            figures = await storm(url, clients, seconds, capacity, args.slo_ms, polite=True)
+            phase = storm(url, clients, seconds, capacity, args.slo_ms, polite=True)
+            figures, cores = await self.cores_used(phase)
             figures["client_floor"] = await client_floor(clients, args.slo_ms)
-            self.keep("closed_loop", figures)
+            self.keep("closed_loop", figures | {"cores_used": cores})
         if self.wants("storm"):
-            self.keep("storm", await storm(url, clients, seconds, capacity, args.slo_ms, False))
+            phase = storm(url, clients, seconds, capacity, args.slo_ms, False)
+            figures, cores = await self.cores_used(phase)
+            self.keep("storm", figures | {"cores_used": cores})
             await self.idle("storm")
         if self.wants("neighbour"):
             self.keep("neighbour", await neighbour(url, capacity / 2, 20.0, args.slo_ms))

@@ -197,3 +197,29 @@ def test_a_drain_with_no_request_after_the_signal_is_not_met():
     proper = {**drain, "sent_after_signal": 3, "statuses_after_signal": {"503": 3},
               "answered_503_close_retry": 3}  # fmt: skip
     assert targets.drain_verdicts(proper)[0]["met"]
+
+
+def test_the_cpu_a_server_session_used_is_its_fronts_and_its_workers_not_the_clients():
+    """`benchmarks/reliability.py` splits the CPU of a phase between the load client and the
+    server's session (its leader: the front; the rest: its workers). Counted in CPU seconds,
+    not in time: a worker spins for 0.5 s of CPU, says so, and waits."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    reliability = import_benchmark("reliability")
+    worker = (
+        "import time\nwhile time.process_time() < 0.5: pass\nprint(flush=True)\ntime.sleep(600)"
+    )
+    leader = f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {worker!r}])"
+    server = subprocess.Popen(
+        [sys.executable, "-c", leader], stdout=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        server.stdout.readline()  # (the worker has spun)
+        used = reliability.cpu_seconds(server.pid)
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait(HANG_GUARD_S)
+    assert used["workers"] >= 0.45 and used["front"] < used["workers"] and used["client"] > 0
