@@ -215,6 +215,11 @@ class Run:
         after, seconds = cpu_seconds(self.server.pid), time.monotonic() - started
         return result, {part: round((after[part] - before[part]) / seconds, 2) for part in after}
 
+    async def with_cores(self, phase) -> dict:
+        """`phase`'s figures, with the cores each part used while it ran (`cores_used`)."""
+        figures, cores = await self.cores_used(phase)
+        return figures | {"cores_used": cores}
+
     def wants(self, *cases: str) -> bool:
         return any(case in self.args.cases for case in cases)
 
@@ -238,19 +243,17 @@ class Run:
         args, url = self.args, self.url
         if self.wants("overload"):
             phase = overload_phase(url, 3 * capacity, capacity, args)
-            figures, cores = await self.cores_used(phase)
-            self.keep("overload", figures | {"cores_used": cores})
+            self.keep("overload", await self.with_cores(phase))
             await self.idle("overload")
         clients, seconds = args.storm_clients, args.storm_seconds
         if self.wants("closed_loop"):
             phase = storm(url, clients, seconds, capacity, args.slo_ms, polite=True)
-            figures, cores = await self.cores_used(phase)
+            figures = await self.with_cores(phase)
             figures["client_floor"] = await client_floor(clients, args.slo_ms)
-            self.keep("closed_loop", figures | {"cores_used": cores})
+            self.keep("closed_loop", figures)
         if self.wants("storm"):
             phase = storm(url, clients, seconds, capacity, args.slo_ms, False)
-            figures, cores = await self.cores_used(phase)
-            self.keep("storm", figures | {"cores_used": cores})
+            self.keep("storm", await self.with_cores(phase))
             await self.idle("storm")
         if self.wants("neighbour"):
             self.keep("neighbour", await neighbour(url, capacity / 2, 20.0, args.slo_ms))

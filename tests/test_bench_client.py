@@ -4,7 +4,11 @@ what went wrong: against a raw asyncio server on a real 127.0.0.1 socket."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import signal
+import subprocess
+import sys
 import time
 
 import openai
@@ -203,11 +207,6 @@ def test_the_cpu_a_server_session_used_is_its_fronts_and_its_workers_not_the_cli
     """`benchmarks/reliability.py` splits the CPU of a phase between the load client and the
     server's session (its leader: the front; the rest: its workers). Counted in CPU seconds,
     not in time: a worker spins for 0.5 s of CPU, says so, and waits."""
-    import os
-    import signal
-    import subprocess
-    import sys
-
     reliability = import_benchmark("reliability")
     worker = (
         "import time\nwhile time.process_time() < 0.5: pass\nprint(flush=True)\ntime.sleep(600)"
